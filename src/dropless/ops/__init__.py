@@ -1,0 +1,1 @@
+"""Pure JAX functions: grouped matmul, routing, permutation. No Flax, no configs."""
