@@ -1,0 +1,305 @@
+"""Mixture-of-Experts block: router -> dispatch -> grouped SwiGLU experts -> combine.
+
+Legend: B batch, S sequence, T = B*S tokens, D model dim (``emb_dim``),
+F expert hidden dim (``moe_mlp_dim``), E routed experts, K experts per token,
+P rows of the expert-sorted buffer, C expert capacity (baseline path only).
+
+The dropless path (``sparse_matmul=True``)::
+
+    logits_TE = router(x)                    float32
+    weights_TK, experts_TK = route(logits)   ops.routing
+    x_PD, plan = dispatch(x_TD, experts_TK)  ops.permute (expert-parallel later)
+    h_PF2 = gmm(x_PD, wi_ED2F)               gate|up in one grouped matmul
+    y_PD = gmm(silu(gate) * up, wo_EFD)
+    out_TD = combine(y_PD, weights_TK)       weighted inverse permutation
+             + shared_experts(x_TD)
+
+No token is ever dropped: the buffer has static size T*K (plus alignment
+padding) and each expert takes however many rows it was sent. Gradients reach
+the router through the combine weights.
+
+The baseline path (``sparse_matmul=False``) is MaxText's capacity-limited
+``dense_matmul``: one-hot dispatch/combine einsums into an [E, C, D] buffer,
+C = ceil(capacity_factor * T * K / E); copies past C are dropped and counted.
+It is kept to compare against, not as an equal option.
+
+The aux-loss-free balancing bias lives in a ``RouterBias`` variable, not an
+``nnx.Param``: optimizers filtered on ``nnx.Param`` skip it, and the train
+step adds ``MoEStats.bias_update`` to it after the optimizer step.
+"""
+
+import math
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+from jax.ad_checkpoint import checkpoint_name
+
+from dropless.config.sections import MoEConfig
+from dropless.nn.mlp import MLP
+from dropless.ops import permute as permute_ops
+from dropless.ops import routing
+from dropless.ops.gmm import BACKENDS, gmm
+
+SUPPORTED_QUANTIZATION = ("te_no_quant",)
+
+# Fan-in over D (axis -2); the expert axis 0 is a batch of independent matrices.
+expert_kernel_init = nnx.initializers.variance_scaling(
+    1.0, "fan_in", "truncated_normal", in_axis=-2, out_axis=-1, batch_axis=(0,)
+)
+
+
+class RouterBias(nnx.Variable):
+    """Aux-loss-free balancing bias [E] float32 (DeepSeek-V3).
+
+    Not an ``nnx.Param``, so optimizers filtered on Param skip it; the train
+    step adds ``MoEStats.bias_update`` to it.
+    """
+
+
+class MoEStats(NamedTuple):
+    """Per-call statistics of an MoE block (a pytree).
+
+    tokens_per_expert: [E] int32 token copies the router sent to each expert.
+    dropped_tokens: [] int32 copies dropped for capacity (0 on the dropless path).
+    aux_loss: [] float32, already weighted: load-balance + sequence aux + z-loss.
+    bias_update: [E] float32 to add to the RouterBias after the optimizer
+      step; zeros when ``routed_bias`` is off.
+    """
+
+    tokens_per_expert: jax.Array
+    dropped_tokens: jax.Array
+    aux_loss: jax.Array
+    bias_update: jax.Array
+
+
+def dispatch(x_TD, experts_TK, num_experts, alignment=1):
+    """Local dispatch: sort token copies by expert into a [P, D] buffer.
+
+    Returns ``(x_PD, plan)``; ``plan.group_sizes_E`` are the gmm group sizes.
+    Expert parallelism replaces this with an exchange across ranks.
+    """
+    plan = permute_ops.make_plan(experts_TK, num_experts, alignment)
+    return permute_ops.permute(x_TD, plan), plan
+
+
+def combine(y_PD, weights_TK, plan):
+    """Local combine: ``out_TD[t] = sum_j weights_TK[t, j] * y(copy t*K+j)``."""
+    return permute_ops.unpermute(y_PD, weights_TK, plan)
+
+
+def expert_capacity(num_tokens, k, num_experts, capacity_factor):
+    """Rows per expert on the capacity path: ceil(capacity_factor * T * K / E)."""
+    return max(1, math.ceil(capacity_factor * num_tokens * k / num_experts))
+
+
+def capacity_masks(experts_TK, weights_TK, num_experts, capacity):
+    """One-hot dispatch/combine tensors of the capacity baseline.
+
+    Copies queue for their expert in (token, slot) order; a copy whose place
+    in the queue is >= ``capacity`` is dropped.
+
+    Returns:
+      dispatch_TEC: [T, E, C] float32 0/1; combine_TEC: [T, E, C] float32
+      (router weights at kept places); dropped: [] int32 number of dropped copies.
+    """
+    t, k = experts_TK.shape
+    onehot_TKE = jax.nn.one_hot(experts_TK, num_experts, dtype=jnp.int32)
+    queue_TKE = jnp.cumsum(onehot_TKE.reshape(t * k, num_experts), axis=0).reshape(
+        t, k, num_experts
+    )
+    place_TK = jnp.sum((queue_TKE - 1) * onehot_TKE, axis=-1)
+    kept_TK = place_TK < capacity
+    # one_hot of a place >= capacity is all zeros: dropped copies vanish here.
+    place_TKC = jax.nn.one_hot(place_TK, capacity, dtype=jnp.float32)
+    onehot_TKE = onehot_TKE.astype(jnp.float32)
+    dispatch_TEC = jnp.einsum("tke,tkc->tec", onehot_TKE, place_TKC)
+    combine_TEC = jnp.einsum("tke,tkc,tk->tec", onehot_TKE, place_TKC, weights_TK)
+    dropped = jnp.sum(~kept_TK).astype(jnp.int32)
+    return dispatch_TEC, combine_TEC, dropped
+
+
+def _check_config(cfg: MoEConfig):
+    routing.check_routing_args(
+        cfg.num_experts, cfg.num_experts_per_tok, cfg.n_routing_groups, cfg.topk_routing_group
+    )
+    if cfg.routed_score_func not in routing.SCORE_FUNCS:
+        raise ValueError(f"{cfg.routed_score_func=} is not one of {routing.SCORE_FUNCS}")
+    if cfg.moe_mlp_dim <= 0 or cfg.shared_experts < 0:
+        raise ValueError(f"{cfg.moe_mlp_dim=} must be > 0 and {cfg.shared_experts=} >= 0")
+    if cfg.group_alignment < 1:
+        raise ValueError(f"{cfg.group_alignment=} must be >= 1")
+    if not cfg.sparse_matmul and cfg.capacity_factor <= 0:
+        raise ValueError(f"{cfg.capacity_factor=} must be > 0 on the capacity path")
+    if cfg.gmm_backend not in BACKENDS:
+        raise ValueError(f"{cfg.gmm_backend=} is not one of {BACKENDS}")
+    if cfg.gmm_quantization not in SUPPORTED_QUANTIZATION:
+        raise ValueError(
+            f"{cfg.gmm_quantization=} is not implemented yet; use one of {SUPPORTED_QUANTIZATION}"
+        )
+
+
+class MoEBlock(nnx.Module):
+    """Routed SwiGLU experts plus optional shared experts: [B, S, D] -> [B, S, D].
+
+    Parameters (``param_dtype``; computed in ``dtype``, router in float32):
+      ``router.kernel`` [D, E];
+      ``wi`` [E, D, 2F] (gate | up) if ``prefuse_moe_weights``, else
+      ``wi_0`` [E, D, F] (gate) and ``wi_1`` [E, D, F] (up);
+      ``wo`` [E, F, D];
+      ``shared_experts`` an ``MLP`` of width ``shared_experts * moe_mlp_dim``.
+    State: ``router_bias`` a ``RouterBias`` [E], present even when
+    ``routed_bias`` is off so every MoE layer has the same state structure.
+    """
+
+    def __init__(
+        self,
+        cfg: MoEConfig,
+        *,
+        emb_dim: int,
+        dtype=jnp.float32,
+        param_dtype=jnp.float32,
+        rngs: nnx.Rngs,
+    ):
+        _check_config(cfg)
+        self.cfg = cfg
+        self.emb_dim = emb_dim
+        self.dtype = dtype
+        e, d, f = cfg.num_experts, emb_dim, cfg.moe_mlp_dim
+        self.router = nnx.Linear(
+            d, e, use_bias=False, dtype=jnp.float32, param_dtype=param_dtype,
+            precision=jax.lax.Precision.HIGHEST, rngs=rngs,
+        )
+        self.router_bias = RouterBias(jnp.zeros((e,), jnp.float32))
+
+        def expert_param(shape):
+            return nnx.Param(expert_kernel_init(rngs.params(), shape, param_dtype))
+
+        if cfg.prefuse_moe_weights:
+            self.wi = expert_param((e, d, 2 * f))
+        else:
+            self.wi_0 = expert_param((e, d, f))
+            self.wi_1 = expert_param((e, d, f))
+        self.wo = expert_param((e, f, d))
+        self.shared_experts = (
+            MLP(d, cfg.shared_experts * f, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
+            if cfg.shared_experts > 0
+            else None
+        )
+
+    def _route(self, x_TD):
+        cfg = self.cfg
+        logits_TE = self.router(x_TD.astype(jnp.float32))
+        decision = routing.route(
+            logits_TE,
+            k=cfg.num_experts_per_tok,
+            score_func=cfg.routed_score_func,
+            norm_topk_prob=cfg.norm_topk_prob,
+            routed_scaling_factor=cfg.routed_scaling_factor,
+            bias_E=self.router_bias[...] if cfg.routed_bias else None,
+            n_groups=cfg.n_routing_groups,
+            topk_groups=cfg.topk_routing_group,
+        )
+        return logits_TE, decision
+
+    def _gate_up_weights(self):
+        """(gate, up) weights [E, D, F] each, or the fused [E, D, 2F] and None."""
+        if self.cfg.prefuse_moe_weights:
+            return self.wi[...].astype(self.dtype), None
+        return self.wi_0[...].astype(self.dtype), self.wi_1[...].astype(self.dtype)
+
+    def _experts_sparse(self, x_PD, group_sizes_E):
+        """Grouped SwiGLU over the expert-sorted buffer: [P, D] -> [P, D]."""
+        backend = self.cfg.gmm_backend
+        w_gate, w_up = self._gate_up_weights()
+        if w_up is None:
+            h_PF2 = checkpoint_name(gmm(x_PD, w_gate, group_sizes_E, backend=backend), "moe_mlpwi")
+            gate_PF, up_PF = jnp.split(h_PF2, 2, axis=-1)
+        else:
+            gate_PF = checkpoint_name(gmm(x_PD, w_gate, group_sizes_E, backend=backend), "moe_mlpwi")
+            up_PF = checkpoint_name(gmm(x_PD, w_up, group_sizes_E, backend=backend), "moe_mlpwi")
+        a_PF = jax.nn.silu(gate_PF) * up_PF
+        y_PD = gmm(a_PF, self.wo[...].astype(self.dtype), group_sizes_E, backend=backend)
+        return checkpoint_name(y_PD, "moe_mlpwo")
+
+    def _experts_dense(self, x_ECD):
+        """Batched SwiGLU over per-expert capacity buffers: [E, C, D] -> [E, C, D]."""
+        w_gate, w_up = self._gate_up_weights()
+        if w_up is None:
+            h_ECF2 = checkpoint_name(jnp.einsum("ecd,edf->ecf", x_ECD, w_gate), "moe_mlpwi")
+            gate_ECF, up_ECF = jnp.split(h_ECF2, 2, axis=-1)
+        else:
+            gate_ECF = checkpoint_name(jnp.einsum("ecd,edf->ecf", x_ECD, w_gate), "moe_mlpwi")
+            up_ECF = checkpoint_name(jnp.einsum("ecd,edf->ecf", x_ECD, w_up), "moe_mlpwi")
+        a_ECF = jax.nn.silu(gate_ECF) * up_ECF
+        y_ECD = jnp.einsum("ecf,efd->ecd", a_ECF, self.wo[...].astype(self.dtype))
+        return checkpoint_name(y_ECD, "moe_mlpwo")
+
+    def _aux_loss(self, logits_TE, decision, batch, seq):
+        cfg = self.cfg
+        func = cfg.routed_score_func
+        aux = jnp.zeros((), jnp.float32)
+        # Static weights: a loss with weight 0 is not even traced.
+        if cfg.load_balance_loss_weight:
+            lb = routing.load_balance_loss(decision.scores_TE, decision.experts_TK, func)
+            aux += cfg.load_balance_loss_weight * lb
+        if cfg.seq_aux_loss_weight:
+            seq_loss = routing.seq_aux_loss(
+                decision.scores_TE.reshape(batch, seq, -1),
+                decision.experts_TK.reshape(batch, seq, -1),
+                func,
+            )
+            aux += cfg.seq_aux_loss_weight * seq_loss
+        if cfg.router_z_loss_weight:
+            aux += cfg.router_z_loss_weight * routing.router_z_loss(logits_TE)
+        return aux
+
+    def __call__(self, x_BSD: jax.Array) -> tuple[jax.Array, MoEStats]:
+        """Apply the block.
+
+        Args:
+          x_BSD: [B, S, D] activations, any float dtype.
+
+        Returns:
+          ``(y_BSD, stats)``: y in ``dtype``; ``stats`` an ``MoEStats``.
+
+        Raises:
+          ValueError: x is not [B, S, emb_dim].
+        """
+        if x_BSD.ndim != 3 or x_BSD.shape[-1] != self.emb_dim:
+            raise ValueError(f"MoEBlock: expected [B, S, {self.emb_dim}], got {x_BSD.shape}")
+        cfg = self.cfg
+        b, s, d = x_BSD.shape
+        x_TD = x_BSD.reshape(b * s, d)
+        logits_TE, decision = self._route(x_TD)
+        x_TD = x_TD.astype(self.dtype)
+        e = cfg.num_experts
+        if cfg.sparse_matmul:
+            x_PD, plan = dispatch(x_TD, decision.experts_TK, e, cfg.group_alignment)
+            y_PD = self._experts_sparse(x_PD, plan.group_sizes_E)
+            out_TD = combine(y_PD, decision.weights_TK, plan)
+            tokens_E, dropped = plan.tokens_per_expert_E, jnp.zeros((), jnp.int32)
+        else:
+            capacity = expert_capacity(b * s, cfg.num_experts_per_tok, e, cfg.capacity_factor)
+            dispatch_TEC, combine_TEC, dropped = capacity_masks(
+                decision.experts_TK, decision.weights_TK, e, capacity
+            )
+            x_ECD = jnp.einsum("tec,td->ecd", dispatch_TEC.astype(self.dtype), x_TD)
+            y_ECD = self._experts_dense(x_ECD)
+            out_TD = jnp.einsum(
+                "tec,ecd->td", combine_TEC, y_ECD, preferred_element_type=jnp.float32
+            ).astype(self.dtype)
+            tokens_E = routing.tokens_per_expert(decision.experts_TK, e)
+        if self.shared_experts is not None:
+            out_TD = out_TD + self.shared_experts(x_TD)
+        bias_update = jnp.zeros((e,), jnp.float32)
+        if cfg.routed_bias:
+            bias_update = routing.bias_update(tokens_E, cfg.routed_bias_update_rate)
+        stats = MoEStats(
+            tokens_per_expert=tokens_E,
+            dropped_tokens=dropped,
+            aux_loss=self._aux_loss(logits_TE, decision, b, s),
+            bias_update=bias_update,
+        )
+        return out_TD.reshape(b, s, d), stats
