@@ -1,0 +1,135 @@
+"""Command line: ``dropless train | config | bench | profile``.
+
+``python -m dropless train [config.yml] key=value ...`` resolves the config
+(base.yml < models/<model_name>.yml < config.yml < key=value < DROPLESS_<KEY>),
+applies XLA flags and environment variables before JAX starts, then trains.
+A config problem prints one line and exits with code 2; nothing else runs.
+"""
+
+import argparse
+import sys
+
+EXIT_CONFIG = 2
+
+
+def _split_args(args: list[str]) -> tuple[str | None, list[str]]:
+    """The optional leading config path, then key=value overrides."""
+    if args and "=" not in args[0]:
+        return args[0], args[1:]
+    return None, args
+
+
+def _resolve(args: list[str]):
+    from dropless.config.loader import load_config
+
+    config_file, overrides = _split_args(args)
+    return load_config(config_file, overrides)
+
+
+def _start_runtime(cfg):
+    """Apply env vars and (on GPU) XLA flags, then start JAX. Returns the mesh shape."""
+    from dropless.config.xla_flags import apply_runtime_settings, gpu_present
+
+    on_gpu = cfg.hardware in ("gpu", "gpu_multiprocess") or (cfg.hardware == "auto" and gpu_present())
+    if cfg.hardware == "cpu":
+        import os
+
+        os.environ.setdefault("JAX_PLATFORMS", "cpu")
+    applied = apply_runtime_settings(cfg.xla_flags, cfg.env, on_gpu=on_gpu)
+    if cfg.hardware == "gpu_multiprocess":
+        import jax
+
+        jax.distributed.initialize()
+    import jax
+
+    from dropless.config.loader import ConfigError
+    from dropless.config.schema import ContradictionError, resolve_mesh_shape
+
+    try:
+        # Each process is one DCN slice; ICI axes cover its local devices.
+        shape = resolve_mesh_shape(cfg, jax.device_count(), jax.process_count())
+    except ContradictionError as e:
+        raise ConfigError(f"{e.key}={e.value!r}: {e}") from None
+    return applied, shape
+
+
+def cmd_train(args: list[str]) -> int:
+    resolved = _resolve(args)
+    cfg = resolved.config
+    applied, mesh_shape = _start_runtime(cfg)
+    from dropless.train.loop import run_training
+
+    if applied:
+        print(f"XLA flags: {' '.join(applied)}")
+    result = run_training(cfg.model(), cfg.train(), cfg.mesh())
+    return 0 if result is None or getattr(result, "ok", True) else 1
+
+
+def cmd_config(args: list[str]) -> int:
+    from rich.console import Console
+    from rich.table import Table
+
+    from dropless.config.schema import Config
+
+    keys_only = "--keys" in args
+    changed_only = "--changed" in args
+    args = [a for a in args if a not in ("--keys", "--changed")]
+    console = Console()
+    if keys_only:
+        table = Table("key", "default", "description", title="dropless config keys")
+        for name, field in Config.model_fields.items():
+            table.add_row(name, repr(field.default), field.description or "")
+        console.print(table)
+        return 0
+    resolved = _resolve(args)
+    cfg = resolved.config
+    table = Table("key", "value", "from", title=f"resolved config ({cfg.model_name})")
+    for name in Config.model_fields:
+        if name in ("xla_flags", "env"):
+            continue
+        src = resolved.source(name)
+        if changed_only and src == "default":
+            continue
+        table.add_row(name, repr(getattr(cfg, name)), src)
+    for name, value in cfg.xla_flags.items():
+        table.add_row(name, repr(value), f"{resolved.source(name)} (XLA flag, GPU only)")
+    for name, value in cfg.env.items():
+        table.add_row(name, repr(value), f"{resolved.source(name)} (environment)")
+    console.print(table)
+    return 0
+
+
+def _delegate(module: str, args: list[str]) -> int:
+    import importlib
+
+    try:
+        mod = importlib.import_module(module)
+    except ModuleNotFoundError as e:
+        if e.name == module:
+            print(f"dropless: '{module}' is not available in this version", file=sys.stderr)
+            return 1
+        raise
+    return mod.main(args) or 0
+
+
+COMMANDS = {
+    "train": (cmd_train, "train a model: dropless train [config.yml] key=value ..."),
+    "config": (cmd_config, "print the resolved config and each value's source (--changed, --keys)"),
+    "bench": (lambda a: _delegate("dropless.perf.bench", a), "run the benchmark matrix on this machine's GPU"),
+    "profile": (lambda a: _delegate("dropless.perf.profile", a), "capture a profiler trace and break down kernel time"),
+}
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    parser = argparse.ArgumentParser(prog="dropless", description=__doc__.splitlines()[0])
+    parser.add_argument("command", choices=COMMANDS, help=" | ".join(f"{k}: {v[1]}" for k, v in COMMANDS.items()))
+    parser.add_argument("args", nargs=argparse.REMAINDER)
+    ns = parser.parse_args(argv)
+    from dropless.config.loader import ConfigError
+
+    try:
+        return COMMANDS[ns.command][0](ns.args)
+    except ConfigError as e:
+        print(f"dropless: config error: {e}", file=sys.stderr)
+        return EXIT_CONFIG

@@ -1,0 +1,279 @@
+"""The flat, MaxText-compatible job config, validated once and frozen.
+
+Every key a user can set is a field here with a description. Keys of the
+MaxText/Transformer Engine recipe (``te_moe_block``, ``te_gmm_quantization``,
+``ragged_buffer_factor`` ...) are accepted verbatim. Keys starting with
+``xla_`` are XLA flags and ALL-CAPS keys are environment variables; both are
+collected into ``xla_flags`` / ``env`` by the loader. ``Config.model()``,
+``.train()``, ``.mesh()`` cut the flat config into the small frozen sections
+of ``sections.py`` that modules receive.
+"""
+
+import math
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from dropless.config import sections
+
+DType = Literal["float32", "bfloat16", "float16"]
+RematChoice = Literal["remat", "device", "offload"]
+# Tensor names a `remat_policy: custom` config can place (MaxText's names).
+REMAT_TENSORS = (
+    "decoder_layer_input", "context", "mlpwi", "mlpwi_0", "mlpwi_1", "mlpwo",
+    "query_proj", "key_proj", "value_proj", "qkv_proj", "out_proj",
+    "mla_q", "mla_kv", "moe_mlpwi", "moe_mlpwo",
+)
+
+
+def _f(default, description, **kw):
+    return Field(default, description=description, **kw)
+
+
+class Config(BaseModel):
+    """One training job. Unknown keys are errors, never silently ignored."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True, validate_default=True)
+
+    # --- Run -------------------------------------------------------------------
+    model_name: str = _f("deepseek3-tiny", "Model preset: loads config/models/<model_name>.yml.")
+    run_name: str = _f("", "Run directory name under base_output_directory (default: derived from the model and time).")
+    base_output_directory: str = _f("runs", "Where run directories (checkpoints, metrics, TensorBoard) go.")
+    hardware: Literal["auto", "cpu", "gpu", "gpu_multiprocess", "tpu"] = _f("auto", "Target hardware (auto: GPU if present, else CPU); gpu_multiprocess starts jax.distributed.")
+    steps: int = _f(100, "Optimizer steps to run.", ge=1)
+    seed: int = _f(0, "Seed of parameter initialisation and routing noise.")
+    log_period: int = _f(1, "Steps between metric lines.", ge=1)
+    enable_tensorboard: bool = _f(True, "Write TensorBoard event files in the run directory.")
+    enable_checkpointing: bool = _f(True, "Save Orbax checkpoints.")
+    async_checkpointing: bool = _f(True, "Save checkpoints in the background.")
+    checkpoint_period: int = _f(50, "Steps between checkpoints (the last step is always saved).", ge=1)
+    load_parameters_path: str = _f("", "Initialise parameters from this checkpoint directory.")
+
+    # --- Batch and data --------------------------------------------------------
+    per_device_batch_size: float = _f(2, "Sequences per device per step (fractions allowed if the global batch is whole).", gt=0)
+    gradient_accumulation_steps: int = _f(1, "Microbatches accumulated per optimizer step.", ge=1)
+    max_target_length: int = _f(64, "Sequence length in tokens.", ge=2)
+    dataset_type: Literal["synthetic", "markov", "text"] = _f("markov", "synthetic: random tokens; markov: seeded Markov source with known entropy; text: local files.")
+    dataset_path: str = _f("", "Text data: a .txt/.jsonl/.parquet file or a directory of them.")
+    tokenizer_path: str = _f("", "tokenizer.json for text data (default: bytes).")
+    markov_concentration: float = _f(0.1, "Dirichlet alpha of each Markov transition row (lower: more predictable).", gt=0)
+    data_seed: int = _f(0, "Seed of the data stream.")
+
+    # --- Model -----------------------------------------------------------------
+    vocab_size: int = _f(256, "Vocabulary size.", ge=2)
+    emb_dim: int = _f(64, "Model width D.", ge=1)
+    num_decoder_layers: int = _f(2, "Decoder layers.", ge=1)
+    first_num_dense_layers: int = _f(1, "Leading layers with a dense MLP instead of MoE.", ge=0)
+    mlp_dim: int = _f(128, "Dense MLP hidden width.", ge=1)
+    num_query_heads: int = _f(4, "Attention heads.", ge=1)
+    dtype: DType = _f("float32", "Activation dtype.")
+    weight_dtype: DType = _f("float32", "Parameter dtype.")
+    normalization_layer_epsilon: float = _f(1e-6, "RMSNorm epsilon.", gt=0)
+    mtp_num_layers: int = _f(0, "Multi-token-prediction modules (DeepSeek-V3 uses 1).", ge=0)
+    mtp_loss_scaling_factor: float = _f(0.1, "Weight of the MTP loss.", ge=0)
+    scan_layers: bool = _f(True, "Stack layers with scan (compile time independent of depth).")
+    attention: Literal["dot_product", "cudnn_flash_te"] = _f("dot_product", "Attention kernel: XLA dot-product or cuDNN flash attention.")
+    # MLA
+    q_lora_rank: int = _f(0, "Low-rank query compression (0: full-rank query projection).", ge=0)
+    kv_lora_rank: int = _f(32, "Compressed KV rank.", ge=1)
+    qk_nope_head_dim: int = _f(16, "Per-head query/key dim without RoPE.", ge=1)
+    qk_rope_head_dim: int = _f(8, "Per-head decoupled RoPE dim.", ge=2)
+    v_head_dim: int = _f(16, "Per-head value dim.", ge=1)
+    rope_max_timescale: float = _f(10000.0, "RoPE base (theta).", gt=0)
+    rope_factor: float = _f(1.0, "YaRN context-extension factor (1: no scaling).", ge=1)
+    original_max_position_embeddings: int = _f(4096, "YaRN: pre-extension context length.", ge=1)
+    beta_fast: float = _f(32.0, "YaRN beta_fast.")
+    beta_slow: float = _f(1.0, "YaRN beta_slow.")
+    mscale: float = _f(1.0, "YaRN attention mscale.")
+    mscale_all_dim: float = _f(1.0, "YaRN mscale_all_dim.")
+
+    # --- MoE -------------------------------------------------------------------
+    num_experts: int = _f(8, "Routed experts E.", ge=1)
+    num_experts_per_tok: int = _f(2, "Experts per token (top-k).", ge=1)
+    moe_mlp_dim: int = _f(64, "Routed expert hidden width F.", ge=1)
+    shared_experts: int = _f(0, "Shared experts (dense, width shared_experts x moe_mlp_dim).", ge=0)
+    n_routing_groups: int = _f(-1, "Expert groups for group-limited routing (-1: off).")
+    topk_routing_group: int = _f(-1, "Groups kept per token in group-limited routing (-1: off).")
+    routed_scaling_factor: float = _f(1.0, "Multiplier of the routing weights.", gt=0)
+    routed_score_func: Literal["softmax", "sigmoid"] = _f("softmax", "Router score: softmax (Mixtral/Qwen) or sigmoid (DeepSeek-V3).")
+    norm_topk_prob: bool = _f(True, "Renormalise the chosen experts' weights to sum to 1.")
+    routed_bias: bool = _f(False, "Aux-loss-free balancing bias (changes selection only).")
+    routed_bias_update_rate: float = _f(0.0, "Bias step per optimizer step: bias += rate * sign(mean_load - load).", ge=0)
+    load_balance_loss_weight: float = _f(0.0, "Switch-style load-balance loss weight.", ge=0)
+    seq_aux_loss_weight: float = _f(0.0, "DeepSeek-V3 sequence-wise balance loss weight.", ge=0)
+    router_z_loss_weight: float = _f(0.0, "Router z-loss weight.", ge=0)
+    sparse_matmul: bool = _f(True, "true: dropless grouped-GEMM path; false: capacity-based dense_matmul baseline.")
+    capacity_factor: float = _f(1.0, "Expert capacity factor of the dense_matmul baseline (tokens past it are dropped).", gt=0)
+    prefuse_moe_weights: bool = _f(True, "Store gate and up projections as one [E, D, 2F] weight; one grouped GEMM instead of two.")
+    gmm_backend: Literal["reference", "xla", "mosaic", "auto"] = _f("auto", "Grouped matmul backend.")
+    te_moe_block: bool = _f(True, "Use the fused MoE block (dropless's MoEBlock; accepted for MaxText recipes).")
+    te_gmm_quantization: Literal["te_no_quant", "te_fp8_blockwise", "te_mxfp8"] = _f("te_no_quant", "Expert grouped-GEMM quantization recipe.")
+    quantization: Literal["", "te_fp8_currentscaling"] = _f("", "Dense-matmul quantization ('' = bf16/fp32 as dtype).")
+
+    # --- Remat / offload -------------------------------------------------------
+    remat_policy: Literal["full", "minimal", "save_dot_except_mlp", "custom", "none"] = _f("full", "Activation rematerialisation policy.")
+    # Per-tensor placement for remat_policy=custom (MaxText's names).
+    decoder_layer_input: RematChoice | None = _f(None, "remat_policy=custom: where 'decoder_layer_input' is kept (remat | device | offload).")
+    context: RematChoice | None = _f(None, "remat_policy=custom: where 'context' is kept (remat | device | offload).")
+    mlpwi: RematChoice | None = _f(None, "remat_policy=custom: where 'mlpwi' is kept (remat | device | offload).")
+    mlpwi_0: RematChoice | None = _f(None, "remat_policy=custom: where 'mlpwi_0' is kept (remat | device | offload).")
+    mlpwi_1: RematChoice | None = _f(None, "remat_policy=custom: where 'mlpwi_1' is kept (remat | device | offload).")
+    mlpwo: RematChoice | None = _f(None, "remat_policy=custom: where 'mlpwo' is kept (remat | device | offload).")
+    query_proj: RematChoice | None = _f(None, "remat_policy=custom: where 'query_proj' is kept (remat | device | offload).")
+    key_proj: RematChoice | None = _f(None, "remat_policy=custom: where 'key_proj' is kept (remat | device | offload).")
+    value_proj: RematChoice | None = _f(None, "remat_policy=custom: where 'value_proj' is kept (remat | device | offload).")
+    qkv_proj: RematChoice | None = _f(None, "remat_policy=custom: where 'qkv_proj' is kept (remat | device | offload).")
+    out_proj: RematChoice | None = _f(None, "remat_policy=custom: where 'out_proj' is kept (remat | device | offload).")
+    mla_q: RematChoice | None = _f(None, "remat_policy=custom: where 'mla_q' is kept (remat | device | offload).")
+    mla_kv: RematChoice | None = _f(None, "remat_policy=custom: where 'mla_kv' is kept (remat | device | offload).")
+    moe_mlpwi: RematChoice | None = _f(None, "remat_policy=custom: where 'moe_mlpwi' is kept (remat | device | offload).")
+    moe_mlpwo: RematChoice | None = _f(None, "remat_policy=custom: where 'moe_mlpwo' is kept (remat | device | offload).")
+
+    # --- Optimizer -------------------------------------------------------------
+    learning_rate: float = _f(3e-4, "Peak learning rate.", gt=0)
+    warmup_steps_fraction: float = _f(0.1, "Fraction of steps of linear warm-up.", ge=0, le=1)
+    cosine_learning_rate_final_fraction: float = _f(0.1, "Final LR as a fraction of the peak.", ge=0, le=1)
+    adam_b1: float = _f(0.9, "AdamW beta1.", ge=0, lt=1)
+    adam_b2: float = _f(0.95, "AdamW beta2.", ge=0, lt=1)
+    adam_eps: float = _f(1e-8, "AdamW epsilon.", gt=0)
+    adam_weight_decay: float = _f(0.1, "AdamW decoupled weight decay.", ge=0)
+    gradient_clipping_threshold: float = _f(1.0, "Global-norm clip (0: off).", ge=0)
+    mu_dtype: DType = _f("float32", "AdamW first-moment dtype.")
+
+    # --- Mesh and expert parallelism -------------------------------------------
+    ici_data_parallelism: int = _f(1, "Data-parallel ways within a host (-1: fill).")
+    ici_fsdp_parallelism: int = _f(-1, "FSDP ways within a host (-1: fill).")
+    ici_expert_parallelism: int = _f(1, "Expert-parallel ways within a host (-1: fill).")
+    ici_tensor_parallelism: int = _f(1, "Tensor-parallel ways within a host (-1: fill).")
+    dcn_data_parallelism: int = _f(-1, "Data-parallel ways across hosts (-1: fill).")
+    dcn_fsdp_parallelism: int = _f(1, "FSDP ways across hosts.")
+    dcn_expert_parallelism: int = _f(1, "Expert-parallel ways across hosts.")
+    dcn_tensor_parallelism: int = _f(1, "Tensor-parallel ways across hosts.")
+    ragged_buffer_factor: float = _f(2.0, "Expert-parallel receive buffer as a multiple of the balanced load (-1: exact worst case; must be -1 or >= 1).")
+    te_ep_overflow_check_every_n_steps: int = _f(20, "Steps between host reads of the on-device overflow counters.", ge=1)
+    ep_overflow_policy: Literal["error", "warn"] = _f("error", "On receive-buffer overflow: stop with a clear error, or warn and continue (overflowing steps are skipped either way).")
+    ep_exchange: Literal["auto", "ragged", "padded"] = _f("auto", "Expert-parallel exchange: ragged_all_to_all (GPU) or padded all_to_all (any platform).")
+
+    # --- XLA flags and environment (collected from xla_* / ALL-CAPS keys) -------
+    xla_flags: dict[str, Any] = _f({}, "XLA flags (keys starting with xla_), applied on GPU before the backend starts.")
+    env: dict[str, str] = _f({}, "Environment variables (ALL-CAPS keys), set before the backend starts.")
+
+    @model_validator(mode="after")
+    def _contradictions(self):
+        _check_contradictions(self)
+        return self
+
+    # --- Sections ----------------------------------------------------------------
+    def moe(self) -> sections.MoEConfig:
+        return _section(sections.MoEConfig, self, rename={"gmm_quantization": "te_gmm_quantization"})
+
+    def mla(self) -> sections.MLAConfig:
+        return _section(sections.MLAConfig, self, rename={
+            "num_heads": "num_query_heads", "rope_theta": "rope_max_timescale"})
+
+    def model(self) -> sections.ModelConfig:
+        custom = tuple((n, getattr(self, n)) for n in REMAT_TENSORS if getattr(self, n) is not None)
+        return _section(sections.ModelConfig, self, mla=self.mla(), moe=self.moe(), remat_custom=custom)
+
+    def optimizer(self) -> sections.OptimizerConfig:
+        return _section(sections.OptimizerConfig, self)
+
+    def data(self) -> sections.DataConfig:
+        return _section(sections.DataConfig, self)
+
+    def train(self) -> sections.TrainConfig:
+        return _section(sections.TrainConfig, self, optimizer=self.optimizer(), data=self.data())
+
+    def mesh(self) -> sections.MeshConfig:
+        return _section(sections.MeshConfig, self, rename={
+            "ep_overflow_check_every_n_steps": "te_ep_overflow_check_every_n_steps"})
+
+
+def _section(cls, cfg, rename=None, **given):
+    """Build a section dataclass from same-named (or renamed) config fields."""
+    import dataclasses
+
+    rename = rename or {}
+    kwargs = dict(given)
+    for f in dataclasses.fields(cls):
+        if f.name in kwargs:
+            continue
+        src = rename.get(f.name, f.name)
+        if src in Config.model_fields:
+            kwargs[f.name] = getattr(cfg, src)
+    return cls(**kwargs)
+
+
+class ContradictionError(ValueError):
+    """Two or more keys are individually valid but together impossible."""
+
+    def __init__(self, key, value, message):
+        super().__init__(message)
+        self.key, self.value = key, value
+
+
+def _check_contradictions(c: Config):
+    def bad(key, message):
+        raise ContradictionError(key, getattr(c, key), message)
+
+    if c.num_experts_per_tok > c.num_experts:
+        bad("num_experts_per_tok", f"must be <= num_experts={c.num_experts}")
+    if (c.n_routing_groups == -1) != (c.topk_routing_group == -1):
+        bad("topk_routing_group", "n_routing_groups and topk_routing_group must both be set (> 0) or both be -1")
+    if c.n_routing_groups != -1:
+        if c.n_routing_groups < 1 or c.num_experts % c.n_routing_groups:
+            bad("n_routing_groups", f"must divide num_experts={c.num_experts} (or be -1)")
+        if not 1 <= c.topk_routing_group <= c.n_routing_groups:
+            bad("topk_routing_group", f"must be in [1, n_routing_groups={c.n_routing_groups}]")
+        per_group = c.num_experts // c.n_routing_groups
+        if c.topk_routing_group * per_group < c.num_experts_per_tok:
+            bad("topk_routing_group", f"kept groups hold {c.topk_routing_group * per_group} experts, fewer than num_experts_per_tok={c.num_experts_per_tok}")
+    if c.ragged_buffer_factor != -1 and c.ragged_buffer_factor < 1:
+        bad("ragged_buffer_factor", "must be -1 (exact worst case) or >= 1.0")
+    if c.first_num_dense_layers > c.num_decoder_layers:
+        bad("first_num_dense_layers", f"must be <= num_decoder_layers={c.num_decoder_layers}")
+    if c.routed_bias_update_rate > 0 and not c.routed_bias:
+        bad("routed_bias_update_rate", "is > 0 but routed_bias is false")
+    for axis in ("data", "fsdp", "expert", "tensor"):
+        for kind in ("ici", "dcn"):
+            key = f"{kind}_{axis}_parallelism"
+            if getattr(c, key) == 0 or getattr(c, key) < -1:
+                bad(key, "must be a positive integer or -1 (fill)")
+    for kind in ("ici", "dcn"):
+        fills = [a for a in ("data", "fsdp", "expert", "tensor") if getattr(c, f"{kind}_{a}_parallelism") == -1]
+        if len(fills) > 1:
+            bad(f"{kind}_{fills[1]}_parallelism", f"only one {kind}_*_parallelism may be -1, got {fills}")
+    ep = max(c.ici_expert_parallelism, 1) * max(c.dcn_expert_parallelism, 1)
+    if c.num_experts % ep:
+        bad("ici_expert_parallelism", f"expert-parallel ways ({ep}) must divide num_experts={c.num_experts}")
+    if c.remat_policy != "custom":
+        for name in REMAT_TENSORS:
+            if getattr(c, name) is not None:
+                bad(name, f"is set but remat_policy={c.remat_policy!r}; per-tensor placement needs remat_policy=custom")
+
+
+def resolve_mesh_shape(c: Config, num_devices: int, num_slices: int = 1) -> dict[str, int]:
+    """Fill -1 axes and check the mesh covers exactly ``num_devices``.
+
+    Returns {axis: ways} over data, fsdp, expert, tensor (ICI x DCN).
+    Raises ContradictionError naming the key when the product is wrong.
+    """
+    axes = ("data", "fsdp", "expert", "tensor")
+    per_slice = num_devices // num_slices
+    shape = {}
+    for kind, total in (("ici", per_slice), ("dcn", num_slices)):
+        ways = {a: getattr(c, f"{kind}_{a}_parallelism") for a in axes}
+        known = math.prod(v for v in ways.values() if v != -1)
+        fill = [a for a, v in ways.items() if v == -1]
+        if fill:
+            if total % known:
+                raise ContradictionError(f"{kind}_{fill[0]}_parallelism", -1,
+                    f"cannot fill: {total} devices not divisible by the other {kind} axes' product {known}")
+            ways[fill[0]] = total // known
+        if math.prod(ways.values()) != total:
+            key = f"{kind}_{axes[0]}_parallelism"
+            raise ContradictionError(key, ways[axes[0]],
+                f"{kind} mesh {ways} has {math.prod(ways.values())} devices but {total} are present")
+        for a in axes:
+            shape[a] = shape.get(a, 1) * ways[a]
+    return shape

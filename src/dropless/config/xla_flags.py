@@ -1,0 +1,93 @@
+"""Apply the config's XLA flags and environment variables before JAX starts.
+
+XLA reads ``XLA_FLAGS`` once, when the backend initialises, and aborts the
+whole process on a flag it does not know. So flags are checked against the
+flag names compiled into the installed jaxlib (and its CUDA plugin) first, and
+an unknown one becomes a clear ``ConfigError`` instead of an abort. Flags are
+applied only when the job will run on a GPU; environment variables always.
+"""
+
+import functools
+import importlib.util
+import mmap
+import os
+import re
+from pathlib import Path
+
+from dropless.config.loader import ConfigError
+
+_FLAG_NAME = re.compile(rb"xla_[a-z0-9_]{3,}")
+
+
+def _library_dirs() -> list[Path]:
+    dirs = []
+    for mod in ("jaxlib", "jax_plugins"):
+        spec = importlib.util.find_spec(mod)
+        if spec and spec.submodule_search_locations:
+            dirs.extend(Path(p) for p in spec.submodule_search_locations)
+    return dirs
+
+
+@functools.lru_cache(maxsize=1)
+def known_xla_flags() -> frozenset[str]:
+    """Flag names present in the installed jaxlib's shared libraries."""
+    names = set()
+    for d in _library_dirs():
+        for lib in d.rglob("*.so*"):
+            try:
+                with open(lib, "rb") as fh, mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_READ) as mm:
+                    names.update(m.decode() for m in _FLAG_NAME.findall(mm))
+            except (OSError, ValueError):
+                continue
+    return frozenset(names)
+
+
+def format_flag(name: str, value) -> str:
+    """``--name=value``; booleans lower-case, shell-style quotes stripped."""
+    if isinstance(value, bool):
+        value = "true" if value else "false"
+    value = str(value).strip().strip("'\"")
+    return f"--{name}={value}"
+
+
+def check_xla_flags(flags: dict) -> None:
+    """Raise ConfigError for a flag the installed jaxlib does not define."""
+    if not flags:
+        return
+    known = known_xla_flags()
+    if not known:  # cannot inspect this jaxlib: let XLA decide
+        return
+    import difflib
+
+    for name, value in flags.items():
+        if name not in known:
+            near = difflib.get_close_matches(name, known, n=1, cutoff=0.8)
+            hint = f"; did you mean '{near[0]}'?" if near else ""
+            raise ConfigError(f"{name}={value!r}: not an XLA flag of the installed jaxlib{hint}")
+
+
+def gpu_present() -> bool:
+    """A CUDA GPU will be used: plugin installed, device node present, not forced off."""
+    platforms = os.environ.get("JAX_PLATFORMS", "").lower()
+    if platforms and not any(p in platforms for p in ("cuda", "gpu")):
+        return False
+    has_plugin = any(
+        importlib.util.find_spec(m) is not None
+        for m in ("jax_cuda13_plugin", "jax_cuda12_plugin", "jax_plugins.xla_cuda13", "jax_plugins.xla_cuda12")
+    )
+    return has_plugin and Path("/dev/nvidiactl").exists()
+
+
+def apply_runtime_settings(flags: dict, env: dict, *, on_gpu: bool) -> list[str]:
+    """Set env vars, then append the flags to XLA_FLAGS (GPU only).
+
+    Must run before the first JAX computation. Returns the flags applied.
+    """
+    check_xla_flags(flags)
+    for name, value in env.items():
+        os.environ[name] = str(value)
+    if not on_gpu or not flags:
+        return []
+    applied = [format_flag(n, v) for n, v in flags.items()]
+    os.environ["XLA_FLAGS"] = " ".join(filter(None, [os.environ.get("XLA_FLAGS", ""), *applied]))
+    return applied

@@ -1,0 +1,212 @@
+"""Config resolution, precedence, the seed recipe, XLA flags and bad input."""
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from dropless.config.loader import ConfigError, available_models, load_config
+from dropless.config.schema import Config, resolve_mesh_shape
+from dropless.config.xla_flags import apply_runtime_settings, check_xla_flags, format_flag, known_xla_flags
+
+HERE = Path(__file__).parent
+SEED = HERE / "seed_recipe.yml"
+
+
+def resolve(*overrides, config_file=None, environ=None):
+    return load_config(config_file and str(config_file), list(overrides), environ=environ or {})
+
+
+def test_every_model_resolves():
+    for name in available_models():
+        cfg = resolve(f"model_name={name}").config
+        model = cfg.model()
+        assert model.moe.num_experts == cfg.num_experts
+        assert model.mla.num_heads == cfg.num_query_heads
+
+
+def test_deepseek3_671b_preset_matches_the_paper():
+    cfg = resolve("model_name=deepseek3-671b").config
+    assert (cfg.num_decoder_layers, cfg.first_num_dense_layers, cfg.emb_dim) == (61, 3, 7168)
+    assert (cfg.num_query_heads, cfg.mlp_dim, cfg.moe_mlp_dim) == (128, 18432, 2048)
+    assert (cfg.num_experts, cfg.num_experts_per_tok, cfg.shared_experts) == (256, 8, 1)
+    assert (cfg.q_lora_rank, cfg.kv_lora_rank, cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim) == (1536, 512, 128, 64, 128)
+    assert cfg.routed_scaling_factor == 2.5 and cfg.routed_score_func == "sigmoid"
+    assert cfg.vocab_size == 129280
+
+
+def test_proxy_has_v3_layer_shapes():
+    cfg = resolve("model_name=deepseek3-proxy").config
+    assert (cfg.emb_dim, cfg.moe_mlp_dim, cfg.num_experts, cfg.num_experts_per_tok) == (7168, 2048, 32, 8)
+    assert cfg.num_decoder_layers - cfg.first_num_dense_layers == 3
+
+
+def test_precedence_base_model_file_cli_env(tmp_path):
+    user = tmp_path / "job.yml"
+    user.write_text("steps: 7\nemb_dim: 96\nlearning_rate: 0.01\n")
+    r = resolve("steps=9", config_file=user, environ={"DROPLESS_LEARNING_RATE": "0.02"})
+    assert r.config.steps == 9 and r.source("steps") == "command line"
+    assert r.config.emb_dim == 96 and r.source("emb_dim") == str(user)
+    assert r.config.learning_rate == 0.02 and r.source("learning_rate") == "environment"
+    assert r.source("num_experts") == "models/deepseek3-tiny.yml"
+    assert r.source("adam_b1") == "default"
+
+
+def test_seed_recipe_loads_verbatim_with_tiny_model():
+    r = resolve("model_name=deepseek3-tiny", config_file=SEED)
+    cfg = r.config
+    assert cfg.model_name == "deepseek3-tiny" and cfg.emb_dim == 64
+    assert cfg.te_gmm_quantization == "te_mxfp8" and cfg.quantization == "te_fp8_currentscaling"
+    assert cfg.ragged_buffer_factor == 2.0 and cfg.mesh().ep_overflow_check_every_n_steps == 20
+    assert cfg.weight_dtype == cfg.mu_dtype == "bfloat16"
+    assert cfg.xla_flags["xla_gpu_all_gather_combine_threshold_bytes"] == 6442450944
+    assert cfg.env["XLA_PYTHON_CLIENT_MEM_FRACTION"] == "0.88"
+    assert cfg.env["XLA_PJRT_GPU_HOST_MEMORY_PREALLOCATE"] == "false"
+    assert r.source("xla_gpu_memory_limit_slop_factor") == str(SEED)
+
+
+def test_seed_recipe_loads_as_is():
+    cfg = resolve(config_file=SEED).config
+    assert cfg.model_name == "deepseek3-671b" and cfg.num_experts == 256 and cfg.steps == 15
+
+
+def test_seed_xla_flags_are_known_to_jaxlib():
+    cfg = resolve(config_file=SEED).config
+    check_xla_flags(cfg.xla_flags)  # raises on an unknown flag
+    assert "xla_gpu_enable_command_buffer" in known_xla_flags()
+
+
+def test_flag_formatting_strips_shell_quotes():
+    assert format_flag("xla_gpu_enable_command_buffer", "'FUSION,CUBLAS'") == "--xla_gpu_enable_command_buffer=FUSION,CUBLAS"
+    assert format_flag("xla_x", False) == "--xla_x=false"
+
+
+def test_flags_applied_only_on_gpu(monkeypatch):
+    monkeypatch.setenv("XLA_FLAGS", "--xla_dump_to=/tmp/x")
+    flags = {"xla_gpu_experimental_max_unroll_factor": 8}
+    assert apply_runtime_settings(flags, {"DL_CONFIG_TEST_ENV": "1"}, on_gpu=False) == []
+    assert os.environ["XLA_FLAGS"] == "--xla_dump_to=/tmp/x"
+    assert os.environ.pop("DL_CONFIG_TEST_ENV") == "1"
+    applied = apply_runtime_settings(flags, {}, on_gpu=True)
+    assert applied == ["--xla_gpu_experimental_max_unroll_factor=8"]
+    assert os.environ["XLA_FLAGS"].endswith("--xla_gpu_experimental_max_unroll_factor=8")
+
+
+def test_sections_are_frozen():
+    import dataclasses
+
+    cfg = resolve().config
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        cfg.moe().num_experts = 3
+    with pytest.raises(Exception):
+        cfg.steps = 3
+
+
+def test_custom_remat_settings_reach_the_model_section():
+    cfg = resolve("remat_policy=custom", "query_proj=offload", "mla_kv=device").config
+    assert dict(cfg.model().remat_custom) == {"query_proj": "offload", "mla_kv": "device"}
+
+
+@pytest.mark.parametrize("devices,overrides,expect", [
+    (8, [], {"data": 1, "fsdp": 8, "expert": 1, "tensor": 1}),
+    (8, ["ici_expert_parallelism=4"], {"data": 1, "fsdp": 2, "expert": 4, "tensor": 1}),
+    (8, ["ici_data_parallelism=2", "ici_expert_parallelism=4", "ici_fsdp_parallelism=1"], {"data": 2, "fsdp": 1, "expert": 4, "tensor": 1}),
+])
+def test_mesh_resolution(devices, overrides, expect):
+    assert resolve_mesh_shape(resolve(*overrides).config, devices) == expect
+
+
+BAD = [
+    (["num_expert=4"], "did you mean 'num_experts'"),
+    (["num_experts_per_tok=9"], "num_experts_per_tok=9"),
+    (["num_experts_per_tok=0"], "greater than or equal to 1"),
+    (["n_routing_groups=3"], "must divide num_experts"),
+    (["n_routing_groups=4", "topk_routing_group=-1"], "both be set"),
+    (["topk_routing_group=5"], "topk_routing_group=5"),
+    (["ragged_buffer_factor=0.5"], "must be -1 (exact worst case) or >= 1.0"),
+    (["routed_score_func=relu"], "'softmax' or 'sigmoid'"),
+    (["model_name=deepseek3-tinyy"], "did you mean 'deepseek3-tiny'"),
+    (["steps=0"], "steps=0"),
+    (["steps=ten"], "steps='ten'"),
+    (["dtype=float8"], "dtype='float8'"),
+    (["gmm_backend=cuda"], "'reference', 'xla', 'mosaic' or 'auto'"),
+    (["te_gmm_quantization=fp4"], "te_gmm_quantization='fp4'"),
+    (["remat_policy=sometimes"], "remat_policy='sometimes'"),
+    (["query_proj=offload"], "needs remat_policy=custom"),
+    (["remat_policy=custom", "query_proj=disk"], "query_proj='disk'"),
+    (["first_num_dense_layers=9"], "must be <= num_decoder_layers"),
+    (["ici_expert_parallelism=3"], "must divide num_experts"),
+    (["ici_data_parallelism=-1"], "only one ici_*_parallelism may be -1"),
+    (["ici_tensor_parallelism=0"], "positive integer or -1"),
+    (["routed_bias=false", "routed_bias_update_rate=0.1"], "routed_bias is false"),
+    (["learning_rate=-1"], "learning_rate=-1"),
+    (["adam_b2=1.5"], "adam_b2=1.5"),
+    (["steps"], "is not key=value"),
+    (["dataset_type=imagenet"], "'synthetic', 'markov' or 'text'"),
+    (["hardware=abacus"], "hardware='abacus'"),
+    (["ep_overflow_policy=ignore"], "'error' or 'warn'"),
+    (["xla_gpu_not_a_real_flag_at_all=1"], "not an XLA flag"),
+]
+
+
+@pytest.mark.parametrize("overrides,message", BAD, ids=[" ".join(o) for o, _ in BAD])
+def test_bad_input_gives_one_clear_line(overrides, message):
+    with pytest.raises(ConfigError) as err:
+        r = resolve(*overrides)
+        check_xla_flags(r.config.xla_flags)
+    text = str(err.value)
+    assert message in text
+    assert "\n" not in text
+
+
+def test_bad_files(tmp_path):
+    with pytest.raises(ConfigError, match="not found"):
+        resolve(config_file=tmp_path / "missing.yml")
+    broken = tmp_path / "broken.yml"
+    broken.write_text("steps: [1, 2\n")
+    with pytest.raises(ConfigError, match="not valid YAML"):
+        resolve(config_file=broken)
+    listy = tmp_path / "list.yml"
+    listy.write_text("- steps\n")
+    with pytest.raises(ConfigError, match="must be a mapping"):
+        resolve(config_file=listy)
+    unknown = tmp_path / "unknown.yml"
+    unknown.write_text("stepz: 3\n")
+    with pytest.raises(ConfigError, match=f"unknown key 'stepz' \\(from {unknown}\\); did you mean 'steps'"):
+        resolve(config_file=unknown)
+
+
+def test_bad_env_var():
+    with pytest.raises(ConfigError, match="DROPLESS_STEPZ names no config key; did you mean DROPLESS_STEPS"):
+        resolve(environ={"DROPLESS_STEPZ": "3"})
+
+
+def test_mesh_product_mismatch():
+    cfg = resolve("ici_fsdp_parallelism=2", "ici_expert_parallelism=2").config
+    with pytest.raises(ValueError, match="has 4 devices but 8 are present"):
+        resolve_mesh_shape(cfg, 8)
+
+
+def test_cli_bad_input_exits_2_and_runs_nothing(tmp_path):
+    env = dict(os.environ, JAX_PLATFORMS="cpu")
+    proc = subprocess.run([sys.executable, "-m", "dropless", "train", "num_experts=3", f"base_output_directory={tmp_path}"],
+                          capture_output=True, text=True, env=env, timeout=120)
+    assert proc.returncode == 2
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and "num_experts" in lines[0]
+    assert not any(tmp_path.iterdir())
+
+
+def test_cli_config_prints_sources():
+    env = dict(os.environ, JAX_PLATFORMS="cpu", COLUMNS="200")
+    proc = subprocess.run([sys.executable, "-m", "dropless", "config", str(SEED), "model_name=deepseek3-tiny"],
+                          capture_output=True, text=True, env=env, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert "command line" in proc.stdout and "XLA flag" in proc.stdout and "seed_recipe.yml" in proc.stdout
+
+
+def test_every_key_has_a_description():
+    missing = [k for k, f in Config.model_fields.items() if not f.description]
+    assert not missing
