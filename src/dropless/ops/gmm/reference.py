@@ -44,7 +44,10 @@ def tgmm(x, dy, group_sizes, *, num_groups, out_dtype=None):
     dy32 = dy.astype(jnp.float32)
 
     def one_group(mask):
+        # Mask both operands: 0 * NaN is NaN, and rows outside the group (e.g.
+        # past the total) may hold anything.
         xm = jnp.where(mask[:, None], x32, 0.0)
-        return jnp.dot(xm.T, dy32, precision=jax.lax.Precision.HIGHEST)
+        dym = jnp.where(mask[:, None], dy32, 0.0)
+        return jnp.dot(xm.T, dym, precision=jax.lax.Precision.HIGHEST)
 
     return jax.lax.map(one_group, masks).astype(out_dtype)

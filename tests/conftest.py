@@ -1,0 +1,31 @@
+"""Shared pytest fixtures for the CPU test suite.
+
+``rng`` hands each test a fresh NumPy generator: a new seed per test run (so
+repeated runs explore new inputs), printed so a failure can be replayed with
+``DROPLESS_TEST_SEED=<seed>``. Hypothesis uses the "dropless" profile: no
+per-example deadline (the first example of a shape pays for XLA compilation)
+and few examples, to keep the suite fast on two cores.
+"""
+
+import os
+import secrets
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, settings
+
+settings.register_profile(
+    "dropless",
+    deadline=None,
+    max_examples=10,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture],
+)
+settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "dropless"))
+
+
+@pytest.fixture
+def rng():
+    """A fresh ``np.random.Generator``; its seed is printed (shown on failure)."""
+    seed = int(os.environ.get("DROPLESS_TEST_SEED", secrets.randbits(32)))
+    print(f"DROPLESS_TEST_SEED={seed}")
+    return np.random.default_rng(seed)
