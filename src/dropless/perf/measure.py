@@ -1,0 +1,164 @@
+"""Benchmark plumbing: device-synchronised timing and results records.
+
+Every benchmark in ``benchmarks/`` writes one JSON *record* per run to
+``benchmarks/results/<kind>-<YYYYmmdd-HHMMSS>-<gpu>.json``. A record is a dict::
+
+    {
+      "kind": "gmm" | "moe_layer" | "step" | ...,
+      "created": "2026-11-29T09:04:11+00:00",          # UTC, ISO 8601
+      "device": {"platform": "gpu", "gpu": "NVIDIA H200", "count": 1, "slug": "nvidia-h200"},
+      "versions": {"jax": "0.11.2", "jaxlib": "0.11.2", "python": "3.12.3", ...},
+      "commit": {"commit": "<sha>", "dirty": false, "source": "git" | "env" | "unknown"},
+      "config": {...},                                  # what was measured
+      "rows": [{...}, ...],                             # the measurements
+      ...                                               # kind-specific extras
+    }
+
+``new_record`` fills the provenance fields; ``report.py`` renders only
+records that carry them. The commit comes from ``git`` when the checkout has
+its ``.git``, else from the ``DROPLESS_COMMIT`` environment variable (for
+copies of the tree without history, e.g. on a remote GPU machine).
+
+This module imports no config code (no pydantic), so benchmarks run with a
+bare ``PYTHONPATH=src python3``.
+"""
+
+import datetime
+import json
+import os
+import platform
+import re
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+REPO_ROOT = Path(__file__).resolve().parents[3]
+DEFAULT_RESULTS_DIR = REPO_ROOT / "benchmarks" / "results"
+
+
+def slug(text: str) -> str:
+    """File-name-safe lowercase form: 'NVIDIA H200' -> 'nvidia-h200'."""
+    return re.sub(r"[^a-z0-9]+", "-", text.lower()).strip("-") or "unknown"
+
+
+def device_info() -> dict:
+    """Platform, device kind (e.g. 'NVIDIA H200'), device count and a file-name slug."""
+    import jax
+
+    dev = jax.devices()[0]
+    kind = getattr(dev, "device_kind", "") or dev.platform
+    return {"platform": dev.platform, "gpu": kind, "count": jax.device_count(), "slug": slug(kind)}
+
+
+def versions() -> dict:
+    """Versions of the libraries a benchmark number depends on."""
+    import jax
+    import jaxlib
+
+    out = {"jax": jax.__version__, "jaxlib": jaxlib.__version__,
+           "python": platform.python_version()}
+    for name in ("flax", "numpy", "torch"):
+        # torch is reported only when a benchmark already imported it (it is slow to import).
+        mod = sys.modules.get(name)
+        if mod is None and name != "torch":
+            try:
+                mod = __import__(name)
+            except ImportError:
+                mod = None
+        if mod is not None:
+            out[name] = getattr(mod, "__version__", "?")
+    try:
+        import jax
+
+        backend = jax.extend.backend.get_backend()
+        out["platform_version"] = backend.platform_version
+    except Exception:  # noqa: BLE001 - informative only
+        pass
+    return out
+
+
+def git_commit(repo: Path = REPO_ROOT) -> dict:
+    """{'commit', 'dirty', 'source'}: from git, else $DROPLESS_COMMIT, else 'unknown'."""
+    try:
+        sha = subprocess.run(["git", "rev-parse", "HEAD"], cwd=repo, capture_output=True,
+                             text=True, check=True, timeout=10).stdout.strip()
+        status = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"],
+                                cwd=repo, capture_output=True, text=True, check=True,
+                                timeout=10).stdout
+        return {"commit": sha, "dirty": bool(status.strip()), "source": "git"}
+    except (OSError, subprocess.SubprocessError):
+        pass
+    env = os.environ.get("DROPLESS_COMMIT", "").strip()
+    if env:
+        return {"commit": env, "dirty": None, "source": "env"}
+    return {"commit": "unknown", "dirty": None, "source": "unknown"}
+
+
+def now_utc() -> datetime.datetime:
+    return datetime.datetime.now(datetime.timezone.utc).replace(microsecond=0)
+
+
+def new_record(kind: str, config: dict | None = None) -> dict:
+    """A results record with provenance filled in and empty ``rows``."""
+    return {"kind": kind, "created": now_utc().isoformat(), "device": device_info(),
+            "versions": versions(), "commit": git_commit(), "config": dict(config or {}),
+            "rows": []}
+
+
+def write_record(record: dict, out_dir: str | os.PathLike = DEFAULT_RESULTS_DIR) -> Path:
+    """Write ``record`` as ``<out_dir>/<kind>-<YYYYmmdd-HHMMSS>-<gpu slug>.json``; return the path.
+
+    Raises:
+      KeyError: the record lacks "kind", "created" or "device".
+    """
+    created = datetime.datetime.fromisoformat(record["created"])
+    name = f"{record['kind']}-{created:%Y%m%d-%H%M%S}-{record['device']['slug']}.json"
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    path = out / name
+    with open(path, "w") as f:
+        json.dump(record, f, indent=1, default=_jsonable)
+        f.write("\n")
+    return path
+
+
+def _jsonable(x):
+    # numpy / jax scalars and arrays that slipped into a record.
+    if hasattr(x, "tolist"):
+        return x.tolist()
+    return str(x)
+
+
+def time_fn(fn, *args, warmup: int = 2, iters: int = 10, reps: int = 1) -> dict:
+    """Device-synchronised wall time of ``fn(*args)``, in milliseconds.
+
+    Each of ``iters`` samples times ``reps`` back-to-back calls followed by
+    ``jax.block_until_ready`` and divides by ``reps``: with reps > 1 the
+    device queue stays full, so launch gaps between calls do not count.
+    ``warmup`` calls (compilation, autotuning, allocator growth) come first.
+
+    Returns:
+      {"median_ms", "min_ms", "max_ms", "iters", "reps", "samples_ms"}.
+
+    Raises:
+      ValueError: iters or reps < 1.
+    """
+    import jax
+
+    if iters < 1 or reps < 1:
+        raise ValueError(f"{iters=} and {reps=} must be >= 1")
+    for _ in range(warmup):
+        jax.block_until_ready(fn(*args))
+    samples = []
+    for _ in range(iters):
+        t0 = time.perf_counter()
+        out = None
+        for _ in range(reps):
+            out = fn(*args)
+        jax.block_until_ready(out)
+        samples.append((time.perf_counter() - t0) * 1e3 / reps)
+        del out
+    return {"median_ms": statistics.median(samples), "min_ms": min(samples),
+            "max_ms": max(samples), "iters": iters, "reps": reps, "samples_ms": samples}
