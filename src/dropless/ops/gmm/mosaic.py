@@ -1,10 +1,93 @@
-"""Pallas Mosaic GPU grouped matmul kernels for Hopper (placeholder until built)."""
+"""The ``mosaic`` gmm backend: Pallas Mosaic GPU kernels for Hopper (sm_90).
+
+Forward and dgrad run ``mosaic_gmm.gmm`` (dgrad reads w[g] transposed
+through smem); wgrad runs ``mosaic_tgmm.tgmm``. Tiles come from the
+checked-in table in ``tuning.py``. ``resolve_backend("auto")`` asks
+``is_available`` and ``supports`` before choosing this backend; calling it
+directly with shapes it cannot take raises ValueError (never a wrong answer).
+
+Shapes taken: bf16 or fp16 inputs; K and N of w[G, K, N] multiples of 128
+(each of fwd, dgrad and wgrad then has a tile that divides its columns and
+contraction); any M >= 1, any G >= 1, any group sizes.
+"""
+
+import jax
+import jax.numpy as jnp
+
+from dropless.ops.gmm import mosaic_gmm, mosaic_tgmm, tuning
+
+SUPPORTED_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
 
 
 def is_available():
-    """True when a Hopper (sm_90) GPU is the default device."""
-    return False
+    """True when the default device is a CUDA GPU of compute capability 9.x (Hopper)."""
+    try:
+        device = jax.devices()[0]
+    except RuntimeError:
+        return False
+    if device.platform != "gpu":
+        return False
+    return str(getattr(device, "compute_capability", "")).startswith("9")
+
+
+def _unsupported_reason(x_shape, w_shape, dtype):
+    if len(x_shape) != 2 or len(w_shape) != 3:
+        return f"x must be [M, K] and w [G, K, N], got {x_shape} and {w_shape}"
+    if jnp.dtype(dtype) not in SUPPORTED_DTYPES:
+        return f"dtype {jnp.dtype(dtype).name} is not bfloat16 or float16"
+    m = x_shape[0]
+    g, k, n = w_shape
+    if m < 1 or g < 1:
+        return f"need M >= 1 and G >= 1, got M={m}, G={g}"
+    if k % 128 or n % 128:
+        return f"K={k} and N={n} of w must be multiples of 128"
+    return None
 
 
 def supports(x_shape, w_shape, dtype):
-    return False
+    """True when all three kernels (fwd, dgrad, wgrad) take these shapes and dtype.
+
+    ``w_shape`` is [G, K, N] with ``x_shape`` [M, K] (the forward layout).
+    """
+    return _unsupported_reason(tuple(x_shape), tuple(w_shape), dtype) is None
+
+
+def _require(x_shape, w_shape, dtype):
+    reason = _unsupported_reason(tuple(x_shape), tuple(w_shape), dtype)
+    if reason is not None:
+        raise ValueError(f"mosaic gmm backend cannot take this problem: {reason}")
+
+
+def gmm(x, w, group_sizes, *, transpose_rhs=False, out_dtype=None, tiling=None):
+    """x[M,K'] @ w[g] per row group -> [M, N']; w[G,K,N] read transposed if transpose_rhs.
+
+    Raises:
+      ValueError for shapes or dtypes the kernel cannot take.
+    """
+    if x.dtype != w.dtype:
+        raise ValueError(f"mosaic gmm: x and w must share a dtype, got {x.dtype} and {w.dtype}")
+    _, k, n = w.shape
+    _require((x.shape[0], k), w.shape, x.dtype)
+    kind = "dgrad" if transpose_rhs else "fwd"
+    tiling = tiling or tuning.lookup(kind, x.dtype, k, n)
+    return mosaic_gmm.gmm(
+        x, w, group_sizes, tiling=tiling, transpose_rhs=transpose_rhs, out_dtype=out_dtype
+    )
+
+
+def tgmm(x, dy, group_sizes, *, num_groups, out_dtype=None, tiling=None):
+    """dw[g] = x[rows of g]^T @ dy[rows of g] -> [G, K, N]; zeros for empty groups.
+
+    Raises:
+      ValueError for shapes or dtypes the kernel cannot take.
+    """
+    if x.dtype != dy.dtype:
+        raise ValueError(f"mosaic tgmm: x and dy must share a dtype, got {x.dtype} and {dy.dtype}")
+    if x.ndim != 2 or dy.ndim != 2:
+        raise ValueError(f"mosaic tgmm: x and dy must be 2-D, got {x.shape} and {dy.shape}")
+    k, n = x.shape[1], dy.shape[1]
+    _require(x.shape, (num_groups, k, n), x.dtype)
+    tiling = tiling or tuning.lookup("wgrad", x.dtype, k, n)
+    return mosaic_tgmm.tgmm(
+        x, dy, group_sizes, num_groups=num_groups, tiling=tiling, out_dtype=out_dtype
+    )

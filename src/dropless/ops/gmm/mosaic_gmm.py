@@ -1,0 +1,238 @@
+"""Hopper grouped matmul (forward and dgrad) in Pallas Mosaic GPU.
+
+Legend: M rows, K contraction, N output columns, G groups, T row tiles.
+
+    y[rows of g] = x[rows of g] @ w[g]        (fwd:   w is [G, K, N])
+    y[rows of g] = x[rows of g] @ w[g]^T      (dgrad: w is [G, N, K], read
+                                               transposed through smem, no copy)
+
+Why our own kernel: jax's example ``ragged_dot_mgpu`` (one warpgroup, no warp
+specialization, per-group unrolled tile lookup) measured 592 TF/s forward
+against 718 TF/s for dense cuBLAS on an H200 at M=65536, G=32, and its
+``GroupInfo`` is O(G) code; ``lax.ragged_dot`` runs at 23 TF/s there.
+
+Design:
+- A device-side schedule (``schedule.row_tile_schedule``) lists one tile per
+  (row block, group) pair that intersect; the kernel reads its tile's
+  ``(group, row_start, store_lo, store_hi)`` from small int32 arrays, so code
+  size and compile time do not depend on G.
+- Persistent grid over all SMs (queried from the device); the loop bound is
+  the live tile count x column bands, read on device, so padding tiles cost
+  nothing.
+- Warp specialization as in jax's ``hopper_matmul_mgpu``: a memory warpgroup
+  streams TMA loads into a ``num_stages``-deep smem ring, two compute
+  warpgroups each run wgmma on a block_m x block_n half of the CTA tile.
+- Row blocks sit on the global block_m grid because Mosaic's swizzled TMA
+  copies need row offsets that are multiples of the 8-row smem tile. A block
+  holding a group boundary is computed once per group in it.
+- Epilogue: a tile whose block lies inside its group goes out through
+  swizzled 64x64 smem tiles and TMA stores. A boundary tile stores exactly
+  its rows ``[store_lo, store_hi)``: it goes through an unswizzled buffer
+  (aliased with the swizzled one) and a ladder of power-of-two-row TMA
+  stores. Tail tiles store zeros, so rows past ``sum(group_sizes)`` are
+  written in the same pass. Rows past M are clipped by TMA.
+"""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+from dropless.ops.gmm import schedule as schedule_lib
+from dropless.ops.gmm.tuning import GmmTiling
+
+_EPI = 64  # epilogue tile edge: one 128-byte swizzle row of bf16
+_MEMORY_REGISTERS = 40  # the TMA warpgroup needs few registers; the rest go to wgmma
+
+
+def num_sms(device=None):
+    """Streaming multiprocessors of the device (1 where the device has none, e.g. interpret mode)."""
+    device = device or jax.devices()[0]
+    return int(getattr(device, "core_count", 0) or 1)
+
+
+def _swizzle_transforms(minor_elems, dtype):
+    swizzle = plgpu.find_swizzle(minor_elems * jnp.dtype(dtype).itemsize * 8)
+    swizzle_elems = swizzle // jnp.dtype(dtype).itemsize
+    return (plgpu.TilingTransform((8, swizzle_elems)), plgpu.SwizzleTransform(swizzle))
+
+
+def check_shapes(x_shape, w_shape, tiling, transpose_rhs):
+    """Raise ValueError unless the kernel takes these shapes with this tiling."""
+    m, k = x_shape
+    _, kw, nw = w_shape
+    k_in, n_out = (nw, kw) if transpose_rhs else (kw, nw)
+    if k != k_in:
+        raise ValueError(f"mosaic gmm: x has {k} columns but w contracts over {k_in}")
+    if k % tiling.block_k:
+        raise ValueError(f"mosaic gmm: contraction {k=} must be a multiple of {tiling.block_k=}")
+    if n_out % (2 * tiling.block_n):
+        raise ValueError(
+            f"mosaic gmm: output columns {n_out=} must be a multiple of 2 * {tiling.block_n=}"
+        )
+    if m < 1:
+        raise ValueError(f"mosaic gmm: x must have at least one row, got {m=}")
+    return m, k, n_out
+
+
+def gmm(x_MK, w, group_sizes_G, *, tiling: GmmTiling, transpose_rhs=False, out_dtype=None,
+        sms=None):
+    """Grouped matmul; see the module docstring. Returns [M, N_out] in out_dtype."""
+    m, k, n_out = check_shapes(x_MK.shape, w.shape, tiling, transpose_rhs)
+    out_dtype = jnp.dtype(out_dtype or x_MK.dtype)
+    bm, bn, bk = tiling.block_m, tiling.block_n, tiling.block_k
+    cta_n = 2 * bn
+    n_bands = n_out // cta_n
+    k_steps = k // bk
+    sched = schedule_lib.row_tile_schedule(group_sizes_G, m, bm)
+    in_transforms = _swizzle_transforms(bk, x_MK.dtype)
+    out_transforms = _swizzle_transforms(_EPI, out_dtype)
+
+    def make_pipeline(mma_body, compute_context):
+        w_block = (cta_n, bk) if transpose_rhs else (bk, cta_n)
+        w_index = (lambda kk: (0, kk)) if transpose_rhs else (lambda kk: (kk, 0))
+        return plgpu.emit_pipeline_warp_specialized(
+            mma_body,
+            grid=(k_steps,),
+            memory_registers=_MEMORY_REGISTERS,
+            in_specs=[
+                plgpu.BlockSpec((bm, bk), lambda kk: (0, kk), transforms=in_transforms),
+                plgpu.BlockSpec(w_block, w_index, transforms=in_transforms),
+            ],
+            wg_axis="wg",
+            num_compute_wgs=2,
+            max_concurrent_steps=tiling.num_stages,
+            compute_context=compute_context,
+        )
+
+    def body(group_ref, row_start_ref, lo_ref, hi_ref, num_tiles_ref, x_gmem, w_gmem, o_gmem):
+        ignore = lambda *_, **__: None
+        w_alloc_ref = w_gmem.at[0, :, pl.ds(0, cta_n)] if not transpose_rhs else w_gmem.at[0, pl.ds(0, cta_n)]
+        pipeline_allocs = make_pipeline(ignore, ignore).get_allocations(
+            x_gmem.at[pl.ds(0, bm)], w_alloc_ref
+        )
+
+        @functools.partial(
+            pl.run_scoped,
+            pipeline_allocs=pipeline_allocs,
+            out_smem=plgpu.RefUnion(
+                plgpu.SMEM((2, 2, _EPI, _EPI), out_dtype, transforms=out_transforms),
+                plgpu.SMEM((2, _EPI, bn), out_dtype),
+            ),
+            collective_axes="wg",
+        )
+        def _scope(pipeline_allocs, out_smem):
+            tiles_smem, rows_smem = out_smem
+            wg = lax.axis_index("wg")
+            n_tiles = num_tiles_ref[0]
+
+            @plgpu.nd_loop((n_tiles, n_bands), collective_axes="sm")
+            def _tile_loop(loop_info):
+                t, band = loop_info.index
+                group = group_ref[t]
+                row_start = pl.multiple_of(row_start_ref[t], bm)
+                col0 = pl.multiple_of(band * cta_n + wg * bn, bn)
+                store = functools.partial(
+                    _store_tile, tiles_smem=tiles_smem, rows_smem=rows_smem, o_gmem=o_gmem,
+                    wg=wg, m=m, bm=bm, bn=bn, row_start=row_start, col0=col0,
+                    lo=lo_ref[t], hi=hi_ref[t],
+                )
+
+                def compute_context(eval_pipeline):
+                    @functools.partial(pl.run_scoped, acc_ref=plgpu.ACC((bm, bn), jnp.float32))
+                    def _acc_scope(acc_ref):
+                        eval_pipeline(acc_ref)
+                        store(acc_ref[...].astype(out_dtype))
+
+                def mma_body(_, x_smem, w_smem, acc_ref):
+                    if transpose_rhs:
+                        rhs = w_smem.at[pl.ds(wg * bn, bn)].T
+                    else:
+                        rhs = w_smem.at[:, pl.ds(wg * bn, bn)]
+                    plgpu.wgmma(acc_ref, x_smem, rhs)
+                    plgpu.wgmma_wait(0)
+                    return acc_ref
+
+                @pl.when(group >= 0)
+                def _matmul_tile():
+                    w_cols = pl.ds(band * cta_n, cta_n)
+                    w_ref = w_gmem.at[group, w_cols] if transpose_rhs else w_gmem.at[group, :, w_cols]
+                    make_pipeline(mma_body, compute_context)(
+                        x_gmem.at[pl.ds(row_start, bm)], w_ref, allocations=pipeline_allocs
+                    )
+
+                @pl.when((group < 0) & (wg < 2))
+                def _zero_tile():
+                    zeros = plgpu.layout_cast(jnp.zeros((bm, bn), out_dtype), plgpu.Layout.WGMMA)
+                    store(zeros)
+
+        plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+
+    kernel = plgpu.kernel(
+        body,
+        out_type=jax.ShapeDtypeStruct((m, n_out), out_dtype),
+        grid=(sms or num_sms(),),
+        grid_names=("sm",),
+        num_threads=3,
+        thread_name="wg",
+        compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
+    )
+    return kernel(
+        sched.group_T, sched.row_start_T, sched.store_lo_T, sched.store_hi_T, sched.num_tiles,
+        x_MK, w,
+    )
+
+
+def _store_tile(out, *, tiles_smem, rows_smem, o_gmem, wg, m, bm, bn, row_start, col0, lo, hi):
+    """Store rows [lo, hi) of a warpgroup's [bm, bn] result (block rows row_start..).
+
+    Other rows of the block belong to other groups and must not be written,
+    except rows past M (TMA clips those).
+    """
+    # The previous tile's stores must have read the (aliased) smem buffers.
+    plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+    full = (lo == row_start) & ((hi == row_start + bm) | (hi == m))
+
+    @pl.when(full)
+    def _whole_tile():
+        for i in range(bm // _EPI):
+            for j in range(bn // _EPI):
+                slot = (i * (bn // _EPI) + j) % 2
+                # Keep one store in flight while filling the other slot.
+                plgpu.wait_smem_to_gmem(1, wait_read_only=True)
+                tiles_smem[wg, slot] = out[i * _EPI:(i + 1) * _EPI, j * _EPI:(j + 1) * _EPI]
+                plgpu.commit_smem()
+                plgpu.copy_smem_to_gmem(
+                    tiles_smem.at[wg, slot],
+                    o_gmem.at[pl.ds(row_start + i * _EPI, _EPI), pl.ds(col0 + j * _EPI, _EPI)],
+                )
+
+    @pl.when(~full)
+    def _row_exact():
+        # TMA boxes have static shapes: store the rows of each 64-row half as a
+        # ladder of power-of-two row counts (64, 32, ..., 1), from an
+        # unswizzled buffer that allows any row offset.
+        for i in range(bm // _EPI):
+            half_lo = jnp.clip(lo - row_start - i * _EPI, 0, _EPI)
+            half_hi = jnp.clip(hi - row_start - i * _EPI, 0, _EPI)
+            num_rows = half_hi - half_lo
+
+            @pl.when(num_rows > 0)
+            def _half():
+                plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+                rows_smem[wg] = out[i * _EPI:(i + 1) * _EPI, :]
+                plgpu.commit_smem()
+                offset = half_lo
+                size = _EPI
+                while size >= 1:
+                    @pl.when((num_rows & size) != 0)
+                    def _store_rows():
+                        plgpu.copy_smem_to_gmem(
+                            rows_smem.at[wg, pl.ds(offset, size)],
+                            o_gmem.at[pl.ds(row_start + i * _EPI + offset, size), pl.ds(col0, bn)],
+                        )
+                    offset = offset + (num_rows & size)
+                    size //= 2
