@@ -134,6 +134,7 @@ class TrainConfig:
     enable_checkpointing: bool = True
     checkpoint_period: int = 50
     async_checkpointing: bool = True
+    max_num_checkpoints_to_keep: int = 0  # 0: keep all
     load_parameters_path: str = ""
     log_period: int = 1
     enable_tensorboard: bool = True
