@@ -300,6 +300,7 @@ def plot(bd: Breakdown, path, title: str = "Where the time goes") -> None:
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    from matplotlib.patches import Patch
 
     labels = [c["label"] for c in bd.categories][::-1]
     kernel = [c["pct_kernel"] for c in bd.categories][::-1]
@@ -307,9 +308,8 @@ def plot(bd: Breakdown, path, title: str = "Where the time goes") -> None:
     colors = [COLORS[c["category"]] for c in bd.categories][::-1]
     fig, ax = plt.subplots(figsize=(8, 3.6), dpi=120)
     ys = range(len(labels))
-    ax.barh([y + 0.2 for y in ys], kernel, height=0.4, color=colors, label="% of kernel time")
-    ax.barh([y - 0.2 for y in ys], wall, height=0.4, color=colors, alpha=0.45,
-            label="% of wall time")
+    ax.barh([y + 0.2 for y in ys], kernel, height=0.4, color=colors)
+    ax.barh([y - 0.2 for y in ys], wall, height=0.4, color=colors, alpha=0.45)
     for y, k in zip(ys, kernel):
         ax.text(k + 0.5, y + 0.2, f"{k:.1f}", va="center", fontsize=8)
     ax.set_yticks(list(ys), labels)
@@ -317,7 +317,10 @@ def plot(bd: Breakdown, path, title: str = "Where the time goes") -> None:
     ax.set_xlim(0, max(100.0, max(kernel + wall, default=0) * 1.1))
     ax.set_title(f"{title} ({bd.platform}, {bd.steps} steps, "
                  f"{bd.wall_us / max(bd.steps, 1) / 1e3:.2f} ms/step)", fontsize=10)
-    ax.legend(loc="lower right", fontsize=8)
+    # Neutral swatches: the bar colours encode the category, the shade the denominator.
+    ax.legend(handles=[Patch(color="0.35", label="% of kernel time"),
+                       Patch(color="0.35", alpha=0.45, label="% of wall time")],
+              loc="lower right", fontsize=8)
     fig.tight_layout()
     fig.savefig(path)
     plt.close(fig)

@@ -1,0 +1,189 @@
+"""``dropless profile [config.yml] key=value ... [--steps N] [--warmup W]``: where the step time goes.
+
+Resolves the config exactly as ``dropless train`` does (same precedence, XLA
+flags and environment applied before JAX starts), builds the trainer's state,
+jitted step and batches without training, runs ``W`` warm-up steps (compile,
+autotune, allocator growth), then captures a ``jax.profiler`` trace of ``N``
+steps, each under a ``StepTraceAnnotation``. Written to
+``<base_output_directory>/<run_name>/profile/``:
+
+- ``plugins/profile/<time>/*.trace.json.gz`` and ``perfetto_trace.json.gz``
+  (open the latter at https://ui.perfetto.dev, or the directory with
+  TensorBoard/XProf);
+- ``breakdown.json``: kernel time by category (% of kernel time and of wall
+  time), the top kernels, the run's config and step time;
+- ``breakdown.png``: the categories as a bar chart.
+
+The trainer is reached through one function, ``dropless.train.loop.build(
+model_cfg, train_cfg, mesh_cfg)``, which must return an object with
+``state``, ``step_fn`` (``(state, batch) -> (state, metrics)``, jitted) and
+``batches`` (an iterator of device-ready batches), or that triple as a tuple.
+"""
+
+import argparse
+import datetime
+import sys
+import time
+from pathlib import Path
+
+EXIT_UNAVAILABLE = 1
+
+
+def parse_args(args: list[str]):
+    """Split our flags from the config file and key=value overrides.
+
+    Returns:
+      (namespace with steps, warmup, top, python_trace; the remaining args).
+
+    Raises:
+      SystemExit: bad flag values (argparse), or an unknown ``--flag``.
+    """
+    parser = argparse.ArgumentParser(prog="dropless profile", description=__doc__.splitlines()[0])
+    parser.add_argument("--steps", type=int, default=3, help="steps to trace (default 3)")
+    parser.add_argument("--warmup", type=int, default=2, help="untraced steps first (default 2)")
+    parser.add_argument("--top", type=int, default=15, help="kernels to list (default 15)")
+    parser.add_argument("--python-trace", action="store_true",
+                        help="also trace Python calls (large traces)")
+    ns, rest = parser.parse_known_args(args)
+    unknown = [a for a in rest if a.startswith("--")]
+    if unknown:
+        parser.error(f"unrecognized arguments: {' '.join(unknown)}")
+    if ns.steps < 1 or ns.warmup < 0 or ns.top < 1:
+        parser.error(f"need --steps >= 1, --warmup >= 0, --top >= 1; got {ns.steps}, "
+                     f"{ns.warmup}, {ns.top}")
+    return ns, rest
+
+
+def run_dir(cfg) -> Path:
+    """``base_output_directory/run_name``; run_name defaults to '<model>-profile-<time>'."""
+    name = cfg.run_name or f"{cfg.model_name}-profile-{datetime.datetime.now():%Y%m%d-%H%M%S}"
+    return Path(cfg.base_output_directory) / name
+
+
+class TrainerUnavailable(RuntimeError):
+    """The trainer does not expose ``dropless.train.loop.build`` (yet)."""
+
+
+def build_trainer(model_cfg, train_cfg, mesh_cfg):
+    """(state, step_fn, batches) from ``dropless.train.loop.build``.
+
+    Raises:
+      TrainerUnavailable: no such module or function.
+      TypeError: ``build`` returned something without state/step_fn/batches.
+    """
+    import importlib
+
+    try:
+        loop = importlib.import_module("dropless.train.loop")
+    except ModuleNotFoundError as e:
+        if e.name != "dropless.train.loop":
+            raise
+        raise TrainerUnavailable("dropless.train.loop is not available in this version") from None
+    build = getattr(loop, "build", None)
+    if build is None:
+        raise TrainerUnavailable("dropless.train.loop has no build(model_cfg, train_cfg, "
+                                 "mesh_cfg) -> (state, step_fn, batches)")
+    built = build(model_cfg, train_cfg, mesh_cfg)
+    if isinstance(built, tuple) and len(built) == 3:
+        return built
+    try:
+        return built.state, built.step_fn, built.batches
+    except AttributeError:
+        raise TypeError(f"dropless.train.loop.build returned {type(built).__name__}; expected "
+                        "(state, step_fn, batches) or an object with those attributes") from None
+
+
+def run_steps(state, step_fn, batches, steps: int, annotate: bool):
+    """Run ``steps`` steps (each under a StepTraceAnnotation if ``annotate``); wait for the device."""
+    import jax
+
+    metrics = None
+    for i in range(steps):
+        if annotate:
+            with jax.profiler.StepTraceAnnotation("train", step_num=i):
+                state, metrics = step_fn(state, next(batches))
+        else:
+            state, metrics = step_fn(state, next(batches))
+    jax.block_until_ready((state, metrics))
+    return state, metrics
+
+
+def capture(state, step_fn, batches, out: Path, *, steps: int, warmup: int, python_trace: bool):
+    """Warm up, then trace ``steps`` steps into ``out``; returns (state, seconds traced)."""
+    import jax
+
+    state, _ = run_steps(state, step_fn, batches, warmup, annotate=False)
+    options = jax.profiler.ProfileOptions()
+    options.python_tracer_level = 1 if python_trace else 0
+    t0 = time.perf_counter()
+    with jax.profiler.trace(str(out), create_perfetto_trace=True, profiler_options=options):
+        state, _ = run_steps(state, step_fn, batches, steps, annotate=True)
+    return state, time.perf_counter() - t0
+
+
+def throughput(cfg, step_ms: float) -> dict:
+    """Model TFLOPS/device and MFU at ``step_ms`` per step, from ``dropless.train.flops``."""
+    import jax
+
+    try:
+        from dropless.train import flops
+    except ImportError:
+        return {}
+    model_cfg, train_cfg = cfg.model(), cfg.train()
+    per_step = flops.training_tflops_per_device(
+        model_cfg, train_cfg.per_device_batch_size, train_cfg.max_target_length,
+        train_cfg.gradient_accumulation_steps).total
+    achieved = per_step / (step_ms / 1e3) if step_ms > 0 else 0.0
+    peak = flops.peak_tflops(jax.devices()[0].device_kind, flops.precision_of(model_cfg))
+    return {"tflops_per_device_per_step": per_step, "tflops_per_device": achieved,
+            "mfu_pct": 100 * achieved / peak if peak else None}
+
+
+def main(args: list[str]) -> int:
+    """Entry point of ``dropless profile``; returns the exit code.
+
+    Raises:
+      dropless.config.loader.ConfigError: a bad config (the CLI prints it).
+    """
+    ns, rest = parse_args(args)
+    from dropless.cli import _resolve, _start_runtime
+
+    resolved = _resolve(rest)
+    cfg = resolved.config
+    applied, mesh_shape = _start_runtime(cfg)
+    from rich.console import Console
+
+    from dropless.perf import breakdown, measure, trace
+
+    console = Console() if sys.stdout.isatty() else Console(width=160)
+    try:
+        state, step_fn, batches = build_trainer(cfg.model(), cfg.train(), cfg.mesh())
+    except TrainerUnavailable as e:
+        print(f"dropless profile: {e}", file=sys.stderr)
+        return EXIT_UNAVAILABLE
+    out = run_dir(cfg) / "profile"
+    out.mkdir(parents=True, exist_ok=True)
+    console.print(f"profiling {ns.steps} steps after {ns.warmup} warm-up steps -> {out}")
+    capture(state, step_fn, batches, out, steps=ns.steps, warmup=ns.warmup,
+            python_trace=ns.python_trace)
+    path = trace.find_trace_file(out)
+    bd = breakdown.compute(trace.load_trace(path), top=ns.top)
+    step_ms = bd.wall_us / max(bd.steps, 1) / 1e3
+    extra = {"model_name": cfg.model_name, "config": cfg.model_dump(mode="json"),
+             "changed": {k: resolved.source(k) for k in resolved.sources}, "mesh": mesh_shape, "xla_flags": applied, "step_ms": step_ms,
+             "device": measure.device_info(), "versions": measure.versions(),
+             "commit": measure.git_commit(), **throughput(cfg, step_ms)}
+    breakdown.save(bd, out / "breakdown.json", extra=extra)
+    breakdown.plot(bd, out / "breakdown.png", title=f"{cfg.model_name}: where the time goes")
+    breakdown.print_breakdown(bd, console)
+    if extra.get("tflops_per_device") is not None:
+        mfu = extra.get("mfu_pct")
+        console.print(f"{step_ms:.2f} ms/step, {extra['tflops_per_device']:.4g} TFLOPS/device"
+                      + (f", MFU {mfu:.1f}%" if mfu is not None else ""))
+    console.print(f"wrote {out / 'breakdown.json'}, {out / 'breakdown.png'}; trace {path} "
+                  f"(Perfetto: {path.parent / 'perfetto_trace.json.gz'})")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
