@@ -1,0 +1,173 @@
+"""Multi-head Latent Attention (MLA, DeepSeek-V2/V3) with causal attention backends.
+
+Legend: B batch, S sequence (queries), T sequence (keys), D model dim, H heads,
+N ``qk_nope_head_dim``, R ``qk_rope_head_dim``, Q = N + R query/key head dim,
+V ``v_head_dim``, Lq ``q_lora_rank``, Lkv ``kv_lora_rank``.
+
+MLA compresses keys and values into one latent of Lkv features per token (the
+only thing an inference cache must keep) and queries into Lq features:
+
+    q_BSHQ  = wq_b(q_norm(wq_a(x)))                      (or wq(x) when Lq = 0)
+    [c_kv, k_pe] = wkv_a(x)                              [B,S,Lkv] and [B,S,R]
+    [k_nope, v] = wkv_b(kv_norm(c_kv))                   per head: N and V features
+    q = [q_nope, rope(q_pe)],  k = [k_nope, rope(k_pe) shared by all heads]
+    y = wo(softmax(q k^T * scale, causal) v)
+
+The position information rides on a separate, decoupled R-dim part of each
+head (``k_pe`` is shared by all heads), so the latent stays position-free.
+
+Activations carry ``checkpoint_name`` tags for remat/offload policies:
+``mla_q`` (q latent), ``mla_kv`` (kv latent + k_pe), ``query_proj``,
+``key_proj``, ``value_proj``, ``context`` (attention output), ``out_proj``.
+
+Backends (``MLAConfig.attention``):
+  * ``dot_product``: two einsums and a float32 softmax, any platform.
+  * ``cudnn_flash_te``: cuDNN fused flash attention through
+    ``jax.nn.dot_product_attention(implementation="cudnn")``. cuDNN wants one
+    head dim for q, k and v, so v (V=128 in V3) is zero-padded to Q (192) and the
+    padding is sliced off the output; zeros in v only add zero columns.
+"""
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+from jax.ad_checkpoint import checkpoint_name
+
+from dropless.config.sections import MLAConfig
+from dropless.nn import rope
+
+ATTENTION_BACKENDS = ("dot_product", "cudnn_flash_te")
+
+default_kernel_init = nnx.initializers.variance_scaling(1.0, "fan_in", "truncated_normal")
+
+
+def dot_product_attention(q_BSHQ, k_BTHQ, v_BTHV, *, scale: float) -> jax.Array:
+    """Causal softmax attention in XLA; logits and softmax in float32.
+
+    Args:
+      q_BSHQ, k_BTHQ: queries and keys; v_BTHV: values (V may differ from Q).
+      scale: multiplier of q.k before the softmax.
+
+    Returns:
+      [B, S, H, V] in v's dtype. Query i attends to keys 0..i (S == T).
+    """
+    logits_BHST = jnp.einsum(
+        "bshq,bthq->bhst", q_BSHQ, k_BTHQ, preferred_element_type=jnp.float32
+    ) * scale
+    s, t = q_BSHQ.shape[1], k_BTHQ.shape[1]
+    causal_ST = jnp.arange(s)[:, None] >= jnp.arange(t)[None, :]
+    logits_BHST = jnp.where(causal_ST, logits_BHST, jnp.finfo(jnp.float32).min)
+    probs_BHST = jax.nn.softmax(logits_BHST, axis=-1)
+    return jnp.einsum("bhst,bthv->bshv", probs_BHST.astype(v_BTHV.dtype), v_BTHV)
+
+
+def fused_attention(q_BSHQ, k_BTHQ, v_BTHV, *, scale: float, implementation="cudnn"):
+    """Causal attention through ``jax.nn.dot_product_attention``, v padded to Q.
+
+    Args:
+      implementation: ``"cudnn"`` (GPU flash attention) or ``"xla"`` / None;
+        the CPU tests use ``"xla"`` to check the padding logic.
+
+    Returns:
+      [B, S, H, V] in q's dtype.
+
+    Raises:
+      ValueError: ``implementation="cudnn"`` with a dtype cuDNN cannot take.
+    """
+    if implementation == "cudnn" and q_BSHQ.dtype not in (jnp.bfloat16, jnp.float16):
+        raise ValueError(
+            f"attention='cudnn_flash_te' needs dtype bfloat16 or float16, got {q_BSHQ.dtype}"
+        )
+    qk_dim, v_dim = q_BSHQ.shape[-1], v_BTHV.shape[-1]
+    if v_dim > qk_dim:
+        raise ValueError(f"v head dim {v_dim} larger than q/k head dim {qk_dim} is not supported")
+    pad = [(0, 0)] * 3 + [(0, qk_dim - v_dim)]
+    v_BTHQ = jnp.pad(v_BTHV, pad) if v_dim < qk_dim else v_BTHV
+    out_BSHQ = jax.nn.dot_product_attention(
+        q_BSHQ, k_BTHQ, v_BTHQ, scale=scale, is_causal=True, implementation=implementation
+    )
+    return out_BSHQ[..., :v_dim]
+
+
+class MLA(nnx.Module):
+    """Multi-head Latent Attention ``[B, S, D] -> [B, S, D]``, causal.
+
+    Parameters (kernels ``[in, out]``, in ``param_dtype``): ``wq_a`` [D, Lq],
+    ``q_norm`` [Lq], ``wq_b`` [Lq, H*Q] (or ``wq`` [D, H*Q] when Lq = 0),
+    ``wkv_a`` [D, Lkv + R], ``kv_norm`` [Lkv], ``wkv_b`` [Lkv, H*(N+V)],
+    ``wo`` [H*V, D].
+    """
+
+    def __init__(self, cfg: MLAConfig, *, emb_dim: int, dtype, param_dtype, rngs: nnx.Rngs):
+        if cfg.attention not in ATTENTION_BACKENDS:
+            raise ValueError(f"attention={cfg.attention!r} is not one of {ATTENTION_BACKENDS}")
+        for name in ("num_heads", "kv_lora_rank", "qk_nope_head_dim", "v_head_dim"):
+            if getattr(cfg, name) <= 0:
+                raise ValueError(f"MLA: {name}={getattr(cfg, name)} must be positive")
+        self.cfg = cfg
+        self.dtype = dtype
+        h, q_dim = cfg.num_heads, cfg.qk_nope_head_dim + cfg.qk_rope_head_dim
+
+        def linear(d_in, d_out):
+            return nnx.Linear(
+                d_in, d_out, use_bias=False, dtype=dtype, param_dtype=param_dtype,
+                kernel_init=default_kernel_init, rngs=rngs,
+            )
+
+        def norm(n):
+            return nnx.RMSNorm(
+                n, epsilon=cfg.normalization_layer_epsilon, dtype=dtype,
+                param_dtype=param_dtype, rngs=rngs,
+            )
+
+        if cfg.q_lora_rank > 0:
+            self.wq_a = linear(emb_dim, cfg.q_lora_rank)
+            self.q_norm = norm(cfg.q_lora_rank)
+            self.wq_b = linear(cfg.q_lora_rank, h * q_dim)
+        else:
+            self.wq = linear(emb_dim, h * q_dim)
+        self.wkv_a = linear(emb_dim, cfg.kv_lora_rank + cfg.qk_rope_head_dim)
+        self.kv_norm = norm(cfg.kv_lora_rank)
+        self.wkv_b = linear(cfg.kv_lora_rank, h * (cfg.qk_nope_head_dim + cfg.v_head_dim))
+        self.wo = linear(h * cfg.v_head_dim, emb_dim)
+
+    def _query(self, x_BSD):
+        cfg = self.cfg
+        if cfg.q_lora_rank > 0:
+            q_lat_BSL = checkpoint_name(self.wq_a(x_BSD), "mla_q")
+            q = self.wq_b(self.q_norm(q_lat_BSL))
+        else:
+            q = self.wq(x_BSD)
+        b, s = x_BSD.shape[:2]
+        return q.reshape(b, s, cfg.num_heads, cfg.qk_nope_head_dim + cfg.qk_rope_head_dim)
+
+    def __call__(self, x_BSD: jax.Array, positions_BS: jax.Array) -> jax.Array:
+        """x [B, S, D] (any float dtype), positions [B, S] int -> [B, S, D] in ``dtype``."""
+        cfg = self.cfg
+        b, s, _ = x_BSD.shape
+        h, n, r, v_dim = cfg.num_heads, cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim
+        x_BSD = x_BSD.astype(self.dtype)
+        cos_BSR2, sin_BSR2 = rope.rope_cos_sin(positions_BS, cfg)
+
+        q_BSHQ = self._query(x_BSD)
+        q_nope_BSHN, q_pe_BSHR = q_BSHQ[..., :n], q_BSHQ[..., n:]
+        q_BSHQ = jnp.concatenate([q_nope_BSHN, rope.apply_rope(q_pe_BSHR, cos_BSR2, sin_BSR2)], -1)
+        q_BSHQ = checkpoint_name(q_BSHQ, "query_proj")
+
+        kv_a_BSX = checkpoint_name(self.wkv_a(x_BSD), "mla_kv")
+        c_kv_BSL, k_pe_BSR = kv_a_BSX[..., : cfg.kv_lora_rank], kv_a_BSX[..., cfg.kv_lora_rank :]
+        kv_BSHX = self.wkv_b(self.kv_norm(c_kv_BSL)).reshape(b, s, h, n + v_dim)
+        k_nope_BSHN, v_BSHV = kv_BSHX[..., :n], kv_BSHX[..., n:]
+        k_pe_BS1R = rope.apply_rope(k_pe_BSR[:, :, None, :], cos_BSR2, sin_BSR2)
+        k_BSHQ = jnp.concatenate([k_nope_BSHN, jnp.broadcast_to(k_pe_BS1R, (b, s, h, r))], -1)
+        k_BSHQ = checkpoint_name(k_BSHQ, "key_proj")
+        v_BSHV = checkpoint_name(v_BSHV, "value_proj")
+
+        scale = rope.yarn_softmax_scale(cfg)
+        if cfg.attention == "cudnn_flash_te":
+            out_BSHV = fused_attention(q_BSHQ, k_BSHQ, v_BSHV, scale=scale, implementation="cudnn")
+        else:
+            out_BSHV = dot_product_attention(q_BSHQ, k_BSHQ, v_BSHV, scale=scale)
+        out_BSHV = checkpoint_name(out_BSHV, "context")
+        y_BSD = self.wo(out_BSHV.reshape(b, s, h * v_dim))
+        return checkpoint_name(y_BSD, "out_proj")

@@ -1,0 +1,255 @@
+"""The DeepSeek-V3-style decoder: embedding, MLA + (dense | MoE) layers, head, MTP.
+
+Legend: B batch, S sequence, D model dim (``emb_dim``), V vocabulary, L layers
+of one stack, E routed experts.
+
+    h = embed(tokens)
+    h = dense_layers(h)      first ``first_num_dense_layers`` layers, SwiGLU MLP
+    h = moe_layers(h)        the rest, ``MoEBlock``
+    logits = head(final_norm(h))                       untied output head
+
+Each decoder layer is pre-norm: ``h += MLA(norm(h)); h += FFN(norm(h))``.
+Layers of one kind are built once with ``nnx.vmap`` (parameters stacked on a
+leading [L] axis) and applied with ``jax.lax.scan``, so the traced and compiled
+program holds one layer per stack whatever the depth.
+
+Multi-token prediction (DeepSeek-V3 section 2.2), ``mtp_num_layers`` modules:
+module k combines the previous depth's hidden state at position i with the
+embedding of token i+k (``eh_proj([norm(emb); norm(h)])``), runs one decoder
+layer and predicts token i+k+1 through the shared final-norm-less ``head``
+after its own norm. The embedding and head are shared with the main model, as
+in the paper (the released V3 checkpoint stores copies of both, which is why
+its MTP module counts ~14B parameters and ours ~11.6B).
+
+Rematerialisation is chosen by the trainer (``dropless.train.remat``) and
+passed in as a function wrapper, because ``nn`` does not import ``train``.
+"""
+
+from typing import Callable, NamedTuple
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+from jax.ad_checkpoint import checkpoint_name
+
+from dropless.config.sections import ModelConfig
+from dropless.nn.attention import MLA, default_kernel_init
+from dropless.nn.mlp import MLP
+from dropless.nn.moe import MoEBlock, MoEStats, RouterBias
+
+Remat = Callable[[Callable], Callable]
+
+
+def _identity(fn):
+    return fn
+
+
+class ModelOutput(NamedTuple):
+    """What ``Transformer.__call__`` returns.
+
+    logits_BSV: next-token logits, float32.
+    mtp_logits: one [B, S, V] float32 array per MTP depth k (position i
+      predicts token i+k+1; the last k positions are meaningless and masked by
+      the loss).
+    moe_stats: MoEStats per MoE stack, keyed by the stack's path in the model
+      (e.g. ``("moe_layers",)`` with fields stacked over [L], ``("mtp", 0)``).
+    """
+
+    logits_BSV: jax.Array
+    mtp_logits: tuple
+    moe_stats: dict
+
+
+def _norm(cfg: ModelConfig, rngs):
+    return nnx.RMSNorm(
+        cfg.emb_dim, epsilon=cfg.normalization_layer_epsilon, dtype=jnp.dtype(cfg.dtype),
+        param_dtype=jnp.dtype(cfg.weight_dtype), rngs=rngs,
+    )
+
+
+class DecoderLayer(nnx.Module):
+    """Pre-norm MLA + FFN block ``[B, S, D] -> [B, S, D]``; FFN dense or MoE."""
+
+    def __init__(self, cfg: ModelConfig, *, moe: bool, rngs: nnx.Rngs):
+        dtype, param_dtype = jnp.dtype(cfg.dtype), jnp.dtype(cfg.weight_dtype)
+        self.is_moe = moe
+        self.pre_attention_norm = _norm(cfg, rngs)
+        self.attention = MLA(
+            cfg.mla, emb_dim=cfg.emb_dim, dtype=dtype, param_dtype=param_dtype, rngs=rngs
+        )
+        self.pre_ffn_norm = _norm(cfg, rngs)
+        if moe:
+            self.moe = MoEBlock(
+                cfg.moe, emb_dim=cfg.emb_dim, dtype=dtype, param_dtype=param_dtype, rngs=rngs
+            )
+        else:
+            self.mlp = MLP(cfg.emb_dim, cfg.mlp_dim, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
+
+    def __call__(self, x_BSD, positions_BS) -> tuple[jax.Array, MoEStats | None]:
+        """Returns the new hidden state and the MoE stats (None for a dense layer)."""
+        x_BSD = checkpoint_name(x_BSD, "decoder_layer_input")
+        h_BSD = x_BSD + self.attention(self.pre_attention_norm(x_BSD), positions_BS)
+        if self.is_moe:
+            y_BSD, stats = self.moe(self.pre_ffn_norm(h_BSD))
+        else:
+            y_BSD, stats = self.mlp(self.pre_ffn_norm(h_BSD)), None
+        return (h_BSD + y_BSD).astype(x_BSD.dtype), stats
+
+
+class LayerStack(nnx.Module):
+    """``num_layers`` identical decoder layers, parameters stacked on a leading [L] axis."""
+
+    def __init__(self, cfg: ModelConfig, *, num_layers: int, moe: bool, rngs: nnx.Rngs):
+        @nnx.split_rngs(splits=num_layers)
+        @nnx.vmap(in_axes=(0,), out_axes=0)
+        def create(rngs):
+            return DecoderLayer(cfg, moe=moe, rngs=rngs)
+
+        self.layers = create(rngs)
+        self.num_layers = num_layers
+        self.scan_layers = cfg.scan_layers
+
+    def __call__(self, x_BSD, positions_BS, remat: Remat = _identity):
+        """Apply the L layers in order; MoE stats come back stacked on [L] (or None)."""
+        graphdef, state = nnx.split(self.layers)
+
+        def body(x, layer_state):
+            return nnx.merge(graphdef, layer_state)(x, positions_BS)
+
+        body = remat(body)
+        if self.scan_layers:
+            return jax.lax.scan(body, x_BSD, state)
+        # Unrolled: same parameters, one traced copy per layer (compile time grows with L).
+        stats = []
+        for i in range(self.num_layers):
+            x_BSD, s = body(x_BSD, jax.tree.map(lambda a, i=i: a[i], state))
+            stats.append(s)
+        return x_BSD, jax.tree.map(lambda *a: jnp.stack(a), *stats)
+
+
+class MTPModule(nnx.Module):
+    """One multi-token-prediction depth: ``eh_proj``, a decoder layer, a norm."""
+
+    def __init__(self, cfg: ModelConfig, *, moe: bool, rngs: nnx.Rngs):
+        self.hidden_norm = _norm(cfg, rngs)
+        self.embed_norm = _norm(cfg, rngs)
+        self.eh_proj = nnx.Linear(
+            2 * cfg.emb_dim, cfg.emb_dim, use_bias=False, dtype=jnp.dtype(cfg.dtype),
+            param_dtype=jnp.dtype(cfg.weight_dtype), kernel_init=default_kernel_init, rngs=rngs,
+        )
+        self.layer = DecoderLayer(cfg, moe=moe, rngs=rngs)
+        self.final_norm = _norm(cfg, rngs)
+
+    def __call__(self, h_BSD, emb_BSD, positions_BS, remat: Remat = _identity):
+        """h: previous depth's hidden state; emb: embeddings of tokens shifted by k."""
+        x_BSD = self.eh_proj(jnp.concatenate([self.embed_norm(emb_BSD), self.hidden_norm(h_BSD)], -1))
+        graphdef, state = nnx.split(self.layer)
+        h_BSD, stats = remat(lambda x, s: nnx.merge(graphdef, s)(x, positions_BS))(x_BSD, state)
+        return h_BSD, self.final_norm(h_BSD), stats
+
+
+class Transformer(nnx.Module):
+    """DeepSeek-V3-style decoder-only language model.
+
+    Args:
+      cfg: the model section; parameters in ``weight_dtype``, activations in ``dtype``.
+      rngs: parameter initialisation keys.
+      remat: wraps the per-layer function ``(x, layer_state) -> (x, stats)``,
+        e.g. ``jax.checkpoint`` with a policy; identity by default.
+
+    Raises:
+      ValueError: inconsistent layer counts or an invalid sub-config.
+    """
+
+    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs, remat: Remat | None = None):
+        if cfg.num_decoder_layers <= 0:
+            raise ValueError(f"num_decoder_layers={cfg.num_decoder_layers} must be positive")
+        if not 0 <= cfg.first_num_dense_layers <= cfg.num_decoder_layers:
+            raise ValueError(
+                f"first_num_dense_layers={cfg.first_num_dense_layers} must be in "
+                f"[0, num_decoder_layers={cfg.num_decoder_layers}]"
+            )
+        if cfg.mtp_num_layers < 0:
+            raise ValueError(f"mtp_num_layers={cfg.mtp_num_layers} must be >= 0")
+        self.cfg = cfg
+        self.remat = remat or _identity
+        dtype, param_dtype = jnp.dtype(cfg.dtype), jnp.dtype(cfg.weight_dtype)
+        n_dense = cfg.first_num_dense_layers
+        n_moe = cfg.num_decoder_layers - n_dense
+        self.embed = nnx.Embed(
+            cfg.vocab_size, cfg.emb_dim, dtype=dtype, param_dtype=param_dtype,
+            embedding_init=nnx.initializers.normal(1.0), rngs=rngs,
+        )
+        self.dense_layers = LayerStack(cfg, num_layers=n_dense, moe=False, rngs=rngs) if n_dense else None
+        self.moe_layers = LayerStack(cfg, num_layers=n_moe, moe=True, rngs=rngs) if n_moe else None
+        self.final_norm = _norm(cfg, rngs)
+        self.head = nnx.Linear(
+            cfg.emb_dim, cfg.vocab_size, use_bias=False, dtype=dtype, param_dtype=param_dtype,
+            kernel_init=default_kernel_init, rngs=rngs,
+        )
+        # The MTP layer has the kind of the model's last layer (MoE in V3).
+        self.mtp = nnx.List(
+            [MTPModule(cfg, moe=n_moe > 0, rngs=rngs) for _ in range(cfg.mtp_num_layers)]
+        )
+
+    def __call__(self, tokens_BS: jax.Array, positions_BS: jax.Array | None = None) -> ModelOutput:
+        """tokens [B, S] int -> ModelOutput; positions default to 0..S-1.
+
+        Raises:
+          ValueError: tokens not rank 2.
+        """
+        if tokens_BS.ndim != 2:
+            raise ValueError(f"tokens must be [B, S], got shape {tokens_BS.shape}")
+        b, s = tokens_BS.shape
+        if positions_BS is None:
+            positions_BS = jnp.broadcast_to(jnp.arange(s, dtype=jnp.int32), (b, s))
+        emb_BSD = self.embed(tokens_BS)
+        h_BSD, moe_stats = emb_BSD, {}
+        if self.dense_layers is not None:
+            h_BSD, _ = self.dense_layers(h_BSD, positions_BS, self.remat)
+        if self.moe_layers is not None:
+            h_BSD, moe_stats[("moe_layers",)] = self.moe_layers(h_BSD, positions_BS, self.remat)
+        logits_BSV = self.head(self.final_norm(h_BSD)).astype(jnp.float32)
+        mtp_logits = []
+        for k, module in enumerate(self.mtp, start=1):
+            # Position i sees token i+k; the wrapped-around last k positions are masked by the loss.
+            h_BSD, normed_BSD, stats = module(
+                h_BSD, jnp.roll(emb_BSD, -k, axis=1), positions_BS, self.remat
+            )
+            mtp_logits.append(self.head(normed_BSD).astype(jnp.float32))
+            if stats is not None:
+                moe_stats[("mtp", k - 1)] = stats
+        return ModelOutput(logits_BSV, tuple(mtp_logits), moe_stats)
+
+    def apply_router_bias_update(self, moe_stats: dict) -> None:
+        """Add each stack's ``bias_update`` to its RouterBias (in place).
+
+        Called by the trainer after the optimizer step; a stack without a
+        RouterBias (no aux-loss-free balancing) is left alone.
+        """
+        for path, stats in moe_stats.items():
+            module = self
+            for part in path:
+                module = module[part] if isinstance(part, int) else getattr(module, part)
+            for _, var in nnx.iter_graph(module):
+                if isinstance(var, RouterBias):
+                    var.value = var.value + stats.bias_update.astype(var.value.dtype)
+
+
+def count_params(model: nnx.Module) -> int:
+    """Number of ``nnx.Param`` elements (works on ``nnx.eval_shape`` models too)."""
+    return sum(int(x.size) for x in jax.tree.leaves(nnx.state(model, nnx.Param)))
+
+
+def moe_stats_concat(moe_stats: dict) -> MoEStats | None:
+    """All MoE layers' stats as one MoEStats with a leading [L_total] axis (None if no MoE).
+
+    A scanned stack contributes its [L] rows, an MTP layer one row.
+    """
+    if not moe_stats:
+        return None
+    rows = []
+    for stats in moe_stats.values():
+        stacked = stats.tokens_per_expert.ndim == 2
+        rows.append(stats if stacked else jax.tree.map(lambda a: a[None], stats))
+    return jax.tree.map(lambda *a: jnp.concatenate(a, axis=0), *rows)

@@ -1,0 +1,222 @@
+"""Orbax checkpoints with integrity manifests: save, resume, load parameters.
+
+Layout: ``<run_dir>/checkpoints/<step>/`` with three Orbax items:
+
+    model   {"params", "router_bias"}          what ``load_parameters_path`` loads
+    opt     {"opt_state", "step", "skipped_steps"}
+    dropless_manifest.json                     size and CRC32 of every file
+
+Step N holds the state after N train steps. Orbax writes into a temporary
+directory and renames it when complete, so a process killed mid-save leaves
+no half checkpoint under a step name. Once the save is finalised (``poll``,
+called every train step, sees Orbax idle) a background thread writes the
+manifest; a step directory without one is treated as incomplete and skipped
+on resume. A step
+whose files disagree with its manifest (truncated, overwritten, missing) is
+corrupt: ``CheckpointError`` says which and how to fall back, and nothing is
+loaded. Checking reads every byte once, at restore time only.
+"""
+
+import concurrent.futures
+import json
+import os
+import threading
+import zlib
+
+import jax
+import orbax.checkpoint as ocp
+
+MANIFEST = "dropless_manifest.json"
+ITEMS = ("model", "opt")
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint is missing, incomplete, corrupt or does not fit the model."""
+
+
+def _crc32(path: str) -> int:
+    crc = 0
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 24):
+            crc = zlib.crc32(chunk, crc)
+    return crc
+
+
+def _files(step_dir: str) -> list[str]:
+    out = []
+    for root, _, names in os.walk(step_dir):
+        out += [os.path.relpath(os.path.join(root, n), step_dir) for n in names if n != MANIFEST]
+    return sorted(out)
+
+
+def write_manifest(step_dir: str) -> None:
+    """Record size and CRC32 of every file under ``step_dir`` (atomically)."""
+    files = {f: [os.path.getsize(os.path.join(step_dir, f)), _crc32(os.path.join(step_dir, f))]
+             for f in _files(step_dir)}
+    tmp = os.path.join(step_dir, MANIFEST + ".tmp")
+    with open(tmp, "w") as f:
+        json.dump({"version": 1, "files": files}, f)
+    os.replace(tmp, os.path.join(step_dir, MANIFEST))
+
+
+def verify_manifest(step_dir: str) -> None:
+    """Check every file of ``step_dir`` against its manifest.
+
+    Raises:
+      CheckpointError: no manifest, or a file missing, truncated or changed.
+    """
+    path = os.path.join(step_dir, MANIFEST)
+    try:
+        with open(path) as f:
+            files = json.load(f)["files"]
+    except FileNotFoundError:
+        raise CheckpointError(f"checkpoint {step_dir} is incomplete (no {MANIFEST})") from None
+    except (json.JSONDecodeError, KeyError) as e:
+        raise CheckpointError(f"checkpoint {step_dir}: unreadable {MANIFEST} ({e})") from None
+    hint = f"; delete {step_dir} to resume from the previous checkpoint"
+    for name, (size, crc) in files.items():
+        full = os.path.join(step_dir, name)
+        if not os.path.exists(full):
+            raise CheckpointError(f"checkpoint {step_dir} is corrupt: {name} is missing{hint}")
+        actual = os.path.getsize(full)
+        if actual != size:
+            raise CheckpointError(
+                f"checkpoint {step_dir} is corrupt: {name} has {actual} bytes, expected {size} "
+                f"(truncated?){hint}"
+            )
+        if _crc32(full) != crc:
+            raise CheckpointError(f"checkpoint {step_dir} is corrupt: {name} fails its CRC32{hint}")
+
+
+def _abstract(tree, shardings):
+    return jax.tree.map(
+        lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), tree, shardings
+    )
+
+
+def _restore_error(step_dir, e):
+    return CheckpointError(
+        f"checkpoint {step_dir} could not be restored: {type(e).__name__}: {str(e)[:500]}"
+    )
+
+
+class Checkpointer:
+    """Periodic async saves of the train state and resume from the latest complete one.
+
+    Args:
+      directory: ``<run_dir>/checkpoints``.
+      period: save when ``step % period == 0`` (and on ``force``).
+      async_save: write in the background (the state is copied to host first).
+      max_to_keep: keep the newest this many (0: all).
+    """
+
+    def __init__(self, directory: str, *, period: int, async_save: bool = True, max_to_keep: int = 0):
+        if period < 1:
+            raise ValueError(f"checkpoint_period={period} must be >= 1")
+        self.directory = os.path.abspath(directory)
+        self._async = async_save
+        self._lock = threading.Lock()
+        self._unsealed: list[int] = []  # saved steps still without a manifest
+        self._sealer = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="ckpt-manifest")
+        self._sealing = None
+        options = ocp.CheckpointManagerOptions(
+            save_interval_steps=period,
+            max_to_keep=max_to_keep or None,
+            enable_async_checkpointing=async_save,
+            create=True,
+        )
+        self._manager = ocp.CheckpointManager(self.directory, options=options, item_names=ITEMS)
+
+    def step_dir(self, step: int) -> str:
+        return os.path.join(self.directory, str(step))
+
+    def _seal(self) -> None:
+        """Write manifests of finalised saves."""
+        with self._lock:
+            steps, self._unsealed = self._unsealed, []
+        for step in steps:
+            if os.path.isdir(self.step_dir(step)):
+                write_manifest(self.step_dir(step))
+
+    def poll(self) -> None:
+        """Seal a finished save in the background; cheap, call it every step."""
+        if self._unsealed and not self._manager.is_saving_in_progress():
+            if self._sealing is None or self._sealing.done():
+                self._sealing = self._sealer.submit(self._seal)
+
+    def save(self, step: int, state: dict, *, force: bool = False) -> bool:
+        """Save ``state`` as step ``step`` if due (or forced). Returns whether it saved."""
+        if not (force or self._manager.should_save(step)):
+            return False
+        if step in self._manager.all_steps():
+            return False  # e.g. the last step coinciding with a periodic save
+        self.wait()  # one save in flight at a time; the previous one gets its manifest
+        with self._lock:
+            self._unsealed.append(step)
+        args = ocp.args.Composite(
+            model=ocp.args.StandardSave({"params": state["params"], "router_bias": state["router_bias"]}),
+            opt=ocp.args.StandardSave({k: state[k] for k in ("opt_state", "step", "skipped_steps")}),
+        )
+        saved = self._manager.save(step, args=args, force=True)
+        if not self._async:
+            self._seal()
+        return saved
+
+    def wait(self) -> None:
+        """Block until the save in flight is finalised and sealed."""
+        self._manager.wait_until_finished()
+        if self._sealing is not None:
+            self._sealing.result()  # re-raises a failed manifest write
+        self._seal()
+
+    def close(self) -> None:
+        self.wait()
+        self._sealer.shutdown()
+        self._manager.close()
+
+    def complete_steps(self) -> list[int]:
+        """Finalised steps that have a manifest, ascending."""
+        return [s for s in sorted(self._manager.all_steps())
+                if os.path.exists(os.path.join(self.step_dir(s), MANIFEST))]
+
+    def incomplete_steps(self) -> list[int]:
+        return [s for s in sorted(self._manager.all_steps()) if s not in self.complete_steps()]
+
+    def restore(self, step: int, abstract_state: dict, shardings: dict) -> dict:
+        """The full train state of ``step``, verified, placed with ``shardings``.
+
+        Raises:
+          CheckpointError: the step is corrupt, incomplete or does not match the model.
+        """
+        step_dir = self.step_dir(step)
+        verify_manifest(step_dir)
+        target = _abstract(abstract_state, shardings)
+        args = ocp.args.Composite(
+            model=ocp.args.StandardRestore({k: target[k] for k in ("params", "router_bias")}),
+            opt=ocp.args.StandardRestore({k: target[k] for k in ("opt_state", "step", "skipped_steps")}),
+        )
+        try:
+            restored = self._manager.restore(step, args=args)
+        except Exception as e:  # tensorstore/orbax raise many types for bad data
+            raise _restore_error(step_dir, e) from e
+        return {**restored["model"], **restored["opt"]}
+
+
+def load_parameters(path: str, abstract_model: dict, shardings: dict) -> dict:
+    """``{"params", "router_bias"}`` from a checkpoint step directory (or its ``model`` item).
+
+    Raises:
+      CheckpointError: no such checkpoint, a corrupt one, or parameters that
+        do not match the model's shapes.
+    """
+    path = os.path.abspath(path.rstrip("/"))
+    item_dir = os.path.join(path, "model") if os.path.isdir(os.path.join(path, "model")) else path
+    step_dir = os.path.dirname(item_dir)
+    if not os.path.isdir(item_dir):
+        raise CheckpointError(f"load_parameters_path={path!r}: no such checkpoint directory")
+    verify_manifest(step_dir)
+    try:
+        with ocp.StandardCheckpointer() as ckptr:
+            return ckptr.restore(item_dir, _abstract(abstract_model, shardings))
+    except Exception as e:  # see Checkpointer.restore
+        raise _restore_error(step_dir, e) from e

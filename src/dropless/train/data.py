@@ -1,0 +1,333 @@
+"""Training data: synthetic, Markov (the default) and local text; a pure function of the step.
+
+Legend: A gradient-accumulation microbatches, B global batch per microbatch,
+S sequence length (``max_target_length``), V vocabulary, N Markov states (V**order).
+
+Every source maps ``step -> Batch`` with a NumPy generator seeded by
+``(data_seed, step)``, so a run resumed at step k sees exactly the batches an
+uninterrupted run sees, with no iterator state to checkpoint.
+
+* ``synthetic``: uniform random tokens, for throughput. Nothing to learn: the
+  loss floor is ln V.
+* ``markov``: a random Markov chain of order ``markov_order`` over V tokens,
+  each transition row drawn from Dirichlet(``markov_concentration``), seeded by
+  ``data_seed``. Sequences start in the stationary distribution, so every
+  next-token target has conditional entropy equal to the chain's entropy rate
+  ``H = -sum_s pi_s sum_t P[s,t] ln P[s,t]`` (nats, order 1; for higher
+  orders the first order-1 targets of each row are a little less predictable).
+  A working trainer's loss falls toward H; it can never go below it.
+* ``text``: local ``.txt`` / ``.jsonl`` (field ``text``) / ``.parquet``
+  (column ``text``, needs pyarrow) files, a file, a directory or a glob;
+  bytes as tokens by default (V >= 256), or a ``tokenizer.json`` through the
+  ``tokenizers`` package. Documents are joined with an end-of-text token and
+  cut into S+1-token windows, visited in a seeded random order per epoch.
+"""
+
+import glob
+import json
+import math
+import os
+from typing import NamedTuple
+
+import numpy as np
+
+from dropless.config.sections import DataConfig
+
+DATASET_TYPES = ("synthetic", "markov", "text")
+TEXT_SUFFIXES = (".txt", ".jsonl", ".parquet")
+_MAX_MARKOV_ENTRIES = 1 << 27  # N * V float64 entries (1 GiB)
+
+
+class Batch(NamedTuple):
+    """One optimizer step of data, NumPy arrays [A, B, S].
+
+    inputs: int32 tokens; targets: int32 next tokens; weights: float32 per-token
+    loss weights (1 for real tokens).
+    """
+
+    inputs: np.ndarray
+    targets: np.ndarray
+    weights: np.ndarray
+
+
+def _rng(seed: int, step: int) -> np.random.Generator:
+    return np.random.default_rng([seed, step, 0x6D61726B])
+
+
+def _to_batch(tokens: np.ndarray, accum: int, batch: int) -> Batch:
+    """tokens [A*B, S+1] -> Batch [A, B, S]."""
+    seq = tokens.shape[1] - 1
+    tokens = tokens.reshape(accum, batch, seq + 1).astype(np.int32)
+    return Batch(tokens[..., :-1], tokens[..., 1:], np.ones((accum, batch, seq), np.float32))
+
+
+class SyntheticSource:
+    """Uniform random tokens; ``entropy_floor`` = ln V."""
+
+    def __init__(self, vocab_size: int, seed: int, *, batch: int, seq: int, accum: int = 1):
+        self.vocab_size, self.seed = vocab_size, seed
+        self.batch, self.seq, self.accum = batch, seq, accum
+        self.entropy_floor = math.log(vocab_size)
+        self.description = f"synthetic uniform tokens over V={vocab_size}"
+
+    def batch_at(self, step: int) -> Batch:
+        tokens = _rng(self.seed, step).integers(
+            0, self.vocab_size, (self.accum * self.batch, self.seq + 1), dtype=np.int64
+        )
+        return _to_batch(tokens, self.accum, self.batch)
+
+
+def stationary_distribution(p_NN: np.ndarray, tol: float = 1e-13, max_iter: int = 100_000):
+    """Stationary distribution [N] of a row-stochastic matrix, by power iteration.
+
+    Raises:
+      RuntimeError: no convergence (a periodic or reducible chain).
+    """
+    pi = np.full(p_NN.shape[0], 1.0 / p_NN.shape[0])
+    for _ in range(max_iter):
+        nxt = pi @ p_NN
+        if np.abs(nxt - pi).sum() < tol:
+            return nxt / nxt.sum()
+        pi = nxt
+    raise RuntimeError("Markov chain: power iteration did not converge")
+
+
+class MarkovSource:
+    """A seeded random Markov chain of order ``order`` over ``vocab_size`` tokens.
+
+    Attributes:
+      transitions: [N, V] float64, row s = distribution of the next token after
+        the last ``order`` tokens encoded as s = sum_{j<order} t_{-j} V^j
+        (t_0 the latest token).
+      entropy_floor: the entropy rate in nats per token.
+
+    Raises:
+      ValueError: order < 1, concentration <= 0, or a table over 1 GiB.
+    """
+
+    def __init__(self, vocab_size, order, concentration, seed, *, batch, seq, accum=1):
+        if order < 1:
+            raise ValueError(f"markov_order={order} must be >= 1")
+        if concentration <= 0:
+            raise ValueError(f"markov_concentration={concentration} must be > 0")
+        n_states = vocab_size**order
+        if n_states * vocab_size > _MAX_MARKOV_ENTRIES:
+            raise ValueError(
+                f"markov_order={order} with vocab_size={vocab_size} needs a {n_states}x{vocab_size} "
+                f"table; lower the order or the vocabulary"
+            )
+        self.vocab_size, self.order, self.seed = vocab_size, order, seed
+        self.batch, self.seq, self.accum = batch, seq, accum
+        rng = np.random.default_rng([seed, 0x4D41524B])
+        self.transitions = rng.dirichlet(np.full(vocab_size, concentration), size=n_states)
+        # Dirichlet rows with small alpha underflow to exact zeros; 0 ln 0 = 0.
+        p = self.transitions
+        row_entropy_N = -np.sum(np.where(p > 0, p * np.log(np.where(p > 0, p, 1.0)), 0.0), axis=1)
+        self.stationary = self._state_distribution()
+        self.entropy_floor = float(self.stationary @ row_entropy_N)
+        self._cdf = np.cumsum(p, axis=1)
+        self.description = (
+            f"markov order {order} over V={vocab_size}, Dirichlet({concentration}) rows, seed {seed}"
+        )
+
+    def _state_distribution(self):
+        """Stationary distribution of the order-k state (last k tokens)."""
+        v, k = self.vocab_size, self.order
+        if k == 1:
+            return stationary_distribution(self.transitions)
+        # State s = (t_{-k+1}, ..., t_0) -> s' = (t_{-k+2}, ..., t_0, t_new).
+        states = np.arange(v**k)
+        nxt = (states[:, None] % v ** (k - 1)) * v + np.arange(v)[None, :]
+        pi = np.full(v**k, 1.0 / v**k)
+        for _ in range(100_000):
+            new = np.bincount(nxt.ravel(), (pi[:, None] * self.transitions).ravel(), v**k)
+            if np.abs(new - pi).sum() < 1e-13:
+                return new / new.sum()
+            pi = new
+        raise RuntimeError("Markov chain: power iteration did not converge")
+
+    def sample(self, rng: np.random.Generator, rows: int, length: int) -> np.ndarray:
+        """[rows, length] int64 tokens, starting from the stationary distribution."""
+        v, k = self.vocab_size, self.order
+        state = rng.choice(v**k, size=rows, p=self.stationary)
+        out = np.empty((rows, length), np.int64)
+        # The first k tokens are the digits of the start state, oldest first.
+        first = [(state // v**j) % v for j in reversed(range(k))]
+        out[:, : min(k, length)] = np.stack(first, axis=1)[:, :length]
+        u = rng.random((rows, max(length - k, 0)))
+        for i in range(k, length):
+            tok = (self._cdf[state] < u[:, i - k, None]).sum(axis=1)
+            tok = np.minimum(tok, v - 1)  # rounding in the cdf's last entry
+            out[:, i] = tok
+            state = (state % v ** (k - 1)) * v + tok if k > 1 else tok
+        return out
+
+    def batch_at(self, step: int) -> Batch:
+        tokens = self.sample(_rng(self.seed, step), self.accum * self.batch, self.seq + 1)
+        return _to_batch(tokens, self.accum, self.batch)
+
+
+def _list_text_files(path: str) -> list[str]:
+    if not path:
+        raise ValueError("dataset_type=text needs dataset_path (a file, directory or glob)")
+    if os.path.isdir(path):
+        files = sorted(
+            os.path.join(root, f) for root, _, names in os.walk(path) for f in names
+            if f.endswith(TEXT_SUFFIXES)
+        )
+        where = f"directory {path!r}"
+    elif any(c in path for c in "*?["):
+        files = sorted(f for f in glob.glob(path, recursive=True) if os.path.isfile(f))
+        where = f"glob {path!r}"
+    elif os.path.isfile(path):
+        files, where = [path], f"file {path!r}"
+    else:
+        raise FileNotFoundError(f"dataset_path={path!r}: no such file or directory")
+    if not files:
+        raise ValueError(f"dataset_path: {where} matches no files")
+    bad = [f for f in files if not f.endswith(TEXT_SUFFIXES)]
+    if bad:
+        raise ValueError(f"dataset_path: {bad[0]!r} is not one of {TEXT_SUFFIXES}")
+    return files
+
+
+def _read_documents(file: str):
+    """Yield the text documents of one file."""
+    if file.endswith(".txt"):
+        with open(file, encoding="utf-8", errors="replace") as f:
+            yield f.read()
+    elif file.endswith(".jsonl"):
+        with open(file, encoding="utf-8") as f:
+            for lineno, line in enumerate(f, 1):
+                if not line.strip():
+                    continue
+                try:
+                    record = json.loads(line)
+                except json.JSONDecodeError as e:
+                    raise ValueError(f"{file}:{lineno}: not valid JSON ({e.msg})") from None
+                if not isinstance(record, dict) or not isinstance(record.get("text"), str):
+                    raise ValueError(f"{file}:{lineno}: expected an object with a string 'text' field")
+                yield record["text"]
+    else:
+        try:
+            import pyarrow.parquet as pq
+        except ImportError:
+            raise ValueError(f"{file}: reading .parquet needs pyarrow (pip install pyarrow)") from None
+        table = pq.read_table(file, columns=["text"])
+        yield from table.column("text").to_pylist()
+
+
+class _ByteTokenizer:
+    """UTF-8 bytes as tokens 0..255; document separator 0 (NUL, absent from text)."""
+
+    vocab_size = 256
+    eos_id = 0
+    name = "bytes"
+
+    def encode(self, text: str) -> np.ndarray:
+        return np.frombuffer(text.encode("utf-8"), np.uint8).astype(np.int32)
+
+
+class _JsonTokenizer:
+    """A HuggingFace ``tokenizer.json`` through the ``tokenizers`` package."""
+
+    _EOS_NAMES = ("<|endoftext|>", "</s>", "<eos>", "<|end_of_text|>", "<｜end▁of▁sentence｜>")
+
+    def __init__(self, path: str):
+        if not os.path.isfile(path):
+            raise FileNotFoundError(f"tokenizer_path={path!r}: no such file")
+        try:
+            from tokenizers import Tokenizer
+        except ImportError:
+            raise ValueError(
+                "tokenizer_path needs the 'tokenizers' package (pip install 'dropless[text]')"
+            ) from None
+        try:
+            self._tok = Tokenizer.from_file(path)
+        except Exception as e:  # the Rust side raises a bare Exception
+            raise ValueError(f"tokenizer_path={path!r} is not a tokenizer.json: {e}") from None
+        self.vocab_size = self._tok.get_vocab_size()
+        ids = [self._tok.token_to_id(n) for n in self._EOS_NAMES]
+        self.eos_id = next((i for i in ids if i is not None), None)
+        self.name = os.path.basename(path)
+
+    def encode(self, text: str) -> np.ndarray:
+        return np.asarray(self._tok.encode(text).ids, np.int32)
+
+
+class TextSource:
+    """Local text packed into S+1-token windows; ``entropy_floor`` unknown (None).
+
+    Raises:
+      FileNotFoundError: dataset_path or tokenizer_path does not exist.
+      ValueError: no usable files, malformed records, too little text for one
+        window, or token ids outside ``vocab_size``.
+    """
+
+    def __init__(self, cfg: DataConfig, vocab_size: int, *, batch, seq, accum=1):
+        files = _list_text_files(cfg.dataset_path)
+        tok = _JsonTokenizer(cfg.tokenizer_path) if cfg.tokenizer_path else _ByteTokenizer()
+        if tok.vocab_size > vocab_size:
+            raise ValueError(
+                f"tokenizer {tok.name} has {tok.vocab_size} tokens but vocab_size={vocab_size}"
+            )
+        pieces = []
+        for file in files:
+            for doc in _read_documents(file):
+                pieces.append(tok.encode(doc))
+                if tok.eos_id is not None:
+                    pieces.append(np.array([tok.eos_id], np.int32))
+        self.tokens = np.concatenate(pieces) if pieces else np.zeros(0, np.int32)
+        self.num_windows = (len(self.tokens) - 1) // seq if len(self.tokens) > seq else 0
+        if self.num_windows == 0:
+            raise ValueError(
+                f"dataset_path={cfg.dataset_path!r}: {len(self.tokens)} tokens, fewer than one "
+                f"window of max_target_length+1={seq + 1}"
+            )
+        self.seed, self.batch, self.seq, self.accum = cfg.data_seed, batch, seq, accum
+        self.entropy_floor = None
+        self.description = (
+            f"text: {len(files)} file(s), {len(self.tokens):,} {tok.name} tokens, "
+            f"{self.num_windows:,} windows of {seq}"
+        )
+        self._perm_epoch, self._perm = -1, None
+
+    def _window_order(self, epoch: int) -> np.ndarray:
+        if epoch != self._perm_epoch:
+            self._perm = np.random.default_rng([self.seed, epoch, 0x74657874]).permutation(
+                self.num_windows
+            )
+            self._perm_epoch = epoch
+        return self._perm
+
+    def batch_at(self, step: int) -> Batch:
+        rows = self.accum * self.batch
+        out = np.empty((rows, self.seq + 1), np.int32)
+        for r, index in enumerate(range(step * rows, (step + 1) * rows)):
+            epoch, i = divmod(index, self.num_windows)
+            start = self._window_order(epoch)[i] * self.seq
+            out[r] = self.tokens[start : start + self.seq + 1]
+        return _to_batch(out, self.accum, self.batch)
+
+
+def make_source(cfg: DataConfig, vocab_size: int, *, batch: int, seq: int, accum: int = 1):
+    """The data source of ``cfg`` yielding ``Batch`` [accum, batch, seq] by ``batch_at(step)``.
+
+    The source has ``entropy_floor`` (nats per token, or None if unknown) and
+    ``description`` (one line for humans).
+
+    Raises:
+      ValueError / FileNotFoundError: unknown dataset_type, bad paths or data.
+    """
+    if cfg.dataset_type not in DATASET_TYPES:
+        raise ValueError(f"dataset_type={cfg.dataset_type!r} is not one of {DATASET_TYPES}")
+    if batch < 1 or seq < 1 or accum < 1:
+        raise ValueError(f"data: batch={batch}, seq={seq}, accum={accum} must all be >= 1")
+    if cfg.dataset_type == "synthetic":
+        return SyntheticSource(vocab_size, cfg.data_seed, batch=batch, seq=seq, accum=accum)
+    if cfg.dataset_type == "markov":
+        return MarkovSource(
+            vocab_size, cfg.markov_order, cfg.markov_concentration, cfg.data_seed,
+            batch=batch, seq=seq, accum=accum,
+        )
+    return TextSource(cfg, vocab_size, batch=batch, seq=seq, accum=accum)

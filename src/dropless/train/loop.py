@@ -1,0 +1,337 @@
+"""The training loop: ``run_training(model, train, mesh) -> TrainResult``.
+
+What one call does, in order:
+
+1. builds the mesh, the data source (printing its entropy floor when known),
+   the optimizer and the abstract train state;
+2. resumes from ``<base_output_directory>/<run_name>/checkpoints``' latest
+   complete checkpoint if there is one, else loads ``load_parameters_path`` if
+   set, else initialises from ``seed``;
+3. runs the jitted step until ``steps``, with the next batch prepared on a
+   host thread and each step's metrics read one step late (so the host never
+   waits for the device it just fed); saves every ``checkpoint_period`` steps
+   and at the end;
+4. prints a summary table and writes ``metrics.jsonl``, TensorBoard events and
+   ``summary.png`` into the run directory.
+
+A run without ``run_name`` gets a fresh timestamped one, so it never resumes
+by accident; give ``run_name`` to make a run resumable.
+"""
+
+import concurrent.futures
+import dataclasses
+import json
+import math
+import os
+import time
+
+import jax
+import numpy as np
+from rich.console import Console
+
+from dropless.config.sections import MeshConfig, ModelConfig, TrainConfig
+from dropless.parallel import mesh as mesh_lib
+from dropless.train import checkpoint as ckpt_lib
+from dropless.train import data as data_lib
+from dropless.train import flops as flops_lib
+from dropless.train import metrics as metrics_lib
+from dropless.train import optimizer as opt_lib
+from dropless.train import plots
+from dropless.train import remat as remat_lib
+from dropless.train import step as step_lib
+
+
+@dataclasses.dataclass
+class TrainResult:
+    """What a training run reports back (also printed as the summary table).
+
+    ``final_loss`` is the last step's total loss; ``final_lm_loss_avg`` the mean
+    LM loss over the last tenth of the steps (what to compare with
+    ``entropy_floor``). Throughput figures are medians over this invocation's
+    steps after the first (which compiles); None if fewer than two steps ran.
+    """
+
+    ok: bool
+    run_dir: str
+    steps_run: int
+    final_step: int
+    resumed_from: int | None
+    initial_loss: float | None
+    final_loss: float | None
+    final_lm_loss_avg: float | None
+    entropy_floor: float | None
+    skipped_steps: int
+    num_params: int
+    step_time_s: float | None
+    tokens_per_s: float | None
+    tflops_per_device: float | None
+    mfu: float | None
+    compile_s: float | None
+    wall_s: float
+    metrics_path: str
+    plot_path: str | None
+
+
+@dataclasses.dataclass
+class _Setup:
+    model: ModelConfig
+    mesh: object
+    source: object
+    tx: object
+    schedule: object
+    graphdef: object
+    init: object
+    abstract: dict
+    shardings: dict
+    global_batch: int
+    flops: flops_lib.TrainingFlops
+    peak: float | None
+
+
+def _global_batch(train: TrainConfig, mesh) -> int:
+    """Sequences per microbatch across all devices.
+
+    Raises:
+      ValueError: a batch that is not a whole number, or does not split over data x fsdp.
+    """
+    exact = train.per_device_batch_size * mesh.size
+    batch = int(round(exact))
+    if batch < 1 or abs(batch - exact) > 1e-9:
+        raise ValueError(
+            f"per_device_batch_size={train.per_device_batch_size} x {mesh.size} devices = {exact} "
+            "is not a whole number of sequences >= 1"
+        )
+    shards = mesh_lib.batch_shards(mesh)
+    if batch % shards:
+        raise ValueError(f"global batch {batch} does not split over data x fsdp = {shards} shards")
+    return batch
+
+
+def _setup(model: ModelConfig, train: TrainConfig, mesh_cfg: MeshConfig) -> _Setup:
+    if train.steps < 1:
+        raise ValueError(f"steps={train.steps} must be >= 1")
+    if train.gradient_accumulation_steps < 1:
+        raise ValueError(f"gradient_accumulation_steps={train.gradient_accumulation_steps} must be >= 1")
+    mesh = mesh_lib.make_mesh(mesh_cfg)
+    global_batch = _global_batch(train, mesh)
+    source = data_lib.make_source(
+        train.data, model.vocab_size, batch=global_batch, seq=train.max_target_length,
+        accum=train.gradient_accumulation_steps,
+    )
+    tx = opt_lib.make_optimizer(train.optimizer, train.steps)
+    schedule = opt_lib.learning_rate_schedule(train.optimizer, train.steps)
+    graphdef, init = step_lib.init_state_fn(model, tx, train.seed, remat_lib.layer_remat(model))
+    abstract = jax.eval_shape(init)
+    device = jax.devices()[0]
+    return _Setup(
+        model=model, mesh=mesh, source=source, tx=tx, schedule=schedule, graphdef=graphdef, init=init,
+        abstract=abstract, shardings=mesh_lib.param_shardings(mesh, abstract),
+        global_batch=global_batch,
+        flops=flops_lib.training_tflops_per_device(
+            model, global_batch / mesh.size, train.max_target_length, train.gradient_accumulation_steps
+        ),
+        peak=None if device.platform == "cpu"
+        else flops_lib.peak_tflops(device.device_kind, flops_lib.precision_of(model)),
+    )
+
+
+def _initial_state(s: _Setup, train: TrainConfig, ckpt, console):
+    """(state, resumed_from_step or None)."""
+    if ckpt is not None:
+        complete = ckpt.complete_steps()
+        skipped = [x for x in ckpt.incomplete_steps() if not complete or x > complete[-1]]
+        if skipped:
+            console.print(f"[yellow]ignoring incomplete checkpoint(s) at step {skipped}[/yellow]")
+        if complete:
+            console.print(f"resuming from {ckpt.step_dir(complete[-1])}")
+            return ckpt.restore(complete[-1], s.abstract, s.shardings), complete[-1]
+    state = jax.jit(s.init, out_shardings=s.shardings)()
+    if train.load_parameters_path:
+        keys = ("params", "router_bias")
+        loaded = ckpt_lib.load_parameters(
+            train.load_parameters_path, {k: s.abstract[k] for k in keys}, {k: s.shardings[k] for k in keys}
+        )
+        state = {**state, **loaded}
+        console.print(f"loaded parameters from {train.load_parameters_path}")
+    return state, None
+
+
+def _describe(console, model: ModelConfig, train: TrainConfig, s: _Setup, run_dir: str):
+    num_params = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(s.abstract["params"]))
+    tokens = s.global_batch * train.max_target_length * train.gradient_accumulation_steps
+    console.print(
+        f"[bold]dropless train[/bold] -> {run_dir}\n"
+        f"  model: {num_params / 1e6:,.2f}M params, {model.num_decoder_layers} layers "
+        f"({model.first_num_dense_layers} dense), {model.moe.num_experts} experts top-"
+        f"{model.moe.num_experts_per_tok}, mtp {model.mtp_num_layers}, remat {model.remat_policy}\n"
+        f"  mesh: {dict(s.mesh.shape)} on {jax.devices()[0].device_kind}; batch {s.global_batch} x "
+        f"{train.max_target_length} x {train.gradient_accumulation_steps} accum = {tokens:,} tokens/step; "
+        f"{s.flops.total:.4g} TFLOP/step/device\n"
+        f"  data: {s.source.description}"
+    )
+    if s.source.entropy_floor is not None:
+        console.print(f"  data entropy (loss floor): {s.source.entropy_floor:.4f} nats/token")
+    return num_params, tokens
+
+
+def _train_steps(s: _Setup, train: TrainConfig, state, start, ckpt, writer, console, tokens):
+    """Run steps start..steps-1. Returns (state, rows, step_times, load_LE, compile_s)."""
+    step_fn = jax.jit(
+        step_lib.make_train_step(s.graphdef, s.model, s.tx, s.schedule),
+        in_shardings=(s.shardings, mesh_lib.batch_sharding(s.mesh, leading_dims=1)),
+        out_shardings=(s.shardings, None),
+        donate_argnums=0,
+    )
+    rows, step_times, load_LE, compile_s = [], [], None, None
+    pending, last_done = None, None
+    batch_sh = mesh_lib.batch_sharding(s.mesh, leading_dims=1)
+    with concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="data") as pool, \
+            metrics_lib.ProgressDisplay(console, train.steps, start) as progress:
+        future = pool.submit(s.source.batch_at, start)
+        t_start = time.perf_counter()
+
+        def finish(step_no, raw_device):
+            nonlocal last_done, load_LE, compile_s
+            raw = jax.device_get(raw_device)
+            now = time.perf_counter()
+            step_time = None if last_done is None else now - last_done
+            if last_done is None:
+                compile_s = now - t_start
+            last_done = now
+            if step_time:
+                step_times.append(step_time)
+            row = metrics_lib.make_row(
+                step_no, raw, step_time=step_time, tokens_per_step=tokens, num_devices=s.mesh.size,
+                tflops_per_step=s.flops.total, peak_tflops=s.peak,
+            )
+            if "tokens_per_expert" in raw:
+                tpe = np.asarray(raw["tokens_per_expert"], np.int64)
+                load_LE = tpe if load_LE is None else load_LE + tpe
+            rows.append(row)
+            writer.write(row)
+            progress.update(row)
+
+        for step in range(start, train.steps):
+            batch = jax.device_put(future.result(), batch_sh)
+            if step + 1 < train.steps:
+                future = pool.submit(s.source.batch_at, step + 1)
+            state, raw = step_fn(state, batch)
+            if pending is not None:
+                finish(*pending)
+            pending = (step + 1, raw)
+            if ckpt is not None:
+                ckpt.save(step + 1, state, force=step + 1 == train.steps)
+                ckpt.poll()
+        if pending is not None:
+            finish(*pending)
+    return state, rows, step_times, load_LE, compile_s
+
+
+def _median(xs):
+    return float(np.median(xs)) if xs else None
+
+
+def _result(s: _Setup, train, run_dir, writer, rows_all, times, resumed_from, num_params,
+            tokens, compile_s, t0, plot_path) -> TrainResult:
+    last = rows_all[-1] if rows_all else None
+    tail = rows_all[-max(1, len(rows_all) // 10):]
+    step_time = _median(times)
+    return TrainResult(
+        ok=bool(last) and math.isfinite(last["loss"]) and last["skipped_steps"] < last["step"],
+        run_dir=run_dir,
+        steps_run=sum(1 for _ in times) + (1 if compile_s is not None else 0),
+        final_step=last["step"] if last else (resumed_from or 0),
+        resumed_from=resumed_from,
+        initial_loss=rows_all[0]["loss"] if rows_all else None,
+        final_loss=last["loss"] if last else None,
+        final_lm_loss_avg=float(np.mean([r["lm_loss"] for r in tail])) if tail else None,
+        entropy_floor=s.source.entropy_floor,
+        skipped_steps=last["skipped_steps"] if last else 0,
+        num_params=num_params,
+        step_time_s=step_time,
+        tokens_per_s=tokens / step_time if step_time else None,
+        tflops_per_device=s.flops.total / step_time if step_time else None,
+        mfu=s.flops.total / step_time / s.peak if step_time and s.peak else None,
+        compile_s=compile_s,
+        wall_s=time.perf_counter() - t0,
+        metrics_path=writer.jsonl_path,
+        plot_path=plot_path,
+    )
+
+
+def _print_summary(console, r: TrainResult):
+    fields = {
+        "steps": f"{r.final_step} ({r.steps_run} this run"
+                 + (f", resumed from {r.resumed_from})" if r.resumed_from is not None else ")"),
+        "initial loss": r.initial_loss,
+        "final loss": r.final_loss,
+        "final LM loss (mean of last 10%)": r.final_lm_loss_avg,
+        "data entropy (floor)": r.entropy_floor,
+        "gap to floor": (r.final_lm_loss_avg - r.entropy_floor)
+        if r.entropy_floor is not None and r.final_lm_loss_avg is not None else None,
+        "skipped (non-finite) steps": r.skipped_steps,
+        "parameters": f"{r.num_params:,}",
+        "compile + first step (s)": r.compile_s,
+        "step time (s, median)": r.step_time_s,
+        "tokens/s": r.tokens_per_s,
+        "TFLOP/s per device": r.tflops_per_device,
+        "MFU": r.mfu,
+        "wall time (s)": r.wall_s,
+        "run directory": r.run_dir,
+        "plot": r.plot_path,
+    }
+    console.print(metrics_lib.summary_table(fields))
+
+
+def run_training(model: ModelConfig, train: TrainConfig, mesh: MeshConfig, *,
+                 console: Console | None = None) -> TrainResult:
+    """Train ``model`` as ``train`` says on a mesh of all devices; see the module docstring.
+
+    Returns:
+      TrainResult (also printed as a table).
+
+    Raises:
+      ValueError / FileNotFoundError: bad configuration or data paths.
+      CheckpointError: the checkpoint to resume or load is corrupt or does not fit.
+    """
+    t0 = time.perf_counter()
+    console = console or Console()
+    s = _setup(model, train, mesh)
+    run_name = train.run_name or time.strftime("run-%Y%m%d-%H%M%S")
+    run_dir = os.path.abspath(os.path.join(train.base_output_directory, run_name))
+    os.makedirs(run_dir, exist_ok=True)
+    with open(os.path.join(run_dir, "config.json"), "w") as f:
+        json.dump({"model": dataclasses.asdict(model), "train": dataclasses.asdict(train),
+                   "mesh": dataclasses.asdict(mesh)}, f, indent=1)
+    num_params, tokens = _describe(console, model, train, s, run_dir)
+    ckpt = None
+    if train.enable_checkpointing:
+        ckpt = ckpt_lib.Checkpointer(
+            os.path.join(run_dir, "checkpoints"), period=train.checkpoint_period,
+            async_save=train.async_checkpointing, max_to_keep=train.max_num_checkpoints_to_keep,
+        )
+    try:
+        state, resumed_from = _initial_state(s, train, ckpt, console)
+        start = int(jax.device_get(state["step"]))
+        writer = metrics_lib.MetricsWriter(run_dir, enable_tensorboard=train.enable_tensorboard,
+                                           resume_step=start)
+        if start >= train.steps:
+            console.print(f"run already complete at step {start} (steps={train.steps})")
+        state, _, times, load_LE, compile_s = _train_steps(
+            s, train, state, start, ckpt, writer, console, tokens
+        )
+        writer.close()
+    finally:
+        if ckpt is not None:
+            ckpt.close()
+    rows_all = metrics_lib.read_jsonl(writer.jsonl_path)
+    plot_path = None
+    if rows_all:
+        plot_path = plots.plot_run(
+            rows_all, os.path.join(run_dir, "summary.png"), entropy_floor=s.source.entropy_floor,
+            load_LE=load_LE, title=f"{run_name}: {s.source.description}",
+        )
+    result = _result(s, train, run_dir, writer, rows_all, times, resumed_from, num_params,
+                     tokens, compile_s, t0, plot_path)
+    _print_summary(console, result)
+    return result

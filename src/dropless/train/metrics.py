@@ -1,0 +1,212 @@
+"""Per-step metrics: derived numbers, ``metrics.jsonl``, TensorBoard, the console.
+
+Legend: L MoE layers, E routed experts.
+
+Each step's device metrics (from ``train.step``) become one flat row with
+throughput figures added (step time, tokens/s, TFLOP/s per device from the
+analytic count, MFU when the device's peak is known) and MoE load figures
+(min/max tokens per expert, coefficient of variation of the load across
+experts averaged over layers, dropped tokens). Rows go to
+
+* ``<run_dir>/metrics.jsonl``: one JSON object per step, keys as in ``Row``;
+* TensorBoard (``<run_dir>/tensorboard``) under MaxText's tag names;
+* a rich progress bar (loss, TFLOP/s/device, ETA) and, every tenth of the
+  run, a plain log line, so non-interactive logs show progress too.
+"""
+
+import json
+import math
+import os
+
+import numpy as np
+from rich.console import Console
+from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
+from rich.table import Table
+
+# Our row key -> MaxText's TensorBoard tag.
+TENSORBOARD_TAGS = {
+    "loss": "learning/loss",
+    "lm_loss": "learning/lm_loss",
+    "aux_loss": "learning/moe_lb_loss",
+    "mtp_loss": "learning/mtp_loss",
+    "grad_norm": "learning/raw_grad_norm",
+    "learning_rate": "learning/current_learning_rate",
+    "step_time_s": "perf/step_time_seconds",
+    "tflops_per_device": "perf/per_device_tflops_per_sec",
+    "tokens_per_s_per_device": "perf/per_device_tokens_per_sec",
+    "mfu": "perf/mfu",
+    "moe_tokens_min": "moe/tokens_per_expert_min",
+    "moe_tokens_max": "moe/tokens_per_expert_max",
+    "moe_load_cv": "moe/load_cv",
+    "dropped_tokens": "moe/dropped_tokens",
+    "skipped_steps": "learning/skipped_steps",
+}
+
+
+def moe_load_stats(tokens_per_expert_LE: np.ndarray) -> dict:
+    """min/max tokens per expert over all layers, and the mean over layers of the load CV."""
+    load = np.asarray(tokens_per_expert_LE, np.float64)
+    mean_L = load.mean(axis=-1)
+    cv_L = load.std(axis=-1) / np.maximum(mean_L, 1e-9)
+    return {
+        "moe_tokens_min": int(load.min()),
+        "moe_tokens_max": int(load.max()),
+        "moe_load_cv": float(cv_L.mean()),
+    }
+
+
+def make_row(step: int, raw: dict, *, step_time: float | None, tokens_per_step: int,
+             num_devices: int, tflops_per_step: float, peak_tflops: float | None) -> dict:
+    """One metrics row (plain Python numbers) for the step that just finished.
+
+    Args:
+      step: 1-based number of steps done after this one.
+      raw: the train step's metrics, fetched to host.
+      step_time: seconds this step took (None for the compiling first step).
+      tokens_per_step: global tokens per optimizer step.
+      tflops_per_step: analytic TFLOPs per device per step (``flops.TrainingFlops.total``).
+      peak_tflops: the device's dense peak, or None (no MFU).
+    """
+    row = {"step": step}
+    for key in ("loss", "lm_loss", "aux_loss", "mtp_loss", "grad_norm", "learning_rate"):
+        row[key] = float(raw[key])
+    row["finite"] = bool(raw["finite"])
+    row["skipped_steps"] = int(raw["skipped_steps"])
+    if "tokens_per_expert" in raw:
+        row.update(moe_load_stats(raw["tokens_per_expert"]))
+        row["dropped_tokens"] = int(raw["dropped_tokens"])
+    if step_time:
+        row["step_time_s"] = step_time
+        row["tokens_per_s"] = tokens_per_step / step_time
+        row["tokens_per_s_per_device"] = tokens_per_step / step_time / num_devices
+        row["tflops_per_device"] = tflops_per_step / step_time
+        if peak_tflops:
+            row["mfu"] = row["tflops_per_device"] / peak_tflops
+    return row
+
+
+def truncate_jsonl(path: str, last_step: int) -> None:
+    """Keep rows with ``step <= last_step`` (a resumed run rewrites what follows).
+
+    Unparsable lines (a row cut by a kill) are dropped too.
+    """
+    if not os.path.exists(path):
+        return
+    kept = []
+    with open(path) as f:
+        for line in f:
+            try:
+                if json.loads(line)["step"] <= last_step:
+                    kept.append(line if line.endswith("\n") else line + "\n")
+            except (json.JSONDecodeError, KeyError, TypeError):
+                continue
+    tmp = path + ".tmp"
+    with open(tmp, "w") as f:
+        f.writelines(kept)
+    os.replace(tmp, path)
+
+
+def read_jsonl(path: str) -> list[dict]:
+    """All rows of a metrics.jsonl (empty if absent)."""
+    if not os.path.exists(path):
+        return []
+    with open(path) as f:
+        return [json.loads(line) for line in f if line.strip()]
+
+
+class MetricsWriter:
+    """Appends rows to ``metrics.jsonl`` and TensorBoard under ``run_dir``."""
+
+    def __init__(self, run_dir: str, *, enable_tensorboard: bool, resume_step: int):
+        os.makedirs(run_dir, exist_ok=True)
+        self.jsonl_path = os.path.join(run_dir, "metrics.jsonl")
+        truncate_jsonl(self.jsonl_path, resume_step)
+        self._jsonl = open(self.jsonl_path, "a")
+        self._tb = None
+        if enable_tensorboard:
+            from tensorboardX import SummaryWriter
+
+            self._tb = SummaryWriter(os.path.join(run_dir, "tensorboard"))
+
+    def write(self, row: dict) -> None:
+        self._jsonl.write(json.dumps(row) + "\n")
+        self._jsonl.flush()
+        if self._tb is not None:
+            for key, tag in TENSORBOARD_TAGS.items():
+                value = row.get(key)
+                if value is not None and math.isfinite(value):
+                    self._tb.add_scalar(tag, value, row["step"])
+
+    def write_text(self, tag: str, text: str) -> None:
+        if self._tb is not None:
+            self._tb.add_text(tag, text)
+
+    def close(self) -> None:
+        self._jsonl.close()
+        if self._tb is not None:
+            self._tb.close()
+
+
+class ProgressDisplay:
+    """A rich progress bar with live loss and TFLOP/s, plus periodic log lines."""
+
+    def __init__(self, console: Console, total_steps: int, start_step: int):
+        self.console = console
+        self.total = total_steps
+        self._every = max(1, total_steps // 10)
+        self._progress = Progress(
+            TextColumn("[bold]step {task.completed}/{task.total}"),
+            BarColumn(),
+            TextColumn("loss {task.fields[loss]}"),
+            TextColumn("{task.fields[tflops]} TFLOP/s/dev"),
+            TimeElapsedColumn(),
+            TextColumn("ETA"),
+            TimeRemainingColumn(),
+            console=console,
+            transient=not console.is_terminal,
+        )
+        self._task = self._progress.add_task(
+            "train", total=total_steps, completed=start_step, loss="-", tflops="-"
+        )
+
+    def __enter__(self):
+        self._progress.start()
+        return self
+
+    def __exit__(self, *exc):
+        self._progress.stop()
+
+    def update(self, row: dict) -> None:
+        tflops = row.get("tflops_per_device")
+        self._progress.update(
+            self._task, completed=row["step"], loss=f"{row['loss']:.4f}",
+            tflops=f"{tflops:.3g}" if tflops else "-",
+        )
+        if row["step"] % self._every == 0 or row["step"] == self.total or not row["finite"]:
+            self._progress.console.print(format_row(row))
+
+
+def format_row(row: dict) -> str:
+    """One human log line for a row."""
+    parts = [f"step {row['step']:>6}", f"loss {row['loss']:.4f}", f"lm {row['lm_loss']:.4f}",
+             f"gnorm {row['grad_norm']:.3g}", f"lr {row['learning_rate']:.3g}"]
+    if "step_time_s" in row:
+        parts += [f"{row['step_time_s'] * 1e3:.0f} ms", f"{row['tokens_per_s']:.4g} tok/s",
+                  f"{row['tflops_per_device']:.3g} TFLOP/s/dev"]
+    if "moe_load_cv" in row:
+        parts.append(f"load cv {row['moe_load_cv']:.2f}")
+    if not row["finite"]:
+        parts.append("[red]NON-FINITE: step skipped[/red]")
+    return "  ".join(parts)
+
+
+def summary_table(result_fields: dict, title: str = "dropless training summary") -> Table:
+    """A two-column rich table of the final results."""
+    table = Table(title=title, show_header=False)
+    table.add_column("metric", style="bold")
+    table.add_column("value")
+    for key, value in result_fields.items():
+        if value is None:
+            continue
+        table.add_row(key, f"{value:.4g}" if isinstance(value, float) else str(value))
+    return table

@@ -1,0 +1,120 @@
+"""Rematerialisation and host-offload policies for one decoder layer.
+
+The backward pass needs the forward activations of every layer. A policy
+decides, per named activation (``checkpoint_name`` tags in ``nn``), whether it
+is kept in device memory, copied to pinned host memory (and back for the
+backward pass), or recomputed from the layer input.
+
+``remat_policy`` (MaxText's names):
+
+* ``none``: no checkpointing; XLA keeps whatever it needs (most memory).
+* ``full``: keep nothing but the layer input; recompute the whole layer.
+* ``minimal``: keep every matmul output without batch dimensions
+  (``checkpoint_dots_with_no_batch_dims``): weights-times-activations, not
+  attention scores.
+* ``save_dot_except_mlp``: keep the attention projections (query/key/value,
+  the MLA latents, the output projection); recompute the MLP/expert matmuls.
+* ``custom``: per-tensor choice from ``remat_custom``, pairs ``(name, action)``
+  with action ``remat`` | ``device`` | ``offload``; names not listed are
+  recomputed. Built on ``save_and_offload_only_these_names`` with
+  ``offload_dst="pinned_host"``.
+"""
+
+from typing import Callable
+
+import jax
+
+from dropless.config.sections import ModelConfig
+
+REMAT_POLICIES = ("none", "full", "minimal", "save_dot_except_mlp", "custom")
+CUSTOM_ACTIONS = ("remat", "device", "offload")
+
+# Every checkpoint_name tagged in dropless.nn, plus MaxText's names for fused
+# tensors this model does not have ("mlpwi", "qkv_proj"), accepted so MaxText
+# recipes load but never matched. Anything else is a typo that would silently
+# recompute, so it is rejected.
+ACTIVATION_NAMES = (
+    "decoder_layer_input",
+    "mla_q",
+    "mla_kv",
+    "query_proj",
+    "key_proj",
+    "value_proj",
+    "context",
+    "out_proj",
+    "mlpwi_0",
+    "mlpwi_1",
+    "mlpwo",
+    "moe_mlpwi",
+    "moe_mlpwo",
+    "mlpwi",
+    "qkv_proj",
+)
+
+_ATTENTION_NAMES = ("mla_q", "mla_kv", "query_proj", "key_proj", "value_proj", "out_proj")
+
+
+def custom_policy(remat_custom) -> Callable:
+    """The checkpoint policy of ``remat_custom`` (pairs ``(name, action)``).
+
+    Raises:
+      ValueError: unknown name or action, or a name listed twice.
+    """
+    saved, offloaded, seen = [], [], set()
+    for name, action in remat_custom:
+        if name not in ACTIVATION_NAMES:
+            raise ValueError(f"remat_custom: unknown tensor {name!r}; known: {ACTIVATION_NAMES}")
+        if action not in CUSTOM_ACTIONS:
+            raise ValueError(f"remat_custom: {name}={action!r} is not one of {CUSTOM_ACTIONS}")
+        if name in seen:
+            raise ValueError(f"remat_custom: {name!r} is listed twice")
+        seen.add(name)
+        if action == "device":
+            saved.append(name)
+        elif action == "offload":
+            offloaded.append(name)
+    return jax.checkpoint_policies.save_and_offload_only_these_names(
+        names_which_can_be_saved=saved,
+        names_which_can_be_offloaded=offloaded,
+        offload_src="device",
+        offload_dst="pinned_host",
+    )
+
+
+def checkpoint_policy(remat_policy: str, remat_custom=()) -> Callable | None:
+    """The ``jax.checkpoint`` policy for ``remat_policy``; None means save nothing.
+
+    Raises:
+      ValueError: unknown policy (or bad ``remat_custom``), or ``none``, which
+        has no policy because it is not checkpointed at all.
+    """
+    if remat_policy == "full":
+        return jax.checkpoint_policies.nothing_saveable
+    if remat_policy == "minimal":
+        return jax.checkpoint_policies.checkpoint_dots_with_no_batch_dims
+    if remat_policy == "save_dot_except_mlp":
+        return jax.checkpoint_policies.save_only_these_names(*_ATTENTION_NAMES)
+    if remat_policy == "custom":
+        return custom_policy(remat_custom)
+    raise ValueError(f"remat_policy={remat_policy!r} has no checkpoint policy; one of {REMAT_POLICIES}")
+
+
+def layer_remat(cfg: ModelConfig) -> Callable[[Callable], Callable]:
+    """A wrapper for the per-layer function, as ``nn.model.Transformer(remat=...)`` takes.
+
+    Raises:
+      ValueError: unknown ``remat_policy`` or bad ``remat_custom``.
+    """
+    if cfg.remat_policy not in REMAT_POLICIES:
+        raise ValueError(f"remat_policy={cfg.remat_policy!r} is not one of {REMAT_POLICIES}")
+    if cfg.remat_policy == "none":
+        return lambda fn: fn
+    if cfg.remat_policy != "custom" and cfg.remat_custom:
+        raise ValueError(
+            f"remat_custom is set but remat_policy={cfg.remat_policy!r}; use remat_policy=custom"
+        )
+    policy = checkpoint_policy(cfg.remat_policy, cfg.remat_custom)
+    # Inside scan, CSE cannot merge the recomputation with the forward pass, and
+    # the barrier prevent_cse adds would only cost fusion; unrolled layers need it.
+    prevent_cse = not cfg.scan_layers
+    return lambda fn: jax.checkpoint(fn, policy=policy, prevent_cse=prevent_cse)

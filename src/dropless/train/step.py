@@ -1,0 +1,195 @@
+"""The training state and the jitted train step.
+
+Legend: A gradient-accumulation microbatches, B batch, S sequence, V vocabulary,
+L MoE layers (all stacks and MTP together), E routed experts, K MTP depth.
+
+The state is a dict of plain pytrees, so Orbax saves it as is::
+
+    params        nnx.Param values of the model, nested dicts of arrays
+    router_bias   RouterBias values (aux-loss-free balancing), not optimized
+    opt_state     Optax state of ``make_optimizer`` over ``params``
+    step          [] int32 steps taken (data position), skipped ones included
+    skipped_steps [] int32 steps whose loss or gradients were not finite
+
+One step: per microbatch, loss = cross-entropy + MoE aux losses +
+``mtp_loss_scaling_factor`` * mean over depths of the MTP cross-entropies;
+gradients are averaged over microbatches in float32; the optimizer updates
+the parameters; the router bias takes the mean ``bias_update``. If the loss or
+the gradient norm is not finite the new params, optimizer state and bias are
+all discarded on device (``jnp.where``), ``skipped_steps`` counts it, and the
+step counter still advances so the data stream moves on.
+"""
+
+from typing import Callable
+
+import jax
+import jax.numpy as jnp
+import optax
+from flax import nnx
+
+from dropless.config.sections import ModelConfig
+from dropless.nn.model import Transformer, moe_stats_concat
+from dropless.nn.moe import RouterBias
+from dropless.parallel import mesh as mesh_lib
+from dropless.train.data import Batch
+
+
+def build_model(cfg: ModelConfig, seed: int, remat=None) -> Transformer:
+    """A concrete model initialised from ``seed`` (call under jit or eval_shape)."""
+    return Transformer(cfg, rngs=nnx.Rngs(params=seed), remat=remat)
+
+
+def split_model(model: Transformer):
+    """(graphdef, params, router_bias, rest) with the states as plain nested dicts."""
+    graphdef, params, bias, rest = nnx.split(model, nnx.Param, RouterBias, ...)
+    return graphdef, params.to_pure_dict(), bias.to_pure_dict(), rest.to_pure_dict()
+
+
+def init_state_fn(cfg: ModelConfig, tx: optax.GradientTransformation, seed: int, remat=None):
+    """(graphdef, init) where ``init() -> state`` builds the model and optimizer state.
+
+    ``graphdef`` comes from an abstract build, so nothing is allocated here.
+    """
+
+    def init():
+        _, params, bias, rest = split_model(build_model(cfg, seed, remat))
+        if jax.tree.leaves(rest):
+            raise ValueError("the model holds state other than Param and RouterBias")
+        return {
+            "params": params,
+            "router_bias": bias,
+            "opt_state": tx.init(params),
+            "step": jnp.zeros((), jnp.int32),
+            "skipped_steps": jnp.zeros((), jnp.int32),
+        }
+
+    abstract_model = nnx.eval_shape(lambda: build_model(cfg, seed, remat))
+    graphdef = nnx.split(abstract_model, nnx.Param, RouterBias, ...)[0]
+    return graphdef, init
+
+
+def state_shardings(mesh, abstract_state):
+    """NamedShardings for the state: FSDP for arrays, replicated scalars."""
+    return mesh_lib.param_shardings(mesh, abstract_state)
+
+
+def _token_ce(logits_BSV, targets_BS, weights_BS):
+    """(weighted sum of token cross-entropies, sum of weights), float32."""
+    nll_BS = optax.softmax_cross_entropy_with_integer_labels(logits_BSV, targets_BS)
+    return jnp.sum(nll_BS * weights_BS), jnp.sum(weights_BS)
+
+
+def loss_fn(params, router_bias, graphdef, cfg: ModelConfig, inputs_BS, targets_BS, weights_BS):
+    """Total loss of one microbatch and its parts.
+
+    Returns:
+      (loss [] float32, aux) with aux a dict: ``lm_loss``, ``aux_loss``,
+      ``mtp_loss`` scalars and ``moe_stats`` (dict of MoEStats per stack).
+    """
+    model = nnx.merge(graphdef, params, router_bias, {})
+    out = model(inputs_BS)
+    ce_sum, w_sum = _token_ce(out.logits_BSV, targets_BS, weights_BS)
+    lm_loss = ce_sum / jnp.maximum(w_sum, 1.0)
+    aux_loss = sum(
+        (jnp.sum(s.aux_loss) for s in out.moe_stats.values()), jnp.zeros((), jnp.float32)
+    )
+    mtp_loss = jnp.zeros((), jnp.float32)
+    seq = inputs_BS.shape[1]
+    for k, logits_BSV in enumerate(out.mtp_logits, start=1):
+        # Position i predicts token i+k+1 = targets[i+k]; the last k positions have none.
+        valid_S = (jnp.arange(seq) < seq - k).astype(jnp.float32)
+        w_BS = jnp.roll(weights_BS, -k, axis=1) * valid_S
+        ce, w = _token_ce(logits_BSV, jnp.roll(targets_BS, -k, axis=1), w_BS)
+        mtp_loss += ce / jnp.maximum(w, 1.0) / len(out.mtp_logits)
+    loss = lm_loss + aux_loss + cfg.mtp_loss_scaling_factor * mtp_loss
+    return loss, {"lm_loss": lm_loss, "aux_loss": aux_loss, "mtp_loss": mtp_loss,
+                  "moe_stats": out.moe_stats}
+
+
+def _grads(state, batch: Batch, graphdef, cfg: ModelConfig):
+    """Mean loss, aux and float32-averaged gradients over the A microbatches."""
+    grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
+
+    def micro(i):
+        return grad_fn(
+            state["params"], state["router_bias"], graphdef, cfg,
+            batch.inputs[i], batch.targets[i], batch.weights[i],
+        )
+
+    num_micro = batch.inputs.shape[0]
+    if num_micro == 1:
+        (loss, aux), grads = micro(0)
+        return loss, aux, grads
+
+    def body(acc, i):
+        (loss, aux), grads = micro(i)
+        return jax.tree.map(lambda a, b: a + b.astype(a.dtype), acc, (loss, aux, grads)), None
+
+    def zeros_like(x):
+        # Sums in float32 (or int32 for counts), whatever the parameter dtype.
+        dtype = jnp.int32 if jnp.issubdtype(x.dtype, jnp.integer) else jnp.float32
+        return jnp.zeros(x.shape, dtype)
+
+    total, _ = jax.lax.scan(body, jax.tree.map(zeros_like, jax.eval_shape(micro, 0)),
+                            jnp.arange(num_micro))
+    (loss, aux), grads = total
+    # Means over microbatches for losses, gradients and bias updates; token counts stay sums.
+    mean = lambda x: x / num_micro if x.dtype == jnp.float32 else x  # noqa: E731
+    loss, aux, grads = jax.tree.map(mean, (loss, aux, grads))
+    grads = jax.tree.map(lambda g, p: g.astype(p.dtype), grads, state["params"])
+    return loss, aux, grads
+
+
+def make_train_step(graphdef, cfg: ModelConfig, tx, schedule) -> Callable:
+    """``train_step(state, batch) -> (state, metrics)``, pure, ready for ``jax.jit``.
+
+    Args:
+      graphdef: from ``init_state_fn``.
+      tx: the Optax transformation whose state is ``state["opt_state"]``.
+      schedule: the learning-rate schedule inside ``tx`` (for logging).
+
+    Returns metrics, all on device: ``loss``, ``lm_loss``, ``aux_loss``,
+    ``mtp_loss``, ``grad_norm`` (before clipping), ``learning_rate``,
+    ``finite`` (bool), ``skipped_steps``, and when the model has MoE layers
+    ``tokens_per_expert`` [L, E] int32 and ``dropped_tokens`` [] int32.
+    """
+
+    def train_step(state, batch: Batch):
+        loss, aux, grads = _grads(state, batch, graphdef, cfg)
+        grad_norm = optax.global_norm(grads)
+        finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
+        params, opt_state = state["params"], state["opt_state"]
+        updates, new_opt_state = tx.update(grads, opt_state, params)
+        new_params = optax.apply_updates(params, updates)
+        model = nnx.merge(graphdef, new_params, state["router_bias"], {})
+        model.apply_router_bias_update(aux["moe_stats"])
+        new_bias = nnx.state(model, RouterBias).to_pure_dict()
+
+        def keep_if_finite(new, old):
+            return jax.tree.map(lambda n, o: jnp.where(finite, n, o), new, old)
+
+        applied = state["step"] - state["skipped_steps"]
+        new_state = {
+            "params": keep_if_finite(new_params, params),
+            "router_bias": keep_if_finite(new_bias, state["router_bias"]),
+            "opt_state": keep_if_finite(new_opt_state, opt_state),
+            "step": state["step"] + 1,
+            "skipped_steps": state["skipped_steps"] + (~finite).astype(jnp.int32),
+        }
+        metrics = {
+            "loss": loss,
+            "lm_loss": aux["lm_loss"],
+            "aux_loss": aux["aux_loss"],
+            "mtp_loss": aux["mtp_loss"],
+            "grad_norm": grad_norm,
+            "learning_rate": jnp.asarray(schedule(applied), jnp.float32),
+            "finite": finite,
+            "skipped_steps": new_state["skipped_steps"],
+        }
+        stats = moe_stats_concat(aux["moe_stats"])
+        if stats is not None:
+            metrics["tokens_per_expert"] = stats.tokens_per_expert
+            metrics["dropped_tokens"] = jnp.sum(stats.dropped_tokens)
+        return new_state, metrics
+
+    return train_step
