@@ -131,13 +131,16 @@ def _jsonable(x):
     return str(x)
 
 
-def time_fn(fn, *args, warmup: int = 2, iters: int = 10, reps: int = 1) -> dict:
+def time_fn(fn, *args, warmup: int = 2, iters: int = 10, reps: int | None = None,
+            sample_ms: float = 20.0, max_reps: int = 20) -> dict:
     """Device-synchronised wall time of ``fn(*args)``, in milliseconds.
 
     Each of ``iters`` samples times ``reps`` back-to-back calls followed by
     ``jax.block_until_ready`` and divides by ``reps``: with reps > 1 the
     device queue stays full, so launch gaps between calls do not count.
     ``warmup`` calls (compilation, autotuning, allocator growth) come first.
+    ``reps=None`` picks enough reps for a sample to last about ``sample_ms``
+    (at most ``max_reps``), from one timed call after the warm-up.
 
     Returns:
       {"median_ms", "min_ms", "max_ms", "iters", "reps", "samples_ms"}.
@@ -147,10 +150,15 @@ def time_fn(fn, *args, warmup: int = 2, iters: int = 10, reps: int = 1) -> dict:
     """
     import jax
 
-    if iters < 1 or reps < 1:
+    if iters < 1 or (reps is not None and reps < 1):
         raise ValueError(f"{iters=} and {reps=} must be >= 1")
     for _ in range(warmup):
         jax.block_until_ready(fn(*args))
+    if reps is None:
+        t0 = time.perf_counter()
+        jax.block_until_ready(fn(*args))
+        once_ms = (time.perf_counter() - t0) * 1e3
+        reps = int(min(max_reps, max(1, sample_ms // max(once_ms, 1e-3))))
     samples = []
     for _ in range(iters):
         t0 = time.perf_counter()
@@ -162,3 +170,37 @@ def time_fn(fn, *args, warmup: int = 2, iters: int = 10, reps: int = 1) -> dict:
         del out
     return {"median_ms": statistics.median(samples), "min_ms": min(samples),
             "max_ms": max(samples), "iters": iters, "reps": reps, "samples_ms": samples}
+
+
+def profile_calls(fn, *args, calls: int = 3, log_dir: str | os.PathLike | None = None):
+    """Kernel-time breakdown of ``calls`` calls of ``fn(*args)``, each traced as one step.
+
+    ``fn`` should already be compiled (time it first). The trace goes to
+    ``log_dir``, or to a temporary directory that is removed afterwards.
+
+    Returns:
+      ``breakdown.Breakdown`` of the traced calls.
+    """
+    import shutil
+    import tempfile
+
+    import jax
+
+    from dropless.perf import breakdown, trace
+
+    tmp = None if log_dir is not None else tempfile.mkdtemp(prefix="dropless-profile-")
+    out = Path(log_dir if log_dir is not None else tmp)
+    options = jax.profiler.ProfileOptions()
+    options.python_tracer_level = 0
+    try:
+        jax.block_until_ready(fn(*args))
+        with jax.profiler.trace(str(out), profiler_options=options):
+            for i in range(calls):
+                with jax.profiler.StepTraceAnnotation("call", step_num=i):
+                    result = fn(*args)
+                jax.block_until_ready(result)
+                del result
+        return breakdown.compute(trace.load_trace(out))
+    finally:
+        if tmp is not None:
+            shutil.rmtree(tmp, ignore_errors=True)

@@ -1,0 +1,377 @@
+"""MoE layer benchmark: one DeepSeek-V3 MoE layer on one GPU, ours vs the baselines.
+
+    PYTHONPATH=src python3 benchmarks/moe_layer.py [--quick] [--out DIR]    # GPU, ~3-5 min
+    JAX_PLATFORMS=cpu PYTHONPATH=src python3 benchmarks/moe_layer.py --tiny # CPU smoke run
+
+Shape (DeepSeek-V3 with 8-way expert parallelism, the local half of one layer):
+T = 8192 tokens (2 x 4096), D = 7168, F = 2048 (``moe_mlp_dim``), E = 32 local
+experts, K = 8 per token, S = 1 shared expert, bf16 parameters and
+activations; sigmoid routing with the balancing bias and the sequence aux
+loss, as in V3 (no group limit: V3 limits groups over all 256 experts, before
+the exchange). Random data, router weights random, so the load is roughly
+balanced.
+
+Cases: ``ours`` (dropless, ``gmm_backend=auto``: our Mosaic kernels on
+Hopper), ``xla`` (dropless through ``lax.ragged_dot``), and MaxText's
+capacity-limited ``dense_matmul`` baseline at capacity factors 1.0 and 1.25
+(it drops tokens; the fraction is reported).
+
+Expert FLOPs (the convention of torchtitan's 447 TF/s at 43.6 ms on this
+shape): each token visits K routed + S shared SwiGLU experts of 3 matrices
+D x F, so ``fwd = 2 * T * (K + S) * 3 * D * F`` = 6.49 TFLOP and
+``fwd+bwd = 3 * fwd`` = 19.5 TFLOP. The router (2*T*D*E) is left out. The
+capacity baseline is credited with the same useful FLOPs, whatever it computes.
+
+Time split of ours into router (scores, top-k, weights, aux loss), permute
+(plan + gather), gmm (gate|up gmm, SwiGLU, down gmm), combine (weighted
+inverse permutation) and shared expert: each piece is the block's own code
+(``MoEBlock._route``, ``moe.dispatch``, ``MoEBlock._experts_sparse``,
+``moe.combine``, ``MoEBlock.shared_experts``) jitted alone, forward and
+forward+backward (``jax.vjp`` with random cotangents), on the inputs the
+previous pieces produce. A profiler trace of the whole layer's fwd+bwd gives
+the kernel-category view next to it.
+
+Targets (issue 7): fwd+bwd < 36 ms on one H200; router + permute + combine
+< 15% of the layer's fwd+bwd time. Timing: ``dropless.perf.measure.time_fn``
+(warm-up, back-to-back calls, ``block_until_ready``, median). Writes
+``<out>/moe_layer-<time>-<gpu>.json`` and prints the tables, the main one last.
+"""
+
+import argparse
+import gc
+import sys
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from dropless.config.sections import MoEConfig
+from dropless.nn import moe
+from dropless.ops.gmm import resolve_backend
+from dropless.perf import measure
+
+FULL = {"batch": 2, "seq": 4096, "emb_dim": 7168, "moe_mlp_dim": 2048, "num_experts": 32,
+        "top_k": 8, "shared_experts": 1}
+TINY = {"batch": 2, "seq": 32, "emb_dim": 64, "moe_mlp_dim": 32, "num_experts": 8,
+        "top_k": 2, "shared_experts": 1}
+CASES = {
+    "ours": {"gmm_backend": "auto"},
+    "xla": {"gmm_backend": "xla"},
+    "capacity-1.0": {"sparse_matmul": False, "capacity_factor": 1.0},
+    "capacity-1.25": {"sparse_matmul": False, "capacity_factor": 1.25},
+}
+TARGETS = {"fwd_bwd_ms": 36.0, "routing_share_pct": 15.0, "torchtitan_fwd_bwd_ms": 43.6,
+           "torchtitan_tflops": 447.0, "torchtitan_gemm_ms": 31.7}
+ROUTING_PIECES = ("router", "permute", "combine")
+
+
+def moe_config(shape: dict, **overrides) -> MoEConfig:
+    """DeepSeek-V3's MoE settings at ``shape``, with ``overrides`` (a case)."""
+    return MoEConfig(
+        num_experts=shape["num_experts"], num_experts_per_tok=shape["top_k"],
+        moe_mlp_dim=shape["moe_mlp_dim"], shared_experts=shape["shared_experts"],
+        routed_score_func="sigmoid", norm_topk_prob=True, routed_scaling_factor=2.5,
+        routed_bias=True, routed_bias_update_rate=1e-3, seq_aux_loss_weight=1e-4,
+        prefuse_moe_weights=True, **overrides)
+
+
+def expert_flops(shape: dict) -> dict:
+    """Useful expert FLOPs: fwd = 6*T*(K+S)*D*F, fwd+bwd = 3*fwd (see the module docstring)."""
+    t = shape["batch"] * shape["seq"]
+    fwd = 6 * t * (shape["top_k"] + shape["shared_experts"]) * shape["emb_dim"] * shape["moe_mlp_dim"]
+    return {"fwd": float(fwd), "fwd_bwd": 3.0 * fwd}
+
+
+class Layer:
+    """A bf16 ``MoEBlock`` at ``shape``, its states split for ``jax.vjp``, and random inputs.
+
+    Param groups: ``router``, ``shared`` (shared experts), ``experts`` (wi, wo);
+    ``rest`` holds the RouterBias. ``fwd(params, rest, x) -> (y, dropped)`` and
+    ``fwd_bwd(params, rest, x, g) -> (y, grads)`` are jitted.
+    """
+
+    def __init__(self, shape: dict, cfg: MoEConfig, seed: int = 0):
+        self.shape, self.cfg = shape, cfg
+        b, s, d = shape["batch"], shape["seq"], shape["emb_dim"]
+        block = moe.MoEBlock(cfg, emb_dim=d, dtype=jnp.bfloat16, param_dtype=jnp.bfloat16,
+                             rngs=nnx.Rngs(seed))
+        router = nnx.All(nnx.Param, nnx.PathContains("router"))
+        shared = nnx.All(nnx.Param, nnx.PathContains("shared_experts"))
+        self.graphdef, r, sh, ex, self.rest = nnx.split(block, router, shared, nnx.Param, ...)
+        self.params = {"router": r, "shared": sh, "experts": ex}
+        kx, kg = jax.random.split(jax.random.key(seed + 1))
+        self.x = jax.random.normal(kx, (b, s, d), jnp.bfloat16)
+        self.g = jax.random.normal(kg, (b, s, d), jnp.bfloat16)
+        self.fwd = jax.jit(self._fwd)
+        self.fwd_bwd = jax.jit(self._fwd_bwd)
+
+    def block(self, params, rest):
+        return nnx.merge(self.graphdef, params["router"], params["shared"], params["experts"], rest)
+
+    def _fwd(self, params, rest, x):
+        y, stats = self.block(params, rest)(x)
+        return y, stats.dropped_tokens
+
+    def _fwd_bwd(self, params, rest, x, g):
+        def f(params, x):
+            y, stats = self.block(params, rest)(x)
+            return y, stats.aux_loss
+
+        (y, aux), pullback = jax.vjp(f, params, x)
+        return y, pullback((g, jnp.ones_like(aux)))
+
+
+def _pair(fn, diff, nondiff, cot, has_aux=False):
+    """(jitted fwd, its args), (jitted fwd+bwd via jax.vjp, its args) of ``fn(*diff, *nondiff)``."""
+    fwd = jax.jit(lambda diff, nondiff: fn(*diff, *nondiff))
+
+    def fwd_bwd(diff, nondiff, cot):
+        res = jax.vjp(lambda *d: fn(*d, *nondiff), *diff, has_aux=has_aux)
+        return res[0], res[-1] if has_aux else None, res[1](cot)
+
+    return (fwd, (diff, nondiff)), (jax.jit(fwd_bwd), (diff, nondiff, cot))
+
+
+def split_pieces(layer: Layer) -> dict:
+    """The sparse path's pieces: name -> ((fwd, args), (fwd_bwd, args)), on real intermediates.
+
+    Raises:
+      ValueError: the layer is on the capacity path (no pieces to split).
+    """
+    if not layer.cfg.sparse_matmul:
+        raise ValueError("the time split covers the dropless (sparse_matmul) path only")
+    b, s, d = layer.x.shape
+    p, rest = layer.params, layer.rest
+    x_TD = layer.x.reshape(b * s, d)
+    e, align = layer.cfg.num_experts, layer.cfg.group_alignment
+    key = iter(jax.random.split(jax.random.key(7), 8))
+
+    def router(router_p, x_TD):
+        block = layer.block({**p, "router": router_p}, rest)
+        logits_TE, decision = block._route(x_TD)
+        aux = block._aux_loss(logits_TE, decision, b, s)
+        return (decision.weights_TK, aux), decision.experts_TK
+
+    (weights_TK, _), experts_TK = jax.jit(router)(p["router"], x_TD)
+    x_PD, plan = jax.jit(lambda x, ex: moe.dispatch(x, ex, e, align))(x_TD, experts_TK)
+    y_PD = jax.jit(lambda ep, x, gs: layer.block({**p, "experts": ep}, rest)._experts_sparse(x, gs))(
+        p["experts"], x_PD, plan.group_sizes_E)
+
+    def rand(like):
+        return jax.random.normal(next(key), like.shape, jnp.float32).astype(like.dtype)
+
+    return {
+        "router": _pair(router, (p["router"], x_TD), (), (rand(weights_TK), jnp.ones(())),
+                        has_aux=True),
+        "permute": _pair(lambda x, ex: moe.dispatch(x, ex, e, align), (x_TD,), (experts_TK,),
+                         rand(x_PD), has_aux=True),
+        "gmm": _pair(
+            lambda ep, x, gs: layer.block({**p, "experts": ep}, rest)._experts_sparse(x, gs),
+            (p["experts"], x_PD), (plan.group_sizes_E,), rand(y_PD)),
+        "combine": _pair(lambda y, w, plan: moe.combine(y, w, plan), (y_PD, weights_TK), (plan,),
+                         rand(x_TD)),
+        "shared": _pair(lambda sp, x: layer.block({**p, "shared": sp}, rest).shared_experts(x),
+                        (p["shared"], x_TD), (), rand(x_TD)),
+    }
+
+
+def compose_forward(layer: Layer, pieces: dict):
+    """The layer's output [B, S, D] rebuilt from the pieces' forward functions (for tests)."""
+    b, s, d = layer.x.shape
+    (router_fwd, (router_args, _)) = pieces["router"][0]
+    (weights_TK, _), experts_TK = router_fwd(router_args, ())
+    x_TD = layer.x.reshape(b * s, d)
+    x_PD, plan = pieces["permute"][0][0]((x_TD,), (experts_TK,))
+    gmm_fwd, (gmm_diff, _) = pieces["gmm"][0]
+    y_PD = gmm_fwd((gmm_diff[0], x_PD), (plan.group_sizes_E,))
+    out_TD = pieces["combine"][0][0]((y_PD, weights_TK), (plan,))
+    shared_fwd, (shared_args, _) = pieces["shared"][0]
+    return (out_TD + shared_fwd(shared_args, ())).reshape(b, s, d)
+
+
+def _timing(fn, args, quick: bool) -> float:
+    """Median milliseconds of ``fn(*args)``."""
+    return measure.time_fn(fn, *args, warmup=2, iters=5 if quick else 10)["median_ms"]
+
+
+def _tflops(flops: float, ms: float | None):
+    return flops / (ms * 1e-3) / 1e12 if ms else None
+
+
+def _error(e: Exception) -> str:
+    lines = str(e).strip().splitlines() or [""]
+    return f"{type(e).__name__}: {lines[0][:300]}"
+
+
+def time_case(name: str, shape: dict, quick: bool) -> tuple[dict, Layer]:
+    """Fwd and fwd+bwd times of one case; returns (row, layer)."""
+    layer = Layer(shape, moe_config(shape, **CASES[name]))
+    t, d = shape["batch"] * shape["seq"], shape["emb_dim"]
+    backend = resolve_backend(layer.cfg.gmm_backend, (t * shape["top_k"], d),
+                              (shape["num_experts"], d, 2 * shape["moe_mlp_dim"]), jnp.bfloat16)
+    row = {"case": name, "backend": backend if layer.cfg.sparse_matmul else "dense_matmul",
+           "sparse_matmul": layer.cfg.sparse_matmul, "capacity_factor":
+           None if layer.cfg.sparse_matmul else layer.cfg.capacity_factor}
+    flops = expert_flops(shape)
+    args = (layer.params, layer.rest, layer.x)
+    dropped = int(layer.fwd(*args)[1])
+    row["dropped_fraction"] = dropped / (t * shape["top_k"])
+    for key, fn, fn_args in (("fwd", layer.fwd, args),
+                             ("fwd_bwd", layer.fwd_bwd, (*args, layer.g))):
+        try:
+            row[f"{key}_ms"] = _timing(fn, fn_args, quick)
+        except Exception as e:  # noqa: BLE001 - e.g. out of memory: record it, go on
+            row[f"{key}_ms"], row[f"{key}_error"] = None, _error(e)
+        row[f"{key}_tflops"] = _tflops(flops[key], row[f"{key}_ms"])
+    return row, layer
+
+
+def time_split(layer: Layer, layer_row: dict, quick: bool) -> dict:
+    """Per-piece fwd and fwd+bwd times of the dropless layer and the routing share."""
+    pieces = split_pieces(layer)
+    rows = []
+    for piece, ((fwd, fwd_args), (fwd_bwd, fb_args)) in pieces.items():
+        rows.append({"piece": piece, "fwd_ms": _timing(fwd, fwd_args, quick),
+                     "fwd_bwd_ms": _timing(fwd_bwd, fb_args, quick)})
+    out = {"case": layer_row["case"], "backend": layer_row["backend"], "pieces": rows}
+    for key in ("fwd", "fwd_bwd"):
+        total = layer_row.get(f"{key}_ms")
+        routing = sum(r[f"{key}_ms"] for r in rows if r["piece"] in ROUTING_PIECES)
+        out[f"sum_{key}_ms"] = sum(r[f"{key}_ms"] for r in rows)
+        out[f"layer_{key}_ms"] = total
+        out[f"routing_{key}_ms"] = routing
+        # Share of the measured layer time (the issue's target), not of the sum of pieces.
+        out[f"routing_share_{key}_pct"] = 100 * routing / total if total else None
+    return out
+
+
+def trace_breakdown(layer: Layer) -> dict:
+    """Kernel categories of the whole layer's fwd+bwd, from a profiler trace of 3 calls."""
+    bd = measure.profile_calls(layer.fwd_bwd, layer.params, layer.rest, layer.x, layer.g, calls=3)
+    keep = ("platform", "steps", "wall_us", "kernel_us", "busy_pct", "categories", "top_kernels",
+            "notes")
+    return {k: v for k, v in bd.to_dict().items() if k in keep}
+
+
+def run(quick: bool = False, out_dir=measure.DEFAULT_RESULTS_DIR, tiny: bool = False,
+        cases=None, trace: bool = True) -> dict:
+    """Run the benchmark, write its record to ``out_dir`` and return the record.
+
+    Args:
+      quick: fewer timing samples and only the ours / xla / capacity-1.0 cases.
+      tiny: the small CPU-friendly shape instead of DeepSeek-V3's.
+      cases: names from ``CASES`` (default: all, or the quick subset).
+      trace: also profile ours' fwd+bwd and break its kernel time down.
+    """
+    shape = TINY if tiny else FULL
+    names = list(cases or (["ours", "xla", "capacity-1.0"] if quick else CASES))
+    unknown = set(names) - set(CASES)
+    if unknown:
+        raise ValueError(f"unknown cases {sorted(unknown)}; choose from {list(CASES)}")
+    record = measure.new_record("moe_layer", {**shape, "tokens": shape["batch"] * shape["seq"],
+                                              "dtype": "bfloat16", "tiny": tiny, "quick": quick,
+                                              "moe": vars(moe_config(shape))})
+    record.update(flops=expert_flops(shape), targets=TARGETS, split=None, kernel_breakdown=None,
+                  flops_formula="fwd = 6*T*(K+S)*D*F (K routed + S shared SwiGLU experts); "
+                                "fwd+bwd = 3*fwd; router excluded")
+    for name in names:
+        try:
+            row, layer = time_case(name, shape, quick)
+        except Exception as e:  # noqa: BLE001 - one failing case must not lose the others
+            record["rows"].append({"case": name, "error": _error(e)})
+            continue
+        record["rows"].append(row)
+        if name == "ours":
+            record["split"] = _guarded(time_split, layer, row, quick)
+            if trace and row.get("fwd_bwd_ms"):
+                record["kernel_breakdown"] = _guarded(trace_breakdown, layer)
+        del layer
+        gc.collect()
+    record["path"] = str(measure.write_record(record, out_dir))
+    return record
+
+
+def _guarded(fn, *args):
+    try:
+        return fn(*args)
+    except Exception as e:  # noqa: BLE001 - keep the layer timings if a side measurement fails
+        return {"error": _error(e)}
+
+
+def _fmt(x, spec=".2f"):
+    return "-" if x is None else format(x, spec)
+
+
+def print_tables(record: dict, console=None) -> None:
+    """The split and kernel tables, then the main case table (last)."""
+    from rich.console import Console
+    from rich.table import Table
+
+    console = console or (Console() if sys.stdout.isatty() else Console(width=140))
+    split = record.get("split") or {}
+    if split.get("pieces"):
+        table = Table(title=f"MoE layer time split ({split['case']}, {split['backend']})")
+        for col in ("piece", "fwd ms", "fwd+bwd ms", "% of layer fwd+bwd"):
+            table.add_column(col, justify="left" if col == "piece" else "right")
+        total = split.get("layer_fwd_bwd_ms")
+        for r in split["pieces"]:
+            share = 100 * r["fwd_bwd_ms"] / total if total else None
+            table.add_row(r["piece"], _fmt(r["fwd_ms"], ".3f"), _fmt(r["fwd_bwd_ms"], ".3f"),
+                          _fmt(share, ".1f"))
+        table.add_row("sum of pieces", _fmt(split["sum_fwd_ms"], ".3f"),
+                      _fmt(split["sum_fwd_bwd_ms"], ".3f"), "", style="bold")
+        table.caption = (f"router+permute+combine = {_fmt(split['routing_share_fwd_bwd_pct'], '.1f')}"
+                         f"% of the layer's fwd+bwd (target < {TARGETS['routing_share_pct']:.0f}%)")
+        console.print(table)
+    elif split.get("error"):
+        console.print(f"[yellow]time split failed:[/] {split['error']}")
+    bd = record.get("kernel_breakdown") or {}
+    if bd.get("categories"):
+        line = ", ".join(f"{c['label']} {c['pct_kernel']:.1f}%" for c in bd["categories"]
+                         if c["pct_kernel"] > 0)
+        console.print(f"ours fwd+bwd kernel time by category: {line}")
+    cfg = record["config"]
+    table = Table(title=(f"MoE layer, T={cfg['tokens']} D={cfg['emb_dim']} F={cfg['moe_mlp_dim']} "
+                         f"E={cfg['num_experts']} K={cfg['top_k']} S={cfg['shared_experts']} bf16 "
+                         f"on {record['device']['gpu']}"))
+    for col in ("case", "backend", "fwd ms", "fwd TF/s", "fwd+bwd ms", "fwd+bwd TF/s",
+                "dropped", "vs torchtitan"):
+        table.add_column(col, justify="left" if col in ("case", "backend") else "right")
+    for r in record["rows"]:
+        if "error" in r:
+            table.add_row(r["case"], f"[red]{r['error'][:60]}[/]", *[""] * 6)
+            continue
+        ms = r.get("fwd_bwd_ms")
+        table.add_row(r["case"], r["backend"], _fmt(r.get("fwd_ms")), _fmt(r.get("fwd_tflops"), ".0f"),
+                      _fmt(ms) if ms else f"[red]{r.get('fwd_bwd_error', '-')[:40]}[/]",
+                      _fmt(r.get("fwd_bwd_tflops"), ".0f"), f"{100 * r['dropped_fraction']:.1f}%",
+                      # torchtitan's time is for the full shape only.
+                      "-" if cfg["tiny"] or not ms
+                      else f"{TARGETS['torchtitan_fwd_bwd_ms'] / ms:.2f}x")
+    table.caption = (f"TF/s count expert FLOPs ({record['flops_formula']}). Target: fwd+bwd < "
+                     f"{TARGETS['fwd_bwd_ms']:.0f} ms; torchtitan {TARGETS['torchtitan_fwd_bwd_ms']} ms "
+                     f"({TARGETS['torchtitan_tflops']:.0f} TF/s), its bare grouped GEMMs "
+                     f"{TARGETS['torchtitan_gemm_ms']} ms")
+    console.print(table)
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="fewer samples and cases")
+    parser.add_argument("--tiny", action="store_true", help="small shape (CPU smoke run)")
+    parser.add_argument("--out", type=Path, default=measure.DEFAULT_RESULTS_DIR,
+                        help="results directory (default benchmarks/results)")
+    parser.add_argument("--cases", default=None,
+                        help=f"comma-separated subset of {','.join(CASES)}")
+    parser.add_argument("--no-trace", action="store_true", help="skip the profiler breakdown")
+    args = parser.parse_args(argv)
+    record = run(quick=args.quick, out_dir=args.out, tiny=args.tiny,
+                 cases=args.cases.split(",") if args.cases else None, trace=not args.no_trace)
+    print_tables(record)
+    print(f"wrote {record['path']}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
