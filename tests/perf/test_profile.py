@@ -2,8 +2,7 @@
 
 Runs the real CLI in a subprocess (it sets JAX's platform and flags before
 JAX starts), then checks the files it promises: the trace, breakdown.json
-with consistent percentages, and the PNG. Uses ``standin_loop`` only while
-``dropless.train.loop.build`` does not exist.
+with consistent percentages, and the PNG.
 """
 
 import json
@@ -17,8 +16,7 @@ import pytest
 
 from dropless.perf import profile
 
-HERE = Path(__file__).parent
-REPO = HERE.parents[1]
+REPO = Path(__file__).parents[2]
 
 
 def test_parse_args_splits_flags_from_overrides():
@@ -32,19 +30,14 @@ def test_parse_args_splits_flags_from_overrides():
 
 def test_profile_end_to_end_cpu(tmp_path):
     try:
-        import dropless.train.step  # noqa: F401 - the trainer's parts the stand-in needs
+        from dropless.train.loop import build  # noqa: F401 - what profile steps through
     except ImportError as e:
-        pytest.skip(f"trainer not importable: {e}")
-    script = (
-        "import sys; sys.path.insert(0, sys.argv[1]); import standin_loop; "
-        "standin_loop.install_if_needed(); from dropless.cli import main; "
-        "sys.exit(main(sys.argv[2:]))"
-    )
+        pytest.skip(f"the trainer does not expose dropless.train.loop.build: {e}")
     args = ["profile", "model_name=deepseek3-tiny", "hardware=cpu", "per_device_batch_size=2",
             "max_target_length=32", "dataset_type=synthetic", f"base_output_directory={tmp_path}",
             "run_name=prof", "--steps", "2", "--warmup", "1"]
     env = {**os.environ, "JAX_PLATFORMS": "cpu"}
-    proc = subprocess.run([sys.executable, "-c", script, str(HERE), *args], cwd=REPO, env=env,
+    proc = subprocess.run([sys.executable, "-m", "dropless", *args], cwd=REPO, env=env,
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     out = tmp_path / "prof" / "profile"
@@ -54,6 +47,7 @@ def test_profile_end_to_end_cpu(tmp_path):
     dense = next(c for c in data["categories"] if c["category"] == "dense_gemm")
     assert dense["time_us"] > 0
     assert data["config"]["model_name"] == "deepseek3-tiny" and data["step_ms"] > 0
+    assert data["tflops_per_device_per_step"] > 0 and data["mfu_pct"] is None  # no CPU peak
     assert 0 < len(data["top_kernels"]) <= 15
     assert (out / "breakdown.png").read_bytes()[:4] == b"\x89PNG"
     assert list(out.glob("plugins/profile/*/perfetto_trace.json.gz"))

@@ -65,7 +65,10 @@ class TrainerUnavailable(RuntimeError):
 
 
 def build_trainer(model_cfg, train_cfg, mesh_cfg):
-    """(state, step_fn, batches) from ``dropless.train.loop.build``.
+    """(state, step_fn, batches, tflops_per_step or None) from ``dropless.train.loop.build``.
+
+    ``tflops_per_step`` (analytic TFLOPs per device per step) is taken from the
+    built trainer when it provides it.
 
     Raises:
       TrainerUnavailable: no such module or function.
@@ -84,10 +87,10 @@ def build_trainer(model_cfg, train_cfg, mesh_cfg):
         raise TrainerUnavailable("dropless.train.loop has no build(model_cfg, train_cfg, "
                                  "mesh_cfg) -> (state, step_fn, batches)")
     built = build(model_cfg, train_cfg, mesh_cfg)
-    if isinstance(built, tuple) and len(built) == 3:
-        return built
+    if type(built) is tuple and len(built) == 3:
+        return (*built, None)
     try:
-        return built.state, built.step_fn, built.batches
+        return built.state, built.step_fn, built.batches, getattr(built, "tflops_per_step", None)
     except AttributeError:
         raise TypeError(f"dropless.train.loop.build returned {type(built).__name__}; expected "
                         "(state, step_fn, batches) or an object with those attributes") from None
@@ -121,8 +124,12 @@ def capture(state, step_fn, batches, out: Path, *, steps: int, warmup: int, pyth
     return state, time.perf_counter() - t0
 
 
-def throughput(cfg, step_ms: float) -> dict:
-    """Model TFLOPS/device and MFU at ``step_ms`` per step, from ``dropless.train.flops``."""
+def throughput(cfg, step_ms: float, per_step: float | None = None) -> dict:
+    """Model TFLOPS/device and MFU at ``step_ms`` per step, from ``dropless.train.flops``.
+
+    ``per_step``: TFLOPs per device per step if the trainer reported it;
+    otherwise computed from the config with ``train.flops``.
+    """
     import jax
 
     try:
@@ -130,11 +137,14 @@ def throughput(cfg, step_ms: float) -> dict:
     except ImportError:
         return {}
     model_cfg, train_cfg = cfg.model(), cfg.train()
-    per_step = flops.training_tflops_per_device(
-        model_cfg, train_cfg.per_device_batch_size, train_cfg.max_target_length,
-        train_cfg.gradient_accumulation_steps).total
+    if per_step is None:
+        per_step = flops.training_tflops_per_device(
+            model_cfg, train_cfg.per_device_batch_size, train_cfg.max_target_length,
+            train_cfg.gradient_accumulation_steps).total
     achieved = per_step / (step_ms / 1e3) if step_ms > 0 else 0.0
-    peak = flops.peak_tflops(jax.devices()[0].device_kind, flops.precision_of(model_cfg))
+    device = jax.devices()[0]
+    peak = None if device.platform == "cpu" else flops.peak_tflops(
+        device.device_kind, flops.precision_of(model_cfg))
     return {"tflops_per_device_per_step": per_step, "tflops_per_device": achieved,
             "mfu_pct": 100 * achieved / peak if peak else None}
 
@@ -157,7 +167,7 @@ def main(args: list[str]) -> int:
 
     console = Console() if sys.stdout.isatty() else Console(width=160)
     try:
-        state, step_fn, batches = build_trainer(cfg.model(), cfg.train(), cfg.mesh())
+        state, step_fn, batches, per_step = build_trainer(cfg.model(), cfg.train(), cfg.mesh())
     except TrainerUnavailable as e:
         print(f"dropless profile: {e}", file=sys.stderr)
         return EXIT_UNAVAILABLE
@@ -172,7 +182,7 @@ def main(args: list[str]) -> int:
     extra = {"model_name": cfg.model_name, "config": cfg.model_dump(mode="json"),
              "changed": {k: resolved.source(k) for k in resolved.sources}, "mesh": mesh_shape, "xla_flags": applied, "step_ms": step_ms,
              "device": measure.device_info(), "versions": measure.versions(),
-             "commit": measure.git_commit(), **throughput(cfg, step_ms)}
+             "commit": measure.git_commit(), **throughput(cfg, step_ms, per_step)}
     breakdown.save(bd, out / "breakdown.json", extra=extra)
     breakdown.plot(bd, out / "breakdown.png", title=f"{cfg.model_name}: where the time goes")
     breakdown.print_breakdown(bd, console)
