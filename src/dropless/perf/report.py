@@ -1,0 +1,489 @@
+"""Render ``benchmarks/RESULTS.md`` and its plots from the newest results files.
+
+    python -m dropless.perf.report [--results benchmarks/results] [--md benchmarks/RESULTS.md]
+
+Reads every ``*.json`` under the results directory: single records (``kind``
+gmm / moe_layer / step, see ``perf.measure``) and ``dropless bench`` bundles
+(``kind: bench`` holding one record per benchmark), and keeps the newest
+record of each kind by its ``created`` time. So results from separate runs
+render together, and a rerun of one benchmark replaces only its section.
+
+Every number on the page comes from a record that names its GPU, jax version
+and commit; records without them (or with commit "unknown") are skipped, with
+the reason printed. Each section cites its file.
+
+Record fields read (aliases accepted, so the benchmarks' own formats work):
+
+- **gmm** (``benchmarks/gmm.py``): ``results``: one row per (M, G, K, N,
+  layout) with ``tflops[impl][op]``; impls ``ours``, ``dense`` (cuBLAS at
+  equal FLOPs: the ceiling), ``torch`` (``torch._grouped_mm``), ``jaxex``,
+  ``ragged``; ops ``fwd``, ``dgrad``, ``wgrad``, ``fwd+dgrad+wgrad``. Flat rows
+  ``{shape, layout, op, impl, tflops}`` are accepted too.
+- **moe_layer** (``benchmarks/moe_layer.py``): ``rows`` per case with
+  ``fwd_ms``, ``fwd_bwd_ms``, ``*_tflops``, ``dropped_fraction``; ``split``
+  with per-piece times; ``targets``.
+- **step** (``benchmarks/step.py``): ``rows`` (or ``results``), one per
+  variant: ``name`` (or ``case``/``variant``), ``tflops_per_device`` (or
+  ``tflops``), optional ``tokens_per_s``, ``step_ms``, ``peak_memory_gib``,
+  ``per_device_batch_size``, ``note``, and ``role`` ("baseline" | "ours";
+  without it a name containing "ours" is ours, the rest baselines).
+"""
+
+import argparse
+import datetime
+import json
+import os
+import sys
+from pathlib import Path
+
+from dropless.perf.measure import DEFAULT_RESULTS_DIR, REPO_ROOT
+
+DEFAULT_MD = REPO_ROOT / "benchmarks" / "RESULTS.md"
+KINDS = ("gmm", "moe_layer", "step")
+GMM_IMPLS = {"ours": "ours", "dense": "dense cuBLAS (ceiling)", "torch": "torch._grouped_mm",
+             "jaxex": "jax example kernels", "ragged": "lax.ragged_dot"}
+GMM_OPS = ("fwd", "dgrad", "wgrad", "fwd+dgrad+wgrad")
+SPLIT_COLORS = {"router": "#d62728", "permute": "#ff7f0e", "gmm": "#1f77b4", "combine": "#9467bd",
+                "shared": "#17becf", "unattributed": "#c7c7c7"}
+
+
+def _get(d: dict, *names, default=None):
+    for name in names:
+        if isinstance(d, dict) and d.get(name) is not None:
+            return d[name]
+    return default
+
+
+def provenance(record: dict) -> dict:
+    """{'gpu', 'jax', 'commit'} of a record, from our fields or the benchmarks' own names."""
+    device = record.get("device") if isinstance(record.get("device"), dict) else {}
+    versions = record.get("versions") if isinstance(record.get("versions"), dict) else {}
+    commit = record.get("commit")
+    if isinstance(commit, dict):
+        # A record taken from a tree with uncommitted changes says so.
+        commit = commit.get("commit") and (commit["commit"] + ("+dirty" if commit.get("dirty")
+                                                               else ""))
+    return {"gpu": _get(device, "gpu", "device_kind") or _get(record, "gpu", "device_kind"),
+            "jax": _get(versions, "jax") or _get(record, "jax", "jax_version"),
+            "commit": commit}
+
+
+def _created(record: dict, path: Path) -> datetime.datetime:
+    text = _get(record, "created", "date", "timestamp")
+    try:
+        when = datetime.datetime.fromisoformat(str(text))
+    except (TypeError, ValueError):
+        when = datetime.datetime.fromtimestamp(path.stat().st_mtime)
+    return when if when.tzinfo else when.replace(tzinfo=datetime.timezone.utc)
+
+
+def _records_in(path: Path):
+    """(kind, record) pairs in one file: a record, or a bench bundle of records."""
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, ValueError) as e:
+        yield None, {"_error": f"unreadable: {e}"}
+        return
+    if not isinstance(data, dict):
+        yield None, {"_error": "not a JSON object"}
+        return
+    kind = _get(data, "kind", "benchmark") or path.name.split("-")[0]
+    if kind == "bench":
+        for sub_kind, sub in (data.get("records") or {}).items():
+            if isinstance(sub, dict) and "error" not in sub:
+                yield sub_kind, sub
+        return
+    yield kind, data
+
+
+def newest_records(results_dir: str | os.PathLike, log=print, include_cpu: bool = False) -> dict:
+    """kind -> (record, source path) of the newest valid record of each kind in ``KINDS``.
+
+    Valid: names its GPU, jax version and commit. CPU runs (smoke tests) are
+    skipped unless ``include_cpu``.
+    """
+    best = {}
+    for path in sorted(Path(results_dir).glob("*.json")):
+        for kind, record in _records_in(path):
+            if kind not in KINDS:
+                if "_error" in record:
+                    log(f"skipped {path.name}: {record['_error']}")
+                continue
+            prov = provenance(record)
+            missing = [k for k, v in prov.items() if not v or v == "unknown"]
+            if missing:
+                log(f"skipped {path.name} ({kind}): no {', '.join(missing)}")
+                continue
+            if str(prov["gpu"]).lower() == "cpu" and not include_cpu:
+                log(f"skipped {path.name} ({kind}): a CPU run")
+                continue
+            when = _created(record, path)
+            if kind not in best or when > best[kind][2]:
+                best[kind] = (record, path, when)
+    return {kind: (rec, path) for kind, (rec, path, _) in best.items()}
+
+
+# ----------------------------------------------------------------------------
+# Markdown helpers.
+
+
+def _num(x, spec=".1f") -> str:
+    return "-" if x is None else format(x, spec)
+
+
+def md_table(headers: list[str], rows: list[list], labels: int = 1) -> str:
+    """A GitHub-flavoured markdown table: the first ``labels`` columns left-aligned, the rest right."""
+    align = [":---" if i < labels else "---:" for i in range(len(headers))]
+    lines = ["| " + " | ".join(headers) + " |", "| " + " | ".join(align) + " |"]
+    for row in rows:
+        lines.append("| " + " | ".join(str(c) for c in row) + " |")
+    return "\n".join(lines)
+
+
+def _source_line(record: dict, path: Path) -> str:
+    prov = provenance(record)
+    created = _get(record, "created", "date", default="?")
+    return (f"Source: `{path.name}` ({prov['gpu']}, jax {prov['jax']}, commit "
+            f"`{_short_commit(prov['commit'])}`, {created}).")
+
+
+def _short_commit(commit) -> str:
+    text = str(commit)
+    base = text.removesuffix("+dirty")
+    return base[:12] + ("+dirty" if base != text else "")
+
+
+def _plt():
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+# ----------------------------------------------------------------------------
+# Grouped GEMM kernels.
+
+
+def gmm_rows(record: dict) -> list[dict]:
+    """Flat rows {shape, layout, op, impl, tflops} from a gmm record (nested or flat)."""
+    rows = []
+    for r in record.get("results") or []:
+        if isinstance(r.get("tflops"), dict):
+            shape = f"M={r.get('M')} G={r.get('G')} K={r.get('K')} N={r.get('N')}"
+            for impl, ops in r["tflops"].items():
+                for op, tf in (ops or {}).items():
+                    rows.append({"shape": shape, "layout": r.get("layout", "-"), "op": op,
+                                 "impl": impl, "tflops": tf})
+    for r in record.get("rows") or []:
+        tf = _get(r, "tflops", "tf_s")
+        if isinstance(tf, (int, float)):
+            rows.append({"shape": _get(r, "shape", "case", default="-"),
+                         "layout": _get(r, "layout", "groups", default="-"),
+                         "op": _get(r, "op", "pass", default="fwd"),
+                         "impl": _get(r, "impl", "backend", "name", default="?"), "tflops": tf})
+    return rows
+
+
+def _pivot(rows):
+    """(shape, layout, op) -> {impl: tflops}, in first-seen order."""
+    table = {}
+    for r in rows:
+        table.setdefault((r["shape"], r["layout"], r["op"]), {})[r["impl"]] = r["tflops"]
+    return table
+
+
+def _ratio(a, b):
+    return f"{a / b:.2f}x" if a and b else "-"
+
+
+def gmm_section(record: dict, path: Path, fig_dir: Path, md_dir: Path) -> str:
+    """Markdown for the grouped GEMM benchmark, with its plot."""
+    pivot = _pivot(gmm_rows(record))
+    impls = [i for i in GMM_IMPLS if any(i in v for v in pivot.values())]
+    impls += sorted({i for v in pivot.values() for i in v} - set(impls))
+    headers = ["shape", "layout", "op", *[f"{GMM_IMPLS.get(i, i)} TF/s" for i in impls],
+               "ours / dense", "ours / torch"]
+    body = []
+    for (shape, layout, op), v in pivot.items():
+        body.append([shape, layout, op, *[_num(v.get(i)) for i in impls],
+                     _ratio(v.get("ours"), v.get("dense")), _ratio(v.get("ours"), v.get("torch"))])
+    parts = [f"## {TITLES['gmm']}", _source_line(record, path), "",
+             "TF/s count real rows only (2 x rows x K x N per product, x3 for fwd+dgrad+wgrad). "
+             "The dense cuBLAS matmul at equal FLOPs is the ceiling.", ""]
+    if pivot:
+        fig = _gmm_plot(pivot, impls, fig_dir / "gmm_tflops.png")
+        parts += [f"![grouped GEMM TF/s]({os.path.relpath(fig, md_dir)})", ""]
+    parts.append(md_table(headers, body, labels=3) if body else "_no rows in the record_")
+    errors = [f"- {r.get('M')}x{r.get('K')}x{r.get('N')} G={r.get('G')} {r.get('layout')}: "
+              f"{k}: {v}" for r in record.get("results") or [] for k, v in (r.get("errors") or {}).items()]
+    if errors:
+        parts += ["", "Failures recorded by the benchmark:", *errors]
+    return "\n".join(parts)
+
+
+def _gmm_plot(pivot, impls, out: Path) -> Path:
+    """Bars of TF/s per implementation for each (shape, op), one layout (balanced if present)."""
+    plt = _plt()
+    layouts = [k[1] for k in pivot]
+    layout = "balanced" if "balanced" in layouts else layouts[0]
+    keys = [k for k in pivot if k[1] == layout]
+    fig, ax = plt.subplots(figsize=(max(8, 1.1 * len(keys) + 2), 4.5), dpi=110)
+    width = 0.8 / max(1, len(impls))
+    for j, impl in enumerate(impls):
+        xs = [i + (j - (len(impls) - 1) / 2) * width for i in range(len(keys))]
+        ys = [pivot[k].get(impl) or 0.0 for k in keys]
+        ax.bar(xs, ys, width, label=GMM_IMPLS.get(impl, impl),
+               hatch="//" if impl == "dense" else None, edgecolor="white" if impl != "dense" else "k")
+    ax.set_xticks(range(len(keys)), [f"{s}\n{op}" for s, _, op in keys], fontsize=7,
+                  rotation=30, ha="right")
+    ax.set_ylabel("TF/s (bf16)")
+    ax.set_title(f"Grouped GEMM throughput ({layout} groups)")
+    top = max((v or 0.0) for k in keys for v in pivot[k].values())
+    ax.set_ylim(0, 1.3 * top if top > 0 else 1.0)  # headroom for the legend
+    ax.legend(fontsize=8, ncol=3, loc="upper center")
+    fig.tight_layout()
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(out)
+    plt.close(fig)
+    return out
+
+
+# ----------------------------------------------------------------------------
+# MoE layer.
+
+
+def _met(value, target) -> str:
+    if value is None:
+        return "not measured"
+    return "met" if value < target else "**not met**"
+
+
+def moe_section(record: dict, path: Path, fig_dir: Path, md_dir: Path) -> str:
+    """Markdown for the MoE layer benchmark: cases, time split, targets, plot."""
+    cfg, targets = record.get("config", {}), record.get("targets", {})
+    tt = targets.get("torchtitan_fwd_bwd_ms")
+    body = []
+    for r in record.get("rows", []):
+        if "error" in r:
+            body.append([r["case"], f"error: {r['error'][:80]}", *["-"] * 6])
+            continue
+        ms = r.get("fwd_bwd_ms")
+        body.append([r["case"], r.get("backend", "-"), _num(r.get("fwd_ms"), ".2f"),
+                     _num(r.get("fwd_tflops"), ".0f"),
+                     _num(ms, ".2f") if ms else f"- ({r.get('fwd_bwd_error', 'not run')[:60]})",
+                     _num(r.get("fwd_bwd_tflops"), ".0f"),
+                     f"{100 * r.get('dropped_fraction', 0):.1f}%",
+                     f"{tt / ms:.2f}x" if tt and ms and not cfg.get("tiny") else "-"])
+    shape = (f"T={cfg.get('tokens')} tokens, D={cfg.get('emb_dim')}, F={cfg.get('moe_mlp_dim')}, "
+             f"E={cfg.get('num_experts')} experts, top-{cfg.get('top_k')}, "
+             f"{cfg.get('shared_experts')} shared, {cfg.get('dtype')}")
+    parts = [f"## {TITLES['moe_layer']} (DeepSeek-V3 shapes, one GPU)", _source_line(record, path), "",
+             f"{shape}. TF/s count expert FLOPs: {record.get('flops_formula', '')}.", ""]
+    ours = next((r for r in record.get("rows", []) if r.get("case") == "ours"), {})
+    split = record.get("split") or {}
+    if ours or split.get("pieces"):
+        fig = _moe_plot(record, fig_dir / "moe_layer.png")
+        parts += [f"![MoE layer time]({os.path.relpath(fig, md_dir)})", ""]
+    parts += [md_table(["case", "backend", "fwd ms", "fwd TF/s", "fwd+bwd ms", "fwd+bwd TF/s",
+                        "tokens dropped", f"speed-up vs torchtitan ({tt} ms)"], body, labels=2), ""]
+    if targets and not cfg.get("tiny"):
+        parts.append(f"- fwd+bwd < {targets.get('fwd_bwd_ms')} ms on one H200: "
+                     f"{_num(ours.get('fwd_bwd_ms'), '.2f')} ms, "
+                     f"{_met(ours.get('fwd_bwd_ms'), targets.get('fwd_bwd_ms', 0))} "
+                     f"(torchtitan {tt} ms, its bare grouped GEMMs "
+                     f"{targets.get('torchtitan_gemm_ms')} ms).")
+    if split.get("pieces"):
+        share = split.get("routing_share_fwd_bwd_pct")
+        parts.append(f"- router + permute + combine < {targets.get('routing_share_pct')}% of the "
+                     f"layer's fwd+bwd: {_num(share)}%, "
+                     f"{_met(share, targets.get('routing_share_pct', 0))}.")
+        total = split.get("layer_fwd_bwd_ms")
+        rows = [[p["piece"], _num(p["fwd_ms"], ".3f"), _num(p["fwd_bwd_ms"], ".3f"),
+                 _num(100 * p["fwd_bwd_ms"] / total if total else None)] for p in split["pieces"]]
+        rows.append(["sum of pieces", _num(split.get("sum_fwd_ms"), ".3f"),
+                     _num(split.get("sum_fwd_bwd_ms"), ".3f"), "-"])
+        rows.append(["whole layer", _num(split.get("layer_fwd_ms"), ".3f"), _num(total, ".3f"),
+                     "100.0" if total else "-"])
+        parts += ["", f"Time split of `{split.get('case')}` ({split.get('backend')}): each piece is "
+                  "the block's own code jitted alone; the whole layer fuses across pieces, so "
+                  "the sum differs from it.", "",
+                  md_table(["piece", "fwd ms", "fwd+bwd ms", "% of layer fwd+bwd"], rows)]
+    bd = record.get("kernel_breakdown") or {}
+    if bd.get("categories"):
+        cats = ", ".join(f"{c['label']} {c['pct_kernel']:.1f}%" for c in bd["categories"]
+                         if c["pct_kernel"] > 0)
+        parts += ["", f"Kernel time of ours' fwd+bwd by category (profiler trace): {cats}."]
+    return "\n".join(parts)
+
+
+def _moe_plot(record: dict, out: Path) -> Path:
+    """Left: fwd+bwd time per case with the targets; right: ours' split as stacked bars."""
+    plt = _plt()
+    rows = [r for r in record.get("rows", []) if r.get("fwd_bwd_ms")]
+    split = record.get("split") or {}
+    targets = record.get("targets", {})
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 3.8), dpi=110,
+                                   gridspec_kw={"width_ratios": [1.2, 1]})
+    ax1.barh([r["case"] for r in rows][::-1], [r["fwd_bwd_ms"] for r in rows][::-1],
+             color="#1f77b4")
+    for name, key, style in (("target", "fwd_bwd_ms", "--"),
+                             ("torchtitan", "torchtitan_fwd_bwd_ms", ":")):
+        if targets.get(key) and not record.get("config", {}).get("tiny"):
+            ax1.axvline(targets[key], color="k", linestyle=style, label=f"{name} {targets[key]} ms")
+    ax1.set_xlabel("fwd+bwd ms (lower is better)")
+    ax1.set_title("MoE layer fwd+bwd", fontsize=10)
+    if ax1.get_legend_handles_labels()[0]:
+        ax1.legend(fontsize=8)
+    pieces = split.get("pieces") or []
+    for col, key in enumerate(("fwd_ms", "fwd_bwd_ms")):
+        left = 0.0
+        for p in pieces:
+            ax2.barh(col, p[key], left=left, color=SPLIT_COLORS.get(p["piece"], "#888"),
+                     label=p["piece"] if col == 0 else None)
+            left += p[key]
+        layer = split.get(f"layer_{key}")
+        if layer and layer > left:
+            ax2.barh(col, layer - left, left=left, color=SPLIT_COLORS["unattributed"],
+                     label="unattributed" if col == 0 else None)
+    ax2.set_yticks([0, 1], ["fwd", "fwd+bwd"])
+    ax2.set_xlabel("ms")
+    ax2.set_title(f"time split ({split.get('case', '-')})", fontsize=10)
+    if pieces:
+        ax2.legend(fontsize=7, ncol=6, loc="upper center", bbox_to_anchor=(0.5, -0.2))
+    fig.tight_layout()
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(out)
+    plt.close(fig)
+    return out
+
+
+# ----------------------------------------------------------------------------
+# Training step.
+
+
+def step_rows(record: dict) -> list[dict]:
+    """Normalised step rows: name, role, tflops, and the optional extras."""
+    rows = []
+    for r in record.get("rows") or record.get("results") or []:
+        if not isinstance(r, dict):
+            continue
+        name = str(_get(r, "name", "case", "variant", default="?"))
+        role = _get(r, "role") or ("ours" if "ours" in name.lower() else "baseline")
+        rows.append({"name": name, "role": role,
+                     "tflops": _get(r, "tflops_per_device", "tflops"),
+                     "tokens_per_s": _get(r, "tokens_per_s", "tokens_per_second"),
+                     "step_ms": _get(r, "step_ms", "step_time_ms"),
+                     "memory": _get(r, "peak_memory_gib", "peak_mem_gib", "peak_memory_gb"),
+                     "batch": _get(r, "per_device_batch_size", "batch"),
+                     "note": _get(r, "note", "error", default="")})
+    return rows
+
+
+def step_section(record: dict, path: Path, fig_dir: Path, md_dir: Path) -> str:
+    """Markdown for the training-step benchmark: TFLOPS/device, baselines vs ours, ratios."""
+    rows = step_rows(record)
+    baselines = [r["tflops"] for r in rows if r["role"] != "ours" and r["tflops"]]
+    best = max(baselines, default=None)
+    body = [[r["name"], r["role"], _num(r["tflops"]), _ratio(r["tflops"], best),
+             _num(r["tokens_per_s"], ",.0f"), _num(r["step_ms"], ".1f"), _num(r["memory"], ".1f"),
+             _num(r["batch"], "g"), str(r["note"])[:80] or "-"] for r in rows]
+    parts = [f"## {TITLES['step']}", _source_line(record, path), ""]
+    cfg = record.get("config") or {}
+    if cfg:
+        parts += ["Config: " + ", ".join(f"`{k}={v}`" for k, v in cfg.items()
+                                          if not isinstance(v, (dict, list)))[:600], ""]
+    if rows:
+        fig = _step_plot(rows, best, fig_dir / "step_tflops.png")
+        parts += [f"![training step TFLOPS/device]({os.path.relpath(fig, md_dir)})", ""]
+    parts.append(md_table(["variant", "role", "TFLOPS/device", "vs best baseline", "tokens/s",
+                           "step ms", "peak memory GiB", "batch/device", "note"], body, labels=2)
+                 if body else "_no rows in the record_")
+    return "\n".join(parts)
+
+
+def _step_plot(rows, best, out: Path) -> Path:
+    plt = _plt()
+    fig, ax = plt.subplots(figsize=(7, 0.6 * len(rows) + 1.5), dpi=110)
+    names = [r["name"] for r in rows][::-1]
+    vals = [r["tflops"] or 0.0 for r in rows][::-1]
+    colors = ["#2ca02c" if r["role"] == "ours" else "#7f7f7f" for r in rows][::-1]
+    ax.barh(names, vals, color=colors)
+    for y, (v, r) in enumerate(zip(vals, rows[::-1])):
+        label = f"{v:.0f}" + (f" ({v / best:.1f}x)" if best and r["role"] == "ours" else "")
+        ax.text(v, y, " " + label, va="center", fontsize=8)
+    ax.set_xlabel("TFLOPS/device (model FLOPs, MaxText convention)")
+    ax.set_xlim(0, max(vals + [1.0]) * 1.25)
+    ax.set_title("Training step throughput: baselines (grey) vs ours (green)", fontsize=10)
+    fig.tight_layout()
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(out)
+    plt.close(fig)
+    return out
+
+
+# ----------------------------------------------------------------------------
+# The page.
+
+SECTIONS = {"gmm": gmm_section, "moe_layer": moe_section, "step": step_section}
+TITLES = {"gmm": "Grouped GEMM kernels", "moe_layer": "MoE layer", "step": "Training step"}
+
+
+def render(results_dir=DEFAULT_RESULTS_DIR, md_path=DEFAULT_MD, log=print,
+           include_cpu: bool = False) -> Path:
+    """Write the results page (and ``figures/`` beside it) from the newest records.
+
+    Args:
+      results_dir: where the records are.
+      md_path: the page to write; plots go to ``figures/`` next to it.
+      log: called with one line per skipped file or failed section.
+      include_cpu: also render CPU runs (tests, smoke runs).
+
+    Returns:
+      The markdown path. Sections without a record say so.
+    """
+    md_path = Path(md_path)
+    md_dir = md_path.parent
+    fig_dir = md_dir / "figures"
+    records = newest_records(results_dir, log=log, include_cpu=include_cpu)
+    parts = ["# dropless benchmark results", "",
+             "Generated by `python -m dropless.perf.report` from the newest record of each kind "
+             f"in `{os.path.relpath(Path(results_dir), md_dir)}/`; do not edit by hand. "
+             "Reproduce on one GPU with `dropless bench` (or `PYTHONPATH=src python3 -m "
+             "dropless.perf.bench`), then rerun the report.", ""]
+    sources = [[kind, f"`{path.name}`", provenance(rec)["gpu"], provenance(rec)["jax"],
+                f"`{_short_commit(provenance(rec)['commit'])}`",
+                str(_get(rec, "created", "date", default="?"))]
+               for kind, (rec, path) in sorted(records.items())]
+    if sources:
+        parts += [md_table(["kind", "file", "GPU", "jax", "commit", "created"], sources,
+                           labels=6), ""]
+    for kind, section in SECTIONS.items():
+        if kind in records:
+            record, path = records[kind]
+            try:
+                parts += [section(record, path, fig_dir, md_dir), ""]
+            except Exception as e:  # noqa: BLE001 - one malformed record must not hide the rest
+                log(f"could not render {path.name}: {type(e).__name__}: {e}")
+                parts += [f"## {TITLES[kind]}", f"_could not render `{path.name}`: {e}_", ""]
+        else:
+            parts += [f"## {TITLES[kind]}", "_no results yet_", ""]
+    md_dir.mkdir(parents=True, exist_ok=True)
+    md_path.write_text("\n".join(parts).rstrip() + "\n")
+    return md_path
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--results", type=Path, default=DEFAULT_RESULTS_DIR)
+    parser.add_argument("--md", type=Path, default=DEFAULT_MD)
+    parser.add_argument("--include-cpu", action="store_true", help="also render CPU runs")
+    args = parser.parse_args(argv)
+    path = render(args.results, args.md, include_cpu=args.include_cpu)
+    print(f"wrote {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

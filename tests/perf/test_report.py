@@ -1,0 +1,124 @@
+"""RESULTS.md rendering from small fake results files of each kind.
+
+The gmm record has the layout ``benchmarks/gmm.py`` writes (nested
+``tflops[impl][op]``, top-level gpu/jax/commit); the MoE layer one the layout
+of ``benchmarks/moe_layer.py`` (``perf.measure`` provenance); the step one
+the generic rows ``report.py`` documents.
+"""
+
+import json
+
+import pytest
+
+from dropless.perf import report
+
+H200 = {"platform": "gpu", "gpu": "NVIDIA H200", "count": 1, "slug": "nvidia-h200"}
+PROV = {"device": H200, "versions": {"jax": "0.11.2"}, "commit": {"commit": "a" * 40, "dirty": False}}
+
+
+def gmm_record(ours_fwd=600.0):
+    return {
+        "benchmark": "gmm", "date": "2026-11-28T10:00:00", "gpu": "NVIDIA H200", "jax": "0.11.2",
+        "commit": "b" * 40,
+        "results": [{
+            "M": 65536, "G": 32, "K": 7168, "N": 4096, "layout": "balanced",
+            "tflops": {"ours": {"fwd": ours_fwd, "dgrad": 610.0},
+                       "dense": {"fwd": 718.0, "dgrad": 720.0},
+                       "torch": {"fwd": 712.0}, "ragged": {"fwd": 23.0}},
+            "errors": {"ragged/dgrad": "OOM: RESOURCE_EXHAUSTED"},
+        }],
+    }
+
+
+def moe_record(created, fwd_bwd_ms):
+    rows = [{"case": "ours", "backend": "mosaic", "fwd_ms": 11.0, "fwd_bwd_ms": fwd_bwd_ms,
+             "fwd_tflops": 590.0, "fwd_bwd_tflops": 19.48e12 / fwd_bwd_ms / 1e9,
+             "dropped_fraction": 0.0},
+            {"case": "xla", "backend": "xla", "fwd_ms": 300.0, "fwd_bwd_ms": None,
+             "fwd_bwd_error": "XlaRuntimeError: RESOURCE_EXHAUSTED", "dropped_fraction": 0.0},
+            {"case": "capacity-1.0", "error": "ValueError: boom"}]
+    pieces = [{"piece": p, "fwd_ms": 1.0, "fwd_bwd_ms": ms}
+              for p, ms in (("router", 1.0), ("permute", 1.5), ("gmm", 25.0), ("combine", 1.0),
+                            ("shared", 3.0))]
+    return {"kind": "moe_layer", "created": created, **PROV,
+            "config": {"tokens": 8192, "emb_dim": 7168, "moe_mlp_dim": 2048, "num_experts": 32,
+                       "top_k": 8, "shared_experts": 1, "dtype": "bfloat16", "tiny": False},
+            "rows": rows, "flops_formula": "fwd = 6*T*(K+S)*D*F",
+            "targets": {"fwd_bwd_ms": 36.0, "routing_share_pct": 15.0,
+                        "torchtitan_fwd_bwd_ms": 43.6, "torchtitan_gemm_ms": 31.7},
+            "split": {"case": "ours", "backend": "mosaic", "pieces": pieces, "sum_fwd_ms": 5.0,
+                      "sum_fwd_bwd_ms": 31.5, "layer_fwd_ms": 11.0, "layer_fwd_bwd_ms": fwd_bwd_ms,
+                      "routing_share_fwd_bwd_pct": 100 * 3.5 / fwd_bwd_ms},
+            "kernel_breakdown": {"categories": [
+                {"category": "grouped_gemm", "label": "grouped GEMM", "pct_kernel": 80.0},
+                {"category": "other", "label": "other", "pct_kernel": 20.0}]}}
+
+
+def step_record():
+    return {"kind": "step", "created": "2026-11-28T12:00:00+00:00", **PROV,
+            "config": {"model_name": "deepseek3-proxy", "max_target_length": 4096},
+            "rows": [{"name": "xla baseline", "role": "baseline", "tflops_per_device": 40.0,
+                      "per_device_batch_size": 1, "note": "batch shrunk to fit"},
+                     {"name": "dense_matmul baseline", "tflops_per_device": 50.0},
+                     {"name": "ours", "tflops_per_device": 500.0, "tokens_per_s": 12345.0,
+                      "step_ms": 800.0, "peak_memory_gib": 100.5}]}
+
+
+@pytest.fixture
+def results(tmp_path):
+    d = tmp_path / "results"
+    d.mkdir()
+    (d / "gmm-2026-11-28-h200.json").write_text(json.dumps(gmm_record()))
+    (d / "moe_layer-old.json").write_text(json.dumps(moe_record("2026-11-28T09:00:00+00:00", 50.0)))
+    bundle = {"kind": "bench", "created": "2026-11-29T09:00:00+00:00", **PROV,
+              "records": {"moe_layer": moe_record("2026-11-29T09:00:00+00:00", 34.0),
+                          "step": {"error": "ImportError: no benchmarks/step.py"}}}
+    (d / "20261129-090000-nvidia-h200.json").write_text(json.dumps(bundle))
+    (d / "step-1.json").write_text(json.dumps(step_record()))
+    no_commit = {**step_record(), "created": "2030-01-01T00:00:00+00:00", "commit": "unknown"}
+    (d / "step-2.json").write_text(json.dumps(no_commit))
+    cpu = {**moe_record("2031-01-01T00:00:00+00:00", 1.0), "device": {**H200, "gpu": "cpu"}}
+    (d / "moe_layer-cpu.json").write_text(json.dumps(cpu))
+    (d / "broken.json").write_text("{not json")
+    return d
+
+
+def test_newest_valid_record_of_each_kind(results):
+    logged = []
+    records = report.newest_records(results, log=logged.append)
+    assert set(records) == {"gmm", "moe_layer", "step"}
+    assert records["moe_layer"][1].name == "20261129-090000-nvidia-h200.json"  # the bundle's is newer
+    assert records["moe_layer"][0]["rows"][0]["fwd_bwd_ms"] == 34.0
+    assert records["step"][1].name == "step-1.json"  # step-2 has no commit
+    text = "\n".join(logged)
+    assert "step-2.json (step): no commit" in text and "moe_layer-cpu.json" in text
+    assert "broken.json" in text
+
+
+def test_render_page(results, tmp_path):
+    md = report.render(results, tmp_path / "out" / "RESULTS.md", log=lambda _: None)
+    text = md.read_text()
+    for title in ("## Grouped GEMM kernels", "## MoE layer", "## Training step"):
+        assert title in text
+    # gmm: values, ratios to the ceiling and to torch, recorded failures, provenance.
+    assert "| M=65536 G=32 K=7168 N=4096 | balanced | fwd | 600.0 | 718.0 | 712.0 |" in text
+    assert "0.84x | 0.84x |" in text
+    assert "ragged/dgrad: OOM" in text and "`bbbbbbbbbbbb`" in text
+    # MoE layer: the newest record, targets judged, split shares, error rows kept.
+    assert "| ours | mosaic | 11.00 | 590 | 34.00 |" in text and "1.28x" in text
+    assert "34.00 ms, met" in text and "10.3%, met" in text
+    assert "XlaRuntimeError" in text and "error: ValueError: boom" in text
+    assert "| gmm | 1.000 | 25.000 | 73.5 |" in text
+    # step: ratio to the best baseline.
+    assert "| ours | ours | 500.0 | 10.00x |" in text and "| xla baseline | baseline | 40.0 | 0.80x |" in text
+    for fig in ("gmm_tflops.png", "moe_layer.png", "step_tflops.png"):
+        assert (tmp_path / "out" / "figures" / fig).read_bytes()[:4] == b"\x89PNG"
+        assert f"](figures/{fig})" in text
+
+
+def test_missing_target_is_flagged(tmp_path):
+    d = tmp_path / "r"
+    d.mkdir()
+    (d / "m.json").write_text(json.dumps(moe_record("2026-11-29T00:00:00+00:00", 40.0)))
+    text = report.render(d, tmp_path / "R.md", log=lambda _: None).read_text()
+    assert "40.00 ms, **not met**" in text and "## Grouped GEMM kernels\n_no results yet_" in text
