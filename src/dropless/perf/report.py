@@ -426,6 +426,38 @@ def _step_plot(rows, best, out: Path) -> Path:
 # ----------------------------------------------------------------------------
 # The page.
 
+
+def headlines(kind: str, record: dict) -> list[str]:
+    """One-line summaries of a record (for the page's top and ``dropless bench``'s table)."""
+    if kind == "gmm":
+        pivot = _pivot(gmm_rows(record))
+        keys = [k for k in pivot if k[2] == "fwd" and pivot[k].get("ours")]
+        key = next((k for k in keys if k[1] == "balanced"), keys[0] if keys else None)
+        if key is None:
+            return []
+        v = pivot[key]
+        return [f"gmm fwd {key[0]} {key[1]}: ours {v['ours']:.0f} TF/s = "
+                f"{_ratio(v['ours'], v.get('dense'))} dense, {_ratio(v['ours'], v.get('torch'))} "
+                "torch._grouped_mm"]
+    if kind == "moe_layer":
+        ours = next((r for r in record.get("rows", []) if r.get("case") == "ours"), {})
+        if not ours.get("fwd_bwd_ms"):
+            return []
+        tt = (record.get("targets") or {}).get("torchtitan_fwd_bwd_ms")
+        share = (record.get("split") or {}).get("routing_share_fwd_bwd_pct")
+        line = (f"MoE layer fwd+bwd: ours {ours['fwd_bwd_ms']:.1f} ms "
+                f"({_num(ours.get('fwd_bwd_tflops'), '.0f')} TF/s)")
+        if tt and not record.get("config", {}).get("tiny"):
+            line += f", {tt / ours['fwd_bwd_ms']:.2f}x torchtitan's {tt} ms"
+        return [line + (f"; routing+permute+combine {share:.1f}%" if share is not None else "")]
+    if kind == "step":
+        rows = step_rows(record)
+        best = max((r["tflops"] for r in rows if r["role"] != "ours" and r["tflops"]), default=None)
+        return [f"training step: {r['name']} {r['tflops']:.0f} TFLOPS/device"
+                + (f" = {r['tflops'] / best:.1f}x the best baseline" if best else "")
+                for r in rows if r["role"] == "ours" and r["tflops"]]
+    return []
+
 SECTIONS = {"gmm": gmm_section, "moe_layer": moe_section, "step": step_section}
 TITLES = {"gmm": "Grouped GEMM kernels", "moe_layer": "MoE layer", "step": "Training step"}
 
@@ -456,6 +488,9 @@ def render(results_dir=DEFAULT_RESULTS_DIR, md_path=DEFAULT_MD, log=print,
                 f"`{_short_commit(provenance(rec)['commit'])}`",
                 str(_get(rec, "created", "date", default="?"))]
                for kind, (rec, path) in sorted(records.items())]
+    lines = [f"- {h}" for kind, (rec, _) in sorted(records.items()) for h in headlines(kind, rec)]
+    if lines:
+        parts += ["**Headline**", "", *lines, ""]
     if sources:
         parts += [md_table(["kind", "file", "GPU", "jax", "commit", "created"], sources,
                            labels=6), ""]
