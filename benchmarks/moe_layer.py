@@ -79,7 +79,8 @@ def moe_config(shape: dict, **overrides) -> MoEConfig:
 def expert_flops(shape: dict) -> dict:
     """Useful expert FLOPs: fwd = 6*T*(K+S)*D*F, fwd+bwd = 3*fwd (see the module docstring)."""
     t = shape["batch"] * shape["seq"]
-    fwd = 6 * t * (shape["top_k"] + shape["shared_experts"]) * shape["emb_dim"] * shape["moe_mlp_dim"]
+    experts = shape["top_k"] + shape["shared_experts"]
+    fwd = 6 * t * experts * shape["emb_dim"] * shape["moe_mlp_dim"]
     return {"fwd": float(fwd), "fwd_bwd": 3.0 * fwd}
 
 
@@ -155,8 +156,10 @@ def split_pieces(layer: Layer) -> dict:
 
     (weights_TK, _), experts_TK = jax.jit(router)(p["router"], x_TD)
     x_PD, plan = jax.jit(lambda x, ex: moe.dispatch(x, ex, e, align))(x_TD, experts_TK)
-    y_PD = jax.jit(lambda ep, x, gs: layer.block({**p, "experts": ep}, rest)._experts_sparse(x, gs))(
-        p["experts"], x_PD, plan.group_sizes_E)
+    def experts(ep, x, gs):
+        return layer.block({**p, "experts": ep}, rest)._experts_sparse(x, gs)
+
+    y_PD = jax.jit(experts)(p["experts"], x_PD, plan.group_sizes_E)
 
     def rand(like):
         return jax.random.normal(next(key), like.shape, jnp.float32).astype(like.dtype)
@@ -166,9 +169,7 @@ def split_pieces(layer: Layer) -> dict:
                         has_aux=True),
         "permute": _pair(lambda x, ex: moe.dispatch(x, ex, e, align), (x_TD,), (experts_TK,),
                          rand(x_PD), has_aux=True),
-        "gmm": _pair(
-            lambda ep, x, gs: layer.block({**p, "experts": ep}, rest)._experts_sparse(x, gs),
-            (p["experts"], x_PD), (plan.group_sizes_E,), rand(y_PD)),
+        "gmm": _pair(experts, (p["experts"], x_PD), (plan.group_sizes_E,), rand(y_PD)),
         "combine": _pair(lambda y, w, plan: moe.combine(y, w, plan), (y_PD, weights_TK), (plan,),
                          rand(x_TD)),
         "shared": _pair(lambda sp, x: layer.block({**p, "shared": sp}, rest).shared_experts(x),
@@ -321,8 +322,9 @@ def print_tables(record: dict, console=None) -> None:
                           _fmt(share, ".1f"))
         table.add_row("sum of pieces", _fmt(split["sum_fwd_ms"], ".3f"),
                       _fmt(split["sum_fwd_bwd_ms"], ".3f"), "", style="bold")
-        table.caption = (f"router+permute+combine = {_fmt(split['routing_share_fwd_bwd_pct'], '.1f')}"
-                         f"% of the layer's fwd+bwd (target < {TARGETS['routing_share_pct']:.0f}%)")
+        routing = _fmt(split["routing_share_fwd_bwd_pct"], ".1f")
+        table.caption = (f"router+permute+combine = {routing}% of the layer's fwd+bwd "
+                         f"(target < {TARGETS['routing_share_pct']:.0f}%)")
         console.print(table)
     elif split.get("error"):
         console.print(f"[yellow]time split failed:[/] {split['error']}")
@@ -343,14 +345,16 @@ def print_tables(record: dict, console=None) -> None:
             table.add_row(r["case"], f"[red]{r['error'][:60]}[/]", *[""] * 6)
             continue
         ms = r.get("fwd_bwd_ms")
-        table.add_row(r["case"], r["backend"], _fmt(r.get("fwd_ms")), _fmt(r.get("fwd_tflops"), ".0f"),
+        table.add_row(r["case"], r["backend"], _fmt(r.get("fwd_ms")),
+                      _fmt(r.get("fwd_tflops"), ".0f"),
                       _fmt(ms) if ms else f"[red]{r.get('fwd_bwd_error', '-')[:40]}[/]",
                       _fmt(r.get("fwd_bwd_tflops"), ".0f"), f"{100 * r['dropped_fraction']:.1f}%",
                       # torchtitan's time is for the full shape only.
                       "-" if cfg["tiny"] or not ms
                       else f"{TARGETS['torchtitan_fwd_bwd_ms'] / ms:.2f}x")
     table.caption = (f"TF/s count expert FLOPs ({record['flops_formula']}). Target: fwd+bwd < "
-                     f"{TARGETS['fwd_bwd_ms']:.0f} ms; torchtitan {TARGETS['torchtitan_fwd_bwd_ms']} ms "
+                     f"{TARGETS['fwd_bwd_ms']:.0f} ms; torchtitan "
+                     f"{TARGETS['torchtitan_fwd_bwd_ms']} ms "
                      f"({TARGETS['torchtitan_tflops']:.0f} TF/s), its bare grouped GEMMs "
                      f"{TARGETS['torchtitan_gemm_ms']} ms")
     console.print(table)

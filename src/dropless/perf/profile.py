@@ -1,4 +1,4 @@
-"""``dropless profile [config.yml] key=value ... [--steps N] [--warmup W]``: where the step time goes.
+"""``dropless profile [config.yml] key=value ... [--steps N] [--warmup W]``: where time goes.
 
 Resolves the config exactly as ``dropless train`` does (same precedence, XLA
 flags and environment applied before JAX starts), builds the trainer's state,
@@ -97,7 +97,7 @@ def build_trainer(model_cfg, train_cfg, mesh_cfg):
 
 
 def run_steps(state, step_fn, batches, steps: int, annotate: bool):
-    """Run ``steps`` steps (each under a StepTraceAnnotation if ``annotate``); wait for the device."""
+    """Run ``steps`` steps (each in a StepTraceAnnotation if ``annotate``); wait for the device."""
     import jax
 
     metrics = None
@@ -180,7 +180,8 @@ def main(args: list[str]) -> int:
     bd = breakdown.compute(trace.load_trace(path), top=ns.top)
     step_ms = bd.wall_us / max(bd.steps, 1) / 1e3
     extra = {"model_name": cfg.model_name, "config": cfg.model_dump(mode="json"),
-             "changed": {k: resolved.source(k) for k in resolved.sources}, "mesh": mesh_shape, "xla_flags": applied, "step_ms": step_ms,
+             "changed": {k: resolved.source(k) for k in resolved.sources}, "mesh": mesh_shape,
+             "xla_flags": applied, "step_ms": step_ms,
              "device": measure.device_info(), "versions": measure.versions(),
              "commit": measure.git_commit(), **throughput(cfg, step_ms, per_step)}
     breakdown.save(bd, out / "breakdown.json", extra=extra)

@@ -132,7 +132,7 @@ def _num(x, spec=".1f") -> str:
 
 
 def md_table(headers: list[str], rows: list[list], labels: int = 1) -> str:
-    """A GitHub-flavoured markdown table: the first ``labels`` columns left-aligned, the rest right."""
+    """A GitHub-flavoured markdown table: ``labels`` columns left-aligned, the rest right."""
     align = [":---" if i < labels else "---:" for i in range(len(headers))]
     lines = ["| " + " | ".join(headers) + " |", "| " + " | ".join(align) + " |"]
     for row in rows:
@@ -217,7 +217,8 @@ def gmm_section(record: dict, path: Path, fig_dir: Path, md_dir: Path) -> str:
         parts += [f"![grouped GEMM TF/s]({os.path.relpath(fig, md_dir)})", ""]
     parts.append(md_table(headers, body, labels=3) if body else "_no rows in the record_")
     errors = [f"- {r.get('M')}x{r.get('K')}x{r.get('N')} G={r.get('G')} {r.get('layout')}: "
-              f"{k}: {v}" for r in record.get("results") or [] for k, v in (r.get("errors") or {}).items()]
+              f"{k}: {v}" for r in record.get("results") or []
+              for k, v in (r.get("errors") or {}).items()]
     if errors:
         parts += ["", "Failures recorded by the benchmark:", *errors]
     return "\n".join(parts)
@@ -234,8 +235,9 @@ def _gmm_plot(pivot, impls, out: Path) -> Path:
     for j, impl in enumerate(impls):
         xs = [i + (j - (len(impls) - 1) / 2) * width for i in range(len(keys))]
         ys = [pivot[k].get(impl) or 0.0 for k in keys]
-        ax.bar(xs, ys, width, label=GMM_IMPLS.get(impl, impl),
-               hatch="//" if impl == "dense" else None, edgecolor="white" if impl != "dense" else "k")
+        dense = impl == "dense"  # the ceiling: hatched, outlined
+        ax.bar(xs, ys, width, label=GMM_IMPLS.get(impl, impl), hatch="//" if dense else None,
+               edgecolor="k" if dense else "white")
     ax.set_xticks(range(len(keys)), [f"{s}\n{op}" for s, _, op in keys], fontsize=7,
                   rotation=30, ha="right")
     ax.set_ylabel("TF/s (bf16)")
@@ -279,7 +281,8 @@ def moe_section(record: dict, path: Path, fig_dir: Path, md_dir: Path) -> str:
     shape = (f"T={cfg.get('tokens')} tokens, D={cfg.get('emb_dim')}, F={cfg.get('moe_mlp_dim')}, "
              f"E={cfg.get('num_experts')} experts, top-{cfg.get('top_k')}, "
              f"{cfg.get('shared_experts')} shared, {cfg.get('dtype')}")
-    parts = [f"## {TITLES['moe_layer']} (DeepSeek-V3 shapes, one GPU)", _source_line(record, path), "",
+    parts = [f"## {TITLES['moe_layer']} (DeepSeek-V3 shapes, one GPU)",
+             _source_line(record, path), "",
              f"{shape}. TF/s count expert FLOPs: {record.get('flops_formula', '')}.", ""]
     ours = next((r for r in record.get("rows", []) if r.get("case") == "ours"), {})
     split = record.get("split") or {}
@@ -306,8 +309,8 @@ def moe_section(record: dict, path: Path, fig_dir: Path, md_dir: Path) -> str:
                      _num(split.get("sum_fwd_bwd_ms"), ".3f"), "-"])
         rows.append(["whole layer", _num(split.get("layer_fwd_ms"), ".3f"), _num(total, ".3f"),
                      "100.0" if total else "-"])
-        parts += ["", f"Time split of `{split.get('case')}` ({split.get('backend')}): each piece is "
-                  "the block's own code jitted alone; the whole layer fuses across pieces, so "
+        parts += ["", f"Time split of `{split.get('case')}` ({split.get('backend')}): each piece "
+                  "is the block's own code jitted alone; the whole layer fuses across pieces, so "
                   "the sum differs from it.", "",
                   md_table(["piece", "fwd ms", "fwd+bwd ms", "% of layer fwd+bwd"], rows)]
     bd = record.get("kernel_breakdown") or {}
