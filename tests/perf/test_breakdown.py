@@ -150,6 +150,19 @@ def test_breakdown_arithmetic():
     assert bd.top_kernels[0]["count"] == 2 and bd.top_kernels[0]["avg_us"] == 30.0
 
 
+def test_gpu_overlapping_kernels_count_in_full():
+    """With programmatic dependent launch a kernel starts before the previous one ends."""
+    events = [_meta(1, "/device:GPU:0"), _meta(1, "Stream #7(Kernel)", 7),
+              _x(1, 7, "gmm_mosaic_gpu_kernel", 0.0, 100.0),
+              _x(1, 7, "tgmm_mosaic_gpu_kernel", 90.0, 100.0),
+              _x(1, 7, "loop_add_fusion", 95.0, 2.0)]
+    trace = parse_events(events)
+    assert [k.dur_us for k in trace.kernels] == [100.0, 100.0, 2.0]
+    bd = breakdown.compute(trace)
+    assert bd.kernel_us == 202.0 and bd.wall_us == 190.0
+    assert bd.busy_pct == pytest.approx(100.0)
+
+
 def test_cpu_nested_ops_count_exclusive_time():
     """A while thunk encloses its body's thunks: only its own time is counted."""
     events = [
@@ -159,15 +172,17 @@ def test_cpu_nested_ops_count_exclusive_time():
         _x(701, 7, "fusion.2", 50.0, 20.0, hlo_op="fusion.2"),
         _x(701, 7, "end: fusion.2", 70.0, 1.0, hlo_op="fusion.2"),  # completion marker
         _x(701, 7, "dot.9", 150.0, 10.0, hlo_op="dot.9"),
+        _x(701, 7, "sort.2", 155.0, 10.0, hlo_op="sort.2"),  # overlaps dot.9, not inside it
     ]
     trace = parse_events(events)
     assert trace.platform == "cpu"
     durations = {k.name: k.dur_us for k in trace.kernels}
-    assert durations == {"while.6": 50.0, "dot.1": 30.0, "fusion.2": 20.0, "dot.9": 10.0}
+    assert durations == {"while.6": 50.0, "dot.1": 30.0, "fusion.2": 20.0, "dot.9": 10.0,
+                         "sort.2": 10.0}
     bd = breakdown.compute(trace)
-    assert bd.wall_us == 160.0  # no steps: span of the kernels
+    assert bd.wall_us == 165.0  # no steps: span of the kernels
     assert any("no StepTraceAnnotation" in n for n in bd.notes)
-    assert bd.pct(DENSE_GEMM) == pytest.approx(100 * 40 / 110)
+    assert bd.pct(DENSE_GEMM) == pytest.approx(100 * 40 / 120)
 
 
 def test_empty_trace_gives_zeros_and_a_note():

@@ -60,7 +60,7 @@ def versions() -> dict:
     out = {"jax": jax.__version__, "jaxlib": jaxlib.__version__,
            "python": platform.python_version()}
     for name in ("flax", "numpy", "torch"):
-        # torch is reported only when a benchmark already imported it (it is slow to import).
+        # torch only when a benchmark already imported it: it is slow to import.
         mod = sys.modules.get(name)
         if mod is None and name != "torch":
             try:
@@ -70,11 +70,8 @@ def versions() -> dict:
         if mod is not None:
             out[name] = getattr(mod, "__version__", "?")
     try:
-        import jax
-
-        backend = jax.extend.backend.get_backend()
-        out["platform_version"] = backend.platform_version
-    except Exception:  # noqa: BLE001 - informative only
+        out["platform_version"] = jax.extend.backend.get_backend().platform_version
+    except Exception:  # noqa: BLE001 - informative only (e.g. the CUDA driver/runtime string)
         pass
     return out
 

@@ -15,7 +15,9 @@ Layout, as that converter and the CUPTI collector write it:
   kind (``MemcpyH2D``, ``MemcpyD2H``, ``MemcpyD2D``, ``MemcpyP2P``). Events
   carry the XLA annotation as args: ``hlo_op`` (HLO instruction),
   ``hlo_module``, and ``name`` (the jax op-name stack, minus the prefix shared
-  by the whole module). Stream events do not nest.
+  by the whole module). Stream events do not nest, but they can overlap:
+  with programmatic dependent launch (Mosaic GPU kernels use it) a kernel
+  starts before its predecessor on the stream ends. Each counts in full.
 - On CPU there is no device plane: XLA:CPU records each executed thunk as a
   host-thread event named after its HLO instruction, with ``hlo_op`` and
   ``hlo_module`` args. Control-flow thunks (``while``, ``conditional``) enclose
@@ -160,18 +162,24 @@ def _op_text(args):
 
 
 def _exclusive(events):
-    """Exclusive duration of each event on one lane: its duration minus its children's."""
+    """Exclusive duration of each event on one CPU thread: its duration minus its children's.
+
+    A child lies entirely inside its parent; an event that only overlaps the
+    one before it is not its child and keeps its full duration.
+    """
     order = sorted(range(len(events)), key=lambda i: (events[i]["ts"], -events[i]["dur"]))
     excl = [float(e["dur"]) for e in events]
     stack = []
+
+    def end(i):
+        return events[i]["ts"] + events[i]["dur"]
+
     for i in order:
-        start = events[i]["ts"]
-        while stack and events[stack[-1]]["ts"] + events[stack[-1]]["dur"] <= start:
+        while stack and end(stack[-1]) < end(i):
             stack.pop()
         if stack:
             excl[stack[-1]] -= float(events[i]["dur"])
         stack.append(i)
-    # Children that overrun their parent (clock rounding) must not make it negative.
     return [max(0.0, x) for x in excl]
 
 
@@ -206,7 +214,9 @@ def parse_events(events: list[dict], path: str = "<events>") -> Trace:
             by_lane[lane].append(e)
     kernels = []
     for lane, lane_events in by_lane.items():
-        excl = _exclusive(lane_events)
+        # Only XLA:CPU nests ops (control-flow thunks around their bodies).
+        excl = (_exclusive(lane_events) if platform == "cpu"
+                else [float(e["dur"]) for e in lane_events])
         for e, dur in zip(lane_events, excl):
             args = e.get("args", {})
             kernels.append(KernelEvent(
