@@ -72,10 +72,17 @@ def gpu_present() -> bool:
     if platforms and not any(p in platforms for p in ("cuda", "gpu")):
         return False
     has_plugin = any(
-        importlib.util.find_spec(m) is not None
+        _module_exists(m)
         for m in ("jax_cuda13_plugin", "jax_cuda12_plugin", "jax_plugins.xla_cuda13", "jax_plugins.xla_cuda12")
     )
     return has_plugin and Path("/dev/nvidiactl").exists()
+
+
+def _module_exists(name: str) -> bool:
+    try:
+        return importlib.util.find_spec(name) is not None
+    except ModuleNotFoundError:  # parent package missing
+        return False
 
 
 def apply_runtime_settings(flags: dict, env: dict, *, on_gpu: bool) -> list[str]:
