@@ -285,9 +285,12 @@ def tables(bd: Breakdown):
 
 def print_breakdown(bd: Breakdown, console=None) -> None:
     """Print the category and top-kernel tables, then any notes."""
+    import sys
+
     from rich.console import Console
 
-    console = console or Console()
+    # Logs and captured output are not terminals: give kernel names room there.
+    console = console or (Console() if sys.stdout.isatty() else Console(width=160))
     for table in tables(bd):
         console.print(table)
     for note in bd.notes:
