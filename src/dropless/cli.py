@@ -19,14 +19,14 @@ def _split_args(args: list[str]) -> tuple[str | None, list[str]]:
     return None, args
 
 
-def _resolve(args: list[str]):
+def resolve_args(args: list[str]):
     from dropless.config.loader import load_config
 
     config_file, overrides = _split_args(args)
     return load_config(config_file, overrides)
 
 
-def _start_runtime(cfg):
+def start_runtime(cfg):
     """Apply env vars and (on GPU) XLA flags, then start JAX. Returns the mesh shape."""
     from dropless.config.xla_flags import apply_runtime_settings, gpu_present
 
@@ -54,9 +54,9 @@ def _start_runtime(cfg):
 
 
 def cmd_train(args: list[str]) -> int:
-    resolved = _resolve(args)
+    resolved = resolve_args(args)
     cfg = resolved.config
-    applied, mesh_shape = _start_runtime(cfg)
+    applied, mesh_shape = start_runtime(cfg)
     from dropless.train.loop import run_training
 
     if applied:
@@ -81,7 +81,7 @@ def cmd_config(args: list[str]) -> int:
             table.add_row(name, repr(field.default), field.description or "")
         console.print(table)
         return 0
-    resolved = _resolve(args)
+    resolved = resolve_args(args)
     cfg = resolved.config
     table = Table("key", "value", "from", title=f"resolved config ({cfg.model_name})")
     for name in Config.model_fields:

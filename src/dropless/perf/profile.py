@@ -156,11 +156,11 @@ def main(args: list[str]) -> int:
       dropless.config.loader.ConfigError: a bad config (the CLI prints it).
     """
     ns, rest = parse_args(args)
-    from dropless.cli import _resolve, _start_runtime
+    from dropless.cli import resolve_args, start_runtime
 
-    resolved = _resolve(rest)
+    resolved = resolve_args(rest)
     cfg = resolved.config
-    applied, mesh_shape = _start_runtime(cfg)
+    applied, mesh_shape = start_runtime(cfg)
     from rich.console import Console
 
     from dropless.perf import breakdown, measure, trace
