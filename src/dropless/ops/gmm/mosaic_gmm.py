@@ -87,6 +87,8 @@ def gmm(x_MK, w, group_sizes_G, *, tiling: GmmTiling, transpose_rhs=False, out_d
     cta_n = 2 * bn
     n_bands = n_out // cta_n
     k_steps = k // bk
+    # 4-byte outputs double the epilogue buffers; one load stage less keeps smem in bounds.
+    num_stages = tiling.num_stages if out_dtype.itemsize <= 2 else min(tiling.num_stages, 3)
     sched = schedule_lib.row_tile_schedule(group_sizes_G, m, bm)
     in_transforms = _swizzle_transforms(bk, x_MK.dtype)
     out_transforms = _swizzle_transforms(_EPI, out_dtype)
@@ -104,7 +106,7 @@ def gmm(x_MK, w, group_sizes_G, *, tiling: GmmTiling, transpose_rhs=False, out_d
             ],
             wg_axis="wg",
             num_compute_wgs=2,
-            max_concurrent_steps=tiling.num_stages,
+            max_concurrent_steps=num_stages,
             compute_context=compute_context,
         )
 
@@ -129,9 +131,13 @@ def gmm(x_MK, w, group_sizes_G, *, tiling: GmmTiling, transpose_rhs=False, out_d
             wg = lax.axis_index("wg")
             n_tiles = num_tiles_ref[0]
 
-            @plgpu.nd_loop((n_tiles, n_bands), collective_axes="sm")
+            @plgpu.nd_loop((n_tiles * n_bands,), collective_axes="sm")
             def _tile_loop(loop_info):
-                t, band = loop_info.index
+                # Walk grid_tile_width row tiles per column band, snaking, so
+                # concurrent CTAs share rows of x and columns of w in L2.
+                t, band = plgpu.planar_snake(
+                    loop_info.index[0], (n_tiles, n_bands), 0, tiling.grid_tile_width
+                )
                 group = group_ref[t]
                 row_start = pl.multiple_of(row_start_ref[t], bm)
                 col0 = pl.multiple_of(band * cta_n + wg * bn, bn)

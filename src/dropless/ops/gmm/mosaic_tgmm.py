@@ -63,6 +63,8 @@ def tgmm(x_MK, dy_MN, group_sizes_G, *, num_groups, tiling: TgmmTiling, out_dtyp
     bk, bn, bm = tiling.block_k, tiling.block_n, tiling.block_m
     cta_k = 2 * bk
     k_bands, n_tiles = k // cta_k, n // bn
+    # 4-byte outputs double the epilogue buffer; one load stage less keeps smem in bounds.
+    num_stages = tiling.num_stages if out_dtype.itemsize <= 2 else min(tiling.num_stages, 3)
     starts_G, sizes_G = schedule_lib.group_offsets(group_sizes_G, m)
     x_transforms = _swizzle_transforms(cta_k, x_MK.dtype)
     dy_transforms = _swizzle_transforms(bn, dy_MN.dtype)
@@ -79,13 +81,13 @@ def tgmm(x_MK, dy_MN, group_sizes_G, *, num_groups, tiling: TgmmTiling, out_dtyp
             ],
             wg_axis="wg",
             num_compute_wgs=2,
-            max_concurrent_steps=tiling.num_stages,
+            max_concurrent_steps=num_stages,
             compute_context=compute_context,
         )
 
     def body(starts_ref, sizes_ref, x_gmem, dy_gmem, o_gmem):
         ignore = lambda *_, **__: None
-        pipeline_allocs = make_pipeline(ignore, ignore, tiling.num_stages).get_allocations(
+        pipeline_allocs = make_pipeline(ignore, ignore, num_stages).get_allocations(
             x_gmem.at[pl.ds(0, bm), pl.ds(0, cta_k)], dy_gmem.at[pl.ds(0, bm), pl.ds(0, bn)]
         )
 

@@ -1,0 +1,399 @@
+"""Grouped GEMM benchmark: fwd, dgrad, wgrad and fwd+dgrad+wgrad TF/s on one GPU.
+
+Legend: M rows, K x N the weight dims (w[G, K, N]), G groups.
+
+Compares, in one process and on the same random data:
+  ours    the ``mosaic`` backend (dropless.ops.gmm.mosaic)
+  dense   cuBLAS through XLA (jnp.dot / dot_general) at equal FLOPs: the ceiling
+  torch   ``torch._grouped_mm`` (CUTLASS), timed with CUDA events
+  jaxex   jax's example kernels ragged_dot_mgpu / transposed_ragged_dot_mgpu
+  ragged  ``jax.lax.ragged_dot`` (the xla backend), a few iterations only
+
+FLOPs count real rows only: 2 * sum(group_sizes) * K * N per product. JAX
+timings are kernel time on device through CUPTI
+(``jax.experimental.mosaic.gpu.profiler.measure``), median of ``--iters``
+runs after a warm-up; torch uses ``triton.testing.do_bench`` (median).
+
+Run on the GPU machine (one command):
+  PYTHONPATH=src python3 benchmarks/gmm.py [--quick] [--tune] [--out DIR] [--commit SHA]
+``--tune`` first sweeps tile configs on the G=32 shapes, writes
+``tuning_<gpu>.json`` (to --out and into the package) and benchmarks with it;
+a normal run only reads the checked-in table. ``--smoke`` runs tiny shapes in
+Pallas GPU interpret mode on CPU, to check this script without a GPU.
+"""
+
+import argparse
+import dataclasses
+import datetime
+import json
+import os
+import pathlib
+import statistics
+import sys
+import time
+import traceback
+
+os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")  # leave room for torch
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+from jax import lax  # noqa: E402
+
+from dropless.ops.gmm import api, mosaic, tuning, xla  # noqa: E402
+
+FULL_SHAPES = [  # (M, G, K, N)
+    (65536, 32, 7168, 4096),
+    (65536, 32, 2048, 7168),
+    (16384, 8, 7168, 4096),
+    (65536, 256, 7168, 4096),
+    (65536, 256, 2048, 7168),
+]
+QUICK_SHAPES = FULL_SHAPES[:2] + FULL_SHAPES[3:4]
+SMOKE_SHAPES = [(300, 5, 128, 256)]
+LAYOUTS = ["balanced", "dirichlet1.0", "dirichlet0.3", "empty"]
+OPS = ["fwd", "dgrad", "wgrad", "fwd+dgrad+wgrad"]
+IMPLS = ["ours", "dense", "torch", "jaxex", "ragged"]
+
+
+def make_group_sizes(layout, m, g, seed=0):
+    """Group sizes summing to m: balanced, Dirichlet-skewed, or every 4th group empty."""
+    rng = np.random.default_rng(seed)
+    if layout == "balanced":
+        p = np.full(g, 1.0 / g)
+    elif layout.startswith("dirichlet"):
+        p = rng.dirichlet(np.full(g, float(layout[len("dirichlet"):])))
+    elif layout == "empty":
+        p = np.where(np.arange(g) % 4 == 3, 0.0, 1.0)
+        p /= p.sum()
+    else:
+        raise ValueError(f"unknown layout {layout!r}")
+    sizes = np.floor(p * m).astype(np.int64)
+    sizes[np.argmax(p)] += m - sizes.sum()
+    return sizes.astype(np.int32)
+
+
+def time_jax(fn, args, iters):
+    """Median device kernel time (ms) of fn(*args) over iters runs, after a warm-up."""
+    from jax.experimental.mosaic.gpu import profiler
+
+    jax.block_until_ready(fn(*args))
+    try:
+        _, times = profiler.measure(fn, iterations=iters)(*args)
+        return statistics.median(times), "cupti"
+    except Exception:  # CUPTI unavailable: synchronized wall clock per call
+        times = []
+        for _ in range(iters):
+            t0 = time.perf_counter()
+            jax.block_until_ready(fn(*args))
+            times.append((time.perf_counter() - t0) * 1e3)
+        return statistics.median(times), "wallclock"
+
+
+def time_torch(fn, iters):
+    import triton.testing
+
+    fn()
+    return triton.testing.do_bench(fn, warmup=5 * iters, rep=20 * iters, return_mode="median")
+
+
+def rel_err(a, b):
+    a = jnp.asarray(a, jnp.float32)
+    b = jnp.asarray(b, jnp.float32)
+    return float(jnp.linalg.norm(a - b) / jnp.maximum(jnp.linalg.norm(b), 1e-30))
+
+
+def _jaxlib_version():
+    import jaxlib
+
+    return jaxlib.__version__
+
+
+def _torch():
+    try:
+        import torch
+
+        return torch if torch.cuda.is_available() else None
+    except ImportError:
+        return None
+
+
+def torch_fns(x, w, dy, sizes):
+    """Closures running torch._grouped_mm fwd / dgrad / wgrad on the same buffers."""
+    torch = _torch()
+    if torch is None:
+        return None
+    tx, tw, tdy = (torch.from_dlpack(a) for a in (x, w, dy))
+    offs = torch.tensor(np.cumsum(sizes), dtype=torch.int32, device="cuda")
+    fns = {
+        "fwd": lambda: torch._grouped_mm(tx, tw, offs=offs),
+        "dgrad": lambda: torch._grouped_mm(tdy, tw.transpose(-2, -1), offs=offs),
+        "wgrad": lambda: torch._grouped_mm(tx.t(), tdy, offs=offs),
+    }
+
+    def all3():
+        fns["fwd"]()
+        fns["dgrad"]()
+        fns["wgrad"]()
+
+    fns["fwd+dgrad+wgrad"] = all3
+    return fns
+
+
+def jax_fns(impl, g, tilings, jaxex_cfg):
+    """{op: jitted fn(x, w, dy, gs)} for one implementation."""
+    if impl == "ours":
+        t = tilings
+        fwd = lambda x, w, dy, gs: mosaic.gmm(x, w, gs, tiling=t.get("fwd"))
+        dgrad = lambda x, w, dy, gs: mosaic.gmm(dy, w, gs, transpose_rhs=True, tiling=t.get("dgrad"))
+        wgrad = lambda x, w, dy, gs: mosaic.tgmm(x, dy, gs, num_groups=g, tiling=t.get("wgrad"))
+
+        def all3(x, w, dy, gs):
+            y, vjp = jax.vjp(lambda x, w: api.gmm(x, w, gs, backend="mosaic"), x, w)
+            return y, *vjp(dy)
+    elif impl == "ragged":
+        fwd = lambda x, w, dy, gs: xla.gmm(x, w, gs)
+        dgrad = lambda x, w, dy, gs: xla.gmm(dy, w, gs, transpose_rhs=True)
+        wgrad = lambda x, w, dy, gs: xla.tgmm(x, dy, gs, num_groups=g)
+
+        def all3(x, w, dy, gs):
+            y, vjp = jax.vjp(lambda x, w: api.gmm(x, w, gs, backend="xla"), x, w)
+            return y, *vjp(dy)
+    elif impl == "jaxex":
+        from jax.experimental.pallas.ops.gpu import ragged_dot_mgpu, transposed_ragged_dot_mgpu
+
+        fwd = lambda x, w, dy, gs: ragged_dot_mgpu.ragged_dot(x, w, group_sizes=gs, **jaxex_cfg["gmm"])
+        dgrad = lambda x, w, dy, gs: ragged_dot_mgpu.ragged_dot(
+            dy, w, group_sizes=gs, transpose_rhs=True, **jaxex_cfg["gmm"]
+        )
+        wgrad = lambda x, w, dy, gs: transposed_ragged_dot_mgpu.transposed_ragged_dot(
+            x, dy, group_sizes=gs, **jaxex_cfg["tgmm"]
+        )
+
+        def all3(x, w, dy, gs):
+            return fwd(x, w, dy, gs), dgrad(x, w, dy, gs), wgrad(x, w, dy, gs)
+    elif impl == "dense":
+        fwd = lambda x, w, dy, gs: jnp.dot(x, w[0], preferred_element_type=jnp.float32).astype(x.dtype)
+        dgrad = lambda x, w, dy, gs: lax.dot_general(
+            dy, w[0], (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32
+        ).astype(x.dtype)
+        wgrad = lambda x, w, dy, gs: lax.dot_general(
+            x, dy, (((0,), (0,)), ((), ())), preferred_element_type=jnp.float32
+        ).astype(x.dtype)
+
+        def all3(x, w, dy, gs):
+            return fwd(x, w, dy, gs), dgrad(x, w, dy, gs), wgrad(x, w, dy, gs)
+    else:
+        raise ValueError(impl)
+    fns = {"fwd": fwd, "dgrad": dgrad, "wgrad": wgrad, "fwd+dgrad+wgrad": all3}
+    return {op: jax.jit(f) for op, f in fns.items()}
+
+
+def random_inputs(m, g, k, n, seed):
+    kx, kw, kd = jax.random.split(jax.random.key(seed), 3)
+    x = jax.random.normal(kx, (m, k), jnp.bfloat16)
+    w = (jax.random.normal(kw, (g, k, n), jnp.float32) / np.sqrt(k)).astype(jnp.bfloat16)
+    dy = jax.random.normal(kd, (m, n), jnp.bfloat16)
+    return jax.block_until_ready((x, w, dy))
+
+
+def check_ours(fns_ours, torch_f, x, w, dy, gs):
+    """Relative error of ours vs torch._grouped_mm (an independent implementation)."""
+    errs = {}
+    if torch_f is None:
+        return errs
+    import torch
+
+    for op in ("fwd", "dgrad", "wgrad"):
+        ours = fns_ours[op](x, w, dy, gs)
+        ref = jnp.from_dlpack(torch_f[op]().contiguous())
+        torch.cuda.synchronize()
+        errs[op] = rel_err(ours, ref)
+    return errs
+
+
+def bench_shape(m, g, k, n, layouts, impls, tilings, args, record):
+    x, w, dy = random_inputs(m, g, k, n, seed=m + g + k + n)
+    dense_ms = {}
+    for layout in layouts:
+        sizes = make_group_sizes(layout, m, g, seed=g)
+        gs = jnp.asarray(sizes)
+        total = int(sizes.sum())
+        flops = 2.0 * total * k * n
+        row = {"M": m, "G": g, "K": k, "N": n, "layout": layout, "total_rows": total,
+               "min_group": int(sizes.min()), "max_group": int(sizes.max()), "ms": {}, "tflops": {}}
+        torch_f = torch_fns(x, w, dy, sizes) if "torch" in impls else None
+        for impl in impls:
+            if impl == "torch":
+                if torch_f is None:
+                    continue
+                for op in OPS:
+                    _run(row, impl, op, flops, lambda op=op: (time_torch(torch_f[op], args.iters), "events"))
+                continue
+            if impl == "ragged" and not (layout == layouts[0] and g <= 32):
+                continue  # XLA expands ragged_dot to G dense products: slow, one layout suffices
+            if impl == "jaxex" and g > 32 and args.quick:
+                continue  # its group lookup is unrolled over G: long compiles
+            if impl == "dense" and dense_ms:
+                for op, ms in dense_ms.items():
+                    row["ms"].setdefault(impl, {})[op] = ms
+                    row["tflops"].setdefault(impl, {})[op] = (3 if "+" in op else 1) * flops / ms / 1e9
+                continue
+            fns = jax_fns(impl, g, tilings, JAXEX_CFG)
+            iters = 3 if impl == "ragged" else args.iters
+            for op in OPS:
+                _run(row, impl, op, flops, lambda op=op: time_jax(fns[op], (x, w, dy, gs), iters))
+            if impl == "dense":
+                dense_ms.update(row["ms"].get("dense", {}))
+            if impl == "ours":
+                row["rel_err_vs_torch"] = _safe(lambda: check_ours(fns, torch_f, x, w, dy, gs), {})
+        record["results"].append(row)
+        print_row(row)
+        sys.stdout.flush()
+        del torch_f
+
+
+def _safe(f, default):
+    try:
+        return f()
+    except Exception as e:  # noqa: BLE001
+        print("  error:", type(e).__name__, str(e)[:300])
+        return default
+
+
+def _run(row, impl, op, flops, timed):
+    try:
+        ms, method = timed()
+    except Exception as e:  # noqa: BLE001 - OOM and unsupported configs are results too
+        msg = str(e).splitlines()[0][:200] if str(e) else type(e).__name__
+        row.setdefault("errors", {})[f"{impl}/{op}"] = ("OOM: " if "RESOURCE_EXHAUSTED" in str(e) or "out of memory" in str(e).lower() else "") + msg
+        return
+    row["ms"].setdefault(impl, {})[op] = ms
+    row["tflops"].setdefault(impl, {})[op] = (3 if "+" in op else 1) * flops / ms / 1e9
+    row.setdefault("timing", {})[impl] = method
+
+
+def print_row(row):
+    t = row["tflops"]
+    head = f"M={row['M']} G={row['G']} K={row['K']} N={row['N']} {row['layout']} (groups {row['min_group']}..{row['max_group']})"
+    print(head)
+    print(f"  {'op':16s}" + "".join(f"{i:>8s}" for i in IMPLS) + f"{'o/dense':>9s}{'o/torch':>9s}")
+    for op in OPS:
+        vals = [t.get(i, {}).get(op) for i in IMPLS]
+        ours, dense, torch_v = (t.get(i, {}).get(op) for i in ("ours", "dense", "torch"))
+        r1 = f"{ours / dense:9.3f}" if ours and dense else f"{'-':>9s}"
+        r2 = f"{ours / torch_v:9.3f}" if ours and torch_v else f"{'-':>9s}"
+        print(f"  {op:16s}" + "".join(f"{v:8.1f}" if v else f"{'-':>8s}" for v in vals) + r1 + r2)
+    if row.get("rel_err_vs_torch"):
+        print("  rel err vs torch:", {k: f"{v:.2e}" for k, v in row["rel_err_vs_torch"].items()})
+    if row.get("errors"):
+        print("  errors:", row["errors"])
+
+
+JAXEX_CFG = {
+    "gmm": dict(block_m=128, block_n=128, block_k=64, max_concurrent_steps=4, grid_block_n=4),
+    "tgmm": dict(block_m=128, block_n=128, block_k=64, max_concurrent_steps=4, grid_block_n=4),
+}
+
+TUNE_CANDIDATES = {
+    "fwd": [tuning.GmmTiling(), tuning.GmmTiling(grid_tile_width=8), tuning.GmmTiling(num_stages=3)],
+    "wgrad": [tuning.TgmmTiling(), tuning.TgmmTiling(num_stages=3),
+              tuning.TgmmTiling(block_k=64, block_n=256)],
+}
+TUNE_CANDIDATES["dgrad"] = TUNE_CANDIDATES["fwd"]
+
+
+def tune(shapes, args, record):
+    """Sweep TUNE_CANDIDATES on balanced G=32 problems; write the tuning table."""
+    gpu = tuning.gpu_name()
+    entries = []
+    for m, g, k, n in shapes:
+        x, w, dy = random_inputs(m, g, k, n, seed=1)
+        gs = jnp.asarray(make_group_sizes("balanced", m, g))
+        flops = 2.0 * m * k * n
+        for kind, cands in TUNE_CANDIDATES.items():
+            best = None
+            for tiling in cands:
+                if not tuning.fits(tiling, kind, k, n):
+                    continue
+                fn = jax.jit({
+                    "fwd": lambda x, w, dy, gs, t=tiling: mosaic.gmm(x, w, gs, tiling=t),
+                    "dgrad": lambda x, w, dy, gs, t=tiling: mosaic.gmm(dy, w, gs, transpose_rhs=True, tiling=t),
+                    "wgrad": lambda x, w, dy, gs, t=tiling: mosaic.tgmm(x, dy, gs, num_groups=g, tiling=t),
+                }[kind])
+                try:
+                    ms, _ = time_jax(fn, (x, w, dy, gs), args.iters)
+                except Exception as e:  # noqa: BLE001
+                    print(f"  tune {kind} K={k} N={n} {tiling}: {type(e).__name__} {str(e)[:150]}")
+                    continue
+                tf = flops / ms / 1e9
+                print(f"  tune {kind} K={k} N={n} {tiling}: {tf:.1f} TF/s")
+                record["tuning_sweep"].append({"kind": kind, "k": k, "n": n, "tiling": dataclasses.asdict(tiling), "tflops": tf})
+                if best is None or tf > best[1]:
+                    best = (tiling, tf)
+            if best:
+                entries.append({"dtype": "bfloat16", "kind": kind, "k": k, "n": n,
+                                "tiling": dataclasses.asdict(best[0]), "tflops": round(best[1], 1),
+                                "measured": f"M={m} G={g} balanced"})
+        del x, w, dy
+    table = {"gpu": gpu, "written_by": "benchmarks/gmm.py --tune",
+             "date": datetime.date.today().isoformat(), "entries": entries}
+    text = json.dumps(table, indent=1) + "\n"
+    pkg_path = pathlib.Path(tuning.__file__).parent / f"tuning_{gpu}.json"
+    pkg_path.write_text(text)
+    pathlib.Path(args.out, f"tuning_{gpu}.json").write_text(text)
+    tuning.load_table.cache_clear()
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--quick", action="store_true", help="3 shapes, balanced + dirichlet0.3")
+    p.add_argument("--tune", action="store_true", help="sweep tile configs first and write the table")
+    p.add_argument("--smoke", action="store_true", help="tiny shapes in GPU interpret mode (CPU)")
+    p.add_argument("--iters", type=int, default=10)
+    p.add_argument("--impls", default=",".join(IMPLS))
+    p.add_argument("--shapes", default="", help="comma list of indices into FULL_SHAPES")
+    p.add_argument("--out", default=os.environ.get("OUT", "benchmarks/results"))
+    p.add_argument("--commit", default="unknown")
+    args = p.parse_args()
+    impls = args.impls.split(",")
+    shapes = QUICK_SHAPES if args.quick else FULL_SHAPES
+    if args.shapes:
+        shapes = [FULL_SHAPES[int(i)] for i in args.shapes.split(",")]
+    layouts = ["balanced", "dirichlet0.3"] if args.quick else LAYOUTS
+    dev = jax.devices()[0]
+    torch = _torch()
+    record = {
+        "benchmark": "gmm", "date": datetime.datetime.now().isoformat(timespec="seconds"),
+        "gpu": dev.device_kind, "num_sms": getattr(dev, "core_count", None),
+        "jax": jax.__version__, "jaxlib": _jaxlib_version(),
+        "torch": getattr(torch, "__version__", None), "commit": args.commit,
+        "dtype": "bfloat16", "iters": args.iters, "quick": args.quick,
+        "timing": "jax: CUPTI kernel time (profiler.measure), median; torch: do_bench median",
+        "flops": "2 * sum(group_sizes) * K * N per product; x3 for fwd+dgrad+wgrad",
+        "jaxex_config": JAXEX_CFG, "tuning_sweep": [], "results": [],
+    }
+    os.makedirs(args.out, exist_ok=True)
+    if args.smoke:
+        from jax.experimental.pallas import mosaic_gpu as plgpu
+
+        plgpu.set_gpu_interpret_mode()
+        shapes, layouts, impls = SMOKE_SHAPES, ["dirichlet0.3"], ["ours", "dense"]
+    if args.tune:
+        tune([s for s in shapes if s[1] == 32] or shapes, args, record)
+    tilings = {}
+    for m, g, k, n in shapes:
+        tilings = {kind: tuning.lookup(kind, jnp.bfloat16, k, n) for kind in tuning.KINDS}
+        record.setdefault("tilings", {})[f"K={k},N={n}"] = {kk: dataclasses.asdict(v) for kk, v in tilings.items()}
+        try:
+            bench_shape(m, g, k, n, layouts, impls, tilings, args, record)
+        except Exception:  # noqa: BLE001 - keep the other shapes' numbers
+            traceback.print_exc()
+    name = f"gmm-{datetime.date.today().isoformat()}-{tuning.gpu_name()}.json"
+    path = pathlib.Path(args.out, name)
+    path.write_text(json.dumps(record, indent=1) + "\n")
+    print("wrote", path)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,209 @@
+"""Mosaic GPU gmm kernels against the reference backend.
+
+Legend: M rows, K x N the weight dims (w[G, K, N]), G groups.
+
+Three levels:
+- CPU, always: the kernels lower for CUDA through ``jax.export`` (Mosaic's
+  layout inference and smem checks run on the host).
+- CPU, always: the kernels run in Pallas GPU interpret mode on small awkward
+  layouts (outputs start as NaN there, so an unwritten element fails).
+- GPU (marker ``gpu``, skipped unless a Hopper GPU is the default device):
+  fwd, dgrad, wgrad and the full custom_vjp gradient on fresh random bf16
+  inputs for empty groups, groups smaller than a tile, one group holding all
+  rows, ``sum(group_sizes) < M`` and M not a multiple of the tile. Rows of x
+  and dy past the total are NaN and must not leak; rows of the outputs past
+  the total must be exact zeros; relative error ||out - ref|| / ||ref|| is
+  checked per group.
+"""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from dropless.ops.gmm import api, mosaic, mosaic_gmm, mosaic_tgmm, reference
+from dropless.ops.gmm.tuning import GmmTiling, TgmmTiling
+
+hopper = pytest.mark.skipif(not mosaic.is_available(), reason="needs a Hopper (sm_90) GPU")
+BF16_TOL = 1e-2
+
+
+def layout_sizes(layout, m, g, rng):
+    """Group sizes for one awkward layout; sum <= m."""
+    if layout == "random_with_empty":
+        p = rng.dirichlet(np.full(g, 0.5))
+        sizes = np.floor(p * m).astype(np.int64)
+        sizes[rng.choice(g, size=max(1, g // 3), replace=False)] = 0
+        return sizes.astype(np.int32)  # total < m: a tail of rows past the end
+    if layout == "one_group":
+        sizes = np.zeros(g, np.int32)
+        sizes[rng.integers(g)] = m
+        return sizes
+    if layout == "tiny_groups":  # groups shorter than a tile, then a long one
+        sizes = rng.integers(0, 40, size=g).astype(np.int32)
+        sizes[-1] = m - sizes[:-1].sum()
+        return sizes
+    if layout == "all_empty":
+        return np.zeros(g, np.int32)
+    raise ValueError(layout)
+
+
+def problem(rng, m, k, n, g, sizes, dtype=jnp.bfloat16):
+    """bf16 x, w, dy with rows of x and dy past the total set to NaN."""
+    total = int(sizes.sum())
+    x = rng.standard_normal((m, k)).astype(np.float32)
+    dy = rng.standard_normal((m, n)).astype(np.float32)
+    x[total:] = np.nan
+    dy[total:] = np.nan
+    w = (rng.standard_normal((g, k, n)) / np.sqrt(k)).astype(np.float32)
+    return jnp.asarray(x, dtype), jnp.asarray(w, dtype), jnp.asarray(dy, dtype)
+
+
+def assert_rows_match(out, ref, sizes):
+    """Per-group relative error on the group's rows; exact zeros past the total."""
+    out = np.asarray(out, np.float64)
+    ref = np.asarray(ref, np.float64)
+    assert not np.isnan(out).any(), "NaN in output (unwritten element or leaked NaN)"
+    start = 0
+    for size in sizes:
+        if size:
+            o, r = out[start:start + size], ref[start:start + size]
+            assert np.linalg.norm(o - r) <= BF16_TOL * np.linalg.norm(r), (start, size)
+        start += size
+    np.testing.assert_array_equal(out[start:], 0.0)
+
+
+def assert_groups_match(dw, ref, sizes):
+    dw = np.asarray(dw, np.float64)
+    ref = np.asarray(ref, np.float64)
+    assert not np.isnan(dw).any()
+    for e, size in enumerate(sizes):
+        if size == 0:
+            np.testing.assert_array_equal(dw[e], 0.0)
+        else:
+            assert np.linalg.norm(dw[e] - ref[e]) <= BF16_TOL * np.linalg.norm(ref[e]), e
+
+
+def clean(a):
+    return jnp.nan_to_num(a)
+
+
+# ---------------------------------------------------------------- CPU: lowering
+
+
+@pytest.mark.parametrize("kind", ["fwd", "dgrad", "wgrad"])
+def test_kernels_lower_for_cuda(kind):
+    m, k, n, g = 4096, 512, 768, 40  # w is [G, K, N]
+    s = jax.ShapeDtypeStruct
+    bf = jnp.bfloat16
+    w = s((g, k, n), bf)
+    gs = s((g,), jnp.int32)
+    if kind == "fwd":
+        fn = lambda x, w, gs: mosaic_gmm.gmm(x, w, gs, tiling=GmmTiling(), sms=132)
+        args = (s((m, k), bf), w, gs)
+    elif kind == "dgrad":
+        fn = lambda dy, w, gs: mosaic_gmm.gmm(dy, w, gs, tiling=GmmTiling(), transpose_rhs=True, sms=132)
+        args = (s((m, n), bf), w, gs)
+    else:
+        fn = lambda x, dy, gs: mosaic_tgmm.tgmm(x, dy, gs, num_groups=g, tiling=TgmmTiling(), sms=132)
+        args = (s((m, k), bf), s((m, n), bf), gs)
+    exported = jax.export.export(jax.jit(fn), platforms=["cuda"])(*args)
+    assert "mosaic_gpu" in exported.mlir_module()
+
+
+# ------------------------------------------------------ CPU: interpret mode
+
+
+def _interpret():
+    from jax.experimental.pallas import mosaic_gpu as plgpu
+
+    return plgpu.force_gpu_interpret_mode()
+
+
+def test_interpret_fwd_and_dgrad_awkward_layout(rng):
+    m, k, n, g = 300, 128, 256, 6
+    sizes = np.array([70, 0, 150, 10, 40, 0], np.int32)  # a 10-row group inside a block, tail of 30
+    x, w, dy = problem(rng, m, k, n, g, sizes)
+    with _interpret():
+        y = mosaic_gmm.gmm(x, w, jnp.asarray(sizes), tiling=GmmTiling(grid_tile_width=2), sms=3)
+        dx = mosaic_gmm.gmm(dy, w, jnp.asarray(sizes), tiling=GmmTiling(block_n=64),
+                            transpose_rhs=True, sms=2)
+    gs = jnp.asarray(sizes)
+    assert_rows_match(y, reference.gmm(clean(x), w, gs), sizes)
+    assert_rows_match(dx, reference.gmm(clean(dy), w, gs, transpose_rhs=True), sizes)
+
+
+@pytest.mark.parametrize("sizes", [[1, 2, 3, 64, 65, 100, 0], [0, 0, 300, 0, 0, 0, 0]], ids=str)
+def test_interpret_wgrad_masks_neighbour_and_nan_rows(rng, sizes):
+    m, k, n = 300, 256, 128
+    sizes = np.array(sizes, np.int32)
+    x, _, dy = problem(rng, m, k, n, len(sizes), sizes)
+    with _interpret():
+        dw = mosaic_tgmm.tgmm(x, dy, jnp.asarray(sizes), num_groups=len(sizes),
+                              tiling=TgmmTiling(), sms=3)
+    ref = reference.tgmm(clean(x), clean(dy), jnp.asarray(sizes), num_groups=len(sizes))
+    assert_groups_match(dw, ref, sizes)
+
+
+# ------------------------------------------------------------------- GPU
+
+GPU_SHAPES = [(1000, 256, 512, 7), (4100, 384, 640, 33)]  # (M, K, N, G); M not a tile multiple
+LAYOUTS = ["random_with_empty", "one_group", "tiny_groups", "all_empty"]
+
+
+def _poison_allocator(*shapes):
+    """Leave NaN in freed device memory, so an unwritten output element shows."""
+    for shape in shapes:
+        jnp.full(shape, jnp.nan, jnp.bfloat16).block_until_ready().delete()
+
+
+@pytest.mark.gpu
+@hopper
+@pytest.mark.parametrize("shape", GPU_SHAPES, ids=str)
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_gpu_fwd_dgrad_wgrad_match_reference(shape, layout, rng):
+    m, k, n, g = shape
+    sizes = layout_sizes(layout, m, g, rng)
+    x, w, dy = problem(rng, m, k, n, g, sizes)
+    gs = jnp.asarray(sizes)
+    _poison_allocator((m, n))
+    assert_rows_match(mosaic.gmm(x, w, gs), reference.gmm(clean(x), w, gs), sizes)
+    _poison_allocator((m, k))
+    dx = mosaic.gmm(dy, w, gs, transpose_rhs=True)
+    assert_rows_match(dx, reference.gmm(clean(dy), w, gs, transpose_rhs=True), sizes)
+    _poison_allocator((g, k, n))
+    dw = mosaic.tgmm(x, dy, gs, num_groups=g)
+    assert_groups_match(dw, reference.tgmm(clean(x), clean(dy), gs, num_groups=g), sizes)
+
+
+@pytest.mark.gpu
+@hopper
+def test_gpu_custom_vjp_matches_reference(rng):
+    m, k, n, g = 2000, 256, 384, 9
+    sizes = layout_sizes("random_with_empty", m, g, rng)
+    x, w, dy = problem(rng, m, k, n, g, sizes)
+    x, dy = clean(x), clean(dy)
+    gs = jnp.asarray(sizes)
+
+    def value_and_grads(backend):
+        y, vjp = jax.vjp(lambda x, w: api.gmm(x, w, gs, backend=backend), x, w)
+        return (y, *vjp(dy))
+
+    y, dx, dw = jax.jit(lambda: value_and_grads("mosaic"))()
+    y_ref, dx_ref, dw_ref = value_and_grads("reference")
+    assert_rows_match(y, y_ref, sizes)
+    assert_rows_match(dx, dx_ref, sizes)
+    assert_groups_match(dw, dw_ref, sizes)
+    assert api.resolve_backend("auto", x.shape, w.shape, x.dtype) == "mosaic"
+
+
+@pytest.mark.gpu
+@hopper
+def test_gpu_fp16_and_f32_output(rng):
+    m, k, n, g = 640, 128, 256, 4
+    sizes = np.array([100, 0, 300, 200], np.int32)
+    x, w, _ = problem(rng, m, k, n, g, sizes, dtype=jnp.float16)
+    gs = jnp.asarray(sizes)
+    y = mosaic.gmm(x, w, gs, out_dtype=jnp.float32)
+    assert y.dtype == jnp.float32
+    assert_rows_match(y, reference.gmm(clean(x), w, gs, out_dtype=jnp.float32), sizes)

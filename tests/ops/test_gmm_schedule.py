@@ -1,0 +1,165 @@
+"""Tile schedule, tuning table and shape rules of the mosaic gmm backend (CPU only).
+
+Legend: M rows, G groups, T tiles, bm rows per tile block.
+
+The device-side schedule (plain jnp) is checked against a NumPy model that
+walks the segments (groups, then the tail past the total) block by block, on
+random group sizes that include zeros, one group holding every row, and
+totals short of M.
+"""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from dropless.ops.gmm import mosaic, schedule, tuning
+
+
+@st.composite
+def problem_st(draw):
+    bm = draw(st.sampled_from([8, 64, 128]))
+    m = draw(st.integers(1, 5 * bm + 3))
+    g = draw(st.integers(1, 12))
+    kind = draw(st.sampled_from(["random", "one_group", "short", "zeros"]))
+    if kind == "one_group":
+        sizes = [0] * g
+        sizes[draw(st.integers(0, g - 1))] = m
+    elif kind == "zeros":
+        sizes = [0] * g
+    else:
+        total = m if kind == "random" else draw(st.integers(0, m))
+        cuts = sorted(draw(st.lists(st.integers(0, total), min_size=g - 1, max_size=g - 1)))
+        sizes = list(np.diff([0, *cuts, total]))
+    return m, bm, np.array(sizes, np.int32)
+
+
+def numpy_schedule(sizes, m, bm):
+    """[(group, row_start, lo, hi)] of every live tile, in order (group -1: tail)."""
+    ends = np.cumsum(sizes)
+    starts = ends - sizes
+    segments = [(g, s, e) for g, (s, e) in enumerate(zip(starts, ends))] + [(-1, ends[-1], m)]
+    tiles = []
+    for g, s, e in segments:
+        if e <= s:
+            continue
+        for b in range(s // bm, (e - 1) // bm + 1):
+            tiles.append((g, b * bm, max(s, b * bm), min(e, b * bm + bm)))
+    return tiles
+
+
+_schedule = jax.jit(schedule.row_tile_schedule, static_argnums=(1, 2))
+
+
+@given(problem_st())
+def test_row_tile_schedule_matches_numpy_model(problem):
+    m, bm, sizes = problem
+    sched = _schedule(jnp.asarray(sizes), m, bm)
+    expected = numpy_schedule(sizes, m, bm)
+    n = int(sched.num_tiles[0])
+    assert n == len(expected)
+    assert sched.group_T.shape == (schedule.max_row_tiles(m, len(sizes), bm),)
+    assert n <= sched.group_T.shape[0]
+    got = list(zip(*(np.asarray(a)[:n].tolist() for a in sched[:4])))
+    assert got == [tuple(int(v) for v in t) for t in expected]
+    # Padding slots are inert: group -1 and an empty store range.
+    assert np.all(np.asarray(sched.group_T)[n:] == -1)
+    assert np.all(np.asarray(sched.store_lo_T)[n:] == np.asarray(sched.store_hi_T)[n:])
+
+
+@given(problem_st())
+def test_tiles_write_every_row_once_with_its_own_group(problem):
+    m, bm, sizes = problem
+    sched = _schedule(jnp.asarray(sizes), m, bm)
+    n = int(sched.num_tiles[0])
+    owner = np.repeat(np.arange(len(sizes)), sizes)
+    owner = np.concatenate([owner, np.full(m - owner.size, -1)])
+    written = np.zeros(m, np.int64)
+    for g, start, lo, hi in zip(*(np.asarray(a)[:n] for a in sched[:4])):
+        assert start % bm == 0 and start <= lo < hi <= min(start + bm, m)
+        assert np.all(owner[lo:hi] == g)
+        written[lo:hi] += 1
+    np.testing.assert_array_equal(written, 1)
+
+
+def test_schedule_clamps_a_total_above_m():
+    sched = schedule.row_tile_schedule(jnp.array([5, 9, 7], jnp.int32), 16, 8)
+    n = int(sched.num_tiles[0])
+    assert int(np.max(np.asarray(sched.store_hi_T)[:n])) == 16
+    starts, sizes = schedule.group_offsets(jnp.array([5, 9, 7], jnp.int32), 16)
+    np.testing.assert_array_equal(starts, [0, 5, 14])
+    np.testing.assert_array_equal(sizes, [5, 9, 2])
+
+
+def test_schedule_size_does_not_depend_on_group_sizes():
+    shapes = {
+        schedule.row_tile_schedule(jnp.asarray(s, jnp.int32), 1000, 128).group_T.shape
+        for s in ([1000, 0, 0, 0], [250] * 4, [1, 1, 1, 997])
+    }
+    assert shapes == {(schedule.max_row_tiles(1000, 4, 128),)}
+
+
+@pytest.mark.parametrize("kind", tuning.KINDS)
+@pytest.mark.parametrize("k, n", [(7168, 4096), (2048, 7168), (128, 128), (384, 640)])
+def test_default_tiling_divides_every_supported_shape(kind, k, n):
+    tiling = tuning.default_tiling(kind, k, n)
+    assert tiling is not None and tuning.fits(tiling, kind, k, n)
+    assert tuning.lookup(kind, jnp.bfloat16, k, n, gpu="h200") == tiling or tuning.fits(
+        tuning.lookup(kind, jnp.bfloat16, k, n, gpu="h200"), kind, k, n
+    )
+
+
+@pytest.mark.parametrize("kind", tuning.KINDS)
+def test_lookup_rejects_shapes_no_tile_divides(kind):
+    with pytest.raises(ValueError, match="multiples of 128"):
+        tuning.lookup(kind, jnp.bfloat16, 7168, 4000, gpu="h200")
+
+
+def test_checked_in_table_entries_fit_their_shapes():
+    table = tuning.load_table("h200")
+    for (dtype, kind, k, n), tiling in table.items():
+        assert dtype in ("bfloat16", "float16")
+        assert tuning.fits(tiling, kind, k, n), (kind, k, n, tiling)
+
+
+def test_tiling_validation():
+    with pytest.raises(ValueError, match="multiples of 64"):
+        tuning.GmmTiling(block_n=96)
+    with pytest.raises(ValueError, match="num_stages"):
+        tuning.TgmmTiling(num_stages=1)
+
+
+@pytest.mark.parametrize(
+    "x_shape, w_shape, dtype, ok",
+    [
+        ((65536, 7168), (32, 7168, 4096), jnp.bfloat16, True),
+        ((100, 128), (3, 128, 256), jnp.float16, True),
+        ((100, 128), (3, 128, 256), jnp.float32, False),
+        ((100, 7168), (3, 7168, 1000), jnp.bfloat16, False),
+        ((100, 96), (3, 96, 256), jnp.bfloat16, False),
+        ((0, 128), (3, 128, 256), jnp.bfloat16, False),
+    ],
+)
+def test_supports_rules(x_shape, w_shape, dtype, ok):
+    assert mosaic.supports(x_shape, w_shape, dtype) == ok
+
+
+def test_unsupported_shapes_raise_clear_errors():
+    x = jnp.zeros((64, 96), jnp.bfloat16)
+    w = jnp.zeros((2, 96, 256), jnp.bfloat16)
+    gs = jnp.array([32, 32], jnp.int32)
+    with pytest.raises(ValueError, match="multiples of 128"):
+        mosaic.gmm(x, w, gs)
+    with pytest.raises(ValueError, match="multiples of 128"):
+        mosaic.tgmm(x, jnp.zeros((64, 256), jnp.bfloat16), gs, num_groups=2)
+    with pytest.raises(ValueError, match="bfloat16 or float16"):
+        mosaic.gmm(x.astype(jnp.float32), w.astype(jnp.float32), gs)
+
+
+def test_auto_backend_is_xla_without_hopper():
+    from dropless.ops.gmm import resolve_backend
+
+    assert not mosaic.is_available()
+    assert resolve_backend("auto", (64, 128), (2, 128, 256), jnp.bfloat16) == "xla"
