@@ -233,7 +233,7 @@ class Transformer(nnx.Module):
                 module = module[part] if isinstance(part, int) else getattr(module, part)
             for _, var in nnx.iter_graph(module):
                 if isinstance(var, RouterBias):
-                    var.value = var.value + stats.bias_update.astype(var.value.dtype)
+                    var[...] = var[...] + stats.bias_update.astype(var.dtype)
 
 
 def count_params(model: nnx.Module) -> int:

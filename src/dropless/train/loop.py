@@ -20,10 +20,12 @@ by accident; give ``run_name`` to make a run resumable.
 
 import concurrent.futures
 import dataclasses
+import itertools
 import json
 import math
 import os
 import time
+from typing import Iterator, NamedTuple
 
 import jax
 import numpy as np
@@ -174,14 +176,53 @@ def _describe(console, model: ModelConfig, train: TrainConfig, s: _Setup, run_di
     return num_params, tokens
 
 
-def _train_steps(s: _Setup, train: TrainConfig, state, start, ckpt, writer, console, tokens):
-    """Run steps start..steps-1. Returns (state, rows, step_times, load_LE, compile_s)."""
-    step_fn = jax.jit(
+def _jit_step(s: _Setup):
+    """The jitted train step: state sharded as ``s.shardings`` and donated."""
+    return jax.jit(
         step_lib.make_train_step(s.graphdef, s.model, s.tx, s.schedule),
         in_shardings=(s.shardings, mesh_lib.batch_sharding(s.mesh, leading_dims=1)),
         out_shardings=(s.shardings, None),
         donate_argnums=0,
     )
+
+
+class Built(NamedTuple):
+    """A trainer ready to step: what ``build`` returns.
+
+    state: freshly initialised train state (``train.step``), on the mesh.
+    step_fn: jitted ``(state, batch) -> (state, metrics)``; donates ``state``.
+    batches: endless iterator of device-ready batches from step 0.
+    tflops_per_step: analytic TFLOPs per device per step (``train.flops``).
+    global_batch: sequences per microbatch over all devices.
+    entropy_floor: the data's loss floor in nats/token, or None.
+    """
+
+    state: dict
+    step_fn: object
+    batches: Iterator
+    tflops_per_step: float
+    global_batch: int
+    entropy_floor: float | None
+
+
+def build(model: ModelConfig, train: TrainConfig, mesh: MeshConfig) -> Built:
+    """The trainer's state, jitted step and batch stream, without running or checkpointing.
+
+    For benchmarks and profiling; ``run_training`` uses the same parts.
+
+    Raises:
+      ValueError / FileNotFoundError: as ``run_training``.
+    """
+    s = _setup(model, train, mesh)
+    batch_sh = mesh_lib.batch_sharding(s.mesh, leading_dims=1)
+    batches = (jax.device_put(s.source.batch_at(i), batch_sh) for i in itertools.count())
+    state = jax.jit(s.init, out_shardings=s.shardings)()
+    return Built(state, _jit_step(s), batches, s.flops.total, s.global_batch, s.source.entropy_floor)
+
+
+def _train_steps(s: _Setup, train: TrainConfig, state, start, ckpt, writer, console, tokens):
+    """Run steps start..steps-1. Returns (state, rows, step_times, load_LE, compile_s)."""
+    step_fn = _jit_step(s)
     rows, step_times, load_LE, compile_s = [], [], None, None
     pending, last_done = None, None
     batch_sh = mesh_lib.batch_sharding(s.mesh, leading_dims=1)

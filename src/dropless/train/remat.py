@@ -107,12 +107,12 @@ def layer_remat(cfg: ModelConfig) -> Callable[[Callable], Callable]:
     """
     if cfg.remat_policy not in REMAT_POLICIES:
         raise ValueError(f"remat_policy={cfg.remat_policy!r} is not one of {REMAT_POLICIES}")
-    if cfg.remat_policy == "none":
-        return lambda fn: fn
     if cfg.remat_policy != "custom" and cfg.remat_custom:
         raise ValueError(
             f"remat_custom is set but remat_policy={cfg.remat_policy!r}; use remat_policy=custom"
         )
+    if cfg.remat_policy == "none":
+        return lambda fn: fn
     policy = checkpoint_policy(cfg.remat_policy, cfg.remat_custom)
     # Inside scan, CSE cannot merge the recomputation with the forward pass, and
     # the barrier prevent_cse adds would only cost fusion; unrolled layers need it.

@@ -42,7 +42,7 @@ def build_model(cfg: ModelConfig, seed: int, remat=None) -> Transformer:
 def split_model(model: Transformer):
     """(graphdef, params, router_bias, rest) with the states as plain nested dicts."""
     graphdef, params, bias, rest = nnx.split(model, nnx.Param, RouterBias, ...)
-    return graphdef, params.to_pure_dict(), bias.to_pure_dict(), rest.to_pure_dict()
+    return graphdef, nnx.to_pure_dict(params), nnx.to_pure_dict(bias), nnx.to_pure_dict(rest)
 
 
 def init_state_fn(cfg: ModelConfig, tx: optax.GradientTransformation, seed: int, remat=None):
@@ -122,8 +122,7 @@ def _grads(state, batch: Batch, graphdef, cfg: ModelConfig):
         return loss, aux, grads
 
     def body(acc, i):
-        (loss, aux), grads = micro(i)
-        return jax.tree.map(lambda a, b: a + b.astype(a.dtype), acc, (loss, aux, grads)), None
+        return jax.tree.map(lambda a, b: a + b.astype(a.dtype), acc, micro(i)), None
 
     def zeros_like(x):
         # Sums in float32 (or int32 for counts), whatever the parameter dtype.
@@ -156,14 +155,14 @@ def make_train_step(graphdef, cfg: ModelConfig, tx, schedule) -> Callable:
 
     def train_step(state, batch: Batch):
         loss, aux, grads = _grads(state, batch, graphdef, cfg)
-        grad_norm = optax.global_norm(grads)
+        grad_norm = optax.tree.norm(grads)
         finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
         params, opt_state = state["params"], state["opt_state"]
         updates, new_opt_state = tx.update(grads, opt_state, params)
         new_params = optax.apply_updates(params, updates)
         model = nnx.merge(graphdef, new_params, state["router_bias"], {})
         model.apply_router_bias_update(aux["moe_stats"])
-        new_bias = nnx.state(model, RouterBias).to_pure_dict()
+        new_bias = nnx.to_pure_dict(nnx.state(model, RouterBias))
 
         def keep_if_finite(new, old):
             return jax.tree.map(lambda n, o: jnp.where(finite, n, o), new, old)

@@ -1,0 +1,119 @@
+"""Checkpoints: round trip, incomplete ones skipped, corrupt ones reported, and
+``load_parameters`` refusing what does not fit.
+"""
+
+import dataclasses
+import io
+import os
+import shutil
+
+import jax
+import numpy as np
+import pytest
+from rich.console import Console
+
+from dropless.config.sections import MeshConfig
+from dropless.parallel import mesh as mesh_lib
+from dropless.train import checkpoint as ckpt_lib
+from dropless.train import optimizer as opt_lib
+from dropless.train import step as step_lib
+from dropless.train.loop import run_training
+
+MODEL_KEYS = ("params", "router_bias")
+
+
+def _state(model_cfg):
+    tx = opt_lib.make_optimizer(opt_lib.OptimizerConfig(), 10)
+    _, init = step_lib.init_state_fn(model_cfg, tx, 0)
+    abstract = jax.eval_shape(init)
+    shardings = mesh_lib.param_shardings(mesh_lib.make_mesh(MeshConfig()), abstract)
+    return jax.jit(init, out_shardings=shardings)(), abstract, shardings
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory, small_model):
+    """A checkpoint directory with complete steps 2 and 4 of a freshly initialised state."""
+    root = tmp_path_factory.mktemp("ckpt")
+    state, abstract, shardings = _state(small_model)
+    ckpt = ckpt_lib.Checkpointer(str(root / "checkpoints"), period=2)
+    assert ckpt.save(2, state) and not ckpt.save(3, state)
+    state4 = {**state, "step": state["step"] + 4}
+    assert ckpt.save(4, state4)
+    ckpt.close()
+    return root, state4, abstract, shardings
+
+
+def _copy(saved, tmp_path):
+    root = saved[0]
+    shutil.copytree(root / "checkpoints", tmp_path / "checkpoints")
+    return ckpt_lib.Checkpointer(str(tmp_path / "checkpoints"), period=2)
+
+
+def test_round_trip(saved, tmp_path):
+    _, state4, abstract, shardings = saved
+    ckpt = _copy(saved, tmp_path)
+    assert ckpt.complete_steps() == [2, 4]
+    restored = ckpt.restore(4, abstract, shardings)
+    assert jax.tree.structure(restored) == jax.tree.structure(state4)
+    jax.tree.map(np.testing.assert_array_equal, restored, state4)
+    ckpt.close()
+
+
+def test_checkpoint_without_manifest_counts_as_incomplete(saved, tmp_path):
+    ckpt = _copy(saved, tmp_path)
+    os.remove(os.path.join(ckpt.step_dir(4), ckpt_lib.MANIFEST))
+    assert ckpt.complete_steps() == [2] and ckpt.incomplete_steps() == [4]
+    with pytest.raises(ckpt_lib.CheckpointError, match="incomplete"):
+        ckpt.restore(4, *saved[2:])
+    ckpt.close()
+
+
+def _largest_file(step_dir):
+    files = [os.path.join(r, f) for r, _, fs in os.walk(step_dir) for f in fs
+             if f != ckpt_lib.MANIFEST]
+    return max(files, key=os.path.getsize)
+
+
+@pytest.mark.parametrize("damage,match", [
+    ("truncate", "truncated"),
+    ("flip", "CRC32"),
+    ("delete", "is missing"),
+])
+def test_corrupt_checkpoint_is_reported_not_loaded(saved, tmp_path, damage, match):
+    ckpt = _copy(saved, tmp_path)
+    victim = _largest_file(ckpt.step_dir(4))
+    data = open(victim, "rb").read()
+    if damage == "truncate":
+        open(victim, "wb").write(data[: len(data) // 2])
+    elif damage == "flip":
+        open(victim, "wb").write(data[:-1] + bytes([data[-1] ^ 0xFF]))
+    else:
+        os.remove(victim)
+    with pytest.raises(ckpt_lib.CheckpointError, match=match) as err:
+        ckpt.restore(4, *saved[2:])
+    assert "delete" in str(err.value) and ckpt.step_dir(4) in str(err.value)
+    ckpt.close()
+
+
+def test_resume_refuses_a_corrupt_latest_checkpoint(saved, small_model, make_train, tmp_path):
+    shutil.copytree(saved[0] / "checkpoints", tmp_path / "run" / "checkpoints")
+    victim = _largest_file(str(tmp_path / "run" / "checkpoints" / "4"))
+    open(victim, "ab").write(b"junk")
+    with pytest.raises(ckpt_lib.CheckpointError, match="corrupt"):
+        run_training(small_model, make_train(tmp_path, steps=6, checkpoint_period=2), MeshConfig(),
+                     console=Console(file=io.StringIO()))
+
+
+def test_load_parameters(saved, small_model):
+    root, state4, abstract, shardings = saved
+    step_dir = str(root / "checkpoints" / "4")
+    loaded = ckpt_lib.load_parameters(step_dir, {k: abstract[k] for k in MODEL_KEYS},
+                                      {k: shardings[k] for k in MODEL_KEYS})
+    jax.tree.map(np.testing.assert_array_equal, loaded, {k: state4[k] for k in MODEL_KEYS})
+    with pytest.raises(ckpt_lib.CheckpointError, match="no such checkpoint"):
+        ckpt_lib.load_parameters(str(root / "checkpoints" / "7"), abstract, shardings)
+    wider = dataclasses.replace(small_model, emb_dim=24)
+    _, abstract_w, shardings_w = _state(wider)
+    with pytest.raises(ckpt_lib.CheckpointError, match="could not be restored"):
+        ckpt_lib.load_parameters(step_dir, {k: abstract_w[k] for k in MODEL_KEYS},
+                                 {k: shardings_w[k] for k in MODEL_KEYS})

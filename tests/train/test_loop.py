@@ -1,0 +1,138 @@
+"""End to end: the loss falls toward the Markov entropy, the run writes its
+outputs, and a run killed with SIGKILL resumes to bitwise the same losses.
+"""
+
+import dataclasses
+import io
+import os
+import pickle
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+from rich.console import Console
+
+from dropless.config.sections import DataConfig, MeshConfig
+from dropless.train import checkpoint as ckpt_lib
+from dropless.train import metrics as metrics_lib
+from dropless.train.loop import build, run_training
+
+STEPS = 60
+PERIOD = 10
+
+
+def _quiet():
+    return Console(file=io.StringIO(), width=140)
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory, small_model, make_train):
+    """An uninterrupted run: (train config, result, console text)."""
+    train = make_train(tmp_path_factory.mktemp("reference"), steps=STEPS, checkpoint_period=PERIOD)
+    console = _quiet()
+    result = run_training(small_model, train, MeshConfig(), console=console)
+    return train, result, console.file.getvalue()
+
+
+def test_loss_falls_toward_the_source_entropy(reference):
+    train, result, text = reference
+    rows = metrics_lib.read_jsonl(result.metrics_path)
+    assert [r["step"] for r in rows] == list(range(1, STEPS + 1))
+    initial = sum(r["lm_loss"] for r in rows[:3]) / 3
+    assert result.ok and result.skipped_steps == 0 and result.final_step == STEPS
+    assert result.final_lm_loss_avg < initial - 0.5, (initial, result.final_lm_loss_avg)
+    # Below the entropy rate only by sampling noise of a finite batch.
+    assert result.final_lm_loss_avg > result.entropy_floor - 0.1
+    assert f"{result.entropy_floor:.4f}" in text and "dropless training summary" in text
+
+
+def test_run_outputs(reference):
+    train, result, _ = reference
+    run_dir = os.path.join(train.base_output_directory, train.run_name)
+    assert result.run_dir == os.path.abspath(run_dir)
+    assert os.path.getsize(os.path.join(run_dir, "summary.png")) > 10_000
+    assert any(f.startswith("events.out.tfevents") for f in os.listdir(os.path.join(run_dir, "tensorboard")))
+    assert os.path.exists(os.path.join(run_dir, "config.json"))
+    ckpt = ckpt_lib.Checkpointer(os.path.join(run_dir, "checkpoints"), period=PERIOD)
+    assert ckpt.complete_steps() == list(range(PERIOD, STEPS + 1, PERIOD))
+    ckpt.close()
+    row = metrics_lib.read_jsonl(result.metrics_path)[-1]
+    for key in ("loss", "grad_norm", "learning_rate", "tflops_per_device", "tokens_per_s",
+                "moe_load_cv", "moe_tokens_min", "moe_tokens_max", "dropped_tokens", "skipped_steps"):
+        assert key in row, key
+    assert row["dropped_tokens"] == 0  # dropless
+    assert result.tflops_per_device > 0 and result.mfu is None  # CPU: no peak, no MFU
+
+
+_CHILD = """
+import pickle, sys
+from dropless.config.sections import MeshConfig
+from dropless.train.loop import run_training
+model, train = pickle.load(open(sys.argv[1], "rb"))
+run_training(model, train, MeshConfig())
+"""
+
+
+def _kill_after_first_checkpoint(proc, ckpt_dir, timeout=240):
+    """SIGKILL ``proc`` as soon as a complete checkpoint exists; returns its step."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            pytest.fail(f"the run ended (rc={proc.returncode}) before it could be killed:\n"
+                        + proc.stdout.read().decode()[-3000:])
+        steps = [int(d) for d in os.listdir(ckpt_dir) if d.isdigit()] if os.path.isdir(ckpt_dir) else []
+        done = [s for s in steps if os.path.exists(os.path.join(ckpt_dir, str(s), ckpt_lib.MANIFEST))]
+        if done:
+            proc.send_signal(signal.SIGKILL)
+            proc.wait()
+            return max(done)
+        time.sleep(0.01)
+    proc.kill()
+    pytest.fail("no checkpoint appeared")
+
+
+def test_resume_after_sigkill_gives_identical_losses(reference, small_model, tmp_path):
+    train, ref_result, _ = reference
+    train = train.__class__(**{**train.__dict__, "base_output_directory": str(tmp_path)})
+    (tmp_path / "cfg.pkl").write_bytes(pickle.dumps((small_model, train)))
+    (tmp_path / "child.py").write_text(_CHILD)
+    proc = subprocess.Popen([sys.executable, str(tmp_path / "child.py"), str(tmp_path / "cfg.pkl")],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    killed_at = _kill_after_first_checkpoint(proc, str(tmp_path / "run" / "checkpoints"))
+    assert proc.returncode == -signal.SIGKILL
+
+    result = run_training(small_model, train, MeshConfig(), console=_quiet())
+    assert result.resumed_from is not None and killed_at <= result.resumed_from < STEPS
+    ref = metrics_lib.read_jsonl(ref_result.metrics_path)
+    got = metrics_lib.read_jsonl(result.metrics_path)
+    assert [r["step"] for r in got] == list(range(1, STEPS + 1))
+    for key in ("loss", "lm_loss", "grad_norm", "learning_rate"):
+        assert [r[key] for r in got] == [r[key] for r in ref], key  # bitwise
+
+
+def test_load_parameters_path_starts_from_trained_weights(reference, small_model, make_train, tmp_path):
+    train, ref_result, _ = reference
+    fresh = make_train(tmp_path, steps=1, enable_checkpointing=False, enable_tensorboard=False,
+                       load_parameters_path=os.path.join(ref_result.run_dir, "checkpoints", str(STEPS)))
+    result = run_training(small_model, fresh, MeshConfig(), console=_quiet())
+    assert result.initial_loss < ref_result.initial_loss - 0.5
+
+
+def test_setup_errors_come_before_any_work(small_model, make_train, tmp_path):
+    bad_data = make_train(tmp_path, data=DataConfig(dataset_type="text", dataset_path=str(tmp_path / "nope")))
+    with pytest.raises(FileNotFoundError, match="no such file or directory"):
+        run_training(small_model, bad_data, MeshConfig(), console=_quiet())
+    with pytest.raises(ValueError, match="whole number"):
+        run_training(small_model, make_train(tmp_path, per_device_batch_size=0.5), MeshConfig(),
+                     console=_quiet())
+    assert not os.path.exists(tmp_path / "run")
+
+
+def test_build_gives_a_steppable_trainer(small_model, make_train, tmp_path):
+    one_layer = dataclasses.replace(small_model, num_decoder_layers=1, first_num_dense_layers=1)
+    built = build(one_layer, make_train(tmp_path, per_device_batch_size=2), MeshConfig())
+    state, metrics = built.step_fn(built.state, next(built.batches))
+    assert int(state["step"]) == 1 and float(metrics["loss"]) > 0
+    assert built.tflops_per_step > 0 and built.global_batch == 2

@@ -1,0 +1,165 @@
+"""The train step: non-finite steps are skipped on device, gradient accumulation
+equals one big batch, every remat policy gives the same gradients, the router
+bias moves by exactly the MoE block's ``bias_update``.
+"""
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from dropless.config.sections import DataConfig, OptimizerConfig
+from dropless.nn.model import moe_stats_concat
+from dropless.train import data as data_lib
+from dropless.train import optimizer as opt_lib
+from dropless.train import remat as remat_lib
+from dropless.train import step as step_lib
+
+STEPS = 10
+
+
+@pytest.fixture(scope="module")
+def model_cfg(small_model):
+    # MTP on: every test below also covers the MTP module and its loss.
+    return dataclasses.replace(small_model, mtp_num_layers=1)
+
+
+@pytest.fixture(scope="module")
+def trainer(model_cfg):
+    """(graphdef, initial state, jitted step) built once for the module."""
+    opt = OptimizerConfig(learning_rate=1e-2, warmup_steps_fraction=0.0)
+    tx = opt_lib.make_optimizer(opt, STEPS)
+    graphdef, init = step_lib.init_state_fn(model_cfg, tx, 0, remat_lib.layer_remat(model_cfg))
+    step = jax.jit(step_lib.make_train_step(graphdef, model_cfg, tx,
+                                            opt_lib.learning_rate_schedule(opt, STEPS)))
+    return graphdef, jax.jit(init)(), step
+
+
+def _batch(model_cfg, step, batch=4, seq=16, accum=1):
+    source = data_lib.make_source(DataConfig(data_seed=1), model_cfg.vocab_size,
+                                  batch=batch, seq=seq, accum=accum)
+    return source.batch_at(step)
+
+
+def _tree_equal(a, b):
+    return all(jax.tree.leaves(jax.tree.map(lambda x, y: bool(np.array_equal(x, y)), a, b)))
+
+
+def _grads_fn(graphdef, cfg):
+    return jax.jit(lambda s, b: step_lib._grads(s, b, graphdef, cfg))
+
+
+def test_non_finite_step_is_skipped_and_counted(model_cfg, trainer):
+    _, state, step = trainer
+    state, m = step(state, _batch(model_cfg, 0))  # a normal step first: Adam state non-zero
+    assert bool(m["finite"]) and int(m["skipped_steps"]) == 0
+    before = jax.device_get(state)
+
+    bad = _batch(model_cfg, 1)
+    weights = bad.weights.copy()
+    weights[0, 0, 3] = np.nan  # one poisoned token weight makes loss and gradients NaN
+    state, m = step(state, bad._replace(weights=weights))
+    after = jax.device_get(state)
+    assert not bool(m["finite"]) and not np.isfinite(float(m["loss"]))
+    assert int(after["skipped_steps"]) == 1 and int(m["skipped_steps"]) == 1
+    assert int(after["step"]) == int(before["step"]) + 1  # the data stream moves on
+    for key in ("params", "router_bias", "opt_state"):
+        assert _tree_equal(before[key], after[key]), f"{key} changed on a skipped step"
+
+    state, m = step(state, _batch(model_cfg, 2))
+    assert bool(m["finite"]) and int(m["skipped_steps"]) == 1
+    assert not _tree_equal(before["params"], jax.device_get(state["params"]))
+
+
+def test_router_bias_moves_by_bias_update(model_cfg, trainer):
+    graphdef, state, step = trainer
+    batch = _batch(model_cfg, 0)
+    _, aux, _ = _grads_fn(graphdef, model_cfg)(state, batch)
+    expected = jax.device_get({k: s.bias_update for k, s in aux["moe_stats"].items()})
+    assert sum(float(np.abs(v).sum()) for v in expected.values()) > 0
+    new_state, _ = step(state, batch)
+    for path, bias_before, bias_after in (
+        (("moe_layers",), state["router_bias"]["moe_layers"], new_state["router_bias"]["moe_layers"]),
+        (("mtp", 0), state["router_bias"]["mtp"][0], new_state["router_bias"]["mtp"][0]),
+    ):
+        (before,), (after,) = jax.tree.leaves(bias_before), jax.tree.leaves(bias_after)
+        np.testing.assert_array_equal(np.asarray(after - before), expected[path])
+
+
+def test_gradient_accumulation_matches_one_big_batch(model_cfg, trainer):
+    # Token-mean losses over equal-sized microbatches average to the big batch's
+    # mean, except the sequence-wise aux loss (a per-sequence statistic), so it is off.
+    cfg = dataclasses.replace(model_cfg, moe=dataclasses.replace(
+        model_cfg.moe, seq_aux_loss_weight=0.0))
+    graphdef = step_lib.init_state_fn(cfg, optax_identity(), 0)[0]
+    state = trainer[1]
+    big = _batch(cfg, 0, batch=8, accum=1)
+    split = data_lib.Batch(*(x.reshape(2, 4, -1) for x in big))
+    grads = _grads_fn(graphdef, cfg)
+    loss1, aux1, g1 = grads(state, big)
+    loss2, aux2, g2 = grads(state, split)
+    np.testing.assert_allclose(loss1, loss2, rtol=1e-5)
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=2e-4, atol=2e-6), g1, g2)
+    t1 = moe_stats_concat(aux1["moe_stats"]).tokens_per_expert
+    t2 = moe_stats_concat(aux2["moe_stats"]).tokens_per_expert
+    np.testing.assert_array_equal(t1, t2)  # counts are summed, not averaged
+
+
+def optax_identity():
+    import optax
+
+    return optax.identity()
+
+
+POLICIES = [
+    ("full", ()),
+    ("minimal", ()),
+    ("save_dot_except_mlp", ()),
+    ("custom", (("decoder_layer_input", "device"), ("query_proj", "offload"),
+                ("value_proj", "offload"), ("mla_kv", "device"), ("moe_mlpwi", "offload"),
+                ("out_proj", "remat"))),
+]
+
+
+@pytest.fixture(scope="module")
+def reference_grads(model_cfg, trainer):
+    graphdef, state, _ = trainer
+    return _grads_fn(graphdef, model_cfg)(state, _batch(model_cfg, 0))[2]
+
+
+@pytest.mark.parametrize("policy,custom", POLICIES, ids=[p for p, _ in POLICIES])
+def test_remat_policies_give_the_same_gradients(model_cfg, trainer, reference_grads, policy, custom):
+    cfg = dataclasses.replace(model_cfg, remat_policy=policy, remat_custom=custom)
+    graphdef = step_lib.init_state_fn(cfg, optax_identity(), 0, remat_lib.layer_remat(cfg))[0]
+    grads = _grads_fn(graphdef, cfg)(trainer[1], _batch(model_cfg, 0))[2]
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7),
+                 reference_grads, grads)
+
+
+def test_remat_config_errors(small_model):
+    with pytest.raises(ValueError, match="not one of"):
+        remat_lib.layer_remat(dataclasses.replace(small_model, remat_policy="fulll"))
+    bad = dataclasses.replace(small_model, remat_policy="custom", remat_custom=(("query_prj", "device"),))
+    with pytest.raises(ValueError, match="unknown tensor 'query_prj'"):
+        remat_lib.layer_remat(bad)
+    bad = dataclasses.replace(small_model, remat_policy="custom", remat_custom=(("query_proj", "host"),))
+    with pytest.raises(ValueError, match="is not one of"):
+        remat_lib.layer_remat(bad)
+    with pytest.raises(ValueError, match="use remat_policy=custom"):
+        remat_lib.layer_remat(dataclasses.replace(small_model, remat_custom=(("query_proj", "device"),)))
+
+
+def test_schedule_and_decay_mask():
+    opt = OptimizerConfig(learning_rate=1.0, warmup_steps_fraction=0.2,
+                          cosine_learning_rate_final_fraction=0.1)
+    sched = opt_lib.learning_rate_schedule(opt, 10)
+    lrs = [float(sched(i)) for i in range(12)]
+    assert lrs[0] == 0.0 and lrs[1] == pytest.approx(0.5) and lrs[2] == pytest.approx(1.0)
+    assert all(a >= b for a, b in zip(lrs[2:], lrs[3:]))  # monotone decay after warmup
+    assert lrs[10] == pytest.approx(0.1) and lrs[11] == pytest.approx(0.1)
+    params = {"norm": {"scale": jnp.ones(3)}, "lin": {"kernel": jnp.ones((2, 3)), "bias": jnp.ones(3)}}
+    assert opt_lib.decay_mask(params) == {"norm": {"scale": False}, "lin": {"kernel": True, "bias": False}}
+    with pytest.raises(ValueError, match="warmup_steps_fraction"):
+        opt_lib.learning_rate_schedule(OptimizerConfig(warmup_steps_fraction=1.5), 10)
