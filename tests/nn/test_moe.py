@@ -38,6 +38,7 @@ def reference_select(p, bias, x_TD, cfg):
         scores = 1 / (1 + np.exp(-logits))
     sel = scores + (np.asarray(bias, np.float64) if cfg.routed_bias else 0.0)
     e, k, g = cfg.num_experts, cfg.num_experts_per_tok, cfg.n_routing_groups
+    top_g = cfg.topk_routing_group
     experts, margin = [], np.inf
     for row in sel:
         eligible = np.arange(e)
@@ -45,9 +46,9 @@ def reference_select(p, bias, x_TD, cfg):
             per = e // g
             gs = np.array([np.sort(row[i * per:(i + 1) * per])[::-1][:2].sum() for i in range(g)])
             order = np.argsort(-gs, kind="stable")
-            if cfg.topk_routing_group < g:
-                margin = min(margin, gs[order[cfg.topk_routing_group - 1]] - gs[order[cfg.topk_routing_group]])
-            eligible = np.concatenate([np.arange(i * per, (i + 1) * per) for i in order[: cfg.topk_routing_group]])
+            if top_g < g:
+                margin = min(margin, gs[order[top_g - 1]] - gs[order[top_g]])
+            eligible = np.concatenate([np.arange(i * per, (i + 1) * per) for i in order[:top_g]])
         ranked = eligible[np.argsort(-row[eligible], kind="stable")]
         if k < len(ranked):
             margin = min(margin, row[ranked[k - 1]] - row[ranked[k]])
@@ -59,7 +60,8 @@ def reference_forward(p, x_TD, experts_TK, cfg, keep_TK=None):
     """Per-token ``sum_j w_j FFN_{e_j}(x)`` (+ shared), float32; returns (out, aux)."""
     x_TD = x_TD.astype(jnp.float32)
     logits = jnp.dot(x_TD, p["router"]["kernel"], precision=HI)
-    scores = jax.nn.softmax(logits) if cfg.routed_score_func == "softmax" else jax.nn.sigmoid(logits)
+    softmax = cfg.routed_score_func == "softmax"
+    scores = jax.nn.softmax(logits) if softmax else jax.nn.sigmoid(logits)
     w_TK = jnp.take_along_axis(scores, experts_TK, axis=-1)
     if cfg.norm_topk_prob:
         w_TK = w_TK / w_TK.sum(-1, keepdims=True)
@@ -100,7 +102,8 @@ def reference_aux(logits, scores, experts_TK, cfg):
         rows = slice(b * SEQ, (b + 1) * SEQ)
         f_b = jnp.bincount(experts_TK[rows].ravel(), length=e) * e / (k * SEQ)
         seq = seq + jnp.sum(f_b * probs[rows].mean(0)) / BATCH
-    return cfg.load_balance_loss_weight * lb + cfg.seq_aux_loss_weight * seq + cfg.router_z_loss_weight * z
+    return (cfg.load_balance_loss_weight * lb + cfg.seq_aux_loss_weight * seq
+            + cfg.router_z_loss_weight * z)
 
 
 def build(cfg, rng, dtype=jnp.float32, bias=None):
@@ -149,15 +152,21 @@ def reference_loss_and_grads(block, x, experts, cfg, c, keep=None):
     return y, g_p, g_x
 
 
-def assert_close(got, want, tol, what):
-    """max |got - want| <= tol * max(1, max |want|)."""
-    got, want = np.asarray(got, np.float32), np.asarray(want, np.float32)
+def assert_close(got, want, tol, what, norm=False):
+    """max |got - want| <= tol * max(1, max |want|); with ``norm``, the relative
+    Frobenius error instead (bf16: a single element's rounding has a long tail)."""
+    got, want = np.asarray(got, np.float64), np.asarray(want, np.float64)
     assert got.shape == want.shape, what
+    if norm:
+        err = np.linalg.norm(got - want) / max(np.linalg.norm(want), 1e-30)
+        assert err <= tol, f"{what}: relative norm error {err}"
+        return
     err = np.max(np.abs(got - want)) if got.size else 0.0
     assert err <= tol * max(1.0, np.max(np.abs(want))), f"{what}: max err {err}"
 
 
-def check_against_reference(cfg, rng, dtype=jnp.float32, tol=2e-5, bias=None, keep_fn=None):
+def check_against_reference(cfg, rng, dtype=jnp.float32, tol=2e-5, bias=None, keep_fn=None,
+                            router_tol=None):
     block = build(cfg, rng, dtype, bias)
     x, experts = draw_input(block, cfg, rng)
     keep = None if keep_fn is None else keep_fn(np.asarray(experts))
@@ -167,14 +176,17 @@ def check_against_reference(cfg, rng, dtype=jnp.float32, tol=2e-5, bias=None, ke
         block, x, experts, cfg, c, None if keep is None else jnp.asarray(keep, jnp.float32)
     )
     assert y.dtype == dtype and y.shape == x.shape
-    assert_close(y, y_ref, tol, "output")
-    assert_close(g_x, g_x_ref, tol, "d/dx")
+    norm = dtype != jnp.float32
+    assert_close(y, y_ref, tol, "output", norm)
+    assert_close(g_x, g_x_ref, tol, "d/dx", norm)
     flat_ref = dict(jax.tree_util.tree_flatten_with_path(g_ref)[0])
     flat = dict(jax.tree_util.tree_flatten_with_path(g_params)[0])
     assert flat.keys() == flat_ref.keys()
     for path, g in flat.items():
         assert np.any(np.asarray(flat_ref[path]) != 0), f"{path} has no reference gradient"
-        assert_close(g, flat_ref[path], tol, f"d/d{jax.tree_util.keystr(path)}")
+        name = jax.tree_util.keystr(path)
+        path_tol = router_tol if router_tol and "router" in name else tol
+        assert_close(g, flat_ref[path], path_tol, f"d/d{name}", norm)
     counts = np.bincount(np.asarray(experts).ravel(), minlength=cfg.num_experts)
     np.testing.assert_array_equal(stats.tokens_per_expert, counts)
     return block, x, experts, stats
@@ -211,7 +223,9 @@ def test_float32_matches_reference(name, rng):
 def test_bf16_close_to_float32_reference(name, rng):
     cfg = dataclasses.replace(BASE, **CASES[name])
     bias = rng.standard_normal(cfg.num_experts) * 0.1 if cfg.routed_bias else None
-    check_against_reference(cfg, rng, dtype=jnp.bfloat16, tol=3e-2, bias=bias)
+    # The router gradient of renormalised top-k weights is w1*w2*(g1 - g2) with
+    # g_j = <FFN_j(x), dy>: a difference of bf16-rounded terms, hence its own bound.
+    check_against_reference(cfg, rng, dtype=jnp.bfloat16, tol=2e-2, bias=bias, router_tol=1e-1)
 
 
 @pytest.mark.parametrize("k, hot", [(1, [3]), (2, [0, 5])])
@@ -270,7 +284,8 @@ def test_capacity_hand_example():
     p = nnx.to_pure_dict(nnx.state(block, nnx.Param))
     forward = jax.jit(reference_forward, static_argnames="cfg")
     y_ref, _ = forward(p, jnp.asarray(x), jnp.asarray(routes[:, None]), cfg=cfg)
-    np.testing.assert_allclose(y[[0, 1, 3, 4, 6]], np.asarray(y_ref)[[0, 1, 3, 4, 6]], rtol=1e-5, atol=1e-6)
+    kept = [0, 1, 3, 4, 6]
+    np.testing.assert_allclose(y[kept], np.asarray(y_ref)[kept], rtol=1e-5, atol=1e-6)
 
 
 def test_capacity_path_with_room_equals_dropless(rng):

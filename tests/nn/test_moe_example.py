@@ -60,7 +60,8 @@ def test_readme_usage():
     optimizer = nnx.Optimizer(model, optax.adamw(3e-3), wrt=nnx.Param)  # RouterBias is not a Param
     tokens = jnp.tile(jnp.arange(17) % 64, (4, 1))  # a toy batch [B=4, S+1=17]
     loss, stats = train_step(model, optimizer, tokens)
-    print(f"loss {loss:.3f}, tokens/expert {stats.tokens_per_expert}, dropped {stats.dropped_tokens}")
+    print(f"loss {loss:.3f}, tokens/expert {stats.tokens_per_expert}, "
+          f"dropped {stats.dropped_tokens}")
     assert np.isfinite(float(loss))
 
 
@@ -75,7 +76,8 @@ def test_example_trains_and_balances():
         loss, stats = train_step(fresh, opt, batch)
         losses.append(float(loss))
         # The bias moved by exactly the reported update, nothing else (no optimizer step).
-        np.testing.assert_allclose(fresh.moe.router_bias[...], before + stats.bias_update, atol=1e-7)
+        after = fresh.moe.router_bias[...]
+        np.testing.assert_allclose(after, before + stats.bias_update, atol=1e-7)
         bias = bias + np.asarray(stats.bias_update)
         assert int(stats.dropped_tokens) == 0
         assert int(stats.tokens_per_expert.sum()) == 4 * 16 * 2

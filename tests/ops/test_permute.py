@@ -66,7 +66,8 @@ def test_layout_matches_numpy(case, rng):
     np.testing.assert_array_equal(x_pd, buf_ref)  # padding rows exact zeros
     np.testing.assert_array_equal(plan.group_sizes_E, sizes_ref)
     np.testing.assert_array_equal(plan.row_of_copy_C, row_ref)
-    np.testing.assert_array_equal(plan.tokens_per_expert_E, np.bincount(experts.ravel(), minlength=e))
+    counts = np.bincount(experts.ravel(), minlength=e)
+    np.testing.assert_array_equal(plan.tokens_per_expert_E, counts)
     assert plan.group_sizes_E.dtype == jnp.int32
     assert np.all(np.asarray(plan.group_sizes_E) % alignment == 0)
 
@@ -85,7 +86,8 @@ def test_round_trip_and_weighted_combine(case, rng):
     # A per-row tag shows which buffer row each copy reads back.
     tag_pd = x_pd * (1.0 + jnp.arange(x_pd.shape[0], dtype=jnp.float32))[:, None]
     row_ref = numpy_buffer(x, experts, e, alignment)[2]
-    expected = np.einsum("tk,tkd->td", w, (x[:, None, :] * (1.0 + row_ref.reshape(t, k))[..., None]))
+    tagged_copies = x[:, None, :] * (1.0 + row_ref.reshape(t, k))[..., None]
+    expected = np.einsum("tk,tkd->td", w, tagged_copies)
     np.testing.assert_allclose(P.unpermute(tag_pd, jnp.asarray(w), plan), expected, rtol=1e-5)
 
 

@@ -211,30 +211,34 @@ class MoEBlock(nnx.Module):
 
     def _experts_sparse(self, x_PD, group_sizes_E):
         """Grouped SwiGLU over the expert-sorted buffer: [P, D] -> [P, D]."""
-        backend = self.cfg.gmm_backend
+
+        def grouped(x, w, name):
+            y = gmm(x, w, group_sizes_E, backend=self.cfg.gmm_backend)
+            return checkpoint_name(y, name)
+
         w_gate, w_up = self._gate_up_weights()
         if w_up is None:
-            h_PF2 = checkpoint_name(gmm(x_PD, w_gate, group_sizes_E, backend=backend), "moe_mlpwi")
-            gate_PF, up_PF = jnp.split(h_PF2, 2, axis=-1)
+            gate_PF, up_PF = jnp.split(grouped(x_PD, w_gate, "moe_mlpwi"), 2, axis=-1)
         else:
-            gate_PF = checkpoint_name(gmm(x_PD, w_gate, group_sizes_E, backend=backend), "moe_mlpwi")
-            up_PF = checkpoint_name(gmm(x_PD, w_up, group_sizes_E, backend=backend), "moe_mlpwi")
+            gate_PF = grouped(x_PD, w_gate, "moe_mlpwi")
+            up_PF = grouped(x_PD, w_up, "moe_mlpwi")
         a_PF = jax.nn.silu(gate_PF) * up_PF
-        y_PD = gmm(a_PF, self.wo[...].astype(self.dtype), group_sizes_E, backend=backend)
-        return checkpoint_name(y_PD, "moe_mlpwo")
+        return grouped(a_PF, self.wo[...].astype(self.dtype), "moe_mlpwo")
 
     def _experts_dense(self, x_ECD):
         """Batched SwiGLU over per-expert capacity buffers: [E, C, D] -> [E, C, D]."""
+
+        def batched(x, w, name):
+            return checkpoint_name(jnp.einsum("ecd,edf->ecf", x, w), name)
+
         w_gate, w_up = self._gate_up_weights()
         if w_up is None:
-            h_ECF2 = checkpoint_name(jnp.einsum("ecd,edf->ecf", x_ECD, w_gate), "moe_mlpwi")
-            gate_ECF, up_ECF = jnp.split(h_ECF2, 2, axis=-1)
+            gate_ECF, up_ECF = jnp.split(batched(x_ECD, w_gate, "moe_mlpwi"), 2, axis=-1)
         else:
-            gate_ECF = checkpoint_name(jnp.einsum("ecd,edf->ecf", x_ECD, w_gate), "moe_mlpwi")
-            up_ECF = checkpoint_name(jnp.einsum("ecd,edf->ecf", x_ECD, w_up), "moe_mlpwi")
+            gate_ECF = batched(x_ECD, w_gate, "moe_mlpwi")
+            up_ECF = batched(x_ECD, w_up, "moe_mlpwi")
         a_ECF = jax.nn.silu(gate_ECF) * up_ECF
-        y_ECD = jnp.einsum("ecf,efd->ecd", a_ECF, self.wo[...].astype(self.dtype))
-        return checkpoint_name(y_ECD, "moe_mlpwo")
+        return batched(a_ECF, self.wo[...].astype(self.dtype), "moe_mlpwo")
 
     def _aux_loss(self, logits_TE, decision, batch, seq):
         cfg = self.cfg
