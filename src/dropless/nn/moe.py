@@ -240,6 +240,31 @@ class MoEBlock(nnx.Module):
         a_ECF = jax.nn.silu(gate_ECF) * up_ECF
         return batched(a_ECF, self.wo[...].astype(self.dtype), "moe_mlpwo")
 
+    def _dropless(self, x_TD, decision):
+        """Route -> dispatch -> grouped experts -> combine; nothing dropped."""
+        e = self.cfg.num_experts
+        x_PD, plan = dispatch(x_TD, decision.experts_TK, e, self.cfg.group_alignment)
+        y_PD = self._experts_sparse(x_PD, plan.group_sizes_E)
+        out_TD = combine(y_PD, decision.weights_TK, plan)
+        return out_TD, plan.tokens_per_expert_E, jnp.zeros((), jnp.int32)
+
+    def _with_capacity(self, x_TD, decision):
+        """The MaxText-style baseline: one-hot einsums into [E, C, D] buffers."""
+        cfg = self.cfg
+        e = cfg.num_experts
+        capacity = expert_capacity(
+            x_TD.shape[0], cfg.num_experts_per_tok, e, cfg.capacity_factor
+        )
+        dispatch_TEC, combine_TEC, dropped = capacity_masks(
+            decision.experts_TK, decision.weights_TK, e, capacity
+        )
+        x_ECD = jnp.einsum("tec,td->ecd", dispatch_TEC.astype(self.dtype), x_TD)
+        y_ECD = self._experts_dense(x_ECD)
+        out_TD = jnp.einsum(
+            "tec,ecd->td", combine_TEC, y_ECD, preferred_element_type=jnp.float32
+        ).astype(self.dtype)
+        return out_TD, routing.tokens_per_expert(decision.experts_TK, e), dropped
+
     def _aux_loss(self, logits_TE, decision, batch, seq):
         cfg = self.cfg
         func = cfg.routed_score_func
@@ -280,21 +305,9 @@ class MoEBlock(nnx.Module):
         x_TD = x_TD.astype(self.dtype)
         e = cfg.num_experts
         if cfg.sparse_matmul:
-            x_PD, plan = dispatch(x_TD, decision.experts_TK, e, cfg.group_alignment)
-            y_PD = self._experts_sparse(x_PD, plan.group_sizes_E)
-            out_TD = combine(y_PD, decision.weights_TK, plan)
-            tokens_E, dropped = plan.tokens_per_expert_E, jnp.zeros((), jnp.int32)
+            out_TD, tokens_E, dropped = self._dropless(x_TD, decision)
         else:
-            capacity = expert_capacity(b * s, cfg.num_experts_per_tok, e, cfg.capacity_factor)
-            dispatch_TEC, combine_TEC, dropped = capacity_masks(
-                decision.experts_TK, decision.weights_TK, e, capacity
-            )
-            x_ECD = jnp.einsum("tec,td->ecd", dispatch_TEC.astype(self.dtype), x_TD)
-            y_ECD = self._experts_dense(x_ECD)
-            out_TD = jnp.einsum(
-                "tec,ecd->td", combine_TEC, y_ECD, preferred_element_type=jnp.float32
-            ).astype(self.dtype)
-            tokens_E = routing.tokens_per_expert(decision.experts_TK, e)
+            out_TD, tokens_E, dropped = self._with_capacity(x_TD, decision)
         if self.shared_experts is not None:
             out_TD = out_TD + self.shared_experts(x_TD)
         bias_update = jnp.zeros((e,), jnp.float32)
