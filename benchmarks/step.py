@@ -1,0 +1,288 @@
+"""Training-step benchmark: the DeepSeek-V3 proxy on one GPU, ours vs the two baselines.
+
+    PYTHONPATH=src python3 benchmarks/step.py [--steps N] [--out DIR] [--commit SHA]   # GPU
+    JAX_PLATFORMS=cpu PYTHONPATH=src python3 benchmarks/step.py --tiny                # CPU smoke
+
+Model: ``deepseek3-proxy`` (V3's layer shapes: D = 7168, MLA with q_lora 1536,
+kv_lora 512, 128 heads of 128 + 64 rope / 128 v, V = 129280; 1 dense layer
+(mlp 18432) + 3 MoE layers of 32 experts top-8 (moe_mlp 2048) + 1 shared, in
+4 groups with 2 kept, sigmoid routing with the balancing bias), bf16
+parameters and activations, AdamW with bf16 first moment, cuDNN flash
+attention, seq 4096, synthetic tokens. The sections are built here directly
+(no pydantic on the GPU machine); they mirror ``config/models/deepseek3-proxy.yml``.
+
+Cases, each in its own process (so peak memory is per case and an OOM ends
+only that attempt):
+
+  xla       dropless MoE through ``lax.ragged_dot`` (``gmm_backend=xla``): the
+            unoptimized JAX baseline
+  capacity  MaxText's capacity-limited ``dense_matmul`` (``sparse_matmul=False``,
+            capacity factor 1.0; drops tokens, counted)
+  ours      dropless with the best kernels available (``gmm_backend=auto``)
+
+A case that runs out of memory is retried with half the batch, down to 1 per
+device; the JSON says which batch each case ran at. Figures: median step time
+over ``--steps`` timed steps after ``--warmup`` steps (compile, autotuning),
+tokens/s, TFLOP/s per device from the analytic MaxText-convention count
+(``dropless.train.flops``: useful dropless FLOPs, so the capacity baseline is
+credited with the same work whatever it computes), MFU against the device's
+bf16 peak, and peak device memory.
+
+Writes ``<out>/step-<time>-<gpu>.json`` with the GPU, jax version, commit,
+environment, the sections and every case.
+"""
+
+import argparse
+import dataclasses
+import datetime
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+
+CASES = ("xla", "capacity", "ours")
+RESULT_PREFIX = "STEP_RESULT "
+
+
+def proxy_sections(tiny: bool):
+    """(ModelConfig, TrainConfig) of the benchmark; ``tiny`` is a CPU-sized stand-in."""
+    from dropless.config.sections import (DataConfig, MLAConfig, ModelConfig, MoEConfig,
+                                          OptimizerConfig, TrainConfig)
+
+    data = DataConfig(dataset_type="synthetic", data_seed=0)
+    opt = OptimizerConfig(learning_rate=1e-4, mu_dtype="bfloat16")
+    moe_common = dict(routed_score_func="sigmoid", norm_topk_prob=True, routed_bias=True,
+                      routed_bias_update_rate=1e-3, shared_experts=1)
+    if tiny:
+        model = ModelConfig(
+            vocab_size=256, emb_dim=64, num_decoder_layers=4, first_num_dense_layers=1,
+            mlp_dim=128, remat_policy="full",
+            mla=MLAConfig(num_heads=4, q_lora_rank=32, kv_lora_rank=32, qk_nope_head_dim=16,
+                          qk_rope_head_dim=8, v_head_dim=16),
+            moe=MoEConfig(num_experts=8, num_experts_per_tok=2, moe_mlp_dim=64,
+                          n_routing_groups=4, topk_routing_group=2, **moe_common),
+        )
+        train = TrainConfig(per_device_batch_size=4, max_target_length=64, data=data, optimizer=opt)
+        return model, train
+    model = ModelConfig(
+        vocab_size=129280, emb_dim=7168, num_decoder_layers=4, first_num_dense_layers=1,
+        mlp_dim=18432, dtype="bfloat16", weight_dtype="bfloat16", remat_policy="full",
+        mla=MLAConfig(num_heads=128, q_lora_rank=1536, kv_lora_rank=512, qk_nope_head_dim=128,
+                      qk_rope_head_dim=64, v_head_dim=128, rope_factor=40.0,
+                      original_max_position_embeddings=4096, attention="cudnn_flash_te"),
+        moe=MoEConfig(num_experts=32, num_experts_per_tok=8, moe_mlp_dim=2048,
+                      n_routing_groups=4, topk_routing_group=2, routed_scaling_factor=2.5,
+                      **moe_common),
+    )
+    train = TrainConfig(per_device_batch_size=2, max_target_length=4096, data=data, optimizer=opt)
+    return model, train
+
+
+def case_sections(case: str, tiny: bool, batch: float | None, remat: str | None):
+    """The sections of one case (``--batch`` / ``--remat`` override the defaults)."""
+    model, train = proxy_sections(tiny)
+    moe = {"xla": dict(gmm_backend="xla"),
+           "capacity": dict(sparse_matmul=False, capacity_factor=1.0),
+           "ours": dict(gmm_backend="auto")}[case]
+    model = dataclasses.replace(model, moe=dataclasses.replace(model.moe, **moe))
+    if remat:
+        model = dataclasses.replace(model, remat_policy=remat)
+    if batch:
+        train = dataclasses.replace(train, per_device_batch_size=batch)
+    return model, train
+
+
+def _is_oom(e: BaseException) -> bool:
+    text = f"{type(e).__name__}: {e}"
+    return "RESOURCE_EXHAUSTED" in text or "Out of memory" in text or "out of memory" in text
+
+
+def run_case(case: str, tiny: bool, batch, remat, steps: int, warmup: int) -> dict:
+    """Build, warm up and time one case in this process; returns its result row."""
+    import jax
+
+    from dropless.config.sections import MeshConfig
+    from dropless.ops.gmm import resolve_backend
+    from dropless.train import flops as flops_lib
+    from dropless.train.loop import build
+
+    model, train = case_sections(case, tiny, batch, remat)
+    train = dataclasses.replace(train, steps=warmup + steps)
+    built = build(model, train, MeshConfig())
+    batches = [next(built.batches) for _ in range(2)]  # host data stays out of the timing
+    state, metrics = built.state, None
+    for i in range(warmup):
+        state, metrics = built.step_fn(state, batches[i % 2])
+    jax.block_until_ready((state, metrics))
+    times, losses = [], []
+    for i in range(steps):
+        t0 = time.perf_counter()
+        state, metrics = built.step_fn(state, batches[i % 2])
+        losses.append(float(metrics["loss"]))  # the fetch waits for the step
+        times.append(time.perf_counter() - t0)
+    step_time = statistics.median(times)
+    device = jax.devices()[0]
+    peak = None if device.platform == "cpu" else flops_lib.peak_tflops(device.device_kind, "bf16")
+    stats = device.memory_stats() or {}
+    tokens = built.global_batch * train.max_target_length * train.gradient_accumulation_steps
+    tflops = built.tflops_per_step / step_time
+    return {
+        "case": case,
+        "gmm_backend": resolve_backend(model.moe.gmm_backend) if model.moe.sparse_matmul else "capacity",
+        "per_device_batch_size": train.per_device_batch_size,
+        "remat_policy": model.remat_policy,
+        "step_time_s": step_time,
+        "step_times_s": times,
+        "tokens_per_s": tokens / step_time,
+        "tokens_per_s_per_device": tokens / step_time / jax.device_count(),
+        "tflops_per_device": tflops,
+        "mfu": tflops / peak if peak else None,
+        "model_tflop_per_step_per_device": built.tflops_per_step,
+        "peak_memory_gb": stats.get("peak_bytes_in_use", 0) / 2**30 if stats else None,
+        "loss_first": losses[0],
+        "loss_last": losses[-1],
+        "dropped_tokens_last_step": int(metrics.get("dropped_tokens", 0)),
+    }
+
+
+def child_main(args) -> int:
+    try:
+        row = run_case(args.case, args.tiny, args.batch, args.remat, args.steps, args.warmup)
+    except Exception as e:  # noqa: BLE001 - report OOM to the parent as a result
+        if _is_oom(e):
+            print(RESULT_PREFIX + json.dumps({"case": args.case, "oom": True, "error": str(e)[:2000]}))
+            return 0
+        raise
+    print(RESULT_PREFIX + json.dumps(row))
+    return 0
+
+
+def _spawn(case, batch, args) -> dict:
+    cmd = [sys.executable, os.path.abspath(__file__), "--child", "--case", case, "--batch",
+           str(batch), "--steps", str(args.steps), "--warmup", str(args.warmup)]
+    cmd += ["--tiny"] if args.tiny else []
+    cmd += ["--remat", args.remat] if args.remat else []
+    proc = subprocess.run(cmd, capture_output=True, text=True)
+    for line in proc.stdout.splitlines():
+        if line.startswith(RESULT_PREFIX):
+            return json.loads(line[len(RESULT_PREFIX):])
+    return {"case": case, "error": f"exit {proc.returncode}: {(proc.stderr or proc.stdout)[-3000:]}"}
+
+
+def run_with_backoff(case, args) -> dict:
+    """Run ``case``, halving the batch after each OOM down to 1 per device."""
+    _, train = case_sections(case, args.tiny, args.batch, args.remat)
+    batch, tried = train.per_device_batch_size, []
+    while True:
+        print(f"[{case}] per_device_batch_size={batch} ...", flush=True)
+        row = _spawn(case, batch, args)
+        tried.append(batch)
+        if not row.get("oom") or batch <= 1:
+            break
+        print(f"[{case}] out of memory at batch {batch}; halving", flush=True)
+        batch = max(1, batch // 2)
+    row["batches_tried"] = tried
+    if row.get("oom"):
+        row["error"] = f"out of memory even at per_device_batch_size={batch}"
+    return row
+
+
+def _git_commit() -> str:
+    try:
+        out = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True,
+                             cwd=os.path.dirname(os.path.abspath(__file__)), check=True)
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"],
+                               capture_output=True, text=True, cwd=os.path.dirname(__file__))
+        return out.stdout.strip() + ("-dirty" if dirty.stdout.strip() else "")
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
+
+
+def print_table(rows) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table("case", "backend", "batch/dev", "step (ms)", "tokens/s", "TFLOP/s/dev", "MFU",
+                  "peak mem (GB)", "dropped", "note", title="training step, deepseek3-proxy")
+    for r in rows:
+        if "step_time_s" not in r:
+            table.add_row(r["case"], "", "", "", "", "", "", "", "", r.get("error", "")[:80])
+            continue
+        note = "batch shrunk to fit" if len(r.get("batches_tried", [])) > 1 else ""
+        table.add_row(
+            r["case"], r["gmm_backend"], f"{r['per_device_batch_size']:g}",
+            f"{r['step_time_s'] * 1e3:.1f}", f"{r['tokens_per_s']:.4g}",
+            f"{r['tflops_per_device']:.4g}", f"{r['mfu']:.1%}" if r["mfu"] else "-",
+            f"{r['peak_memory_gb']:.1f}" if r["peak_memory_gb"] is not None else "-",
+            str(r["dropped_tokens_last_step"]), note,
+        )
+    Console(width=160).print(table)
+
+
+def speedups(rows) -> dict:
+    """TFLOP/s/device of ours over each baseline and over the better one."""
+    by = {r["case"]: r.get("tflops_per_device") for r in rows}
+    ours = by.get("ours")
+    out = {f"ours_over_{c}": ours / by[c] for c in ("xla", "capacity") if ours and by.get(c)}
+    baselines = [by[c] for c in ("xla", "capacity") if by.get(c)]
+    if ours and baselines:
+        out["ours_over_best_baseline"] = ours / max(baselines)
+    return out
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--tiny", action="store_true", help="CPU-sized model (smoke test of this script)")
+    p.add_argument("--cases", default=",".join(CASES), help=f"comma list of {CASES}")
+    p.add_argument("--batch", type=float, default=None, help="per-device batch (default: the config's)")
+    p.add_argument("--remat", default=None, help="remat_policy override (default: full)")
+    p.add_argument("--steps", type=int, default=5, help="timed steps per case")
+    p.add_argument("--warmup", type=int, default=2, help="untimed steps first (compile, autotune)")
+    p.add_argument("--out", default=os.environ.get("OUT", "benchmarks/results"))
+    p.add_argument("--commit", default=None, help="git commit to record (default: git rev-parse)")
+    p.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--case", default=None, help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+    if args.child:
+        return child_main(args)
+    cases = [c for c in args.cases.split(",") if c]
+    unknown = [c for c in cases if c not in CASES]
+    if unknown:
+        p.error(f"unknown case(s) {unknown}; choose from {CASES}")
+
+    import jax
+
+    device = jax.devices()[0]
+    rows = [run_with_backoff(case, args) for case in cases]
+    print_table(rows)
+    model, train = proxy_sections(args.tiny)
+    record = {
+        "benchmark": "step",
+        "time": datetime.datetime.now().isoformat(timespec="seconds"),
+        "gpu": device.device_kind,
+        "platform": device.platform,
+        "device_count": jax.device_count(),
+        "jax": jax.__version__,
+        "commit": args.commit or _git_commit(),
+        "env": {k: v for k, v in os.environ.items() if k.startswith(("XLA_", "JAX_", "CUDA_", "NCCL_"))},
+        "model": dataclasses.asdict(model),
+        "train": dataclasses.asdict(train),
+        "steps": args.steps,
+        "warmup": args.warmup,
+        "cases": rows,
+        "speedups": speedups(rows),
+    }
+    os.makedirs(args.out, exist_ok=True)
+    name = f"step-{datetime.datetime.now():%Y%m%d-%H%M%S}-{device.device_kind.replace(' ', '_')}.json"
+    path = os.path.join(args.out, name)
+    with open(path, "w") as f:
+        json.dump(record, f, indent=1)
+    print(f"speedups: {record['speedups']}")
+    print(f"wrote {path}")
+    return 0 if all("step_time_s" in r for r in rows) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
