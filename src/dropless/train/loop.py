@@ -272,7 +272,7 @@ def _median(xs):
     return float(np.median(xs)) if xs else None
 
 
-def _result(s: _Setup, train, run_dir, writer, rows_all, times, resumed_from, num_params,
+def _result(s: _Setup, run_dir, writer, rows_all, steps_run, times, resumed_from, num_params,
             tokens, compile_s, t0, plot_path) -> TrainResult:
     last = rows_all[-1] if rows_all else None
     tail = rows_all[-max(1, len(rows_all) // 10):]
@@ -280,7 +280,7 @@ def _result(s: _Setup, train, run_dir, writer, rows_all, times, resumed_from, nu
     return TrainResult(
         ok=bool(last) and math.isfinite(last["loss"]) and last["skipped_steps"] < last["step"],
         run_dir=run_dir,
-        steps_run=sum(1 for _ in times) + (1 if compile_s is not None else 0),
+        steps_run=steps_run,
         final_step=last["step"] if last else (resumed_from or 0),
         resumed_from=resumed_from,
         initial_loss=rows_all[0]["loss"] if rows_all else None,
@@ -355,10 +355,10 @@ def run_training(model: ModelConfig, train: TrainConfig, mesh: MeshConfig, *,
         state, resumed_from = _initial_state(s, train, ckpt, console)
         start = int(jax.device_get(state["step"]))
         writer = metrics_lib.MetricsWriter(run_dir, enable_tensorboard=train.enable_tensorboard,
-                                           resume_step=start)
+                                           resume_step=start, log_period=train.log_period)
         if start >= train.steps:
             console.print(f"run already complete at step {start} (steps={train.steps})")
-        state, _, times, load_LE, compile_s = _train_steps(
+        state, rows, times, load_LE, compile_s = _train_steps(
             s, train, state, start, ckpt, writer, console, tokens
         )
         writer.close()
@@ -372,7 +372,7 @@ def run_training(model: ModelConfig, train: TrainConfig, mesh: MeshConfig, *,
             rows_all, os.path.join(run_dir, "summary.png"), entropy_floor=s.source.entropy_floor,
             load_LE=load_LE, title=f"{run_name}: {s.source.description}",
         )
-    result = _result(s, train, run_dir, writer, rows_all, times, resumed_from, num_params,
+    result = _result(s, run_dir, writer, rows_all, len(rows), times, resumed_from, num_params,
                      tokens, compile_s, t0, plot_path)
     _print_summary(console, result)
     return result

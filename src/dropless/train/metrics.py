@@ -115,10 +115,16 @@ def read_jsonl(path: str) -> list[dict]:
 
 
 class MetricsWriter:
-    """Appends rows to ``metrics.jsonl`` and TensorBoard under ``run_dir``."""
+    """Appends rows to ``metrics.jsonl`` and TensorBoard under ``run_dir``.
 
-    def __init__(self, run_dir: str, *, enable_tensorboard: bool, resume_step: int):
+    On creation, rows after ``resume_step`` (from a run killed after its last
+    checkpoint) are dropped: the resumed run writes them again.
+    """
+
+    def __init__(self, run_dir: str, *, enable_tensorboard: bool, resume_step: int,
+                 log_period: int = 1):
         os.makedirs(run_dir, exist_ok=True)
+        self._log_period = max(1, log_period)
         self.jsonl_path = os.path.join(run_dir, "metrics.jsonl")
         truncate_jsonl(self.jsonl_path, resume_step)
         self._jsonl = open(self.jsonl_path, "a")
@@ -129,13 +135,17 @@ class MetricsWriter:
             self._tb = SummaryWriter(os.path.join(run_dir, "tensorboard"))
 
     def write(self, row: dict) -> None:
+        """Record one row; files are flushed every ``log_period`` steps (MaxText's meaning)."""
         self._jsonl.write(json.dumps(row) + "\n")
-        self._jsonl.flush()
         if self._tb is not None:
             for key, tag in TENSORBOARD_TAGS.items():
                 value = row.get(key)
                 if value is not None and math.isfinite(value):
                     self._tb.add_scalar(tag, value, row["step"])
+        if row["step"] % self._log_period == 0:
+            self._jsonl.flush()
+            if self._tb is not None:
+                self._tb.flush()
 
     def write_text(self, tag: str, text: str) -> None:
         if self._tb is not None:

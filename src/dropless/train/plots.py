@@ -35,8 +35,10 @@ def _loss_panel(ax, rows, entropy_floor):
 
 def _load_panels(fig, ax_heat, ax_cv, rows, load_LE):
     share_LE = load_LE / np.maximum(load_LE.sum(axis=-1, keepdims=True), 1) * load_LE.shape[-1]
-    im = ax_heat.imshow(share_LE, aspect="auto", cmap="coolwarm", vmin=0.0, vmax=2.0,
-                        interpolation="nearest")
+    # Colour scale symmetric around balance, wide enough to show the worst expert.
+    spread = max(0.05, float(np.abs(share_LE - 1.0).max()))
+    im = ax_heat.imshow(share_LE, aspect="auto", cmap="coolwarm", vmin=1.0 - spread,
+                        vmax=1.0 + spread, interpolation="nearest")
     num_layers, num_experts = share_LE.shape
     ax_heat.set_yticks(range(num_layers))
     if num_experts <= 32:
