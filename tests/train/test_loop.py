@@ -6,6 +6,7 @@ import dataclasses
 import io
 import os
 import pickle
+import shutil
 import signal
 import subprocess
 import sys
@@ -136,3 +137,20 @@ def test_build_gives_a_steppable_trainer(small_model, make_train, tmp_path):
     state, metrics = built.step_fn(built.state, next(built.batches))
     assert int(state["step"]) == 1 and float(metrics["loss"]) > 0
     assert built.tflops_per_step > 0 and built.global_batch == 2
+
+
+def test_incomplete_checkpoints_are_rerun_and_saved_again(reference, small_model, tmp_path):
+    train, ref_result, _ = reference
+    shutil.copytree(ref_result.run_dir, tmp_path / "run")
+    ckpt_dir = tmp_path / "run" / "checkpoints"
+    for step in (STEPS - PERIOD, STEPS):  # as if killed before their manifests were written
+        os.remove(ckpt_dir / str(step) / ckpt_lib.MANIFEST)
+    train = train.__class__(**{**train.__dict__, "base_output_directory": str(tmp_path)})
+    result = run_training(small_model, train, MeshConfig(), console=_quiet())
+    assert result.resumed_from == STEPS - 2 * PERIOD and result.steps_run == 2 * PERIOD
+    ckpt = ckpt_lib.Checkpointer(str(ckpt_dir), period=PERIOD)
+    assert ckpt.complete_steps() == list(range(PERIOD, STEPS + 1, PERIOD))
+    ckpt.close()
+    ref = metrics_lib.read_jsonl(ref_result.metrics_path)
+    got = metrics_lib.read_jsonl(result.metrics_path)
+    assert [r["loss"] for r in got] == [r["loss"] for r in ref]

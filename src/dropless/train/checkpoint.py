@@ -138,6 +138,9 @@ class Checkpointer:
         for step in steps:
             if os.path.isdir(self.step_dir(step)):
                 write_manifest(self.step_dir(step))
+            else:  # not renamed into place yet: try again on the next poll
+                with self._lock:
+                    self._unsealed.append(step)
 
     def poll(self) -> None:
         """Seal a finished save in the background; cheap, call it every step."""
@@ -151,7 +154,9 @@ class Checkpointer:
         if not (force or step % self._period == 0):
             return False
         if step in self._manager.all_steps():
-            return False  # e.g. the last step coinciding with a periodic save
+            if os.path.exists(os.path.join(self.step_dir(step), MANIFEST)):
+                return False  # e.g. the last step coinciding with a periodic save
+            self.delete(step)  # an unsealed leftover of a killed run: write it again
         self.wait()  # one save in flight at a time; the previous one gets its manifest
         with self._lock:
             self._unsealed.append(step)
@@ -175,6 +180,10 @@ class Checkpointer:
         self.wait()
         self._sealer.shutdown()
         self._manager.close()
+
+    def delete(self, step: int) -> None:
+        """Remove the checkpoint of ``step`` (e.g. an incomplete one being superseded)."""
+        self._manager.delete(step)
 
     def complete_steps(self) -> list[int]:
         """Finalised steps that have a manifest, ascending."""

@@ -143,7 +143,10 @@ def _initial_state(s: _Setup, train: TrainConfig, ckpt, console):
         complete = ckpt.complete_steps()
         skipped = [x for x in ckpt.incomplete_steps() if not complete or x > complete[-1]]
         if skipped:
-            console.print(f"[yellow]ignoring incomplete checkpoint(s) at step {skipped}[/yellow]")
+            # Killed before their manifests were written; the steps are rerun and saved again.
+            console.print(f"[yellow]removing incomplete checkpoint(s) at step {skipped}[/yellow]")
+            for x in skipped:
+                ckpt.delete(x)
         if complete:
             console.print(f"resuming from {ckpt.step_dir(complete[-1])}")
             return ckpt.restore(complete[-1], s.abstract, s.shardings), complete[-1]
