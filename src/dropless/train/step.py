@@ -30,7 +30,6 @@ from flax import nnx
 from dropless.config.sections import ModelConfig
 from dropless.nn.model import Transformer, moe_stats_concat
 from dropless.nn.moe import RouterBias
-from dropless.parallel import mesh as mesh_lib
 from dropless.train.data import Batch
 
 
@@ -66,11 +65,6 @@ def init_state_fn(cfg: ModelConfig, tx: optax.GradientTransformation, seed: int,
     abstract_model = nnx.eval_shape(lambda: build_model(cfg, seed, remat))
     graphdef = nnx.split(abstract_model, nnx.Param, RouterBias, ...)[0]
     return graphdef, init
-
-
-def state_shardings(mesh, abstract_state):
-    """NamedShardings for the state: FSDP for arrays, replicated scalars."""
-    return mesh_lib.param_shardings(mesh, abstract_state)
 
 
 def _token_ce(logits_BSV, targets_BS, weights_BS):
