@@ -8,7 +8,7 @@ The dropless path (``sparse_matmul=True``)::
 
     logits_TE = router(x)                    float32
     weights_TK, experts_TK = route(logits)   ops.routing
-    x_PD, plan = dispatch(x_TD, experts_TK)  ops.permute (expert-parallel later)
+    x_PD, plan = dispatch(x_TD, experts_TK)  ops.permute
     h_PF2 = gmm(x_PD, wi_ED2F)               gate|up in one grouped matmul
     y_PD = gmm(silu(gate) * up, wo_EFD)
     out_TD = combine(y_PD, weights_TK)       weighted inverse permutation
@@ -17,6 +17,14 @@ The dropless path (``sparse_matmul=True``)::
 No token is ever dropped: the buffer has static size T*K (plus alignment
 padding) and each expert takes however many rows it was sent. Gradients reach
 the router through the combine weights.
+
+Given an ``ExpertParallel`` (``ep``), dispatch -> experts -> combine run
+expert-parallel over its mesh (``parallel.ep.routed_experts``): tokens are
+exchanged with the ranks holding their experts and come back combined. The
+exchange's receive buffers are bounded, so there a load past
+``ragged_buffer_factor`` can overflow: ``MoEStats.overflow_tokens`` counts it
+and the trainer skips such a step. Without ``ep`` (or with one expert rank)
+the code is the single-device path above.
 
 The baseline path (``sparse_matmul=False``) is MaxText's capacity-limited
 ``dense_matmul``: one-hot dispatch/combine einsums into an [E, C, D] buffer,
@@ -28,6 +36,7 @@ The aux-loss-free balancing bias lives in a ``RouterBias`` variable, not an
 step adds ``MoEStats.bias_update`` to it after the optimizer step.
 """
 
+import functools
 import math
 from typing import NamedTuple
 
@@ -41,6 +50,7 @@ from dropless.nn.mlp import MLP
 from dropless.ops import permute as permute_ops
 from dropless.ops import routing
 from dropless.ops.gmm import BACKENDS, gmm
+from dropless.parallel import ep as ep_lib
 
 SUPPORTED_QUANTIZATION = ("te_no_quant",)
 
@@ -66,12 +76,25 @@ class MoEStats(NamedTuple):
     aux_loss: [] float32, already weighted: load-balance + sequence aux + z-loss.
     bias_update: [E] float32 to add to the RouterBias after the optimizer
       step; zeros when ``routed_bias`` is off.
+    overflow_tokens: [] int32 token rows the expert-parallel exchange could
+      not compute for lack of receive buffer (always 0 on one device); a step
+      with any must not be applied.
+    buffer_factor_needed: [] float32 smallest ``ragged_buffer_factor`` that
+      would have held this call's load on every rank (0 without exchange).
+      Across microbatches it combines by max, not sum.
+    ep_rows_sent: [] int32 token rows sent to other expert ranks (deduplicated).
+    ep_rows_saved: [] int32 rows per-expert sending would have added; times
+      D x itemsize, the bytes deduplication saved.
     """
 
     tokens_per_expert: jax.Array
     dropped_tokens: jax.Array
     aux_loss: jax.Array
     bias_update: jax.Array
+    overflow_tokens: jax.Array
+    buffer_factor_needed: jax.Array
+    ep_rows_sent: jax.Array
+    ep_rows_saved: jax.Array
 
 
 def dispatch(x_TD, experts_TK, num_experts, alignment=1):
@@ -87,6 +110,29 @@ def dispatch(x_TD, experts_TK, num_experts, alignment=1):
 def combine(y_PD, weights_TK, plan):
     """Local combine: ``out_TD[t] = sum_j weights_TK[t, j] * y(copy t*K+j)``."""
     return permute_ops.unpermute(y_PD, weights_TK, plan)
+
+
+def grouped_swiglu(x_PD, group_sizes_G, weights, *, backend):
+    """SwiGLU experts over an expert-sorted buffer: [P, D] -> [P, D].
+
+    Args:
+      x_PD: [P, D] rows grouped by expert, in expert order.
+      group_sizes_G: [G] int32 rows per expert; rows past their sum give zeros.
+      weights: ``(wi [G, D, 2F], wo [G, F, D])`` (gate|up fused) or
+        ``(wi_0 [G, D, F], wi_1 [G, D, F], wo [G, F, D])``, in x's dtype.
+      backend: the gmm backend.
+    """
+
+    def grouped(x, w, name):
+        return checkpoint_name(gmm(x, w, group_sizes_G, backend=backend), name)
+
+    *gate_up, w_out = weights
+    if len(gate_up) == 1:
+        gate_PF, up_PF = jnp.split(grouped(x_PD, gate_up[0], "moe_mlpwi"), 2, axis=-1)
+    else:
+        gate_PF = grouped(x_PD, gate_up[0], "moe_mlpwi")
+        up_PF = grouped(x_PD, gate_up[1], "moe_mlpwi")
+    return grouped(jax.nn.silu(gate_PF) * up_PF, w_out, "moe_mlpwo")
 
 
 def expert_capacity(num_tokens, k, num_experts, capacity_factor):
@@ -151,6 +197,13 @@ class MoEBlock(nnx.Module):
       ``shared_experts`` an ``MLP`` of width ``shared_experts * moe_mlp_dim``.
     State: ``router_bias`` a ``RouterBias`` [E], present even when
     ``routed_bias`` is off so every MoE layer has the same state structure.
+
+    ``ep``: run the routed experts expert-parallel over its mesh (parameters
+    and activations are then expected sharded per ``parallel.sharding``);
+    None: single device (or plain jit partitioning).
+
+    Raises:
+      ValueError: an invalid config, or E not divisible by the expert ranks.
     """
 
     def __init__(
@@ -161,9 +214,17 @@ class MoEBlock(nnx.Module):
         dtype=jnp.float32,
         param_dtype=jnp.float32,
         rngs: nnx.Rngs,
+        ep: ep_lib.ExpertParallel | None = None,
     ):
         _check_config(cfg)
+        if ep is not None and cfg.num_experts % ep.ranks:
+            raise ValueError(f"num_experts={cfg.num_experts} is not divisible by the "
+                             f"{ep.ranks} expert-parallel ranks")
+        if ep is not None and not cfg.sparse_matmul and ep.ranks > 1:
+            raise ValueError("expert parallelism needs sparse_matmul=True (the capacity "
+                             "baseline runs on one device)")
         self.cfg = cfg
+        self.ep = ep
         self.emb_dim = emb_dim
         self.dtype = dtype
         e, d, f = cfg.num_experts, emb_dim, cfg.moe_mlp_dim
@@ -209,21 +270,16 @@ class MoEBlock(nnx.Module):
             return self.wi[...].astype(self.dtype), None
         return self.wi_0[...].astype(self.dtype), self.wi_1[...].astype(self.dtype)
 
+    def _expert_weights(self):
+        """(wi, wo) or (wi_0, wi_1, wo), each [E, ...] in ``dtype``."""
+        w_gate, w_up = self._gate_up_weights()
+        gate_up = (w_gate,) if w_up is None else (w_gate, w_up)
+        return (*gate_up, self.wo[...].astype(self.dtype))
+
     def _experts_sparse(self, x_PD, group_sizes_E):
         """Grouped SwiGLU over the expert-sorted buffer: [P, D] -> [P, D]."""
-
-        def grouped(x, w, name):
-            y = gmm(x, w, group_sizes_E, backend=self.cfg.gmm_backend)
-            return checkpoint_name(y, name)
-
-        w_gate, w_up = self._gate_up_weights()
-        if w_up is None:
-            gate_PF, up_PF = jnp.split(grouped(x_PD, w_gate, "moe_mlpwi"), 2, axis=-1)
-        else:
-            gate_PF = grouped(x_PD, w_gate, "moe_mlpwi")
-            up_PF = grouped(x_PD, w_up, "moe_mlpwi")
-        a_PF = jax.nn.silu(gate_PF) * up_PF
-        return grouped(a_PF, self.wo[...].astype(self.dtype), "moe_mlpwo")
+        return grouped_swiglu(x_PD, group_sizes_E, self._expert_weights(),
+                              backend=self.cfg.gmm_backend)
 
     def _experts_dense(self, x_ECD):
         """Batched SwiGLU over per-expert capacity buffers: [E, C, D] -> [E, C, D]."""
@@ -241,12 +297,15 @@ class MoEBlock(nnx.Module):
         return batched(a_ECF, self.wo[...].astype(self.dtype), "moe_mlpwo")
 
     def _dropless(self, x_TD, decision):
-        """Route -> dispatch -> grouped experts -> combine; nothing dropped."""
+        """Dispatch -> grouped experts -> combine (over ``ep`` when given); nothing dropped."""
         e = self.cfg.num_experts
-        x_PD, plan = dispatch(x_TD, decision.experts_TK, e, self.cfg.group_alignment)
-        y_PD = self._experts_sparse(x_PD, plan.group_sizes_E)
-        out_TD = combine(y_PD, decision.weights_TK, plan)
-        return out_TD, plan.tokens_per_expert_E, jnp.zeros((), jnp.int32)
+        out_TD, ep_stats = ep_lib.routed_experts(
+            x_TD, decision.experts_TK, decision.weights_TK, self._expert_weights(),
+            functools.partial(grouped_swiglu, backend=self.cfg.gmm_backend),
+            num_experts=e, alignment=self.cfg.group_alignment, ep=self.ep,
+        )
+        tokens_E = routing.tokens_per_expert(decision.experts_TK, e)
+        return out_TD, tokens_E, jnp.zeros((), jnp.int32), ep_stats
 
     def _with_capacity(self, x_TD, decision):
         """The MaxText-style baseline: one-hot einsums into [E, C, D] buffers."""
@@ -305,9 +364,10 @@ class MoEBlock(nnx.Module):
         x_TD = x_TD.astype(self.dtype)
         e = cfg.num_experts
         if cfg.sparse_matmul:
-            out_TD, tokens_E, dropped = self._dropless(x_TD, decision)
+            out_TD, tokens_E, dropped, ep_stats = self._dropless(x_TD, decision)
         else:
             out_TD, tokens_E, dropped = self._with_capacity(x_TD, decision)
+            ep_stats = ep_lib.EPStats.zeros()
         if self.shared_experts is not None:
             out_TD = out_TD + self.shared_experts(x_TD)
         bias_update = jnp.zeros((e,), jnp.float32)
@@ -318,5 +378,9 @@ class MoEBlock(nnx.Module):
             dropped_tokens=dropped,
             aux_loss=self._aux_loss(logits_TE, decision, b, s),
             bias_update=bias_update,
+            overflow_tokens=ep_stats.overflow_tokens,
+            buffer_factor_needed=ep_stats.buffer_factor_needed,
+            ep_rows_sent=ep_stats.rows_sent,
+            ep_rows_saved=ep_stats.rows_saved,
         )
         return out_TD.reshape(b, s, d), stats

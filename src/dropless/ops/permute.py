@@ -31,7 +31,8 @@ import jax.numpy as jnp
 class PermutePlan(NamedTuple):
     """Index maps between token copies and rows of the expert-sorted buffer.
 
-    row_of_copy_C: [C] int32, buffer row holding copy c.
+    row_of_copy_C: [C] int32, buffer row holding copy c; a row >= P marks a
+      copy left out of the buffer (it reads as zeros and gets no gradient).
     copy_of_row_P: [P] int32, copy held by buffer row p; C marks a padding row.
     group_sizes_E: [E] int32 rows per expert in the buffer (padded counts when
       aligned); rows past their sum are zeros.
@@ -116,7 +117,7 @@ def _permute_bwd(res, dx_PD):
     row_of_copy_C, t = res
     k = row_of_copy_C.shape[0] // t
     # Each token's K copies sit in K distinct rows: gather them and sum.
-    dx_TKD = dx_PD[row_of_copy_C].reshape(t, k, dx_PD.shape[-1])
+    dx_TKD = _gather_rows(dx_PD, row_of_copy_C).reshape(t, k, dx_PD.shape[-1])
     dx_TD = dx_TKD.sum(axis=1, dtype=jnp.float32).astype(dx_PD.dtype)
     return dx_TD, None, None
 
@@ -159,7 +160,7 @@ def _weighted_sum(y_TKD, weights_TK, out_dtype):
 @jax.custom_vjp
 def _unpermute(y_PD, weights_TK, row_of_copy_C, copy_of_row_P):
     t, k = weights_TK.shape
-    y_TKD = y_PD[row_of_copy_C].reshape(t, k, y_PD.shape[-1])
+    y_TKD = _gather_rows(y_PD, row_of_copy_C).reshape(t, k, y_PD.shape[-1])
     return _weighted_sum(y_TKD, weights_TK.astype(jnp.float32), y_PD.dtype)
 
 
@@ -173,7 +174,7 @@ def _unpermute_bwd(res, dout_TD):
     y_PD, weights_TK, row_of_copy_C, copy_of_row_P = res
     t, k = weights_TK.shape
     d = y_PD.shape[-1]
-    y_TKD = y_PD[row_of_copy_C].reshape(t, k, d)
+    y_TKD = _gather_rows(y_PD, row_of_copy_C).reshape(t, k, d)
     dout32_TD = dout_TD.astype(jnp.float32)
     dweights_TK = jnp.einsum(
         "tkd,td->tk", y_TKD, dout32_TD, preferred_element_type=jnp.float32,

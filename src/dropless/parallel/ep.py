@@ -1,0 +1,345 @@
+"""Expert parallelism: deduplicated dispatch and combine of routed tokens over a mesh axis.
+
+Legend: T tokens on this rank, K experts per token, D features, E experts,
+R ranks on the ``expert`` axis, L = E/R experts per rank (rank q holds experts
+[q*L, (q+1)*L)), S rows of the send buffer, Q rows of the receive buffer,
+P rows of the expert-sorted buffer, G groups of a grouped matmul.
+
+``routed_experts`` runs ``expert_fn`` (the grouped SwiGLU of ``nn.moe``) on
+the tokens routed to each expert and returns ``sum_k w_k * FFN_{e_k}(x)`` per
+token. Without a mesh (or with R = 1) it is the local, single-device path:
+sort copies by expert, grouped matmuls, weighted unsort. With R > 1, inside
+``shard_map`` over the mesh, each rank::
+
+    dispatch  a token goes once to each rank holding >= 1 of its K experts,
+              with those experts' local ids and router weights (the others
+              marked absent): rows sorted by destination rank, the [R, R]
+              row counts all-gathered, one exchange (``parallel.exchange``)
+    experts   the receiver expands each row to its local experts, sorts the
+              copies by expert and runs the grouped matmuls
+    combine   the receiver sums each row's local experts, weighted, into one
+              row; the return trip brings it home, where the token sums its
+              (at most min(K, R)) returned rows
+
+so a token whose experts share a rank crosses the network once, not once
+per expert (the ``rows_saved`` stat counts the difference).
+
+Buffers (static sizes; ``Capacity``). The unit of the *balanced load* is the
+received token row: ``T * min(K, R)`` rows, what every rank receives when the
+load is even and no two of a token's experts share a rank (the worst case of
+dedup; with per-expert sending it is the balanced load as well). A receive
+buffer holds ``ragged_buffer_factor`` x that many rows, at most the exact
+worst case ``R * T`` (every token of every rank sent here), which factor -1
+selects. The expert-sorted buffer behind it likewise holds factor x the
+balanced ``T * K`` expert copies (worst case ``R * T * min(K, L)``).
+
+Overflow: rows that do not fit, and rows some of whose copies do not fit in
+the expert buffer, are not computed; their tokens get a partial sum. They are
+counted (``overflow_tokens``, summed over all ranks) together with the
+smallest factor that would have held everything (``buffer_factor_needed``), so
+the trainer can skip the step on device and report it; with factor -1 overflow
+cannot happen.
+"""
+
+import dataclasses
+import functools
+import math
+from typing import Callable, NamedTuple
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import Mesh, PartitionSpec as P
+
+from dropless.ops import permute as permute_ops
+from dropless.parallel import exchange as exchange_lib
+
+EXACT = -1.0  # ragged_buffer_factor meaning "exact worst case"
+
+
+@dataclasses.dataclass(frozen=True)
+class ExpertParallel:
+    """Where and how an MoE layer runs expert-parallel.
+
+    mesh: the device mesh (explicit; never a global).
+    buffer_factor: receive buffers as a multiple of the balanced load, or -1
+      (exact worst case). See the module docstring.
+    exchange: "ragged" | "padded" (``parallel.exchange``); resolve "auto" with
+      ``exchange.resolve_impl`` before building this.
+    expert_axis: mesh axis the experts are split over.
+    token_axes: mesh axes the tokens are split over (batch x expert).
+
+    Raises:
+      ValueError: factor neither -1 nor >= 1; unknown exchange; axes not in the mesh.
+    """
+
+    mesh: Mesh
+    buffer_factor: float = 2.0
+    exchange: str = "padded"
+    expert_axis: str = "expert"
+    token_axes: tuple[str, ...] = ("data", "fsdp", "expert")
+
+    def __post_init__(self):
+        if self.buffer_factor != EXACT and self.buffer_factor < 1:
+            raise ValueError(f"ragged_buffer_factor={self.buffer_factor} must be -1 or >= 1")
+        if self.exchange not in exchange_lib.IMPLS:
+            raise ValueError(f"{self.exchange=} is not one of {exchange_lib.IMPLS}")
+        for axis in (self.expert_axis, *self.token_axes):
+            if axis not in self.mesh.axis_names:
+                raise ValueError(f"axis {axis!r} is not in the mesh {self.mesh.axis_names}")
+
+    @property
+    def ranks(self) -> int:
+        return self.mesh.shape[self.expert_axis]
+
+    @property
+    def token_shards(self) -> int:
+        return math.prod(self.mesh.shape[a] for a in self.token_axes)
+
+
+def from_config(mesh: Mesh, cfg) -> ExpertParallel:
+    """The ``ExpertParallel`` of a ``MeshConfig`` on ``mesh``; "auto" exchange resolved.
+
+    Raises:
+      ValueError: as ``ExpertParallel``, or "ragged" on a CPU mesh.
+    """
+    platform = mesh.devices.flat[0].platform
+    return ExpertParallel(
+        mesh, buffer_factor=float(cfg.ragged_buffer_factor),
+        exchange=exchange_lib.resolve_impl(cfg.ep_exchange, platform),
+    )
+
+
+class Capacity(NamedTuple):
+    """Static buffer sizes of one rank (rows).
+
+    send: S = T*min(K, R), every (token, rank) pair a token can need.
+    recv: Q, the receive buffer.
+    expert: P, the expert-sorted buffer (alignment padding included).
+    balanced_rows: T*min(K, R); balanced_copies: T*K (the units of the factor).
+    """
+
+    send: int
+    recv: int
+    expert: int
+    balanced_rows: int
+    balanced_copies: int
+
+
+def capacity(tokens, k, ranks, local_experts, factor, alignment=1) -> Capacity:
+    """Buffer sizes for ``tokens`` per rank; ``factor`` -1 gives the exact worst case.
+
+    Raises:
+      ValueError: factor neither -1 nor >= 1.
+    """
+    if factor != EXACT and factor < 1:
+        raise ValueError(f"ragged_buffer_factor={factor} must be -1 or >= 1")
+    send = tokens * min(k, ranks)
+    balanced_copies = tokens * k
+    worst_rows = ranks * tokens
+    if factor == EXACT:
+        recv = worst_rows
+        expert = worst_rows * min(k, local_experts)
+    else:
+        recv = min(worst_rows, math.ceil(factor * send))
+        expert = min(recv * min(k, local_experts), math.ceil(factor * balanced_copies))
+    return Capacity(send, recv, expert + local_experts * (alignment - 1), send, balanced_copies)
+
+
+class EPStats(NamedTuple):
+    """Exchange statistics of one call, summed over all ranks ([] each).
+
+    overflow_tokens: int32 token rows not fully computed for lack of buffer.
+    buffer_factor_needed: float32 smallest ``ragged_buffer_factor`` that would
+      have held this call's load on every rank (0 without an exchange).
+    rows_sent: int32 token rows sent to other ranks (deduplicated).
+    rows_saved: int32 rows per-expert sending would have sent on top of them;
+      bytes saved = rows_saved * D * itemsize.
+    """
+
+    overflow_tokens: jax.Array
+    buffer_factor_needed: jax.Array
+    rows_sent: jax.Array
+    rows_saved: jax.Array
+
+    @staticmethod
+    def zeros() -> "EPStats":
+        z = jnp.zeros((), jnp.int32)
+        return EPStats(z, jnp.zeros((), jnp.float32), z, z)
+
+
+def compact_plan(keys_TK, groups, rows, alignment=1) -> permute_ops.PermutePlan:
+    """``make_plan`` over ``groups`` groups, key ``groups`` meaning "absent", cut to ``rows``.
+
+    Copies keyed ``groups`` and copies sorted past ``rows`` get row ``rows``
+    (out of the buffer: they read as zeros); group sizes are cut to fit.
+
+    Returns:
+      PermutePlan with P = ``rows``, ``group_sizes_E`` [groups] summing to <= rows,
+      ``tokens_per_expert_E`` [groups] uncut counts.
+    """
+    full = permute_ops.make_plan(keys_TK, groups + 1, alignment)
+    c = keys_TK.size
+    rows = min(rows, full.copy_of_row_P.shape[0])
+    real = keys_TK.reshape(-1) < groups
+    row_of_copy_C = jnp.where(real & (full.row_of_copy_C < rows), full.row_of_copy_C, rows)
+    real_rows = jnp.sum(full.group_sizes_E[:groups])
+    row_ids = jnp.arange(rows, dtype=jnp.int32)
+    copy_of_row_P = jnp.where(row_ids < real_rows, full.copy_of_row_P[:rows], c)
+    ends_G = jnp.minimum(jnp.cumsum(full.group_sizes_E[:groups]), rows)
+    group_sizes_G = jnp.diff(ends_G, prepend=0).astype(jnp.int32)
+    return permute_ops.PermutePlan(
+        row_of_copy_C, copy_of_row_P, group_sizes_G, full.tokens_per_expert_E[:groups]
+    )
+
+
+def local_experts(x_TD, experts_TK, weights_TK, expert_weights, expert_fn, num_experts,
+                  alignment=1):
+    """Single-device routed experts: sort copies by expert, grouped matmuls, weighted unsort."""
+    plan = permute_ops.make_plan(experts_TK, num_experts, alignment)
+    y_PD = expert_fn(permute_ops.permute(x_TD, plan), plan.group_sizes_E, expert_weights)
+    return permute_ops.unpermute(y_PD, weights_TK, plan)
+
+
+def _lead_slots(dest_TK):
+    """[T, K] bool: slot k is the first of its token going to rank dest_TK[t, k]."""
+    k = dest_TK.shape[1]
+    earlier_KK = jnp.tril(jnp.ones((k, k), bool), -1)  # [k, j]: j < k
+    same_TKK = dest_TK[:, :, None] == dest_TK[:, None, :]
+    return ~jnp.any(same_TKK & earlier_KK, axis=-1)
+
+
+class _Sent(NamedTuple):
+    x_SD: jax.Array
+    meta_SM: jax.Array  # [S, 2K] float32: weights | local expert ids (L = absent)
+    lead_TK: jax.Array
+    plan: permute_ops.PermutePlan
+    counts_2R: jax.Array  # rows and expert copies per destination rank
+
+
+def _dispatch_send(x_TD, experts_TK, weights_TK, ranks, per_rank, send_rows):
+    """Sender side: one row per (token, destination rank), sorted by rank."""
+    t, k = experts_TK.shape
+    dest_TK = experts_TK // per_rank
+    lead_TK = _lead_slots(dest_TK)
+    plan = compact_plan(jnp.where(lead_TK, dest_TK, ranks), ranks, send_rows)
+    x_SD = permute_ops.permute(x_TD, plan)
+    slot_S = plan.copy_of_row_P  # t*K + k of the lead slot, t*K (= C) on empty rows
+    token_S = slot_S // k
+    dest_S = dest_TK.reshape(-1).at[slot_S].get(mode="fill", fill_value=ranks)
+    exp_SK = experts_TK.at[token_S].get(mode="fill", fill_value=0)
+    mine_SK = (exp_SK // per_rank == dest_S[:, None]) & (token_S < t)[:, None]
+    local_SK = jnp.where(mine_SK, exp_SK % per_rank, per_rank)
+    w_SK = jnp.where(mine_SK, weights_TK.astype(jnp.float32).at[token_S].get(
+        mode="fill", fill_value=0), 0.0)
+    meta_SM = jnp.concatenate([w_SK, local_SK.astype(jnp.float32)], axis=1)
+    copies_R = jnp.bincount(dest_TK.reshape(-1), length=ranks).astype(jnp.int32)
+    counts_2R = jnp.stack([plan.tokens_per_expert_E, copies_R])
+    return _Sent(x_SD, meta_SM, lead_TK, plan, counts_2R)
+
+
+def _receive_and_compute(recv_x_QD, recv_meta_QM, recv_rows, expert_weights, expert_fn,
+                         per_rank, cap: Capacity, alignment):
+    """Receiver side: expand rows to local experts, grouped matmuls, weighted row sums.
+
+    Returns (out_QD, rows whose copies did not all fit in the expert buffer).
+    """
+    q, m = recv_meta_QM.shape
+    k = m // 2
+    w_QK = recv_meta_QM[:, :k]
+    local_QK = jax.lax.stop_gradient(recv_meta_QM[:, k:]).astype(jnp.int32)
+    valid_Q = jnp.arange(q) < recv_rows
+    local_QK = jnp.where(valid_Q[:, None], local_QK, per_rank)
+    plan = compact_plan(local_QK, per_rank, cap.expert, alignment)
+    y_PD = expert_fn(permute_ops.permute(recv_x_QD, plan), plan.group_sizes_E, expert_weights)
+    out_QD = permute_ops.unpermute(y_PD, w_QK, plan)
+    lost_QK = (local_QK < per_rank) & (plan.row_of_copy_C.reshape(q, k) >= cap.expert)
+    return out_QD, jnp.sum(jnp.any(lost_QK, axis=1)).astype(jnp.int32)
+
+
+def _per_rank(x_TD, experts_TK, weights_TK, expert_weights, *, expert_fn, num_experts,
+              alignment, ep: ExpertParallel):
+    """The body run by every rank inside ``shard_map``."""
+    # The weights are replicated over the batch axes, the tokens are not; a
+    # custom-VJP expert_fn must see both vary alike (the weight gradient's
+    # transpose of this cast is the psum over the batch axes).
+    batch_axes = tuple(a for a in ep.token_axes if a != ep.expert_axis)
+    if batch_axes:
+        expert_weights = tuple(jax.lax.pcast(w, batch_axes, to="varying") for w in expert_weights)
+    ranks = ep.ranks
+    if ranks == 1:
+        out_TD = local_experts(x_TD, experts_TK, weights_TK, expert_weights, expert_fn,
+                               num_experts, alignment)
+        return out_TD, EPStats.zeros()
+    axis, (t, k) = ep.expert_axis, experts_TK.shape
+    per_rank = num_experts // ranks
+    cap = capacity(t, k, ranks, per_rank, ep.buffer_factor, alignment)
+    sent = _dispatch_send(x_TD, experts_TK, weights_TK, ranks, per_rank, cap.send)
+    counts_R2R = jax.lax.all_gather(sent.counts_2R, axis)
+    rank = jax.lax.axis_index(axis)
+    trips = exchange_lib.layouts(counts_R2R[:, 0], cap.recv, rank)
+    move = functools.partial(exchange_lib.exchange, axis_name=axis, impl=ep.exchange,
+                             chunk_rows=min(t, cap.recv))
+    recv_x_QD = move(sent.x_SD, cap.recv, trips.out, trips.back)
+    recv_meta_QM = move(sent.meta_SM, cap.recv, trips.out, trips.back)
+    out_QD, lost_rows = _receive_and_compute(
+        recv_x_QD, recv_meta_QM, trips.recv_rows, expert_weights, expert_fn, per_rank, cap,
+        alignment,
+    )
+    back_SD = move(out_QD, cap.send, trips.back, trips.out)
+    out_TD = permute_ops.unpermute(back_SD, sent.lead_TK.astype(jnp.float32), sent.plan)
+    copies_wanted = jnp.sum(counts_R2R[:, 1, rank])
+    needed = jnp.maximum(trips.wanted_rows / cap.balanced_rows,
+                         copies_wanted / cap.balanced_copies).astype(jnp.float32)
+    remote_R = jnp.arange(ranks) != rank
+    rows_sent = jnp.sum(jnp.where(remote_R, sent.counts_2R[0], 0))
+    copies_sent = jnp.sum(jnp.where(remote_R, sent.counts_2R[1], 0))
+    axes = ep.token_axes
+    stats = EPStats(
+        overflow_tokens=jax.lax.psum(trips.dropped_rows + lost_rows, axes),
+        buffer_factor_needed=jax.lax.pmax(needed, axes),
+        rows_sent=jax.lax.psum(rows_sent, axes),
+        rows_saved=jax.lax.psum(copies_sent - rows_sent, axes),
+    )
+    return out_TD, stats
+
+
+def routed_experts(x_TD, experts_TK, weights_TK, expert_weights, expert_fn: Callable, *,
+                   num_experts: int, alignment: int = 1, ep: ExpertParallel | None = None):
+    """``out[t] = sum_k weights_TK[t, k] * expert_fn(x[t])`` of expert ``experts_TK[t, k]``.
+
+    Args:
+      x_TD: [T, D] tokens (global; split over ``ep.token_axes`` when ``ep`` is given).
+      experts_TK: [T, K] int32 expert ids in [0, E).
+      weights_TK: [T, K] float32 combine weights.
+      expert_weights: tuple of [E, ...] arrays, split over the expert axis.
+      expert_fn: ``(x_PD, group_sizes_G, weights) -> y_PD`` for the experts
+        whose weights it is given (G of them), rows grouped in expert order;
+        rows past ``sum(group_sizes_G)`` must come out as zeros.
+      num_experts: E. alignment: round each expert's rows up to a multiple.
+      ep: expert parallelism, or None for the single-device path.
+
+    Returns:
+      ``(out_TD, EPStats)``; out_TD [T, D] in x's dtype, sharded like x.
+
+    Raises:
+      ValueError: E not divisible by the expert ranks, or T by the token shards.
+    """
+    if ep is None:
+        out_TD = local_experts(x_TD, experts_TK, weights_TK, expert_weights, expert_fn,
+                               num_experts, alignment)
+        return out_TD, EPStats.zeros()
+    if num_experts % ep.ranks:
+        raise ValueError(f"num_experts={num_experts} is not divisible by the {ep.ranks} "
+                         f"ranks of mesh axis {ep.expert_axis!r}")
+    if x_TD.shape[0] % ep.token_shards:
+        raise ValueError(f"{x_TD.shape[0]} tokens do not split over mesh axes "
+                         f"{ep.token_axes} ({ep.token_shards} shards)")
+    tokens = P(ep.token_axes)
+    body = functools.partial(_per_rank, expert_fn=expert_fn, num_experts=num_experts,
+                             alignment=alignment, ep=ep)
+    fn = jax.shard_map(
+        body, mesh=ep.mesh,
+        in_specs=(tokens, tokens, tokens, tuple(P(ep.expert_axis) for _ in expert_weights)),
+        out_specs=(tokens, P()),
+    )
+    return fn(x_TD, experts_TK, weights_TK, tuple(expert_weights))
