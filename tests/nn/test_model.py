@@ -130,6 +130,10 @@ def test_plain_q_projection_and_config_errors():
         _abstract(dataclasses.replace(SMALL, first_num_dense_layers=4))
     with pytest.raises(ValueError, match="attention='flash'"):
         _abstract(dataclasses.replace(SMALL, mla=dataclasses.replace(SMALL.mla, attention="flash")))
+    with pytest.raises(ValueError, match="needs dtype bfloat16 or float16"):
+        _abstract(dataclasses.replace(SMALL, mla=dataclasses.replace(SMALL.mla, attention="cudnn_flash_te")))
+    with pytest.raises(ValueError, match="quantization='te_fp8_currentscaling' is not implemented"):
+        _abstract(dataclasses.replace(SMALL, quantization="te_fp8_currentscaling"))
     with pytest.raises(ValueError, match="qk_rope_head_dim=3"):
         rope.inv_frequencies(dataclasses.replace(SMALL.mla, qk_rope_head_dim=3))
 

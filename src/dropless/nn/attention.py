@@ -104,6 +104,10 @@ class MLA(nnx.Module):
         for name in ("num_heads", "kv_lora_rank", "qk_nope_head_dim", "v_head_dim"):
             if getattr(cfg, name) <= 0:
                 raise ValueError(f"MLA: {name}={getattr(cfg, name)} must be positive")
+        if cfg.attention == "cudnn_flash_te" and jnp.dtype(dtype) not in (jnp.bfloat16, jnp.float16):
+            raise ValueError(
+                f"attention='cudnn_flash_te' needs dtype bfloat16 or float16, got {jnp.dtype(dtype)}"
+            )
         self.cfg = cfg
         self.dtype = dtype
         h, q_dim = cfg.num_heads, cfg.qk_nope_head_dim + cfg.qk_rope_head_dim

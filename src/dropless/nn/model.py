@@ -36,8 +36,10 @@ from dropless.config.sections import ModelConfig
 from dropless.nn.attention import MLA, default_kernel_init
 from dropless.nn.mlp import MLP
 from dropless.nn.moe import MoEBlock, MoEStats, RouterBias
+from dropless.parallel.ep import ExpertParallel
 
 Remat = Callable[[Callable], Callable]
+SUPPORTED_QUANTIZATION = ("",)  # fp8 matmuls come with their own issue
 
 
 def _identity(fn):
@@ -70,7 +72,8 @@ def _norm(cfg: ModelConfig, rngs):
 class DecoderLayer(nnx.Module):
     """Pre-norm MLA + FFN block ``[B, S, D] -> [B, S, D]``; FFN dense or MoE."""
 
-    def __init__(self, cfg: ModelConfig, *, moe: bool, rngs: nnx.Rngs):
+    def __init__(self, cfg: ModelConfig, *, moe: bool, rngs: nnx.Rngs,
+                 ep: ExpertParallel | None = None):
         dtype, param_dtype = jnp.dtype(cfg.dtype), jnp.dtype(cfg.weight_dtype)
         self.is_moe = moe
         self.pre_attention_norm = _norm(cfg, rngs)
@@ -80,7 +83,8 @@ class DecoderLayer(nnx.Module):
         self.pre_ffn_norm = _norm(cfg, rngs)
         if moe:
             self.moe = MoEBlock(
-                cfg.moe, emb_dim=cfg.emb_dim, dtype=dtype, param_dtype=param_dtype, rngs=rngs
+                cfg.moe, emb_dim=cfg.emb_dim, dtype=dtype, param_dtype=param_dtype, rngs=rngs,
+                ep=ep,
             )
         else:
             self.mlp = MLP(cfg.emb_dim, cfg.mlp_dim, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
@@ -99,11 +103,12 @@ class DecoderLayer(nnx.Module):
 class LayerStack(nnx.Module):
     """``num_layers`` identical decoder layers, parameters stacked on a leading [L] axis."""
 
-    def __init__(self, cfg: ModelConfig, *, num_layers: int, moe: bool, rngs: nnx.Rngs):
+    def __init__(self, cfg: ModelConfig, *, num_layers: int, moe: bool, rngs: nnx.Rngs,
+                 ep: ExpertParallel | None = None):
         @nnx.split_rngs(splits=num_layers)
         @nnx.vmap(in_axes=(0,), out_axes=0)
         def create(rngs):
-            return DecoderLayer(cfg, moe=moe, rngs=rngs)
+            return DecoderLayer(cfg, moe=moe, rngs=rngs, ep=ep)
 
         self.layers = create(rngs)
         self.num_layers = num_layers
@@ -130,14 +135,15 @@ class LayerStack(nnx.Module):
 class MTPModule(nnx.Module):
     """One multi-token-prediction depth: ``eh_proj``, a decoder layer, a norm."""
 
-    def __init__(self, cfg: ModelConfig, *, moe: bool, rngs: nnx.Rngs):
+    def __init__(self, cfg: ModelConfig, *, moe: bool, rngs: nnx.Rngs,
+                 ep: ExpertParallel | None = None):
         self.hidden_norm = _norm(cfg, rngs)
         self.embed_norm = _norm(cfg, rngs)
         self.eh_proj = nnx.Linear(
             2 * cfg.emb_dim, cfg.emb_dim, use_bias=False, dtype=jnp.dtype(cfg.dtype),
             param_dtype=jnp.dtype(cfg.weight_dtype), kernel_init=default_kernel_init, rngs=rngs,
         )
-        self.layer = DecoderLayer(cfg, moe=moe, rngs=rngs)
+        self.layer = DecoderLayer(cfg, moe=moe, rngs=rngs, ep=ep)
         self.final_norm = _norm(cfg, rngs)
 
     def __call__(self, h_BSD, emb_BSD, positions_BS, remat: Remat = _identity):
@@ -156,12 +162,15 @@ class Transformer(nnx.Module):
       rngs: parameter initialisation keys.
       remat: wraps the per-layer function ``(x, layer_state) -> (x, stats)``,
         e.g. ``jax.checkpoint`` with a policy; identity by default.
+      ep: run the MoE layers' experts expert-parallel over this mesh (None:
+        single device).
 
     Raises:
       ValueError: inconsistent layer counts or an invalid sub-config.
     """
 
-    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs, remat: Remat | None = None):
+    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs, remat: Remat | None = None,
+                 ep: ExpertParallel | None = None):
         if cfg.num_decoder_layers <= 0:
             raise ValueError(f"num_decoder_layers={cfg.num_decoder_layers} must be positive")
         if not 0 <= cfg.first_num_dense_layers <= cfg.num_decoder_layers:
@@ -171,6 +180,11 @@ class Transformer(nnx.Module):
             )
         if cfg.mtp_num_layers < 0:
             raise ValueError(f"mtp_num_layers={cfg.mtp_num_layers} must be >= 0")
+        if cfg.quantization not in SUPPORTED_QUANTIZATION:
+            raise ValueError(
+                f"quantization={cfg.quantization!r} is not implemented yet; "
+                f"use one of {SUPPORTED_QUANTIZATION}"
+            )
         self.cfg = cfg
         self.remat = remat or _identity
         dtype, param_dtype = jnp.dtype(cfg.dtype), jnp.dtype(cfg.weight_dtype)
@@ -181,7 +195,9 @@ class Transformer(nnx.Module):
             embedding_init=nnx.initializers.normal(1.0), rngs=rngs,
         )
         self.dense_layers = LayerStack(cfg, num_layers=n_dense, moe=False, rngs=rngs) if n_dense else None
-        self.moe_layers = LayerStack(cfg, num_layers=n_moe, moe=True, rngs=rngs) if n_moe else None
+        self.moe_layers = (
+            LayerStack(cfg, num_layers=n_moe, moe=True, rngs=rngs, ep=ep) if n_moe else None
+        )
         self.final_norm = _norm(cfg, rngs)
         self.head = nnx.Linear(
             cfg.emb_dim, cfg.vocab_size, use_bias=False, dtype=dtype, param_dtype=param_dtype,
@@ -189,7 +205,7 @@ class Transformer(nnx.Module):
         )
         # The MTP layer has the kind of the model's last layer (MoE in V3).
         self.mtp = nnx.List(
-            [MTPModule(cfg, moe=n_moe > 0, rngs=rngs) for _ in range(cfg.mtp_num_layers)]
+            [MTPModule(cfg, moe=n_moe > 0, rngs=rngs, ep=ep) for _ in range(cfg.mtp_num_layers)]
         )
 
     def __call__(self, tokens_BS: jax.Array, positions_BS: jax.Array | None = None) -> ModelOutput:
@@ -253,3 +269,17 @@ def moe_stats_concat(moe_stats: dict) -> MoEStats | None:
         stacked = stats.tokens_per_expert.ndim == 2
         rows.append(stats if stacked else jax.tree.map(lambda a: a[None], stats))
     return jax.tree.map(lambda *a: jnp.concatenate(a, axis=0), *rows)
+
+
+def moe_layer_names(cfg: ModelConfig) -> list[str]:
+    """Names of the MoE layers in the row order of ``moe_stats_concat``.
+
+    ``"decoder layer i"`` (0-based over all decoder layers) for the MoE stack,
+    then ``"mtp k"`` for each MTP module with an MoE layer.
+    """
+    n_dense = cfg.first_num_dense_layers
+    n_moe = cfg.num_decoder_layers - n_dense
+    names = [f"decoder layer {n_dense + i}" for i in range(n_moe)]
+    if n_moe:
+        names += [f"mtp {k}" for k in range(cfg.mtp_num_layers)]
+    return names
