@@ -5,9 +5,10 @@ process on GPU: its local devices), ``dcn_*`` axes split the slices. On each
 level one axis may be -1, meaning "whatever is left". The product of all axes
 must equal the number of devices.
 
-For now parameters are sharded FSDP-style (each parameter split along its
-largest axis divisible by the fsdp size, replicated over the others) and the
-batch over data x fsdp. Expert and tensor parallel rules come with their issues.
+The batch is split over data x fsdp x expert, and the train state by the
+rules of ``parallel.sharding`` (expert weights over ``expert`` and ``fsdp``,
+other arrays ZeRO-3 style over ``fsdp`` x ``expert``). ``fsdp_spec`` is the
+plain FSDP rule, kept for callers that shard a tree without paths.
 """
 
 import math
@@ -18,9 +19,10 @@ from jax.experimental import mesh_utils
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from dropless.config.sections import MeshConfig
+from dropless.parallel import sharding
+from dropless.parallel.sharding import BATCH_AXES
 
 MESH_AXES = ("data", "fsdp", "expert", "tensor")
-BATCH_AXES = ("data", "fsdp")
 
 
 def _fill(shape: list[int], total: int, level: str) -> list[int]:
@@ -87,7 +89,7 @@ def make_mesh(cfg: MeshConfig, devices=None) -> Mesh:
 
 
 def batch_shards(mesh: Mesh) -> int:
-    """Number of ways the batch is split (data x fsdp)."""
+    """Number of ways the batch is split (data x fsdp x expert)."""
     return math.prod(mesh.shape[a] for a in BATCH_AXES)
 
 
@@ -111,9 +113,8 @@ def fsdp_spec(shape: tuple[int, ...], fsdp: int) -> P:
 
 
 def param_shardings(mesh: Mesh, tree):
-    """NamedShardings for a pytree of arrays / ShapeDtypeStructs (FSDP rule above)."""
-    fsdp = mesh.shape["fsdp"]
-    return jax.tree.map(lambda x: NamedSharding(mesh, fsdp_spec(tuple(x.shape), fsdp)), tree)
+    """NamedShardings for a pytree of arrays / ShapeDtypeStructs (``parallel.sharding`` rules)."""
+    return sharding.state_shardings(mesh, tree)
 
 
 def replicated(mesh: Mesh) -> NamedSharding:

@@ -1,0 +1,36 @@
+"""Eight CPU devices for the expert-parallel tests (set before JAX starts).
+
+Run directly with ``DROPLESS_CPU_DEVICES=8 pytest tests/parallel/multidevice``
+or through ``tests/parallel/test_multidevice.py``. XLA:CPU compiles at
+optimisation level 0 here (compile time dominates these small programs).
+"""
+
+import os
+
+import numpy as np
+import pytest
+
+os.environ.setdefault("XLA_FLAGS", "--xla_backend_optimization_level=0")
+
+import jax  # noqa: E402
+from jax.sharding import Mesh  # noqa: E402
+
+NUM_DEVICES = int(os.environ.get("DROPLESS_CPU_DEVICES", "8"))
+jax.config.update("jax_platforms", "cpu")
+jax.config.update("jax_num_cpu_devices", NUM_DEVICES)
+
+AXES = ("data", "fsdp", "expert", "tensor")
+
+
+def make_mesh(data=1, fsdp=1, expert=1, tensor=1) -> Mesh:
+    """A (data, fsdp, expert, tensor) mesh over the first data*fsdp*expert*tensor devices."""
+    shape = (data, fsdp, expert, tensor)
+    n = int(np.prod(shape))
+    return Mesh(np.array(jax.devices()[:n]).reshape(shape), AXES)
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _eight_devices():
+    if jax.device_count() < 8:
+        pytest.fail(f"multidevice tests need 8 CPU devices, JAX has {jax.device_count()}: "
+                    "the backend started before this conftest could set the count")
