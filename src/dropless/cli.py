@@ -7,6 +7,7 @@ A config problem prints one line and exits with code 2; nothing else runs.
 """
 
 import argparse
+import math
 import sys
 
 EXIT_CONFIG = 2
@@ -36,13 +37,19 @@ def start_runtime(cfg):
 
         os.environ.setdefault("JAX_PLATFORMS", "cpu")
     applied = apply_runtime_settings(cfg.xla_flags, cfg.env, on_gpu=on_gpu)
-    if cfg.hardware == "gpu_multiprocess":
-        import jax
+    from dropless.config.loader import ConfigError
+    from dropless.parallel import distributed
 
-        jax.distributed.initialize()
+    if not on_gpu:
+        distributed.set_cpu_devices(_cpu_devices(cfg))
+    try:
+        multiprocess = cfg.hardware == "gpu_multiprocess" or distributed.wants_multiprocess()
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+    if multiprocess:
+        distributed.initialize(cpu=not on_gpu)
     import jax
 
-    from dropless.config.loader import ConfigError
     from dropless.config.schema import ContradictionError, resolve_mesh_shape
 
     try:
@@ -53,15 +60,28 @@ def start_runtime(cfg):
     return applied, shape
 
 
+def _cpu_devices(cfg) -> int:
+    """``num_cpu_devices``, or (-1) the product of the fixed ICI mesh axes."""
+    if cfg.num_cpu_devices > 0:
+        return cfg.num_cpu_devices
+    ways = [getattr(cfg, f"ici_{a}_parallelism") for a in ("data", "fsdp", "expert", "tensor")]
+    return max(1, math.prod(w for w in ways if w > 0))
+
+
 def cmd_train(args: list[str]) -> int:
     resolved = resolve_args(args)
     cfg = resolved.config
     applied, mesh_shape = start_runtime(cfg)
+    from dropless.parallel.overflow import EPOverflowError
     from dropless.train.loop import run_training
 
     if applied:
         print(f"XLA flags: {' '.join(applied)}")
-    result = run_training(cfg.model(), cfg.train(), cfg.mesh())
+    try:
+        result = run_training(cfg.model(), cfg.train(), cfg.mesh())
+    except EPOverflowError as e:
+        print(f"dropless: {e}", file=sys.stderr)
+        return 1
     return 0 if result is None or getattr(result, "ok", True) else 1
 
 

@@ -70,12 +70,20 @@ def set_cpu_devices(count: int) -> None:
 
     Raises:
       ValueError: count < 1.
+      RuntimeError: JAX already started with a different number of CPU devices.
     """
     if count < 1:
         raise ValueError(f"num_cpu_devices={count} must be >= 1")
     import jax
 
-    jax.config.update("jax_num_cpu_devices", count)
+    try:
+        jax.config.update("jax_num_cpu_devices", count)
+    except RuntimeError:
+        # Started already (e.g. a second run in one process): fine if it has the count.
+        have = len(jax.local_devices(backend="cpu"))
+        if have != count:
+            raise RuntimeError(f"JAX already started with {have} CPU devices; {count} were "
+                               "asked for (set the count before the first JAX computation)") from None
 
 
 def initialize(env: Mapping[str, str] | None = None, *, cpu: bool = False,
