@@ -4,6 +4,7 @@ outputs, and a run killed with SIGKILL resumes to bitwise the same losses.
 
 import dataclasses
 import io
+import json
 import os
 import pickle
 import shutil
@@ -154,3 +155,52 @@ def test_incomplete_checkpoints_are_rerun_and_saved_again(reference, small_model
     ref = metrics_lib.read_jsonl(ref_result.metrics_path)
     got = metrics_lib.read_jsonl(result.metrics_path)
     assert [r["loss"] for r in got] == [r["loss"] for r in ref]
+
+
+_EP_CHILD = """
+import dataclasses, io, json, pickle, sys
+from rich.console import Console
+from dropless.config.sections import MeshConfig
+from dropless.train.loop import run_training
+model, train = pickle.load(open(sys.argv[1], "rb"))
+out = {}
+for name, factor in (("exact", -1.0), ("tight", 1.0)):
+    mesh = MeshConfig(ici_fsdp_parallelism=2, ici_expert_parallelism=2,
+                      ragged_buffer_factor=factor, ep_overflow_policy="warn")
+    console = Console(file=io.StringIO(), width=200)
+    r = run_training(model, dataclasses.replace(train, run_name=name), mesh, console=console)
+    out[name] = [r.initial_loss, r.final_loss, r.skipped_steps, r.final_step,
+                 "overflowed the expert-parallel" in console.file.getvalue()]
+print("EP_RESULT", json.dumps(out))
+"""
+
+
+def test_expert_parallel_training_on_four_devices(small_model, make_train, tmp_path):
+    """In a 4-CPU-device process: EP x FSDP trains; a too-small buffer skips every step."""
+    train = make_train(tmp_path, steps=6, per_device_batch_size=2, enable_checkpointing=False,
+                       enable_tensorboard=False)
+    (tmp_path / "cfg.pkl").write_bytes(pickle.dumps((small_model, train)))
+    (tmp_path / "child.py").write_text(_EP_CHILD)
+    env = {**os.environ, "XLA_FLAGS": os.environ.get("XLA_FLAGS", "")
+           + " --xla_force_host_platform_device_count=4", "JAX_PLATFORMS": "cpu"}
+    proc = subprocess.run([sys.executable, str(tmp_path / "child.py"), str(tmp_path / "cfg.pkl")],
+                          capture_output=True, text=True, env=env, timeout=600)
+    lines = [x for x in proc.stdout.splitlines() if x.startswith("EP_RESULT ")]
+    assert proc.returncode == 0 and lines, proc.stderr[-3000:]
+    out = json.loads(lines[0][len("EP_RESULT "):])
+    initial, final, skipped, steps, warned = out["exact"]
+    assert skipped == 0 and steps == 6 and final < initial and not warned
+    initial, final, skipped, steps, warned = out["tight"]
+    assert skipped == 6 and warned  # random routing is never perfectly balanced
+
+
+def test_overflow_policy():
+    from dropless.train.loop import ExpertBufferOverflow, _check_overflow
+
+    row = {"step": 3, "overflow_tokens": 12, "buffer_factor_needed": 1.7}
+    console = _quiet()
+    _check_overflow({"step": 1, "overflow_tokens": 0}, MeshConfig(), console)
+    with pytest.raises(ExpertBufferOverflow, match=r"step 3: 12 token rows .* factor of 1.7"):
+        _check_overflow(row, MeshConfig(ep_overflow_policy="error"), console)
+    _check_overflow(row, MeshConfig(ep_overflow_policy="warn"), console)
+    assert "warning: step 3" in console.file.getvalue()

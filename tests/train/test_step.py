@@ -54,7 +54,8 @@ def _grads_fn(graphdef, cfg):
 def test_non_finite_step_is_skipped_and_counted(model_cfg, trainer):
     _, state, step = trainer
     state, m = step(state, _batch(model_cfg, 0))  # a normal step first: Adam state non-zero
-    assert bool(m["finite"]) and int(m["skipped_steps"]) == 0
+    assert bool(m["finite"]) and bool(m["applied"]) and int(m["skipped_steps"]) == 0
+    assert int(m["overflow_tokens"]) == 0  # one device: no exchange, no overflow
     before = jax.device_get(state)
 
     bad = _batch(model_cfg, 1)
@@ -62,7 +63,7 @@ def test_non_finite_step_is_skipped_and_counted(model_cfg, trainer):
     weights[0, 0, 3] = np.nan  # one poisoned token weight makes loss and gradients NaN
     state, m = step(state, bad._replace(weights=weights))
     after = jax.device_get(state)
-    assert not bool(m["finite"]) and not np.isfinite(float(m["loss"]))
+    assert not bool(m["finite"]) and not bool(m["applied"]) and not np.isfinite(float(m["loss"]))
     assert int(after["skipped_steps"]) == 1 and int(m["skipped_steps"]) == 1
     assert int(after["step"]) == int(before["step"]) + 1  # the data stream moves on
     for key in ("params", "router_bias", "opt_state"):
@@ -111,6 +112,21 @@ def optax_identity():
     import optax
 
     return optax.identity()
+
+
+def test_microbatch_stats_combine_by_sum_mean_or_max():
+    from dropless.nn.moe import MoEStats
+
+    def stats(tokens, factor, bias):
+        i = jnp.int32
+        return MoEStats(jnp.array([tokens, 1], i), i(2), jnp.float32(0.5), jnp.array([bias, 0.0]),
+                        i(1), jnp.float32(factor), i(3), i(4))
+
+    a, b = stats(5, 1.5, 0.2), stats(7, 2.5, 0.4)
+    acc = step_lib._accumulate({"s": a}, {"s": b})["s"]
+    np.testing.assert_array_equal(acc.tokens_per_expert, [12, 2])
+    assert int(acc.overflow_tokens) == 2 and float(acc.buffer_factor_needed) == 2.5  # max
+    np.testing.assert_allclose(acc.bias_update, [0.6, 0.0])  # summed here, averaged by _grads
 
 
 POLICIES = [

@@ -32,6 +32,7 @@ import numpy as np
 from rich.console import Console
 
 from dropless.config.sections import MeshConfig, ModelConfig, TrainConfig
+from dropless.parallel import ep as ep_lib
 from dropless.parallel import mesh as mesh_lib
 from dropless.train import checkpoint as ckpt_lib
 from dropless.train import data as data_lib
@@ -74,9 +75,36 @@ class TrainResult:
     plot_path: str | None
 
 
+class ExpertBufferOverflow(RuntimeError):
+    """An expert-parallel receive buffer overflowed and ``ep_overflow_policy`` is "error"."""
+
+
+def _check_overflow(row: dict, mesh_cfg: MeshConfig, console) -> None:
+    """Report a step whose expert-parallel buffers overflowed (it was skipped on device).
+
+    The counters come with every step's metrics, which the loop reads anyway, so
+    every step is checked (``ep_overflow_check_every_n_steps`` costs nothing here).
+
+    Raises:
+      ExpertBufferOverflow: with ``ep_overflow_policy="error"``.
+    """
+    if not row.get("overflow_tokens"):
+        return
+    message = (
+        f"step {row['step']}: {row['overflow_tokens']} token rows overflowed the expert-parallel "
+        f"receive buffer (ragged_buffer_factor={mesh_cfg.ragged_buffer_factor}); the step was "
+        f"skipped. This load needed a factor of {row['buffer_factor_needed']:.3g}: raise "
+        "ragged_buffer_factor (or -1 for the exact worst case)"
+    )
+    if mesh_cfg.ep_overflow_policy == "error":
+        raise ExpertBufferOverflow(message + ", or set ep_overflow_policy=warn.")
+    console.print(f"[yellow]warning: {message}.[/yellow]")
+
+
 @dataclasses.dataclass
 class _Setup:
     model: ModelConfig
+    mesh_cfg: MeshConfig
     mesh: object
     source: object
     tx: object
@@ -122,11 +150,13 @@ def _setup(model: ModelConfig, train: TrainConfig, mesh_cfg: MeshConfig) -> _Set
     )
     tx = opt_lib.make_optimizer(train.optimizer, train.steps)
     schedule = opt_lib.learning_rate_schedule(train.optimizer, train.steps)
-    graphdef, init = step_lib.init_state_fn(model, tx, train.seed, remat_lib.layer_remat(model))
+    # Expert parallelism when the mesh has an expert axis; one device's path otherwise.
+    ep = ep_lib.from_config(mesh, mesh_cfg) if mesh.shape["expert"] > 1 else None
+    graphdef, init = step_lib.init_state_fn(model, tx, train.seed, remat_lib.layer_remat(model), ep)
     abstract = jax.eval_shape(init)
     device = jax.devices()[0]
     return _Setup(
-        model=model, mesh=mesh, source=source, tx=tx, schedule=schedule, graphdef=graphdef, init=init,
+        model=model, mesh_cfg=mesh_cfg, mesh=mesh, source=source, tx=tx, schedule=schedule, graphdef=graphdef, init=init,
         abstract=abstract, shardings=mesh_lib.param_shardings(mesh, abstract),
         global_batch=global_batch,
         flops=flops_lib.training_tflops_per_device(
@@ -254,6 +284,7 @@ def _train_steps(s: _Setup, train: TrainConfig, state, start, ckpt, writer, cons
             rows.append(row)
             writer.write(row)
             progress.update(row)
+            _check_overflow(row, s.mesh_cfg, progress.console)
 
         for step in range(start, train.steps):
             batch = jax.device_put(future.result(), batch_sh)
@@ -313,7 +344,7 @@ def _print_summary(console, r: TrainResult):
         "data entropy (floor)": r.entropy_floor,
         "gap to floor": (r.final_lm_loss_avg - r.entropy_floor)
         if r.entropy_floor is not None and r.final_lm_loss_avg is not None else None,
-        "skipped (non-finite) steps": r.skipped_steps,
+        "skipped steps (non-finite or EP overflow)": r.skipped_steps,
         "parameters": f"{r.num_params:,}",
         "compile + first step (s)": r.compile_s,
         "step time (s, median)": r.step_time_s,
@@ -337,6 +368,8 @@ def run_training(model: ModelConfig, train: TrainConfig, mesh: MeshConfig, *,
     Raises:
       ValueError / FileNotFoundError: bad configuration or data paths.
       CheckpointError: the checkpoint to resume or load is corrupt or does not fit.
+      ExpertBufferOverflow: an expert-parallel buffer overflowed under
+        ``ep_overflow_policy="error"`` (checkpoints so far are kept).
     """
     t0 = time.perf_counter()
     console = console or Console()

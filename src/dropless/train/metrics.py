@@ -39,6 +39,10 @@ TENSORBOARD_TAGS = {
     "moe_tokens_max": "moe/tokens_per_expert_max",
     "moe_load_cv": "moe/load_cv",
     "dropped_tokens": "moe/dropped_tokens",
+    "overflow_tokens": "moe/ep_overflow_tokens",
+    "buffer_factor_needed": "moe/ep_buffer_factor_needed",
+    "ep_rows_sent": "moe/ep_rows_sent",
+    "ep_rows_saved": "moe/ep_rows_saved",
     "skipped_steps": "learning/skipped_steps",
 }
 
@@ -71,10 +75,13 @@ def make_row(step: int, raw: dict, *, step_time: float | None, tokens_per_step: 
     for key in ("loss", "lm_loss", "aux_loss", "mtp_loss", "grad_norm", "learning_rate"):
         row[key] = float(raw[key])
     row["finite"] = bool(raw["finite"])
+    row["applied"] = bool(raw["applied"])
     row["skipped_steps"] = int(raw["skipped_steps"])
     if "tokens_per_expert" in raw:
         row.update(moe_load_stats(raw["tokens_per_expert"]))
-        row["dropped_tokens"] = int(raw["dropped_tokens"])
+        for key in ("dropped_tokens", "overflow_tokens", "ep_rows_sent", "ep_rows_saved"):
+            row[key] = int(raw[key])
+        row["buffer_factor_needed"] = float(raw["buffer_factor_needed"])
     if step_time:
         row["step_time_s"] = step_time
         row["tokens_per_s"] = tokens_per_step / step_time
@@ -192,7 +199,7 @@ class ProgressDisplay:
             self._task, completed=row["step"], loss=f"{row['loss']:.4f}",
             tflops=f"{tflops:.3g}" if tflops else "-",
         )
-        if row["step"] % self._every == 0 or row["step"] == self.total or not row["finite"]:
+        if row["step"] % self._every == 0 or row["step"] == self.total or not row["applied"]:
             self._progress.console.print(format_row(row))
 
 
@@ -207,6 +214,8 @@ def format_row(row: dict) -> str:
         parts.append(f"load cv {row['moe_load_cv']:.2f}")
     if not row["finite"]:
         parts.append("[red]NON-FINITE: step skipped[/red]")
+    elif not row["applied"]:
+        parts.append(f"[red]EP BUFFER OVERFLOW ({row.get('overflow_tokens')} rows): step skipped[/red]")
     return "  ".join(parts)
 
 

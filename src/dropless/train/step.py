@@ -15,9 +15,11 @@ One step: per microbatch, loss = cross-entropy + MoE aux losses +
 ``mtp_loss_scaling_factor`` * mean over depths of the MTP cross-entropies;
 gradients are averaged over microbatches in float32; the optimizer updates
 the parameters; the router bias takes the mean ``bias_update``. If the loss or
-the gradient norm is not finite the new params, optimizer state and bias are
-all discarded on device (``jnp.where``), ``skipped_steps`` counts it, and the
-step counter still advances so the data stream moves on.
+the gradient norm is not finite, or an expert-parallel receive buffer
+overflowed (``MoEStats.overflow_tokens``: some tokens got partial outputs),
+the new params, optimizer state and bias are all discarded on device
+(``jnp.where``), ``skipped_steps`` counts it, and the step counter still
+advances so the data stream moves on.
 """
 
 from typing import Callable
@@ -33,9 +35,9 @@ from dropless.nn.moe import RouterBias
 from dropless.train.data import Batch
 
 
-def build_model(cfg: ModelConfig, seed: int, remat=None) -> Transformer:
+def build_model(cfg: ModelConfig, seed: int, remat=None, ep=None) -> Transformer:
     """A concrete model initialised from ``seed`` (call under jit or eval_shape)."""
-    return Transformer(cfg, rngs=nnx.Rngs(params=seed), remat=remat)
+    return Transformer(cfg, rngs=nnx.Rngs(params=seed), remat=remat, ep=ep)
 
 
 def split_model(model: Transformer):
@@ -44,14 +46,16 @@ def split_model(model: Transformer):
     return graphdef, nnx.to_pure_dict(params), nnx.to_pure_dict(bias), nnx.to_pure_dict(rest)
 
 
-def init_state_fn(cfg: ModelConfig, tx: optax.GradientTransformation, seed: int, remat=None):
+def init_state_fn(cfg: ModelConfig, tx: optax.GradientTransformation, seed: int, remat=None,
+                  ep=None):
     """(graphdef, init) where ``init() -> state`` builds the model and optimizer state.
 
     ``graphdef`` comes from an abstract build, so nothing is allocated here.
+    ``remat`` and ``ep`` go to ``Transformer``.
     """
 
     def init():
-        _, params, bias, rest = split_model(build_model(cfg, seed, remat))
+        _, params, bias, rest = split_model(build_model(cfg, seed, remat, ep))
         if jax.tree.leaves(rest):
             raise ValueError("the model holds state other than Param and RouterBias")
         return {
@@ -62,7 +66,7 @@ def init_state_fn(cfg: ModelConfig, tx: optax.GradientTransformation, seed: int,
             "skipped_steps": jnp.zeros((), jnp.int32),
         }
 
-    abstract_model = nnx.eval_shape(lambda: build_model(cfg, seed, remat))
+    abstract_model = nnx.eval_shape(lambda: build_model(cfg, seed, remat, ep))
     graphdef = nnx.split(abstract_model, nnx.Param, RouterBias, ...)[0]
     return graphdef, init
 
@@ -100,6 +104,25 @@ def loss_fn(params, router_bias, graphdef, cfg: ModelConfig, inputs_BS, targets_
                   "moe_stats": out.moe_stats}
 
 
+# MoEStats fields that combine over microbatches by max, not sum.
+MAX_FIELDS = ("buffer_factor_needed",)
+
+
+def _field(path) -> str | None:
+    """The NamedTuple field name at the end of a pytree path, if any."""
+    return getattr(path[-1], "name", None) if path else None
+
+
+def _accumulate(acc, new):
+    """acc + new leaf by leaf (max for MAX_FIELDS), in acc's dtypes."""
+
+    def add(path, a, b):
+        b = b.astype(a.dtype)
+        return jnp.maximum(a, b) if _field(path) in MAX_FIELDS else a + b
+
+    return jax.tree_util.tree_map_with_path(add, acc, new)
+
+
 def _grads(state, batch: Batch, graphdef, cfg: ModelConfig):
     """Mean loss, aux and float32-averaged gradients over the A microbatches."""
     grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
@@ -116,7 +139,7 @@ def _grads(state, batch: Batch, graphdef, cfg: ModelConfig):
         return loss, aux, grads
 
     def body(acc, i):
-        return jax.tree.map(lambda a, b: a + b.astype(a.dtype), acc, micro(i)), None
+        return _accumulate(acc, micro(i)), None
 
     def zeros_like(x):
         # Sums in float32 (or int32 for counts), whatever the parameter dtype.
@@ -126,9 +149,13 @@ def _grads(state, batch: Batch, graphdef, cfg: ModelConfig):
     total, _ = jax.lax.scan(body, jax.tree.map(zeros_like, jax.eval_shape(micro, 0)),
                             jnp.arange(num_micro))
     (loss, aux), grads = total
-    # Means over microbatches for losses, gradients and bias updates; token counts stay sums.
-    mean = lambda x: x / num_micro if x.dtype == jnp.float32 else x  # noqa: E731
-    loss, aux, grads = jax.tree.map(mean, (loss, aux, grads))
+
+    def mean(path, x):
+        # Losses, gradients and bias updates average; counts stay sums, maxima maxima.
+        keep = jnp.issubdtype(x.dtype, jnp.integer) or _field(path) in MAX_FIELDS
+        return x if keep else x / num_micro
+
+    loss, aux, grads = jax.tree_util.tree_map_with_path(mean, (loss, aux, grads))
     grads = jax.tree.map(lambda g, p: g.astype(p.dtype), grads, state["params"])
     return loss, aux, grads
 
@@ -143,14 +170,20 @@ def make_train_step(graphdef, cfg: ModelConfig, tx, schedule) -> Callable:
 
     Returns metrics, all on device: ``loss``, ``lm_loss``, ``aux_loss``,
     ``mtp_loss``, ``grad_norm`` (before clipping), ``learning_rate``,
-    ``finite`` (bool), ``skipped_steps``, and when the model has MoE layers
-    ``tokens_per_expert`` [L, E] int32 and ``dropped_tokens`` [] int32.
+    ``finite`` and ``applied`` (bool), ``skipped_steps``, and when the model
+    has MoE layers ``tokens_per_expert`` [L, E] int32, ``dropped_tokens``,
+    ``overflow_tokens``, ``ep_rows_sent``, ``ep_rows_saved`` [] int32 and
+    ``buffer_factor_needed`` [] float32 (max over layers).
     """
 
     def train_step(state, batch: Batch):
         loss, aux, grads = _grads(state, batch, graphdef, cfg)
         grad_norm = optax.tree.norm(grads)
         finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
+        stats = moe_stats_concat(aux["moe_stats"])
+        overflow = jnp.zeros((), jnp.int32) if stats is None else jnp.sum(stats.overflow_tokens)
+        # Tokens an expert-parallel buffer could not hold got partial outputs: skip the step too.
+        applied = finite & (overflow == 0)
         params, opt_state = state["params"], state["opt_state"]
         updates, new_opt_state = tx.update(grads, opt_state, params)
         new_params = optax.apply_updates(params, updates)
@@ -159,15 +192,15 @@ def make_train_step(graphdef, cfg: ModelConfig, tx, schedule) -> Callable:
         new_bias = nnx.to_pure_dict(nnx.state(model, RouterBias))
 
         def keep_if_finite(new, old):
-            return jax.tree.map(lambda n, o: jnp.where(finite, n, o), new, old)
+            return jax.tree.map(lambda n, o: jnp.where(applied, n, o), new, old)
 
-        applied = state["step"] - state["skipped_steps"]
+        updates_applied = state["step"] - state["skipped_steps"]  # the optimizer's count
         new_state = {
             "params": keep_if_finite(new_params, params),
             "router_bias": keep_if_finite(new_bias, state["router_bias"]),
             "opt_state": keep_if_finite(new_opt_state, opt_state),
             "step": state["step"] + 1,
-            "skipped_steps": state["skipped_steps"] + (~finite).astype(jnp.int32),
+            "skipped_steps": state["skipped_steps"] + (~applied).astype(jnp.int32),
         }
         metrics = {
             "loss": loss,
@@ -175,14 +208,20 @@ def make_train_step(graphdef, cfg: ModelConfig, tx, schedule) -> Callable:
             "aux_loss": aux["aux_loss"],
             "mtp_loss": aux["mtp_loss"],
             "grad_norm": grad_norm,
-            "learning_rate": jnp.asarray(schedule(applied), jnp.float32),
+            "learning_rate": jnp.asarray(schedule(updates_applied), jnp.float32),
             "finite": finite,
+            "applied": applied,
             "skipped_steps": new_state["skipped_steps"],
         }
-        stats = moe_stats_concat(aux["moe_stats"])
         if stats is not None:
-            metrics["tokens_per_expert"] = stats.tokens_per_expert
-            metrics["dropped_tokens"] = jnp.sum(stats.dropped_tokens)
+            metrics.update(
+                tokens_per_expert=stats.tokens_per_expert,
+                dropped_tokens=jnp.sum(stats.dropped_tokens),
+                overflow_tokens=overflow,
+                buffer_factor_needed=jnp.max(stats.buffer_factor_needed),
+                ep_rows_sent=jnp.sum(stats.ep_rows_sent),
+                ep_rows_saved=jnp.sum(stats.ep_rows_saved),
+            )
         return new_state, metrics
 
     return train_step
