@@ -32,8 +32,10 @@ import numpy as np
 from rich.console import Console
 
 from dropless.config.sections import MeshConfig, ModelConfig, TrainConfig
+from dropless.nn.model import moe_layer_names
 from dropless.parallel import ep as ep_lib
 from dropless.parallel import mesh as mesh_lib
+from dropless.parallel import overflow as overflow_lib
 from dropless.train import checkpoint as ckpt_lib
 from dropless.train import data as data_lib
 from dropless.train import flops as flops_lib
@@ -73,32 +75,6 @@ class TrainResult:
     wall_s: float
     metrics_path: str
     plot_path: str | None
-
-
-class ExpertBufferOverflow(RuntimeError):
-    """An expert-parallel receive buffer overflowed and ``ep_overflow_policy`` is "error"."""
-
-
-def _check_overflow(row: dict, mesh_cfg: MeshConfig, console) -> None:
-    """Report a step whose expert-parallel buffers overflowed (it was skipped on device).
-
-    The counters come with every step's metrics, which the loop reads anyway, so
-    every step is checked (``ep_overflow_check_every_n_steps`` costs nothing here).
-
-    Raises:
-      ExpertBufferOverflow: with ``ep_overflow_policy="error"``.
-    """
-    if not row.get("overflow_tokens"):
-        return
-    message = (
-        f"step {row['step']}: {row['overflow_tokens']} token rows overflowed the expert-parallel "
-        f"receive buffer (ragged_buffer_factor={mesh_cfg.ragged_buffer_factor}); the step was "
-        f"skipped. This load needed a factor of {row['buffer_factor_needed']:.3g}: raise "
-        "ragged_buffer_factor (or -1 for the exact worst case)"
-    )
-    if mesh_cfg.ep_overflow_policy == "error":
-        raise ExpertBufferOverflow(message + ", or set ep_overflow_policy=warn.")
-    console.print(f"[yellow]warning: {message}.[/yellow]")
 
 
 @dataclasses.dataclass
@@ -258,6 +234,7 @@ def _train_steps(s: _Setup, train: TrainConfig, state, start, ckpt, writer, cons
     step_fn = _jit_step(s)
     rows, step_times, load_LE, compile_s = [], [], None, None
     pending, last_done = None, None
+    monitor = _overflow_monitor(s, console)
     batch_sh = mesh_lib.batch_sharding(s.mesh, leading_dims=1)
     with concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="data") as pool, \
             metrics_lib.ProgressDisplay(console, train.steps, start) as progress:
@@ -284,7 +261,8 @@ def _train_steps(s: _Setup, train: TrainConfig, state, start, ckpt, writer, cons
             rows.append(row)
             writer.write(row)
             progress.update(row)
-            _check_overflow(row, s.mesh_cfg, progress.console)
+            if monitor is not None:
+                monitor.record(step_no, raw["overflow_tokens"], raw["buffer_factor_needed"])
 
         for step in range(start, train.steps):
             batch = jax.device_put(future.result(), batch_sh)
@@ -299,7 +277,23 @@ def _train_steps(s: _Setup, train: TrainConfig, state, start, ckpt, writer, cons
                 ckpt.poll()
         if pending is not None:
             finish(*pending)
+    if monitor is not None and rows:
+        monitor.check(rows[-1]["step"])  # what the last periodic check did not cover
     return state, rows, step_times, load_LE, compile_s
+
+
+def _overflow_monitor(s: _Setup, console):
+    """The expert-parallel overflow policy (``parallel.overflow``), or None without MoE layers."""
+    names = moe_layer_names(s.model)
+    if not names:
+        return None
+    return overflow_lib.OverflowMonitor(
+        every_n_steps=s.mesh_cfg.ep_overflow_check_every_n_steps,
+        policy=s.mesh_cfg.ep_overflow_policy,
+        buffer_factor=s.mesh_cfg.ragged_buffer_factor,
+        layer_names=names,
+        warn=lambda msg: console.print(msg, style="yellow", markup=False),
+    )
 
 
 def _median(xs):
@@ -368,8 +362,8 @@ def run_training(model: ModelConfig, train: TrainConfig, mesh: MeshConfig, *,
     Raises:
       ValueError / FileNotFoundError: bad configuration or data paths.
       CheckpointError: the checkpoint to resume or load is corrupt or does not fit.
-      ExpertBufferOverflow: an expert-parallel buffer overflowed under
-        ``ep_overflow_policy="error"`` (checkpoints so far are kept).
+      parallel.overflow.EPOverflowError: an expert-parallel buffer overflowed
+        under ``ep_overflow_policy="error"`` (checkpoints so far are kept).
     """
     t0 = time.perf_counter()
     console = console or Console()

@@ -79,9 +79,10 @@ def make_row(step: int, raw: dict, *, step_time: float | None, tokens_per_step: 
     row["skipped_steps"] = int(raw["skipped_steps"])
     if "tokens_per_expert" in raw:
         row.update(moe_load_stats(raw["tokens_per_expert"]))
-        for key in ("dropped_tokens", "overflow_tokens", "ep_rows_sent", "ep_rows_saved"):
+        for key in ("dropped_tokens", "ep_rows_sent", "ep_rows_saved"):
             row[key] = int(raw[key])
-        row["buffer_factor_needed"] = float(raw["buffer_factor_needed"])
+        row["overflow_tokens"] = int(np.sum(raw["overflow_tokens"]))  # per layer on device
+        row["buffer_factor_needed"] = float(np.max(raw["buffer_factor_needed"]))
     if step_time:
         row["step_time_s"] = step_time
         row["tokens_per_s"] = tokens_per_step / step_time

@@ -171,9 +171,10 @@ def make_train_step(graphdef, cfg: ModelConfig, tx, schedule) -> Callable:
     Returns metrics, all on device: ``loss``, ``lm_loss``, ``aux_loss``,
     ``mtp_loss``, ``grad_norm`` (before clipping), ``learning_rate``,
     ``finite`` and ``applied`` (bool), ``skipped_steps``, and when the model
-    has MoE layers ``tokens_per_expert`` [L, E] int32, ``dropped_tokens``,
-    ``overflow_tokens``, ``ep_rows_sent``, ``ep_rows_saved`` [] int32 and
-    ``buffer_factor_needed`` [] float32 (max over layers).
+    has MoE layers ``tokens_per_expert`` [L, E] int32, ``overflow_tokens``
+    [L] int32 and ``buffer_factor_needed`` [L] float32 per layer (for
+    ``parallel.overflow``), ``dropped_tokens``, ``ep_rows_sent``,
+    ``ep_rows_saved`` [] int32.
     """
 
     def train_step(state, batch: Batch):
@@ -217,8 +218,8 @@ def make_train_step(graphdef, cfg: ModelConfig, tx, schedule) -> Callable:
             metrics.update(
                 tokens_per_expert=stats.tokens_per_expert,
                 dropped_tokens=jnp.sum(stats.dropped_tokens),
-                overflow_tokens=overflow,
-                buffer_factor_needed=jnp.max(stats.buffer_factor_needed),
+                overflow_tokens=stats.overflow_tokens,
+                buffer_factor_needed=stats.buffer_factor_needed,
                 ep_rows_sent=jnp.sum(stats.ep_rows_sent),
                 ep_rows_saved=jnp.sum(stats.ep_rows_saved),
             )
