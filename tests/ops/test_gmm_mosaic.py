@@ -111,6 +111,22 @@ def test_kernels_lower_for_cuda(kind):
     assert "mosaic_gpu" in exported.mlir_module()
 
 
+def test_rows_not_a_multiple_of_8_lower_through_padding():
+    """The kernels' swizzled TMA views tile rows in 8s; the backend entry pads."""
+    m, k, n, g = 4100, 384, 640, 33
+    s = jax.ShapeDtypeStruct
+    x, dy, w = s((m, k), jnp.bfloat16), s((m, n), jnp.bfloat16), s((g, k, n), jnp.bfloat16)
+    gs = s((g,), jnp.int32)
+    for fn, args in [
+        (lambda x, w, gs: mosaic.gmm(x, w, gs), (x, w, gs)),
+        (lambda dy, w, gs: mosaic.gmm(dy, w, gs, transpose_rhs=True), (dy, w, gs)),
+        (lambda x, dy, gs: mosaic.tgmm(x, dy, gs, num_groups=g), (x, dy, gs)),
+    ]:
+        jax.export.export(jax.jit(fn), platforms=["cuda"])(*args)
+    with pytest.raises(ValueError, match="multiple of 8"):
+        jax.eval_shape(lambda x, w, gs: mosaic_gmm.gmm(x, w, gs, tiling=GmmTiling(block_n=64)), x, w, gs)
+
+
 # ------------------------------------------------------ CPU: interpret mode
 
 
@@ -124,10 +140,9 @@ def test_interpret_fwd_and_dgrad_awkward_layout(rng):
     m, k, n, g = 300, 128, 256, 6
     sizes = np.array([70, 0, 150, 10, 40, 0], np.int32)  # a 10-row group inside a block, tail of 30
     x, w, dy = problem(rng, m, k, n, g, sizes)
-    with _interpret():
-        y = mosaic_gmm.gmm(x, w, jnp.asarray(sizes), tiling=GmmTiling(grid_tile_width=2), sms=3)
-        dx = mosaic_gmm.gmm(dy, w, jnp.asarray(sizes), tiling=GmmTiling(block_n=64),
-                            transpose_rhs=True, sms=2)
+    with _interpret():  # M = 300: the entry pads rows to 304
+        y = mosaic.gmm(x, w, jnp.asarray(sizes), tiling=GmmTiling(grid_tile_width=2))
+        dx = mosaic.gmm(dy, w, jnp.asarray(sizes), tiling=GmmTiling(block_n=64), transpose_rhs=True)
     gs = jnp.asarray(sizes)
     assert_rows_match(y, reference.gmm(clean(x), w, gs), sizes)
     assert_rows_match(dx, reference.gmm(clean(dy), w, gs, transpose_rhs=True), sizes)
@@ -139,8 +154,7 @@ def test_interpret_wgrad_masks_neighbour_and_nan_rows(rng, sizes):
     sizes = np.array(sizes, np.int32)
     x, _, dy = problem(rng, m, k, n, len(sizes), sizes)
     with _interpret():
-        dw = mosaic_tgmm.tgmm(x, dy, jnp.asarray(sizes), num_groups=len(sizes),
-                              tiling=TgmmTiling(), sms=3)
+        dw = mosaic.tgmm(x, dy, jnp.asarray(sizes), num_groups=len(sizes), tiling=TgmmTiling())
     ref = reference.tgmm(clean(x), clean(dy), jnp.asarray(sizes), num_groups=len(sizes))
     assert_groups_match(dw, ref, sizes)
 

@@ -8,7 +8,9 @@ directly with shapes it cannot take raises ValueError (never a wrong answer).
 
 Shapes taken: bf16 or fp16 inputs; K and N of w[G, K, N] multiples of 128
 (each of fwd, dgrad and wgrad then has a tile that divides its columns and
-contraction); any M >= 1, any G >= 1, any group sizes.
+contraction); any M >= 1, any G >= 1, any group sizes. Mosaic's swizzled
+TMA views tile the row dimension of x, dy and the output in 8s, so when M is
+not a multiple of 8 the rows are padded to one here (a copy: the slow path).
 """
 
 import jax
@@ -17,6 +19,20 @@ import jax.numpy as jnp
 from dropless.ops.gmm import mosaic_gmm, mosaic_tgmm, tuning
 
 SUPPORTED_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
+ROW_ALIGN = 8
+
+
+def _pad_rows(*arrays):
+    """Pad the rows of each [M, *] array to a multiple of ROW_ALIGN with zeros.
+
+    The padded rows lie past sum(group_sizes) <= M, so the kernels treat them
+    as tail rows (zero output rows, ignored by tgmm).
+    """
+    m = arrays[0].shape[0]
+    pad = -m % ROW_ALIGN
+    if not pad:
+        return arrays
+    return tuple(jnp.pad(a, ((0, pad), (0, 0))) for a in arrays)
 
 
 def is_available():
@@ -70,9 +86,11 @@ def gmm(x, w, group_sizes, *, transpose_rhs=False, out_dtype=None, tiling=None):
     _require((x.shape[0], k), w.shape, x.dtype)
     kind = "dgrad" if transpose_rhs else "fwd"
     tiling = tiling or tuning.lookup(kind, x.dtype, k, n)
-    return mosaic_gmm.gmm(
-        x, w, group_sizes, tiling=tiling, transpose_rhs=transpose_rhs, out_dtype=out_dtype
+    (x_padded,) = _pad_rows(x)
+    y = mosaic_gmm.gmm(
+        x_padded, w, group_sizes, tiling=tiling, transpose_rhs=transpose_rhs, out_dtype=out_dtype
     )
+    return y if x_padded is x else y[: x.shape[0]]
 
 
 def tgmm(x, dy, group_sizes, *, num_groups, out_dtype=None, tiling=None):
@@ -88,6 +106,7 @@ def tgmm(x, dy, group_sizes, *, num_groups, out_dtype=None, tiling=None):
     k, n = x.shape[1], dy.shape[1]
     _require(x.shape, (num_groups, k, n), x.dtype)
     tiling = tiling or tuning.lookup("wgrad", x.dtype, k, n)
+    x, dy = _pad_rows(x, dy)
     return mosaic_tgmm.tgmm(
         x, dy, group_sizes, num_groups=num_groups, tiling=tiling, out_dtype=out_dtype
     )

@@ -73,8 +73,9 @@ def check_shapes(x_shape, w_shape, tiling, transpose_rhs):
         raise ValueError(
             f"mosaic gmm: output columns {n_out=} must be a multiple of 2 * {tiling.block_n=}"
         )
-    if m < 1:
-        raise ValueError(f"mosaic gmm: x must have at least one row, got {m=}")
+    if m < 1 or m % 8:
+        # Swizzled TMA views tile the rows in 8s (``mosaic.gmm`` pads rows).
+        raise ValueError(f"mosaic gmm: rows {m=} must be a positive multiple of 8")
     return m, k, n_out
 
 

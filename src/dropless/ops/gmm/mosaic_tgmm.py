@@ -50,8 +50,9 @@ def check_shapes(x_shape, dy_shape, tiling):
         raise ValueError(f"mosaic tgmm: {k=} must be a multiple of 2 * {tiling.block_k=}")
     if n % tiling.block_n:
         raise ValueError(f"mosaic tgmm: {n=} must be a multiple of {tiling.block_n=}")
-    if m < 1:
-        raise ValueError(f"mosaic tgmm: x must have at least one row, got {m=}")
+    if m < 1 or m % 8:
+        # Swizzled TMA views tile the rows in 8s (``mosaic.tgmm`` pads rows).
+        raise ValueError(f"mosaic tgmm: rows {m=} must be a positive multiple of 8")
     return m, k, n
 
 
