@@ -136,6 +136,8 @@ class Checkpointer:
         with self._lock:
             steps, self._unsealed = self._unsealed, []
         for step in steps:
+            if jax.process_index() != 0:
+                continue  # one writer per manifest (a shared run directory)
             if os.path.isdir(self.step_dir(step)):
                 write_manifest(self.step_dir(step))
             else:  # not renamed into place yet: try again on the next poll

@@ -367,13 +367,17 @@ def run_training(model: ModelConfig, train: TrainConfig, mesh: MeshConfig, *,
     """
     t0 = time.perf_counter()
     console = console or Console()
+    primary = jax.process_index() == 0
     s = _setup(model, train, mesh)
+    if not train.run_name and jax.process_count() > 1:
+        raise ValueError("a multi-process run needs run_name: every process must use one directory")
     run_name = train.run_name or time.strftime("run-%Y%m%d-%H%M%S")
     run_dir = os.path.abspath(os.path.join(train.base_output_directory, run_name))
     os.makedirs(run_dir, exist_ok=True)
-    with open(os.path.join(run_dir, "config.json"), "w") as f:
-        json.dump({"model": dataclasses.asdict(model), "train": dataclasses.asdict(train),
-                   "mesh": dataclasses.asdict(mesh)}, f, indent=1)
+    if primary:
+        with open(os.path.join(run_dir, "config.json"), "w") as f:
+            json.dump({"model": dataclasses.asdict(model), "train": dataclasses.asdict(train),
+                       "mesh": dataclasses.asdict(mesh)}, f, indent=1)
     num_params, tokens = _describe(console, model, train, s, run_dir)
     ckpt = None
     if train.enable_checkpointing:
@@ -385,7 +389,8 @@ def run_training(model: ModelConfig, train: TrainConfig, mesh: MeshConfig, *,
         state, resumed_from = _initial_state(s, train, ckpt, console)
         start = int(jax.device_get(state["step"]))
         writer = metrics_lib.MetricsWriter(run_dir, enable_tensorboard=train.enable_tensorboard,
-                                           resume_step=start, log_period=train.log_period)
+                                           resume_step=start, log_period=train.log_period,
+                                           enabled=primary)
         if start >= train.steps:
             console.print(f"run already complete at step {start} (steps={train.steps})")
         state, rows, times, load_LE, compile_s = _train_steps(
@@ -395,9 +400,10 @@ def run_training(model: ModelConfig, train: TrainConfig, mesh: MeshConfig, *,
     finally:
         if ckpt is not None:
             ckpt.close()
-    rows_all = metrics_lib.read_jsonl(writer.jsonl_path)
+    # Process 0 writes the run's files; the others report what they ran.
+    rows_all = metrics_lib.read_jsonl(writer.jsonl_path) if primary else rows
     plot_path = None
-    if rows_all:
+    if rows_all and primary:
         plot_path = plots.plot_run(
             rows_all, os.path.join(run_dir, "summary.png"), entropy_floor=s.source.entropy_floor,
             load_LE=load_LE, title=f"{run_name}: {s.source.description}",

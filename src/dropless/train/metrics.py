@@ -130,13 +130,15 @@ class MetricsWriter:
     """
 
     def __init__(self, run_dir: str, *, enable_tensorboard: bool, resume_step: int,
-                 log_period: int = 1):
+                 log_period: int = 1, enabled: bool = True):
         os.makedirs(run_dir, exist_ok=True)
         self._log_period = max(1, log_period)
         self.jsonl_path = os.path.join(run_dir, "metrics.jsonl")
+        self._jsonl = self._tb = None
+        if not enabled:  # processes other than 0 of a multi-process run
+            return
         truncate_jsonl(self.jsonl_path, resume_step)
         self._jsonl = open(self.jsonl_path, "a")
-        self._tb = None
         if enable_tensorboard:
             from tensorboardX import SummaryWriter
 
@@ -144,6 +146,8 @@ class MetricsWriter:
 
     def write(self, row: dict) -> None:
         """Record one row; files are flushed every ``log_period`` steps (MaxText's meaning)."""
+        if self._jsonl is None:
+            return
         self._jsonl.write(json.dumps(row) + "\n")
         if self._tb is not None:
             for key, tag in TENSORBOARD_TAGS.items():
@@ -160,7 +164,8 @@ class MetricsWriter:
             self._tb.add_text(tag, text)
 
     def close(self) -> None:
-        self._jsonl.close()
+        if self._jsonl is not None:
+            self._jsonl.close()
         if self._tb is not None:
             self._tb.close()
 
