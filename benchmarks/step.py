@@ -42,6 +42,9 @@ import subprocess
 import sys
 import time
 
+# One case per process, so it may take nearly all of the GPU's memory (JAX's default is 75%).
+os.environ.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.92")
+
 CASES = ("xla", "capacity", "ours")
 RESULT_PREFIX = "STEP_RESULT "
 
