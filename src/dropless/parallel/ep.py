@@ -91,6 +91,10 @@ class ExpertParallel:
     def ranks(self) -> int:
         return self.mesh.shape[self.expert_axis]
 
+    def live(self, axes) -> tuple[str, ...]:
+        """The axes of ``axes`` with more than one device (size-1 axes split nothing)."""
+        return tuple(a for a in axes if self.mesh.shape[a] > 1)
+
     @property
     def token_shards(self) -> int:
         return math.prod(self.mesh.shape[a] for a in self.token_axes)
@@ -262,7 +266,7 @@ def _per_rank(x_TD, experts_TK, weights_TK, expert_weights, *, expert_fn, num_ex
     # The weights are replicated over the batch axes, the tokens are not; a
     # custom-VJP expert_fn must see both vary alike (the weight gradient's
     # transpose of this cast is the psum over the batch axes).
-    batch_axes = tuple(a for a in ep.token_axes if a != ep.expert_axis)
+    batch_axes = ep.live(a for a in ep.token_axes if a != ep.expert_axis)
     if batch_axes:
         expert_weights = tuple(jax.lax.pcast(w, batch_axes, to="varying") for w in expert_weights)
     ranks = ep.ranks
@@ -293,7 +297,7 @@ def _per_rank(x_TD, experts_TK, weights_TK, expert_weights, *, expert_fn, num_ex
     remote_R = jnp.arange(ranks) != rank
     rows_sent = jnp.sum(jnp.where(remote_R, sent.counts_2R[0], 0))
     copies_sent = jnp.sum(jnp.where(remote_R, sent.counts_2R[1], 0))
-    axes = ep.token_axes
+    axes = ep.live(ep.token_axes)
     stats = EPStats(
         overflow_tokens=jax.lax.psum(trips.dropped_rows + lost_rows, axes),
         buffer_factor_needed=jax.lax.pmax(needed, axes),
@@ -334,12 +338,15 @@ def routed_experts(x_TD, experts_TK, weights_TK, expert_weights, expert_fn: Call
     if x_TD.shape[0] % ep.token_shards:
         raise ValueError(f"{x_TD.shape[0]} tokens do not split over mesh axes "
                          f"{ep.token_axes} ({ep.token_shards} shards)")
-    tokens = P(ep.token_axes)
+    # Specs name only axes of size > 1: then nothing varies over a size-1 axis
+    # and one device runs exactly the local program (no casts, no trivial psums).
+    tokens = P(ep.live(ep.token_axes) or None)
+    experts = P(ep.live((ep.expert_axis,)) or None)
     body = functools.partial(_per_rank, expert_fn=expert_fn, num_experts=num_experts,
                              alignment=alignment, ep=ep)
     fn = jax.shard_map(
         body, mesh=ep.mesh,
-        in_specs=(tokens, tokens, tokens, tuple(P(ep.expert_axis) for _ in expert_weights)),
+        in_specs=(tokens, tokens, tokens, tuple(experts for _ in expert_weights)),
         out_specs=(tokens, P()),
     )
     return fn(x_TD, experts_TK, weights_TK, tuple(expert_weights))
