@@ -98,7 +98,7 @@ def _global_batch(train: TrainConfig, mesh) -> int:
     """Sequences per microbatch across all devices.
 
     Raises:
-      ValueError: a batch that is not a whole number, or does not split over data x fsdp.
+      ValueError: a batch that is not a whole number, or does not split over the batch axes.
     """
     exact = train.per_device_batch_size * mesh.size
     batch = int(round(exact))
@@ -109,7 +109,10 @@ def _global_batch(train: TrainConfig, mesh) -> int:
         )
     shards = mesh_lib.batch_shards(mesh)
     if batch % shards:
-        raise ValueError(f"global batch {batch} does not split over data x fsdp = {shards} shards")
+        raise ValueError(
+            f"global batch {batch} does not split over the mesh's {shards} batch shards "
+            f"({' x '.join(mesh_lib.BATCH_AXES)})"
+        )
     return batch
 
 
@@ -132,8 +135,8 @@ def _setup(model: ModelConfig, train: TrainConfig, mesh_cfg: MeshConfig) -> _Set
     abstract = jax.eval_shape(init)
     device = jax.devices()[0]
     return _Setup(
-        model=model, mesh_cfg=mesh_cfg, mesh=mesh, source=source, tx=tx, schedule=schedule, graphdef=graphdef, init=init,
-        abstract=abstract, shardings=mesh_lib.param_shardings(mesh, abstract),
+        model=model, mesh_cfg=mesh_cfg, mesh=mesh, source=source, tx=tx, schedule=schedule,
+        graphdef=graphdef, init=init, abstract=abstract, shardings=mesh_lib.param_shardings(mesh, abstract),
         global_batch=global_batch,
         flops=flops_lib.training_tflops_per_device(
             model, global_batch / mesh.size, train.max_target_length, train.gradient_accumulation_steps
