@@ -130,20 +130,32 @@ def test_rows_not_a_multiple_of_8_lower_through_padding():
 # ------------------------------------------------------ CPU: interpret mode
 
 
-def _interpret():
+def _interpret(detect_races=False):
     from jax.experimental.pallas import mosaic_gpu as plgpu
 
-    return plgpu.force_gpu_interpret_mode()
+    return plgpu.force_gpu_interpret_mode(plgpu.InterpretGPUParams(detect_races=detect_races))
+
+
+def _races_found():
+    from jax._src.pallas.mosaic_gpu.interpret.interpret_pallas_call import get_races
+
+    return get_races().races_found
 
 
 def test_interpret_fwd_and_dgrad_awkward_layout(rng):
-    m, k, n, g = 300, 128, 256, 6
-    sizes = np.array([70, 0, 150, 10, 40, 0], np.int32)  # a 10-row group inside a block, tail of 30
+    """Row-exact (boundary) tiles next to whole tiles, 64-wide warpgroup tiles, a tail.
+
+    The race detector watches the epilogue buffers: a row-exact store by one
+    warpgroup must never overlap a whole-tile store by the other.
+    """
+    m, k, n, g = 516, 128, 256, 6  # M = 516: the entry pads rows to 520
+    sizes = np.array([70, 0, 330, 10, 40, 0], np.int32)  # 10-row group, tail of 66 rows
     x, w, dy = problem(rng, m, k, n, g, sizes)
-    with _interpret():  # M = 300: the entry pads rows to 304
-        y = mosaic.gmm(x, w, jnp.asarray(sizes), tiling=GmmTiling(grid_tile_width=2))
-        dx = mosaic.gmm(dy, w, jnp.asarray(sizes), tiling=GmmTiling(block_n=64), transpose_rhs=True)
     gs = jnp.asarray(sizes)
+    with _interpret(detect_races=True):
+        y = mosaic.gmm(x, w, gs, tiling=GmmTiling(block_n=64, grid_tile_width=2))
+        dx = mosaic.gmm(dy, w, gs, tiling=GmmTiling(block_n=64), transpose_rhs=True)
+    assert not _races_found()
     assert_rows_match(y, reference.gmm(clean(x), w, gs), sizes)
     assert_rows_match(dx, reference.gmm(clean(dy), w, gs, transpose_rhs=True), sizes)
 

@@ -121,14 +121,20 @@ def gmm(x_MK, w, group_sizes_G, *, tiling: GmmTiling, transpose_rhs=False, out_d
         @functools.partial(
             pl.run_scoped,
             pipeline_allocs=pipeline_allocs,
-            out_smem=plgpu.RefUnion(
-                plgpu.SMEM((2, 2, _EPI, _EPI), out_dtype, transforms=out_transforms),
-                plgpu.SMEM((2, _EPI, bn), out_dtype),
-            ),
+            # One union per compute warpgroup: its swizzled tiles (whole-tile
+            # stores) alias its unswizzled rows (row-exact stores). A union
+            # shared by both warpgroups would let one warpgroup's rows overlap
+            # the other's tiles while they work on different output tiles.
+            out_smem=[
+                plgpu.RefUnion(
+                    plgpu.SMEM((2, _EPI, _EPI), out_dtype, transforms=out_transforms),
+                    plgpu.SMEM((_EPI, bn), out_dtype),
+                )
+                for _ in range(2)
+            ],
             collective_axes="wg",
         )
         def _scope(pipeline_allocs, out_smem):
-            tiles_smem, rows_smem = out_smem
             wg = lax.axis_index("wg")
             n_tiles = num_tiles_ref[0]
 
@@ -142,11 +148,17 @@ def gmm(x_MK, w, group_sizes_G, *, tiling: GmmTiling, transpose_rhs=False, out_d
                 group = group_ref[t]
                 row_start = pl.multiple_of(row_start_ref[t], bm)
                 col0 = pl.multiple_of(band * cta_n + wg * bn, bn)
-                store = functools.partial(
-                    _store_tile, tiles_smem=tiles_smem, rows_smem=rows_smem, o_gmem=o_gmem,
-                    wg=wg, m=m, bm=bm, bn=bn, row_start=row_start, col0=col0,
-                    lo=lo_ref[t], hi=hi_ref[t],
-                )
+                lo, hi = lo_ref[t], hi_ref[t]
+
+                def store(out):
+                    for w in range(2):  # static buffers per warpgroup
+                        @pl.when(wg == w)
+                        def _store_own():
+                            tiles_smem, rows_smem = out_smem[w]
+                            _store_tile(
+                                out, tiles_smem=tiles_smem, rows_smem=rows_smem, o_gmem=o_gmem,
+                                m=m, bm=bm, bn=bn, row_start=row_start, col0=col0, lo=lo, hi=hi,
+                            )
 
                 def compute_context(eval_pipeline):
                     @functools.partial(pl.run_scoped, acc_ref=plgpu.ACC((bm, bn), jnp.float32))
@@ -193,7 +205,7 @@ def gmm(x_MK, w, group_sizes_G, *, tiling: GmmTiling, transpose_rhs=False, out_d
     )
 
 
-def _store_tile(out, *, tiles_smem, rows_smem, o_gmem, wg, m, bm, bn, row_start, col0, lo, hi):
+def _store_tile(out, *, tiles_smem, rows_smem, o_gmem, m, bm, bn, row_start, col0, lo, hi):
     """Store rows [lo, hi) of a warpgroup's [bm, bn] result (block rows row_start..).
 
     Other rows of the block belong to other groups and must not be written,
@@ -210,10 +222,10 @@ def _store_tile(out, *, tiles_smem, rows_smem, o_gmem, wg, m, bm, bn, row_start,
                 slot = (i * (bn // _EPI) + j) % 2
                 # Keep one store in flight while filling the other slot.
                 plgpu.wait_smem_to_gmem(1, wait_read_only=True)
-                tiles_smem[wg, slot] = out[i * _EPI:(i + 1) * _EPI, j * _EPI:(j + 1) * _EPI]
+                tiles_smem[slot] = out[i * _EPI:(i + 1) * _EPI, j * _EPI:(j + 1) * _EPI]
                 plgpu.commit_smem()
                 plgpu.copy_smem_to_gmem(
-                    tiles_smem.at[wg, slot],
+                    tiles_smem.at[slot],
                     o_gmem.at[pl.ds(row_start + i * _EPI, _EPI), pl.ds(col0 + j * _EPI, _EPI)],
                 )
 
@@ -230,7 +242,7 @@ def _store_tile(out, *, tiles_smem, rows_smem, o_gmem, wg, m, bm, bn, row_start,
             @pl.when(num_rows > 0)
             def _half():
                 plgpu.wait_smem_to_gmem(0, wait_read_only=True)
-                rows_smem[wg] = out[i * _EPI:(i + 1) * _EPI, :]
+                rows_smem[...] = out[i * _EPI:(i + 1) * _EPI, :]
                 plgpu.commit_smem()
                 offset = half_lo
                 size = _EPI
@@ -238,7 +250,7 @@ def _store_tile(out, *, tiles_smem, rows_smem, o_gmem, wg, m, bm, bn, row_start,
                     @pl.when((num_rows & size) != 0)
                     def _store_rows():
                         plgpu.copy_smem_to_gmem(
-                            rows_smem.at[wg, pl.ds(offset, size)],
+                            rows_smem.at[pl.ds(offset, size)],
                             o_gmem.at[pl.ds(row_start + i * _EPI + offset, size), pl.ds(col0, bn)],
                         )
                     offset = offset + (num_rows & size)
