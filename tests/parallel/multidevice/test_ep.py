@@ -47,26 +47,41 @@ def _blocks(mesh, cfg, factor, seed=0):
     return ref, par
 
 
-def _skew_to_rank0(block, ranks):
-    """Bias the selection so every token picks rank 0's experts first."""
+def _rank0_bias(block, ranks):
+    """A balancing bias that makes every token pick rank 0's experts first."""
     e = block.cfg.num_experts
-    per_rank = e // ranks
-    block.router_bias[...] = jnp.zeros(e).at[:per_rank].set(100.0)
+    return jnp.zeros(e).at[:e // ranks].set(100.0)
 
 
-def _loss_and_grads(block, x_BSD, c_BSD, mesh=None):
+def _grad_fn(block, mesh=None):
+    """(jitted (state, x, c) -> (y, stats, (dstate, dx)), the block's state), sharded on mesh."""
     graphdef, state = nnx.split(block)
     if mesh is not None:
         state = jax.device_put(state, sharding.state_shardings(mesh, state))
-        x_BSD = jax.device_put(x_BSD, NamedSharding(mesh, P(sharding.BATCH_AXES)))
 
-    def loss(state, x):
+    def loss(state, x, c):
         y, stats = nnx.merge(graphdef, state)(x)
-        return jnp.sum(y * c_BSD), (y, stats)
+        return jnp.sum(y * c), (y, stats)
 
-    (_, (y, stats)), grads = jax.jit(jax.value_and_grad(loss, argnums=(0, 1), has_aux=True))(
-        state, x_BSD)
-    return y, stats, grads
+    def fn(state, x, c):
+        (_, (y, stats)), grads = jax.value_and_grad(loss, argnums=(0, 1), has_aux=True)(
+            state, x, c)
+        return y, stats, grads
+
+    return jax.jit(fn), state
+
+
+def _with_bias(state, bias):
+    state = jax.tree.map(lambda a: a, state)  # a copy of the tree, same arrays
+    state["router_bias"] = jax.tree.map(lambda b: jnp.zeros_like(b) + bias, state["router_bias"])
+    return state
+
+
+def _loss_and_grads(block, x_BSD, c_BSD, mesh=None):
+    fn, state = _grad_fn(block, mesh)
+    if mesh is not None:
+        x_BSD = jax.device_put(x_BSD, NamedSharding(mesh, P(sharding.BATCH_AXES)))
+    return fn(state, x_BSD, c_BSD)
 
 
 def hand_dedup_counts(experts_TK, ranks, per_rank, token_rank_T):
@@ -85,40 +100,48 @@ def _token_ranks(mesh, tokens):
     return [(t // (tokens // shards)) % mesh.shape["expert"] for t in range(tokens)]
 
 
-@pytest.mark.parametrize("routing", ["random", "all_to_rank0"])
 @pytest.mark.parametrize("case", list(CASES))
-def test_same_values_and_grads_as_single_device(case, routing, rng):
+def test_same_values_and_grads_as_single_device(case, rng):
     mesh_shape, cfg = CASES[case]
     mesh = make_mesh(**mesh_shape)
     ref, par = _blocks(mesh, cfg, factor=-1)
     ranks = mesh.shape["expert"]
-    if routing == "all_to_rank0":
-        _skew_to_rank0(ref, ranks)
-        _skew_to_rank0(par, ranks)
-    x = jnp.asarray(rng.standard_normal((8, 4, D)), jnp.float32)
-    c = jnp.asarray(rng.standard_normal((8, 4, D)), jnp.float32)
-    y0, s0, (gp0, gx0) = _loss_and_grads(ref, x, c)
-    y1, s1, (gp1, gx1) = _loss_and_grads(par, x, c, mesh)
-    np.testing.assert_allclose(y1, y0, rtol=1e-5, atol=1e-5)
-    np.testing.assert_allclose(gx1, gx0, rtol=1e-4, atol=1e-5)
-    flat0 = dict(jax.tree_util.tree_leaves_with_path(gp0))
-    for path, g1 in jax.tree_util.tree_leaves_with_path(gp1):
-        np.testing.assert_allclose(g1, flat0[path], rtol=1e-4, atol=1e-5,
-                                   err_msg=jax.tree_util.keystr(path))
-    assert int(s1.overflow_tokens) == 0 and int(s0.overflow_tokens) == 0
-    np.testing.assert_array_equal(s1.tokens_per_expert, s0.tokens_per_expert)
-    # Deduplication counts against a count by hand of the same routing.
-    x_TD = x.reshape(-1, D)
-    _, decision = ref._route(x_TD)
-    sent, saved = hand_dedup_counts(decision.experts_TK, ranks, cfg.num_experts // ranks,
-                                    _token_ranks(mesh, x_TD.shape[0]))
-    assert (int(s1.ep_rows_sent), int(s1.ep_rows_saved)) == (sent, saved)
-    if routing == "all_to_rank0" and cfg.num_experts_per_tok <= cfg.num_experts // ranks:
-        # Every token's K experts sit on rank 0: one row per token off rank 0, and
-        # rank 0 holds R times the balanced T*K copies.
-        off_rank0 = x_TD.shape[0] - x_TD.shape[0] // ranks
-        assert (sent, saved) == (off_rank0, off_rank0 * (cfg.num_experts_per_tok - 1))
-        assert float(s1.buffer_factor_needed) == ranks
+    ref_fn, ref_state = _grad_fn(ref)
+    par_fn, par_state = _grad_fn(par, mesh)
+    # Routing is data (the bias): both routings run the same two compiled programs.
+    for routing in ("random", "all_to_rank0"):
+        bias = _rank0_bias(ref, ranks) if routing == "all_to_rank0" else 0.0
+        x = jnp.asarray(rng.standard_normal((8, 4, D)), jnp.float32)
+        c = jnp.asarray(rng.standard_normal((8, 4, D)), jnp.float32)
+        y0, s0, (gp0, gx0) = ref_fn(_with_bias(ref_state, bias), x, c)
+        xs = jax.device_put(x, NamedSharding(mesh, P(sharding.BATCH_AXES)))
+        y1, s1, (gp1, gx1) = par_fn(_with_bias(par_state, bias), xs, c)
+        np.testing.assert_allclose(y1, y0, rtol=1e-5, atol=1e-5, err_msg=routing)
+        np.testing.assert_allclose(gx1, gx0, rtol=1e-4, atol=1e-5, err_msg=routing)
+        flat0 = dict(jax.tree_util.tree_leaves_with_path(gp0))
+        for path, g1 in jax.tree_util.tree_leaves_with_path(gp1):
+            np.testing.assert_allclose(g1, flat0[path], rtol=1e-4, atol=1e-5,
+                                       err_msg=f"{routing} {jax.tree_util.keystr(path)}")
+        assert int(s1.overflow_tokens) == 0 and int(s0.overflow_tokens) == 0
+        np.testing.assert_array_equal(s1.tokens_per_expert, s0.tokens_per_expert)
+        # Deduplication counts against a count by hand of the same routing.
+        x_TD = x.reshape(-1, D)
+        decision = _decision_with_bias(ref, x_TD, bias)
+        sent, saved = hand_dedup_counts(decision.experts_TK, ranks, cfg.num_experts // ranks,
+                                        _token_ranks(mesh, x_TD.shape[0]))
+        assert (int(s1.ep_rows_sent), int(s1.ep_rows_saved)) == (sent, saved), routing
+        if routing == "all_to_rank0" and cfg.num_experts_per_tok <= cfg.num_experts // ranks:
+            # Every token's K experts sit on rank 0: one row per token off rank 0, and
+            # rank 0 holds R times the balanced T*K copies.
+            off_rank0 = x_TD.shape[0] - x_TD.shape[0] // ranks
+            assert (sent, saved) == (off_rank0, off_rank0 * (cfg.num_experts_per_tok - 1))
+            assert float(s1.buffer_factor_needed) == ranks
+
+
+def _decision_with_bias(block, x_TD, bias):
+    graphdef, state = nnx.split(block)
+    biased = nnx.merge(graphdef, _with_bias(state, bias))
+    return biased._route(x_TD)[1]
 
 
 @pytest.mark.parametrize("k", [1, 2])
@@ -127,7 +150,7 @@ def test_overflow_counted_by_hand(k):
     mesh = make_mesh(data=2, expert=4)
     cfg = MoEConfig(num_experts=8, num_experts_per_tok=k, moe_mlp_dim=4, gmm_backend="xla")
     _, par = _blocks(mesh, cfg, factor=1.0)
-    _skew_to_rank0(par, 4)
+    par.router_bias[...] = _rank0_bias(par, 4)
     x = jax.random.normal(jax.random.key(0), (8, 4, D))
     _, stats, _ = _loss_and_grads(par, x, jnp.ones_like(x), mesh)
     t = 4
