@@ -114,9 +114,9 @@ def layouts(counts_RR, capacity, rank):
 
 
 def _ragged(x_ND, out_rows, lay: Layout, axis_name):
-    out_MD = jnp.zeros((out_rows, *x_ND.shape[1:]), x_ND.dtype)
-    # The output buffer must vary over the axis like the operand does.
-    out_MD = jax.lax.pcast(out_MD, axis_name, to="varying")
+    # zeros_like keeps the operand's varying mesh axes (the exchange axis and,
+    # inside a larger mesh, the batch axes), which the output buffer must share.
+    out_MD = jnp.zeros_like(x_ND, shape=(out_rows, *x_ND.shape[1:]))
     return jax.lax.ragged_all_to_all(
         x_ND, out_MD, lay.input_offsets, lay.send_sizes, lay.output_offsets, lay.recv_sizes,
         axis_name=axis_name,

@@ -79,3 +79,25 @@ def test_ragged_lowers_to_ragged_all_to_all():
     with pytest.raises(ValueError, match="not one of"):
         exchange.exchange(jnp.zeros((2, 1)), 2, None, None, axis_name="expert", impl="nccl",
                           chunk_rows=2)
+
+
+def test_ragged_moe_block_lowers_on_a_data_x_expert_mesh():
+    # Inside a larger mesh the tokens vary over data too: the ragged output buffer must as well.
+    from flax import nnx
+
+    from dropless.config.sections import MoEConfig
+    from dropless.nn.moe import MoEBlock
+    from dropless.parallel import ep as ep_lib
+
+    mesh = make_mesh(data=2, expert=4)
+    cfg = MoEConfig(num_experts=8, num_experts_per_tok=2, moe_mlp_dim=8, gmm_backend="xla")
+    block = MoEBlock(cfg, emb_dim=8, rngs=nnx.Rngs(0),
+                     ep=ep_lib.ExpertParallel(mesh, buffer_factor=2.0, exchange="ragged"))
+    graphdef, state = nnx.split(block)
+
+    def loss(state, x):
+        return jnp.sum(nnx.merge(graphdef, state)(x)[0] ** 2)
+
+    text = jax.jit(jax.grad(loss, argnums=(0, 1))).lower(state, jnp.ones((8, 4, 8))).as_text()
+    # Tokens out, metadata out, results back; and the three opposite trips.
+    assert text.count("ragged_all_to_all") == 6
