@@ -69,15 +69,36 @@ def test_run_outputs(reference):
 
 
 _CHILD = """
-import pickle, sys
+import json, pickle, sys
 from dropless.config.sections import MeshConfig
 from dropless.train.loop import run_training
 model, train = pickle.load(open(sys.argv[1], "rb"))
-run_training(model, train, MeshConfig())
+r = run_training(model, train, MeshConfig())
+print("RESULT " + json.dumps({"resumed_from": r.resumed_from, "final_step": r.final_step}))
 """
 
 
-def _kill_after_first_checkpoint(proc, ckpt_dir, timeout=240):
+def _spawn(tmp_path, model, train, name):
+    """Start ``run_training(model, train)`` in a fresh process with pinned XLA flags.
+
+    Every run compared bitwise runs this way: the test process's own backend
+    may have started with other flags (whichever test touched JAX first).
+    """
+    (tmp_path / f"{name}.pkl").write_bytes(pickle.dumps((model, train)))
+    (tmp_path / "child.py").write_text(_CHILD)
+    env = {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": "--xla_backend_optimization_level=0"}
+    return subprocess.Popen([sys.executable, str(tmp_path / "child.py"), str(tmp_path / f"{name}.pkl")],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env)
+
+
+def _result(proc) -> dict:
+    out = proc.communicate(timeout=600)[0].decode()
+    lines = [x for x in out.splitlines() if x.startswith("RESULT ")]
+    assert proc.returncode == 0 and lines, out[-3000:]
+    return json.loads(lines[-1][len("RESULT "):])
+
+
+def _kill_after_first_checkpoint(proc, ckpt_dir, timeout=300):
     """SIGKILL ``proc`` as soon as a complete checkpoint exists; returns its step."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
@@ -95,21 +116,21 @@ def _kill_after_first_checkpoint(proc, ckpt_dir, timeout=240):
     pytest.fail("no checkpoint appeared")
 
 
-def test_resume_after_sigkill_gives_identical_losses(reference, small_model, tmp_path):
-    train, ref_result, _ = reference
-    train = train.__class__(**{**train.__dict__, "base_output_directory": str(tmp_path)})
-    (tmp_path / "cfg.pkl").write_bytes(pickle.dumps((small_model, train)))
-    (tmp_path / "child.py").write_text(_CHILD)
-    proc = subprocess.Popen([sys.executable, str(tmp_path / "child.py"), str(tmp_path / "cfg.pkl")],
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
-    killed_at = _kill_after_first_checkpoint(proc, str(tmp_path / "run" / "checkpoints"))
-    assert proc.returncode == -signal.SIGKILL
+def test_resume_after_sigkill_gives_identical_losses(small_model, make_train, tmp_path):
+    def train(name):
+        return make_train(tmp_path / name, steps=STEPS, checkpoint_period=PERIOD,
+                          enable_tensorboard=False)
 
-    result = run_training(small_model, train, MeshConfig(), console=_quiet())
-    assert result.resumed_from is not None and killed_at <= result.resumed_from < STEPS
-    ref = metrics_lib.read_jsonl(ref_result.metrics_path)
-    got = metrics_lib.read_jsonl(result.metrics_path)
-    assert [r["step"] for r in got] == list(range(1, STEPS + 1))
+    uninterrupted = _spawn(tmp_path, small_model, train("whole"), "whole")
+    killed = _spawn(tmp_path, small_model, train("killed"), "killed")
+    killed_at = _kill_after_first_checkpoint(killed, str(tmp_path / "killed" / "run" / "checkpoints"))
+    assert killed.returncode == -signal.SIGKILL
+    resumed = _result(_spawn(tmp_path, small_model, train("killed"), "killed"))
+    _result(uninterrupted)
+    assert resumed["resumed_from"] is not None and killed_at <= resumed["resumed_from"] < STEPS
+    ref = metrics_lib.read_jsonl(str(tmp_path / "whole" / "run" / "metrics.jsonl"))
+    got = metrics_lib.read_jsonl(str(tmp_path / "killed" / "run" / "metrics.jsonl"))
+    assert [r["step"] for r in got] == [r["step"] for r in ref] == list(range(1, STEPS + 1))
     for key in ("loss", "lm_loss", "grad_norm", "learning_rate"):
         assert [r[key] for r in got] == [r[key] for r in ref], key  # bitwise
 
