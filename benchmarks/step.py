@@ -193,14 +193,11 @@ def run_with_backoff(case, args) -> dict:
 
 
 def _git_commit() -> str:
-    try:
-        out = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True,
-                             cwd=os.path.dirname(os.path.abspath(__file__)), check=True)
-        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"],
-                               capture_output=True, text=True, cwd=os.path.dirname(__file__))
-        return out.stdout.strip() + ("-dirty" if dirty.stdout.strip() else "")
-    except (OSError, subprocess.CalledProcessError):
-        return "unknown"
+    """The commit from git, else $DROPLESS_COMMIT (the GPU machine's copy has no .git)."""
+    from dropless.perf.measure import git_commit
+
+    info = git_commit()
+    return info["commit"] + ("-dirty" if info["dirty"] else "")
 
 
 def print_table(rows) -> None:
