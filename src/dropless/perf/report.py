@@ -22,7 +22,7 @@ Record fields read (aliases accepted, so the benchmarks' own formats work):
 - **moe_layer** (``benchmarks/moe_layer.py``): ``rows`` per case with
   ``fwd_ms``, ``fwd_bwd_ms``, ``*_tflops``, ``dropped_fraction``; ``split``
   with per-piece times; ``targets``.
-- **step** (``benchmarks/step.py``): ``rows`` (or ``results``), one per
+- **step** (``benchmarks/step.py``): ``rows`` (or ``results``/``cases``), one per
   variant: ``name`` (or ``case``/``variant``), ``tflops_per_device`` (or
   ``tflops``), optional ``tokens_per_s``, ``step_ms``, ``peak_memory_gib``,
   ``per_device_batch_size``, ``note``, and ``role`` ("baseline" | "ours";
@@ -369,7 +369,7 @@ def _moe_plot(record: dict, out: Path) -> Path:
 def step_rows(record: dict) -> list[dict]:
     """Normalised step rows: name, role, tflops, and the optional extras."""
     rows = []
-    for r in record.get("rows") or record.get("results") or []:
+    for r in record.get("rows") or record.get("results") or record.get("cases") or []:
         if not isinstance(r, dict):
             continue
         name = str(_get(r, "name", "case", "variant", default="?"))
@@ -377,7 +377,8 @@ def step_rows(record: dict) -> list[dict]:
         rows.append({"name": name, "role": role,
                      "tflops": _get(r, "tflops_per_device", "tflops"),
                      "tokens_per_s": _get(r, "tokens_per_s", "tokens_per_second"),
-                     "step_ms": _get(r, "step_ms", "step_time_ms"),
+                     "step_ms": _get(r, "step_ms", "step_time_ms")
+                     or (r["step_time_s"] * 1e3 if r.get("step_time_s") else None),
                      "memory": _get(r, "peak_memory_gib", "peak_mem_gib", "peak_memory_gb"),
                      "batch": _get(r, "per_device_batch_size", "batch"),
                      "note": _get(r, "note", "error", default="")})
