@@ -5,9 +5,16 @@ repeated runs explore new inputs), printed so a failure can be replayed with
 ``DROPLESS_TEST_SEED=<seed>``. Hypothesis uses the "dropless" profile: no
 per-example deadline (the first example of a shape pays for XLA compilation)
 and few examples, to keep the suite fast on two cores.
+
+The suite runs many tiny models, so XLA compile time dominates: unless
+``XLA_FLAGS`` is already set, XLA:CPU is asked for backend optimisation level
+0, which compiles about 3x faster. Results are the same; it is set here, the
+first file pytest loads, so it is in place before any test starts the backend.
 """
 
 import os
+
+os.environ.setdefault("XLA_FLAGS", "--xla_backend_optimization_level=0")
 import secrets
 
 import numpy as np

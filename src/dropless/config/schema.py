@@ -43,7 +43,7 @@ class Config(BaseModel):
     num_cpu_devices: int = _f(-1, "CPU only: devices per process (-1: the product of the fixed ici_*_parallelism axes, so ici_expert_parallelism=8 gives 8).", ge=-1)
     steps: int = _f(100, "Optimizer steps to run.", ge=1)
     seed: int = _f(0, "Seed of parameter initialisation and routing noise.")
-    log_period: int = _f(1, "Steps between metric lines.", ge=1)
+    log_period: int = _f(1, "Steps between flushes of metrics.jsonl and TensorBoard (MaxText's meaning).", ge=1)
     enable_tensorboard: bool = _f(True, "Write TensorBoard event files in the run directory.")
     enable_checkpointing: bool = _f(True, "Save Orbax checkpoints.")
     async_checkpointing: bool = _f(True, "Save checkpoints in the background.")
