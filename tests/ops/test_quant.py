@@ -1,0 +1,240 @@
+"""ops.quant: FP8 quantizers bit-for-bit against the NumPy model in ``fp8_reference``.
+
+Covers E4M3/E5M2 saturation and rounding on every code and every midpoint,
+per-tensor current scaling, blockwise power-of-two scales and MXFP8 E8M0
+scales at their boundaries, zero blocks, blocks whose small elements land in
+E4M3's subnormal range, float32-subnormal inputs, NaN/Inf blocks, exact
+dequantization (and exactness in bfloat16), and the element error bound.
+"""
+
+import fp8_reference as ref
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+import pytest
+
+from dropless.ops import quant
+
+
+def _wide_random(rng, shape, lo=-30, hi=12):
+    """Normal values times random powers of two: many binades, zeros, E4M3-subnormal tails."""
+    x = rng.standard_normal(shape) * np.ldexp(1.0, rng.integers(lo, hi, shape))
+    x[rng.random(shape) < 0.05] = 0.0
+    return x.astype(np.float32)
+
+
+# ----------------------------------------------------------------------------
+# Element conversion.
+
+
+@pytest.mark.parametrize("fmt", [ref.E4M3, ref.E5M2])
+def test_saturating_conversion_every_code_and_midpoint(fmt):
+    finite = np.arange(256, dtype=np.uint8).view(fmt).astype(np.float64)
+    finite = np.unique(finite[np.isfinite(finite)])
+    mids = (finite[:-1] + finite[1:]) / 2  # ties: round to even
+    fmax = ref.FMAX[fmt]
+    beyond = np.array([fmax * 1.01, fmax * 1.0625, fmax * 4, 1e30, np.inf])
+    v = np.concatenate([finite, mids, beyond, -beyond]).astype(np.float32)
+    got = jax.jit(lambda a: quant._saturate(a, jnp.dtype(fmt)))(v)
+    want = ref.to_fp8(v.astype(np.float64), fmt)
+    np.testing.assert_array_equal(ref.codes(got), ref.codes(want))
+    assert np.all(np.abs(np.asarray(got, np.float64)[-10:]) == fmax)  # saturated, not NaN
+    assert quant.fp8_max(fmt) == fmax
+
+
+def test_fp8_max_rejects_other_dtypes():
+    with pytest.raises(ValueError, match="fp8 dtype"):
+        quant.fp8_max(jnp.bfloat16)
+
+
+# ----------------------------------------------------------------------------
+# Per-tensor current scaling.
+
+
+@pytest.mark.parametrize("fmt", [ref.E4M3, ref.E5M2])
+def test_quantize_tensor_matches_model(rng, fmt):
+    x = _wide_random(rng, (64, 48))
+    x[0, :4] = [1e-40, -3e-39, 2.0**-127, 0.0]  # float32 subnormals: read as zero
+    q, s = jax.jit(lambda a: quant.quantize_tensor(a, jnp.dtype(fmt)))(x)
+    q_ref, s_ref = ref.quantize_tensor(x, fmt)
+    assert np.float32(s) == s_ref
+    np.testing.assert_array_equal(ref.codes(q), ref.codes(q_ref))
+    assert np.max(np.abs(np.asarray(q, np.float64))) == ref.FMAX[fmt]  # amax maps to fmax
+    assert np.all(np.asarray(q, np.float64)[0, :4] == 0)
+    back = np.asarray(quant.dequantize_tensor(q, s), np.float64)
+    bound = ref.element_error_bound(x, np.full((1, 1), float(s)), x.shape, fmt)
+    assert np.all(np.abs(back - ref.read(x)) <= bound)
+
+
+def test_quantize_tensor_zero_tiny_and_nonfinite():
+    q, s = quant.quantize_tensor(jnp.zeros((3, 5)))
+    assert float(s) == 1.0 and not np.any(np.asarray(q, np.float32))
+    # 448 / amax would overflow float32: inv stops at 2^126, so the scale stays normal.
+    tiny = np.array([2.0**-126, -2.0**-125], np.float32)
+    q, s = quant.quantize_tensor(tiny)
+    assert float(s) == 2.0**-126
+    np.testing.assert_array_equal(np.asarray(q, np.float32), [1.0, -2.0])
+    for bad in (np.nan, np.inf):
+        q, s = quant.quantize_tensor(jnp.array([1.0, bad, 2.0]))
+        assert np.isnan(float(s))
+        assert np.all(np.isnan(np.asarray(quant.dequantize_tensor(q, s))))
+
+
+# ----------------------------------------------------------------------------
+# Blockwise (power-of-two float32 scales).
+
+
+@pytest.mark.parametrize("shape, block", [
+    ((5, 300), (1, 128)),          # activations 1x128, K not a multiple of 128
+    ((2, 200, 130), (1, 128, 128)),  # weights 128x128 with partial blocks
+    ((300, 7), (128, 1)),          # 128x1 (wgrad operands, blocks along M)
+])
+def test_quantize_blocks_matches_model(rng, shape, block):
+    x = _wide_random(rng, shape)
+    x.reshape(-1)[:130] = 0.0  # a whole zero block in every layout
+    q, s = jax.jit(lambda a: quant.quantize_blocks(a, block))(x)
+    q_ref, s_ref = ref.quantize_blocks(x, block)
+    np.testing.assert_array_equal(np.asarray(s), s_ref)
+    np.testing.assert_array_equal(ref.codes(q), ref.codes(q_ref))
+    back = np.asarray(quant.dequantize_blocks(q, s, block), np.float64)
+    np.testing.assert_array_equal(back, ref.dequantize(q_ref, s_ref, shape, block))
+    assert np.all(np.abs(back - ref.read(x)) <= ref.element_error_bound(x, s_ref, block))
+    assert np.all(np.abs(np.asarray(q, np.float64)) <= 448)
+
+
+def test_blockwise_scale_boundaries():
+    """amax exactly fmax * 2^k keeps k; one float32 ulp more takes k + 1; nothing saturates."""
+    ks = np.array([-20, -3, 0, 5, 40])
+    amax = (448.0 * np.ldexp(1.0, ks)).astype(np.float32)
+    above = np.nextafter(amax, np.float32(np.inf))
+    rows = np.zeros((2 * len(ks), 128), np.float32)
+    rows[: len(ks), 0], rows[len(ks):, 0] = amax, above
+    rows[:, 1] = rows[:, 0] / 3  # a second element that is not the amax
+    _, s = quant.quantize_blocks(rows, (1, 128))
+    np.testing.assert_array_equal(np.log2(np.asarray(s)[:, 0]), np.concatenate([ks, ks + 1]))
+    q, _ = quant.quantize_blocks(rows, (1, 128))
+    assert np.all(np.asarray(q, np.float32)[: len(ks), 0] == 448)
+
+
+def test_blockwise_bf16_dequant_is_exact(rng):
+    x = _wide_random(rng, (4, 256), lo=-20)
+    q, s = quant.quantize_blocks(x, (1, 128))
+    f32 = quant.dequantize_blocks(q, s, (1, 128), jnp.float32)
+    bf16 = quant.dequantize_blocks(q, s, (1, 128), jnp.bfloat16)
+    np.testing.assert_array_equal(np.asarray(bf16, np.float32), np.asarray(f32))
+    qdq = quant.qdq_blocks(jnp.asarray(x, jnp.bfloat16), (1, 128))
+    assert qdq.dtype == jnp.bfloat16
+
+
+def test_blockwise_nonfinite_poisons_only_its_block():
+    x = np.ones((3, 256), np.float32)
+    x[1, 5] = np.nan
+    x[2, 200] = -np.inf
+    q, s = quant.quantize_blocks(x, (1, 128))
+    s = np.asarray(s)
+    assert np.isnan(s[1, 0]) and np.isnan(s[2, 1])
+    assert np.isfinite(s[[0, 0, 1, 2], [0, 1, 1, 0]]).all()
+    back = np.asarray(quant.dequantize_blocks(q, s, (1, 128)))
+    assert np.isnan(back[1, :128]).all() and np.isnan(back[2, 128:]).all()
+    assert (back[0] == 1).all() and (back[1, 128:] == 1).all() and (back[2, :128] == 1).all()
+
+
+def test_block_validation():
+    with pytest.raises(ValueError, match="block"):
+        quant.quantize_blocks(jnp.ones((4, 4)), (1,))
+    with pytest.raises(ValueError, match="block"):
+        quant.quantize_blocks(jnp.ones((4, 4)), (0, 4))
+    q, s = quant.quantize_blocks(jnp.ones((4, 256)), (1, 128))
+    with pytest.raises(ValueError, match="do not match"):
+        quant.dequantize_blocks(q, s[:, :1], (1, 128))
+
+
+# ----------------------------------------------------------------------------
+# MXFP8.
+
+
+@pytest.mark.parametrize("shape, axis", [((6, 100), -1), ((70, 9), 0), ((2, 64, 40), 1)])
+def test_quantize_mx_matches_model(rng, shape, axis):
+    x = _wide_random(rng, shape, lo=-40)
+    q, s = jax.jit(lambda a: quant.quantize_mx(a, axis))(x)
+    q_ref, s_ref = ref.quantize_mx(x, axis)
+    np.testing.assert_array_equal(ref.codes(s), ref.codes(s_ref))
+    np.testing.assert_array_equal(ref.codes(q), ref.codes(q_ref))
+    bshape = tuple(32 if i == axis % len(shape) else 1 for i in range(len(shape)))
+    scales = ref.mx_scales_f64(s_ref)
+    back = np.asarray(quant.dequantize_mx(q, s, axis), np.float64)
+    np.testing.assert_array_equal(back, ref.dequantize(q_ref, scales, shape, bshape))
+    assert np.all(np.abs(back - ref.read(x)) <= ref.element_error_bound(x, scales, bshape))
+
+
+def test_mx_e8m0_exponent_rule_and_saturation():
+    """X = floor(log2 amax) - 8 at and around powers of two; elements past 448 * 2^X saturate."""
+    js = np.array([-100, -7, 0, 1, 8, 100])
+    p = np.ldexp(1.0, js).astype(np.float32)
+    amaxes = np.concatenate([p, np.nextafter(p, np.float32(0)), (p * 1.75), (p * 1.99)])
+    x = np.zeros((len(amaxes), 32), np.float32)
+    x[:, 3] = amaxes
+    x[:, 4] = amaxes / 3  # a non-amax element
+    q, s = quant.quantize_mx(x)
+    e, finite = quant.mx_scale_exponents(s)
+    n = len(js)
+    want = np.concatenate([js - 8, js - 9, js - 8, js - 8])
+    np.testing.assert_array_equal(np.asarray(e)[:, 0], want)
+    assert np.asarray(finite).all()
+    top = np.asarray(q, np.float64)[:, 3]
+    np.testing.assert_array_equal(top[:n], 256.0)     # 2^j / 2^(j-8)
+    np.testing.assert_array_equal(top[2 * n: 3 * n], 448.0)  # 1.75 * 256 exactly
+    np.testing.assert_array_equal(top[3 * n:], 448.0)  # 1.99 * 256 = 509.4 saturates
+
+
+def test_mx_zero_tiny_subnormal_and_nonfinite_blocks():
+    x = np.zeros((6, 32), np.float32)
+    x[1, :] = 1e-40                     # float32 subnormals: a zero block
+    x[2, 0], x[2, 1] = 2.0**-120, 2.0**-125  # X clamps at -127
+    x[3, 0], x[3, 1:] = 1.0, 2.0**-16   # X = -8: 2^-16 / 2^X = 2^-8, an E4M3 subnormal
+    x[3, 2] = 2.0**-18                  # 2^-10: half the smallest subnormal, ties to zero
+    x[4, 7] = np.nan
+    x[5, 9] = np.inf
+    q, s = quant.quantize_mx(x)
+    q_ref, s_ref = ref.quantize_mx(x)
+    np.testing.assert_array_equal(ref.codes(s), ref.codes(s_ref))
+    np.testing.assert_array_equal(ref.codes(q), ref.codes(q_ref))
+    codes = ref.codes(s)[:, 0]
+    assert codes[0] == 0 and codes[1] == 0   # zero blocks: 2^-127
+    assert codes[2] == 0                     # floor(log2 2^-120) - 8 = -128 -> clamped
+    assert codes[4] == 255 and codes[5] == 255
+    qf = np.asarray(q, np.float64)
+    assert not qf[:2].any()
+    assert qf[3, 1] == 2.0**-8 and qf[3, 2] == 0.0
+    back = np.asarray(quant.dequantize_mx(q, s))
+    assert np.isnan(back[4]).all() and np.isnan(back[5]).all()
+    assert back[3, 0] == 1.0 and back[3, 1] == 2.0**-16
+
+
+def test_mx_validation():
+    with pytest.raises(ValueError, match="axis"):
+        quant.quantize_mx(jnp.ones((4, 32)), axis=2)
+    q, s = quant.quantize_mx(jnp.ones((4, 64)))
+    with pytest.raises(ValueError, match="do not match"):
+        quant.dequantize_mx(q, s, axis=0)
+
+
+# ----------------------------------------------------------------------------
+# The emulation claim: E4M3 x 2^X is exact in bfloat16 (while the result is normal).
+
+
+def test_every_e4m3_code_times_every_normal_scale_is_exact_in_bf16():
+    vals = np.arange(256, dtype=np.uint8).view(ref.E4M3).astype(np.float64)
+    vals = vals[np.isfinite(vals)]
+    xs = np.arange(-117, 120)  # 2^-9 * 2^-117 = 2^-126: the smallest normal
+    prod = vals[:, None] * np.ldexp(1.0, xs)[None, :]
+    as_bf16 = prod.astype(ml_dtypes.bfloat16).astype(np.float64)
+    np.testing.assert_array_equal(as_bf16, prod)
+    # Through the library's own dequantizer, for every code and the extreme exponents.
+    q = jnp.asarray(np.tile(vals.astype(np.float32), (2, 1)).astype(ref.E4M3))
+    for x_exp in (-117, 0, 119):
+        codes = np.full((2, q.shape[1] // 32 + (q.shape[1] % 32 > 0)), x_exp + 127, np.uint8)
+        s = jnp.asarray(codes.view(ml_dtypes.float8_e8m0fnu))
+        got = np.asarray(quant.dequantize_mx(q, s, out_dtype=jnp.bfloat16), np.float64)
+        np.testing.assert_array_equal(got[0], vals * 2.0**x_exp)
