@@ -1,0 +1,158 @@
+"""FP8 ``dot_general`` with per-tensor current scaling (``quantization: te_fp8_currentscaling``).
+
+A drop-in for ``jax.lax.dot_general`` (``nnx.Linear(..., dot_general=fp8_dot_general)``)
+whose three products run in FP8 with float32 accumulation::
+
+    forward  y  = (q(x) . q(w))            * sx * sw      q: E4M3
+    dgrad    dx = (q(dy) . q(w)^T)         * sdy * sw     q(dy): E5M2
+    wgrad    dw = (q(x)^T . q(dy))         * sx * sdy
+
+Each operand is quantized with its own per-tensor scale computed from its
+current amax (``ops.quant.quantize_tensor``), every step, so there is no amax
+history to carry. Gradients use E5M2 (Transformer Engine's HYBRID format, the
+default of its ``Float8CurrentScaling`` recipe): a per-tensor scale must cover
+a gradient's whole dynamic range, and E5M2 has 2^7 more of it than E4M3 at
+one mantissa bit less. The residuals kept for the backward pass are the FP8
+codes and scales of x and w (half the bytes of bf16 residuals).
+
+How this reaches cuBLASLt's FP8 GEMM on GPU: the FP8 arrays go straight into
+``lax.dot_general`` with ``preferred_element_type=float32`` and the scales
+multiply the float32 product afterwards ("direct quantization", what Flax's
+``Fp8DirectDotGeneralOp`` and Transformer Engine's JAX GEMM do). XLA's GEMM
+rewriter turns an FP8 x FP8 dot into ``__cublas$lt$matmul$f8`` (E4M3 x E4M3,
+E4M3 x E5M2 and E5M2 x E4M3 are supported; E5M2 x E5M2 is not and never
+occurs here), inserting the K-major transposes cuBLASLt needs on the one-byte
+operands. The older pattern (dequantize to bf16, then dot) relies on XLA
+matching convert-multiply-dot and broke across XLA versions; Flax deprecated
+it. On GPU the dots ask for the ``ANY_F8_ANY_F8_F32`` algorithm: FP8 inputs
+with float32 accumulation and without cuBLASLt's fast (reduced-precision)
+FP8 accumulation; other platforms, which reject that algorithm, get
+``Precision.HIGHEST`` (XLA:CPU upcasts the codes, exact, and accumulates in
+float32).
+
+Numerics (checked in tests/ops/test_fp8_dot.py against float64): with u the
+unit roundoff of the operand formats (E4M3 2^-4, E5M2 2^-3), each product is
+the exact product of the quantized operands up to float32 accumulation, and
+the quantized operands differ from the originals by at most u relative (plus
+2^-10 s absolute for E4M3 values in the subnormal range), so
+|y^ - y| <= (2u + u^2) |x|.|w| + subnormal terms, elementwise.
+"""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+from dropless.ops import quant
+
+FWD_DTYPE = quant.E4M3
+GRAD_DTYPE = quant.E5M2
+
+
+def _precision():
+    """FP8 x FP8 -> float32 accumulation: the explicit algorithm on GPU, HIGHEST elsewhere."""
+    if jax.default_backend() == "gpu":
+        return lax.DotAlgorithmPreset.ANY_F8_ANY_F8_F32
+    return lax.Precision.HIGHEST
+
+
+def _remaining(ndim, *used):
+    taken = set(d for axes in used for d in axes)
+    return [d for d in range(ndim) if d not in taken]
+
+
+def _dot(a, b, dims, out_sharding=None):
+    return lax.dot_general(a, b, dims, precision=_precision(),
+                           preferred_element_type=jnp.float32, out_sharding=out_sharding)
+
+
+def transpose_lhs(g, rhs, dims, lhs_ndim):
+    """Cotangent of the lhs of ``dot_general(lhs, rhs, dims)`` given the output cotangent g.
+
+    g has the output layout [batch..., lhs kept..., rhs kept...]; the result
+    has lhs's layout, in float32.
+    """
+    (lc, rc), (lb, rb) = dims
+    l_kept = _remaining(lhs_ndim, lc, lb)
+    r_kept = _remaining(rhs.ndim, rc, rb)
+    nb = len(lb)
+    g_rkept = list(range(nb + len(l_kept), g.ndim))
+    out = _dot(g, rhs, ((g_rkept, r_kept), (list(range(nb)), list(rb))))
+    # out: [batch..., lhs kept..., rhs contracting axes in rhs order] -> lhs axes.
+    contract_in_rhs_order = [lc[list(rc).index(a)] for a in sorted(rc)]
+    return lax.transpose(out, tuple(np.argsort(list(lb) + l_kept + contract_in_rhs_order)))
+
+
+def transpose_rhs(g, lhs, dims, rhs_ndim):
+    """Cotangent of the rhs of ``dot_general(lhs, rhs, dims)``; float32, rhs's layout."""
+    (lc, rc), (lb, rb) = dims
+    l_kept = _remaining(lhs.ndim, lc, lb)
+    r_kept = _remaining(rhs_ndim, rc, rb)
+    nb = len(lb)
+    g_lkept = list(range(nb, nb + len(l_kept)))
+    out = _dot(g, lhs, ((g_lkept, l_kept), (list(range(nb)), list(lb))))
+    # out: [batch..., rhs kept..., lhs contracting axes in lhs order] -> rhs axes.
+    contract_in_lhs_order = [rc[list(lc).index(a)] for a in sorted(lc)]
+    return lax.transpose(out, tuple(np.argsort(list(rb) + r_kept + contract_in_lhs_order)))
+
+
+def _canonical(dims):
+    (lc, rc), (lb, rb) = dims
+    return ((tuple(lc), tuple(rc)), (tuple(lb), tuple(rb)))
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3, 4))
+def _fp8_dot(lhs, rhs, dims, out_dtype, out_sharding):
+    y, _ = _fp8_dot_fwd(lhs, rhs, dims, out_dtype, out_sharding)
+    return y
+
+
+def _fp8_dot_fwd(lhs, rhs, dims, out_dtype, out_sharding):
+    q_l, s_l = quant.quantize_tensor(lhs, FWD_DTYPE)
+    q_r, s_r = quant.quantize_tensor(rhs, FWD_DTYPE)
+    y = _dot(q_l, q_r, dims, out_sharding) * (s_l * s_r)
+    # Zero-size arrays carry the input dtypes (the cotangents must have them).
+    dtypes = (jnp.zeros((0,), lhs.dtype), jnp.zeros((0,), rhs.dtype))
+    return y.astype(out_dtype), (q_l, s_l, q_r, s_r, dtypes)
+
+
+def _fp8_dot_bwd(dims, out_dtype, out_sharding, res, g):
+    q_l, s_l, q_r, s_r, (lhs_like, rhs_like) = res
+    q_g, s_g = quant.quantize_tensor(g, GRAD_DTYPE)
+    d_lhs = transpose_lhs(q_g, q_r, dims, q_l.ndim) * (s_g * s_r)
+    d_rhs = transpose_rhs(q_g, q_l, dims, q_r.ndim) * (s_g * s_l)
+    return d_lhs.astype(lhs_like.dtype), d_rhs.astype(rhs_like.dtype)
+
+
+_fp8_dot.defvjp(_fp8_dot_fwd, _fp8_dot_bwd)
+
+
+def fp8_dot_general(lhs, rhs, dimension_numbers, precision=None, preferred_element_type=None,
+                    out_sharding=None):
+    """``lax.dot_general`` computed in FP8 with per-tensor current scaling.
+
+    Args:
+      lhs, rhs: float arrays (any float dtypes); typically activations and a
+        kernel, as ``nnx.Linear`` passes them.
+      dimension_numbers: as for ``lax.dot_general`` (batch dims allowed).
+      precision: ignored (the FP8 products always accumulate in float32); kept
+        for the ``dot_general`` signature.
+      preferred_element_type: output dtype (default: the promoted input dtype).
+      out_sharding: passed to the forward product.
+
+    Returns:
+      The product in ``preferred_element_type``. Differentiable in lhs and rhs
+      (gradients in their dtypes, computed from FP8 operands as described in
+      the module docstring).
+
+    Raises:
+      TypeError / ValueError from ``lax.dot_general`` for inconsistent shapes.
+    """
+    del precision
+    out_dtype = jnp.dtype(preferred_element_type or jnp.promote_types(lhs.dtype, rhs.dtype))
+    dims = _canonical(dimension_numbers)
+    # Let lax check the shapes (and raise its usual errors) before quantizing.
+    jax.eval_shape(functools.partial(lax.dot_general, dimension_numbers=dims), lhs, rhs)
+    return _fp8_dot(lhs, rhs, dims, out_dtype, out_sharding)

@@ -1,0 +1,202 @@
+"""ops.fp8_dot: the per-tensor current-scaling FP8 dot_general, forward and both gradients.
+
+CPU: the transposes of the backward pass against ``jax.vjp`` of
+``lax.dot_general`` (batch dims, permuted contractions); each product equals
+the float64 product of the NumPy-model-quantized operands up to float32
+accumulation; and against the unquantized float64 product it stays within
+the derived bound (E4M3 forward operands, E5M2 output gradient)::
+
+    |y^ - y| <= |ex|.|w| + |x|.|ew| + |ex|.|ew| + accumulation,
+    e = 2^-(m+1) |v| + 2^-(p+1) s   per element (fp8_reference.element_error_bound)
+
+GPU (marker ``gpu``): the compiled forward and gradient contain cuBLASLt's
+FP8 GEMM custom call.
+"""
+
+import fp8_reference as ref
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+from jax import lax
+
+from dropless.ops import fp8_dot
+
+DIMS = {
+    "linear": ((4, 6, 16), (16, 8), (((2,), (0,)), ((), ()))),
+    "kernel_transposed": ((12, 16), (8, 16), (((1,), (1,)), ((), ()))),
+    "batched_two_contractions": ((3, 5, 4, 6), (6, 3, 4, 5), (((1, 2), (3, 2)), ((0,), (1,)))),
+}
+
+
+def _operands(rng, lhs_shape, rhs_shape):
+    x = (rng.standard_normal(lhs_shape) * np.exp(rng.uniform(-3, 3, lhs_shape))).astype(np.float32)
+    w = (rng.standard_normal(rhs_shape) * 0.3).astype(np.float32)
+    return x, w
+
+
+def _letters(n):
+    return list("abcdefghijklmnopqrstuvwxyz"[:n])
+
+
+def _dot_np(a, b, dims):
+    """float64 ``dot_general(a, b, dims)``: one einsum with explicit letters."""
+    (lc, rc), (lb, rb) = dims
+    pool = iter(_letters(a.ndim + b.ndim))
+    la, lb_ = [None] * a.ndim, [None] * b.ndim
+    for i, j in [*zip(lb, rb), *zip(lc, rc)]:
+        la[i] = lb_[j] = next(pool)
+    la = [c or next(pool) for c in la]
+    lb_ = [c or next(pool) for c in lb_]
+    out = [la[i] for i in lb] + [la[i] for i in range(a.ndim) if i not in (*lb, *lc)]
+    out += [lb_[j] for j in range(b.ndim) if j not in (*rb, *rc)]
+    return np.einsum(f"{''.join(la)},{''.join(lb_)}->{''.join(out)}",
+                     np.asarray(a, np.float64), np.asarray(b, np.float64))
+
+
+def _cot_np(g, other, dims, ndim, lhs):
+    """float64 cotangent of the lhs (``lhs=True``, other = rhs) or of the rhs (other = lhs)
+    of ``dot_general`` given the output cotangent g: one einsum."""
+    (lc, rc), (lb, rb) = dims
+    self_c, other_c, self_b, other_b = (lc, rc, lb, rb) if lhs else (rc, lc, rb, lb)
+    kept_self = [i for i in range(ndim) if i not in (*self_c, *self_b)]
+    kept_other = [j for j in range(other.ndim) if j not in (*other_c, *other_b)]
+    nb = len(lb)
+    # g is [batch, lhs kept, rhs kept].
+    first, second = (kept_self, kept_other) if lhs else (kept_other, kept_self)
+    g_first = list(range(nb, nb + len(first)))
+    g_second = list(range(nb + len(first), g.ndim))
+    g_self, g_other = (g_first, g_second) if lhs else (g_second, g_first)
+    pool = iter(_letters(g.ndim + ndim + other.ndim))
+    out_l, g_l, o_l = [None] * ndim, [None] * g.ndim, [None] * other.ndim
+    for p, (i, j) in enumerate(zip(self_b, other_b)):
+        out_l[i] = o_l[j] = g_l[p] = next(pool)
+    for p, i in zip(g_self, kept_self):
+        out_l[i] = g_l[p] = next(pool)
+    for p, j in zip(g_other, kept_other):
+        o_l[j] = g_l[p] = next(pool)
+    for i, j in zip(self_c, other_c):
+        out_l[i] = o_l[j] = next(pool)
+    return np.einsum(f"{''.join(g_l)},{''.join(o_l)}->{''.join(out_l)}",
+                     np.asarray(g, np.float64), np.asarray(other, np.float64))
+
+
+def _jax_vjp(x, w, g, dims):
+    _, vjp = jax.vjp(lambda a, b: lax.dot_general(a, b, dims, precision=lax.Precision.HIGHEST),
+                     jnp.asarray(x), jnp.asarray(w))
+    return vjp(jnp.asarray(g, jnp.float32))
+
+
+@pytest.mark.parametrize("case", sorted(DIMS))
+def test_backward_transposes_match_jax_vjp(rng, case):
+    lshape, rshape, dims = DIMS[case]
+    x, w = _operands(rng, lshape, rshape)
+    g = rng.standard_normal(jax.eval_shape(lambda a, b: lax.dot_general(a, b, dims), x, w).shape)
+    dx, dw = _jax_vjp(x, w, g, dims)
+    g32 = jnp.asarray(g, jnp.float32)
+    np.testing.assert_allclose(fp8_dot.transpose_lhs(g32, jnp.asarray(w), dims, x.ndim), dx,
+                               rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(fp8_dot.transpose_rhs(g32, jnp.asarray(x), dims, w.ndim), dw,
+                               rtol=1e-5, atol=1e-5)
+    # The float64 NumPy cotangents used below agree with jax's too.
+    np.testing.assert_allclose(_cot_np(g, w, dims, x.ndim, True), dx, rtol=1e-4, atol=1e-4)
+    np.testing.assert_allclose(_cot_np(g, x, dims, w.ndim, False), dw, rtol=1e-4, atol=1e-4)
+
+
+def _acc(product, a, b, n):
+    """float32 accumulation of n terms plus the float32 output rounding: n 2^-23 B(|a|, |b|)."""
+    return (n + 1) * 2.0**-23 * product(np.abs(a), np.abs(b))
+
+
+def _bound(product, a, ea, b, eb, n):
+    """B(ea, |b|) + B(|a|, eb) + B(ea, eb) + accumulation, for a bilinear product B."""
+    abs_a, abs_b = np.abs(a), np.abs(b)
+    return (product(ea, abs_b) + product(abs_a, eb) + product(ea, eb)
+            + _acc(product, abs_a + ea, abs_b + eb, n))
+
+
+@pytest.mark.parametrize("case", sorted(DIMS))
+def test_forward_and_gradients_within_fp8_bound(rng, case):
+    lshape, rshape, dims = DIMS[case]
+    x, w = _operands(rng, lshape, rshape)
+    y_shape = jax.eval_shape(lambda a, b: lax.dot_general(a, b, dims), x, w).shape
+    g = (rng.standard_normal(y_shape) * np.exp(rng.uniform(-4, 4, y_shape))).astype(np.float32)
+
+    f = jax.jit(lambda a, b: fp8_dot.fp8_dot_general(a, b, dims))
+    y, vjp = jax.vjp(f, x, w)
+    dx, dw = vjp(jnp.asarray(g))
+    assert y.dtype == dx.dtype == dw.dtype == jnp.float32
+
+    qx, sx = ref.quantize_tensor(x, ref.E4M3)
+    qw, sw = ref.quantize_tensor(w, ref.E4M3)
+    qg, sg = ref.quantize_tensor(g, ref.E5M2)
+    fx, fw, fg = (np.asarray(q, np.float64) * float(s) for q, s in ((qx, sx), (qw, sw), (qg, sg)))
+    ex, ew, eg = (ref.element_error_bound(v, np.full((1,) * v.ndim, float(s)), v.shape, fmt)
+                  for v, s, fmt in ((x, sx, ref.E4M3), (w, sw, ref.E4M3), (g, sg, ref.E5M2)))
+    products = {  # name: (bilinear product, first operand, its error, second, its error, got)
+        "y": (lambda a, b: _dot_np(a, b, dims), x, ex, w, ew, y),
+        "dx": (lambda a, b: _cot_np(a, b, dims, x.ndim, True), g, eg, w, ew, dx),
+        "dw": (lambda a, b: _cot_np(a, b, dims, w.ndim, False), g, eg, x, ex, dw),
+    }
+    quantized = {"y": (fx, fw), "dx": (fg, fw), "dw": (fg, fx)}
+    n = max(x.size, w.size, g.size)
+    for name, (prod, a, ea, b, eb, got) in products.items():
+        got = np.asarray(got, np.float64)
+        # 1) the float64 product of the model's quantized operands, up to accumulation;
+        qa, qb = quantized[name]
+        assert np.all(np.abs(got - prod(qa, qb)) <= _acc(prod, qa, qb, n)), name
+        # 2) the unquantized float64 product, within the derived bound (not vacuous).
+        err, bound = np.abs(got - prod(a, b)), _bound(prod, a, ea, b, eb, n)
+        assert np.all(err <= bound), name
+        assert np.max(err / bound) > 0.02, name
+
+
+def test_as_nnx_linear_bf16_gradients_flow(rng):
+    x = jnp.asarray(rng.standard_normal((2, 7, 32)), jnp.bfloat16)
+    lin = nnx.Linear(32, 16, use_bias=False, dtype=jnp.bfloat16, param_dtype=jnp.float32,
+                     dot_general=fp8_dot.fp8_dot_general, rngs=nnx.Rngs(0))
+    y = lin(x)
+    assert y.shape == (2, 7, 16) and y.dtype == jnp.bfloat16
+    ref_y = np.asarray(x, np.float32) @ np.asarray(lin.kernel[...], np.float32)
+    rel = np.linalg.norm(np.asarray(y, np.float32) - ref_y) / np.linalg.norm(ref_y)
+    assert rel < 0.1
+
+    def loss(m, x):
+        return jnp.sum(m(x).astype(jnp.float32) ** 2)
+
+    grads = nnx.grad(loss, argnums=(0, 1))(lin, x)
+    gk, gx = grads[0]["kernel"][...], grads[1]
+    assert gk.dtype == jnp.float32 and gx.dtype == jnp.bfloat16
+    assert np.isfinite(np.asarray(gk)).all() and np.abs(np.asarray(gk)).max() > 0
+    assert np.abs(np.asarray(gx, np.float32)).max() > 0
+
+
+def test_shape_errors_come_from_lax():
+    with pytest.raises(TypeError):
+        fp8_dot.fp8_dot_general(jnp.ones((3, 4)), jnp.ones((5, 6)), (((1,), (0,)), ((), ())))
+
+
+def test_nonfinite_input_gives_nan_output():
+    x = jnp.ones((4, 16)).at[1, 2].set(jnp.inf)
+    y = fp8_dot.fp8_dot_general(x, jnp.ones((16, 8)), (((1,), (0,)), ((), ())))
+    assert np.isnan(np.asarray(y)).all()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(jax.default_backend() != "gpu", reason="needs a CUDA GPU with FP8 (sm_89+)")
+def test_compiles_to_cublaslt_fp8_gemm():
+    """Forward and both gradients run as ``__cublas$lt$matmul$f8`` custom calls."""
+    x = jnp.ones((256, 512), jnp.bfloat16)
+    w = jnp.ones((512, 384), jnp.bfloat16)
+    dims = (((1,), (0,)), ((), ()))
+
+    def loss(x, w):
+        return jnp.sum(fp8_dot.fp8_dot_general(x, w, dims).astype(jnp.float32))
+
+    fwd = jax.jit(lambda x, w: fp8_dot.fp8_dot_general(x, w, dims)).lower(x, w).compile().as_text()
+    assert "__cublas$lt$matmul$f8" in fwd, fwd[:4000]
+    both = jax.jit(jax.grad(loss, argnums=(0, 1))).lower(x, w).compile().as_text()
+    assert both.count("__cublas$lt$matmul$f8") >= 2, both[:4000]
+    full = jax.jit(jax.value_and_grad(loss, argnums=(0, 1))).lower(x, w).compile().as_text()
+    assert full.count("__cublas$lt$matmul$f8") >= 3
