@@ -1,0 +1,159 @@
+"""Quantized grouped GEMMs (``te_gmm_quantization``): FP8 numerics over our bf16 kernels.
+
+Legend: M rows (token copies sorted by group), K contraction, N output
+features, G groups; as in ``api``.
+
+``gmm(x, w, group_sizes, recipe=...)`` computes the forward product and,
+through its custom VJP, dgrad and wgrad, each on operands quantized for that
+product, with the scale blocks running along the product's contraction:
+
+  product                  contraction   te_mxfp8 (E4M3, E8M0 / 32)   te_fp8_blockwise (E4M3)
+  fwd   y  = x . w[g]        K           x along K, w along K         x 1x128, w 128x128
+  dgrad dx = dy . w[g]^T     N           dy along N, w along N        dy 1x128, w 128x128
+  wgrad dw = x^T . dy        M (ragged)  x along M, dy along M        x 128x1, dy 128x1
+
+(so x, w and dy are each quantized twice, as Transformer Engine's row- and
+column-wise copies; blockwise weights need one copy, 128x128 blocks serve
+both w and w^T). Gradients are E4M3 too: with one scale per 32 or 128
+elements the range E5M2 would add is not needed (DeepSeek-V3 and TE's
+MXFP8 recipe do the same).
+
+Group alignment. The wgrad blocks run along M, the ragged dimension: a block
+must not hold rows of two groups, so every group size must be a multiple of
+``required_alignment(recipe)`` (32 for MXFP8, 128 for blockwise). The MoE
+block gets this from the permutation's ``alignment`` option (padding rows are
+zeros). This function cannot check it under ``jit``; unaligned sizes still
+give finite results, but not the recipe's numerics.
+
+How it runs. Hopper has no MXFP8 tensor-core mode, and the FP8 Mosaic kernel
+with per-block scale application is not written yet, so both recipes run as
+quantize -> dequantize to the compute dtype -> the bf16 grouped GEMM of the
+chosen backend. This is exact, not an approximation: an E4M3 value times a
+power of two (every scale of both recipes is one) is representable in
+bfloat16 whenever the result is a normal number, so the bf16 tensor-core
+products with float32 accumulation are the FP8 products a native MXFP8
+(Blackwell) or FP8-blockwise kernel would form, and only the accumulation
+order differs (tests/ops/test_gmm_quantized.py checks this against float64).
+The quantize-dequantize is elementwise plus small block reductions; XLA fuses
+it with whatever produces the operand, so it is not a separate kernel, but it
+adds a pass over each operand that an FP8 kernel reading codes and scales
+would not, and the GEMM runs at bf16, not FP8, speed. A log line says so once
+per process.
+"""
+
+import functools
+import importlib
+import logging
+
+import jax
+import jax.numpy as jnp
+
+from dropless.ops import quant
+from dropless.ops.gmm import api
+
+RECIPES = ("te_no_quant", "te_fp8_blockwise", "te_mxfp8")
+_ALIGNMENT = {"te_no_quant": 1, "te_fp8_blockwise": quant.BLOCKWISE_TILE, "te_mxfp8": quant.MX_BLOCK}
+_log = logging.getLogger(__name__)
+
+
+def required_alignment(recipe: str) -> int:
+    """Group sizes must be multiples of this for ``recipe`` (1, 32 or 128).
+
+    Raises:
+      ValueError: unknown recipe.
+    """
+    if recipe not in RECIPES:
+        raise ValueError(f"gmm quantization recipe {recipe!r} is not one of {RECIPES}")
+    return _ALIGNMENT[recipe]
+
+
+def qdq(a, recipe, axis, out_dtype=None):
+    """Quantize-dequantize one operand for a product contracting ``axis``.
+
+    The result is in ``out_dtype`` (default a's dtype); exact in bfloat16.
+
+    2-D activations [M, K] / [M, N]: blocks of 32 (MXFP8) or 128 (blockwise)
+    along ``axis``. 3-D weights [G, K, N]: MXFP8 blocks along ``axis``;
+    blockwise 128x128 over (K, N) whatever the axis.
+    """
+    if recipe == "te_mxfp8":
+        return quant.qdq_mx(a, axis, out_dtype)
+    if recipe == "te_fp8_blockwise":
+        tile = quant.BLOCKWISE_TILE
+        if a.ndim == 3:
+            block = (1, tile, tile)
+        else:
+            block = tuple(tile if i == axis % a.ndim else 1 for i in range(a.ndim))
+        return quant.qdq_blocks(a, block, out_dtype=out_dtype)
+    raise ValueError(f"qdq: recipe {recipe!r} does not quantize")
+
+
+@functools.cache
+def _say_once(recipe: str, device_kind: str, backend: str):
+    if recipe == "te_mxfp8":
+        _log.warning("te_mxfp8: MXFP8 is emulated on %s (no MXFP8 tensor-core grouped GEMM is "
+                     "used): operands are quantized to E4M3 with E8M0 scales per 32, "
+                     "dequantized exactly to the compute dtype and multiplied by the %s "
+                     "grouped GEMM. Numerics are MXFP8's; speed is bf16's.", device_kind, backend)
+    else:
+        _log.warning("te_fp8_blockwise: FP8 blockwise numerics (1x128 / 128x128 scales) through "
+                     "the %s bf16 grouped GEMM on %s; the FP8 Mosaic kernel is not available "
+                     "yet, so speed is bf16's.", backend, device_kind)
+
+
+def _impl(name):
+    return importlib.import_module(f"dropless.ops.gmm.{name}")
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5))
+def _qgmm(x, w, group_sizes, recipe, backend, out_dtype):
+    return _impl(backend).gmm(qdq(x, recipe, 1), qdq(w, recipe, 1), group_sizes,
+                              transpose_rhs=False, out_dtype=out_dtype)
+
+
+def _qgmm_fwd(x, w, group_sizes, recipe, backend, out_dtype):
+    return _qgmm(x, w, group_sizes, recipe, backend, out_dtype), (x, w, group_sizes)
+
+
+def _qgmm_bwd(recipe, backend, out_dtype, res, dy):
+    x, w, group_sizes = res
+    impl = _impl(backend)
+    # dy is quantized as it arrives and dequantized to the compute dtype (exact),
+    # not rounded to it first. Blockwise weights: the same 128x128 blocks serve w
+    # and w^T (qdq ignores the axis for 3-D operands).
+    dx = impl.gmm(qdq(dy, recipe, 1, x.dtype), qdq(w, recipe, 2), group_sizes,
+                  transpose_rhs=True, out_dtype=x.dtype)
+    dw = impl.tgmm(qdq(x, recipe, 0), qdq(dy, recipe, 0, x.dtype), group_sizes,
+                   num_groups=w.shape[0], out_dtype=w.dtype)
+    return dx, dw, jnp.zeros(group_sizes.shape, jax.dtypes.float0)
+
+
+_qgmm.defvjp(_qgmm_fwd, _qgmm_bwd)
+
+
+def gmm(x, w, group_sizes, *, recipe="te_no_quant", backend="auto", out_dtype=None):
+    """Grouped matmul with the FP8 numerics of ``recipe`` in all three products.
+
+    Args:
+      x: [M, K] rows sorted by group; w: [G, K, N], same dtype (the compute
+        dtype the operands are dequantized to; bf16 for the Mosaic kernels).
+      group_sizes: [G] int32, each a multiple of ``required_alignment(recipe)``.
+      recipe: one of ``RECIPES``; ``te_no_quant`` is ``api.gmm`` unchanged.
+      backend: the bf16 gmm backend (``api.BACKENDS``).
+      out_dtype: output dtype (default x.dtype); accumulation is float32.
+
+    Returns:
+      [M, N]; rows past ``sum(group_sizes)`` are zeros. Differentiable in x
+      and w (dgrad and wgrad quantized as in the module docstring).
+
+    Raises:
+      ValueError: unknown recipe, or what ``api.gmm`` raises for the shapes.
+    """
+    required_alignment(recipe)
+    if recipe == "te_no_quant":
+        return api.gmm(x, w, group_sizes, backend=backend, out_dtype=out_dtype)
+    api._check_gmm_args(x, w, group_sizes, transpose_rhs=False)
+    out_dtype = jnp.dtype(out_dtype or x.dtype)
+    name = api.resolve_backend(backend, x.shape, w.shape, x.dtype)
+    _say_once(recipe, jax.devices()[0].device_kind, name)
+    return _qgmm(x, w, group_sizes, recipe, name, out_dtype)

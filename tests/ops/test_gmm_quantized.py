@@ -1,0 +1,187 @@
+"""ops.gmm.quantized: te_mxfp8 and te_fp8_blockwise grouped GEMMs, forward, dgrad and wgrad.
+
+Legend: M rows, K contraction, N output features, G groups.
+
+Each product is checked twice against float64 NumPy:
+
+1. exactness of the emulation: the result equals the float64 product of the
+   operands quantized by the independent model (``fp8_reference``) with the
+   scale blocks along that product's contraction (x and w along K; dy and w
+   along N; x and dy along M), up to float32 accumulation,
+   ``(n + 1) 2^-23 |a^|.|b^|`` elementwise. With bfloat16 operands this is
+   the claim that dequantizing to bf16 loses nothing, i.e. that the bf16
+   GEMM computes what a native MXFP8 / FP8-blockwise GEMM computes up to
+   accumulation order;
+2. the recipe's error against the unquantized float64 product, within
+   ``|ea|.|b| + |a|.|eb| + |ea|.|eb| + accumulation`` with the per-element
+   bound e of ``fp8_reference.element_error_bound`` (E4M3: 2^-4 relative,
+   2^-10 s absolute in the subnormal range, plus MX saturation).
+
+Group sizes are multiples of the recipe's alignment, with an empty group;
+rows past their sum are NaN in x and dy and must not leak.
+"""
+
+import logging
+
+import fp8_reference as ref
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from dropless.ops.gmm import api, quantized
+
+# recipe: (M, K, N, group sizes); K and N not multiples of the block, M with a tail.
+CASES = {
+    "te_mxfp8": (200, 96, 80, [32, 0, 96, 32]),
+    "te_fp8_blockwise": (540, 160, 200, [128, 0, 256, 128]),
+}
+
+
+def _fwd(a, b, sizes):
+    """y rows of group g = a rows @ b[g] (float64; rows past the total stay 0)."""
+    out, start = np.zeros((a.shape[0], b.shape[2])), 0
+    for g, n in enumerate(sizes):
+        out[start:start + n] = a[start:start + n] @ b[g]
+        start += n
+    return out
+
+
+def _dgrad(a, b, sizes):
+    out, start = np.zeros((a.shape[0], b.shape[1])), 0
+    for g, n in enumerate(sizes):
+        out[start:start + n] = a[start:start + n] @ b[g].T
+        start += n
+    return out
+
+
+def _wgrad(a, b, sizes):
+    out, start = np.zeros((len(sizes), a.shape[1], b.shape[1])), 0
+    for g, n in enumerate(sizes):
+        out[g] = a[start:start + n].T @ b[start:start + n]
+        start += n
+    return out
+
+
+def _model_qdq(a, recipe, axis):
+    """(dequantized float64 operand, per-element error bound) from the NumPy model."""
+    if recipe == "te_mxfp8":
+        q, s = ref.quantize_mx(a, axis)
+        block = tuple(32 if i == axis % a.ndim else 1 for i in range(a.ndim))
+        scales = ref.mx_scales_f64(s)
+    else:
+        block = (1, 128, 128) if a.ndim == 3 else tuple(
+            128 if i == axis % a.ndim else 1 for i in range(a.ndim))
+        q, scales = ref.quantize_blocks(a, block)
+    return (ref.dequantize(q, scales, a.shape, block),
+            ref.element_error_bound(a, scales, block))
+
+
+def _inputs(rng, recipe, dtype):
+    m, k, n, sizes = CASES[recipe]
+    total = sum(sizes)
+    x = rng.standard_normal((m, k)) * np.exp(rng.uniform(-2, 2, (m, 1)))
+    w = rng.standard_normal((len(sizes), k, n)) / np.sqrt(k)
+    dy = rng.standard_normal((m, n)) * np.exp(rng.uniform(-3, 3, (m, 1)))
+    x, w, dy = (np.array(jnp.asarray(v, dtype).astype(jnp.float32)) for v in (x, w, dy))
+    x[total:] = np.nan
+    dy[total:] = np.nan
+    return x, w, dy, np.asarray(sizes, np.int32), total
+
+
+def _run(x, w, dy, sizes, recipe, dtype, backend="xla"):
+    gs = jnp.asarray(sizes)
+
+    def f(x, w):
+        return quantized.gmm(x, w, gs, recipe=recipe, backend=backend, out_dtype=jnp.float32)
+
+    y, vjp = jax.vjp(jax.jit(f), jnp.asarray(x, dtype), jnp.asarray(w, dtype))
+    dx, dw = vjp(jnp.asarray(dy, jnp.float32))
+    return (np.asarray(v, np.float64) for v in (y, dx, dw))
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["f32", "bf16"])
+@pytest.mark.parametrize("recipe", sorted(CASES))
+def test_products_exact_on_quantized_operands_and_within_bound(rng, recipe, dtype):
+    x, w, dy, sizes, total = _inputs(rng, recipe, dtype)
+    y, dx, dw = _run(x, w, dy, sizes, recipe, dtype)
+    assert np.all(y[total:] == 0) and np.all(dx[total:] == 0)
+    assert np.isfinite(dw).all()
+    real = slice(0, total)
+    xr, dyr = x[real], dy[real]
+    fx_k, ex_k = _model_qdq(x, recipe, 1)
+    fw_k, ew_k = _model_qdq(w, recipe, 1)
+    fdy_n, edy_n = _model_qdq(dy, recipe, 1)
+    fw_n, ew_n = _model_qdq(w, recipe, 2)
+    fx_m, ex_m = _model_qdq(xr, recipe, 0)
+    fdy_m, edy_m = _model_qdq(dyr, recipe, 0)
+    n_acc = max(x.shape[1], dy.shape[1], total) + 1
+    # y comes out in float32; dx and dw in the operands' dtype (unit roundoff 2^-8 in bf16).
+    out_round = {"dgrad": 2.0**-8, "wgrad": 2.0**-8} if dtype == jnp.bfloat16 else {}
+    checks = {  # product: (fn, got, a, ea, a^, b, eb, b^)
+        "fwd": (_fwd, y[real], xr, ex_k[real], fx_k[real], w, ew_k, fw_k),
+        "dgrad": (_dgrad, dx[real], dyr, edy_n[real], fdy_n[real], w, ew_n, fw_n),
+        "wgrad": (_wgrad, dw, xr, ex_m, fx_m, dyr, edy_m, fdy_m),
+    }
+    for name, (fn, got, a, ea, qa, b, eb, qb) in checks.items():
+        exact = fn(qa, qb, sizes)
+        acc = n_acc * 2.0**-23 * fn(np.abs(qa), np.abs(qb), sizes)
+        acc += out_round.get(name, 0.0) * np.abs(exact)
+        assert np.all(np.abs(got - exact) <= acc), f"{name}: not the quantized product"
+        err = np.abs(got - fn(a, b, sizes))
+        bound = fn(ea, np.abs(b), sizes) + fn(np.abs(a), eb, sizes) + fn(ea, eb, sizes) + acc
+        assert np.all(err <= bound), f"{name}: outside the {recipe} bound"
+        assert np.max(err[bound > 0] / bound[bound > 0]) > 0.02, f"{name}: bound vacuous"
+
+
+def test_wrong_blocking_is_detected(rng, monkeypatch):
+    """Sanity of the check above: quantizing x along M for the forward product fails it."""
+    recipe = "te_mxfp8"
+    x, w, dy, sizes, total = _inputs(rng, recipe, jnp.float32)
+    real_qdq = quantized.qdq
+    monkeypatch.setattr(quantized, "qdq", lambda a, r, axis, out_dtype=None: real_qdq(
+        a, r, 0 if a.ndim == 2 else axis, out_dtype))
+    y, _, _ = _run(x, w, dy, sizes, recipe, jnp.float32)
+    fx_k, _ = _model_qdq(x, recipe, 1)
+    fw_k, _ = _model_qdq(w, recipe, 1)
+    exact = _fwd(fx_k[:total], fw_k, sizes)
+    acc = (x.shape[1] + 1) * 2.0**-23 * _fwd(np.abs(fx_k[:total]), np.abs(fw_k), sizes)
+    assert not np.all(np.abs(y[:total] - exact) <= acc)
+
+
+def test_reference_backend_agrees(rng):
+    recipe = "te_fp8_blockwise"
+    x, w, dy, sizes, total = _inputs(rng, recipe, jnp.float32)
+    a = list(_run(x, w, dy, sizes, recipe, jnp.float32, backend="xla"))
+    b = list(_run(x, w, dy, sizes, recipe, jnp.float32, backend="reference"))
+    for u, v in zip(a, b):
+        np.testing.assert_allclose(u, v, rtol=1e-5, atol=1e-5 * np.max(np.abs(v)))
+
+
+def test_no_quant_is_plain_gmm(rng):
+    x = jnp.asarray(rng.standard_normal((40, 16)), jnp.float32)
+    w = jnp.asarray(rng.standard_normal((3, 16, 8)), jnp.float32)
+    gs = jnp.array([10, 0, 25], jnp.int32)
+    np.testing.assert_array_equal(quantized.gmm(x, w, gs, recipe="te_no_quant", backend="xla"),
+                                  api.gmm(x, w, gs, backend="xla"))
+
+
+def test_alignment_and_errors():
+    assert [quantized.required_alignment(r) for r in quantized.RECIPES] == [1, 128, 32]
+    with pytest.raises(ValueError, match="not one of"):
+        quantized.required_alignment("te_fp4")
+    x, w = jnp.ones((64, 32)), jnp.ones((2, 32, 32))
+    with pytest.raises(ValueError, match="not one of"):
+        quantized.gmm(x, w, jnp.array([32, 32], jnp.int32), recipe="fp4")
+    with pytest.raises(ValueError, match="contraction sizes differ"):
+        quantized.gmm(x, jnp.ones((2, 16, 32)), jnp.array([32, 32], jnp.int32), recipe="te_mxfp8")
+
+
+def test_emulation_is_logged_once(caplog):
+    quantized._say_once.cache_clear()
+    x, w, gs = jnp.ones((64, 32)), jnp.ones((2, 32, 32)), jnp.array([32, 32], jnp.int32)
+    with caplog.at_level(logging.WARNING, logger=quantized.__name__):
+        for _ in range(3):
+            quantized.gmm(x, w, gs, recipe="te_mxfp8", backend="xla")
+    msgs = [r.getMessage() for r in caplog.records if "MXFP8 is emulated" in r.getMessage()]
+    assert len(msgs) == 1 and jax.devices()[0].device_kind in msgs[0]
