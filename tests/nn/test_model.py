@@ -132,8 +132,10 @@ def test_plain_q_projection_and_config_errors():
         _abstract(dataclasses.replace(SMALL, mla=dataclasses.replace(SMALL.mla, attention="flash")))
     with pytest.raises(ValueError, match="needs dtype bfloat16 or float16"):
         _abstract(dataclasses.replace(SMALL, mla=dataclasses.replace(SMALL.mla, attention="cudnn_flash_te")))
-    with pytest.raises(ValueError, match="quantization='te_fp8_currentscaling' is not implemented"):
-        _abstract(dataclasses.replace(SMALL, quantization="te_fp8_currentscaling"))
+    with pytest.raises(ValueError, match="quantization='fp4' is not one of"):
+        _abstract(dataclasses.replace(SMALL, quantization="fp4"))
+    with pytest.raises(ValueError, match="quantize_output_head=True needs"):
+        _abstract(dataclasses.replace(SMALL, quantize_output_head=True))
     with pytest.raises(ValueError, match="qk_rope_head_dim=3"):
         rope.inv_frequencies(dataclasses.replace(SMALL.mla, qk_rope_head_dim=3))
 

@@ -109,7 +109,8 @@ class Config(BaseModel):
     gmm_backend: Literal["reference", "xla", "mosaic", "auto"] = _f("auto", "Grouped matmul backend.")
     te_moe_block: bool = _f(True, "Use the fused MoE block (dropless's MoEBlock; accepted for MaxText recipes).")
     te_gmm_quantization: Literal["te_no_quant", "te_fp8_blockwise", "te_mxfp8"] = _f("te_no_quant", "Expert grouped-GEMM quantization recipe.")
-    quantization: Literal["", "te_fp8_currentscaling"] = _f("", "Dense-matmul quantization ('' = bf16/fp32 as dtype).")
+    quantization: Literal["", "te_fp8_currentscaling"] = _f("", "Dense-matmul quantization ('' = bf16/fp32 as dtype; te_fp8_currentscaling: attention projections, dense MLP and shared experts in FP8 with per-tensor current scaling).")
+    quantize_output_head: bool = _f(False, "With quantization=te_fp8_currentscaling, compute the output head in FP8 too.")
 
     # --- Remat / offload -------------------------------------------------------
     remat_policy: Literal["full", "minimal", "save_dot_except_mlp", "custom", "none"] = _f("full", "Activation rematerialisation policy.")

@@ -77,6 +77,7 @@ class ModelConfig:
     # For remat_policy=custom: tensor name -> "remat" | "device" | "offload".
     remat_custom: tuple[tuple[str, str], ...] = ()
     quantization: str = ""  # "" (bf16) | te_fp8_currentscaling
+    quantize_output_head: bool = False  # the output head in FP8 too (with te_fp8_currentscaling)
     mla: MLAConfig = dataclasses.field(default_factory=MLAConfig)
     moe: MoEConfig = dataclasses.field(default_factory=MoEConfig)
 

@@ -95,10 +95,13 @@ class MLA(nnx.Module):
     Parameters (kernels ``[in, out]``, in ``param_dtype``): ``wq_a`` [D, Lq],
     ``q_norm`` [Lq], ``wq_b`` [Lq, H*Q] (or ``wq`` [D, H*Q] when Lq = 0),
     ``wkv_a`` [D, Lkv + R], ``kv_norm`` [Lkv], ``wkv_b`` [Lkv, H*(N+V)],
-    ``wo`` [H*V, D].
+    ``wo`` [H*V, D]. ``dot_general`` (default ``lax.dot_general``) computes
+    the six projections (e.g. FP8 for ``quantization: te_fp8_currentscaling``);
+    the attention itself is unchanged.
     """
 
-    def __init__(self, cfg: MLAConfig, *, emb_dim: int, dtype, param_dtype, rngs: nnx.Rngs):
+    def __init__(self, cfg: MLAConfig, *, emb_dim: int, dtype, param_dtype, rngs: nnx.Rngs,
+                 dot_general=None):
         if cfg.attention not in ATTENTION_BACKENDS:
             raise ValueError(f"attention={cfg.attention!r} is not one of {ATTENTION_BACKENDS}")
         for name in ("num_heads", "kv_lora_rank", "qk_nope_head_dim", "v_head_dim"):
@@ -115,7 +118,8 @@ class MLA(nnx.Module):
         def linear(d_in, d_out):
             return nnx.Linear(
                 d_in, d_out, use_bias=False, dtype=dtype, param_dtype=param_dtype,
-                kernel_init=default_kernel_init, rngs=rngs,
+                kernel_init=default_kernel_init, dot_general=dot_general or jax.lax.dot_general,
+                rngs=rngs,
             )
 
         def norm(n):

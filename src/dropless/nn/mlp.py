@@ -7,6 +7,8 @@ leading batch/sequence axes.
 ``y = wo(silu(wi_0(x)) * wi_1(x))``, no biases (Llama/DeepSeek convention).
 The hidden activations are tagged with ``checkpoint_name`` ("mlpwi_0",
 "mlpwi_1", "mlpwo") so remat/offload policies can save or drop them by name.
+``dot_general`` replaces the three projections' matmul (e.g. the FP8
+``ops.fp8_dot.fp8_dot_general`` for ``quantization: te_fp8_currentscaling``).
 """
 
 import jax
@@ -23,7 +25,7 @@ class MLP(nnx.Module):
 
     Parameters: ``wi_0.kernel`` [D, F] (gate), ``wi_1.kernel`` [D, F] (up),
     ``wo.kernel`` [F, D] (down), stored in ``param_dtype`` and computed in
-    ``dtype``.
+    ``dtype``; ``dot_general`` (default ``lax.dot_general``) computes them.
     """
 
     def __init__(
@@ -34,6 +36,7 @@ class MLP(nnx.Module):
         dtype=jnp.float32,
         param_dtype=jnp.float32,
         rngs: nnx.Rngs,
+        dot_general=None,
     ):
         if emb_dim <= 0 or mlp_dim <= 0:
             raise ValueError(f"MLP: {emb_dim=} and {mlp_dim=} must be positive")
@@ -44,7 +47,8 @@ class MLP(nnx.Module):
         def linear(d_in, d_out):
             return nnx.Linear(
                 d_in, d_out, use_bias=False, dtype=dtype, param_dtype=param_dtype,
-                kernel_init=default_kernel_init, rngs=rngs,
+                kernel_init=default_kernel_init, dot_general=dot_general or jax.lax.dot_general,
+                rngs=rngs,
             )
 
         self.wi_0 = linear(emb_dim, mlp_dim)

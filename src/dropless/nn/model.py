@@ -23,6 +23,12 @@ its MTP module counts ~14B parameters and ours ~11.6B).
 
 Rematerialisation is chosen by the trainer (``dropless.train.remat``) and
 passed in as a function wrapper, because ``nn`` does not import ``train``.
+
+``quantization: te_fp8_currentscaling`` computes the dense projections (MLA's
+six, the dense MLP, the shared experts) with ``ops.fp8_dot.fp8_dot_general``;
+the output head too when ``quantize_output_head`` is set. The router, the
+embedding, the attention scores and MTP's ``eh_proj`` stay in ``dtype``. The
+routed experts follow ``moe.gmm_quantization`` instead.
 """
 
 from typing import Callable, NamedTuple
@@ -36,10 +42,22 @@ from dropless.config.sections import ModelConfig
 from dropless.nn.attention import MLA, default_kernel_init
 from dropless.nn.mlp import MLP
 from dropless.nn.moe import MoEBlock, MoEStats, RouterBias
+from dropless.ops.fp8_dot import fp8_dot_general
 from dropless.parallel.ep import ExpertParallel
 
 Remat = Callable[[Callable], Callable]
-SUPPORTED_QUANTIZATION = ("",)  # fp8 matmuls come with their own issue
+SUPPORTED_QUANTIZATION = ("", "te_fp8_currentscaling")
+
+
+def dense_dot_general(quantization: str):
+    """The ``dot_general`` of the dense projections for ``quantization`` (None: plain).
+
+    Raises:
+      ValueError: an unknown quantization.
+    """
+    if quantization not in SUPPORTED_QUANTIZATION:
+        raise ValueError(f"quantization={quantization!r} is not one of {SUPPORTED_QUANTIZATION}")
+    return fp8_dot_general if quantization == "te_fp8_currentscaling" else None
 
 
 def _identity(fn):
@@ -75,19 +93,22 @@ class DecoderLayer(nnx.Module):
     def __init__(self, cfg: ModelConfig, *, moe: bool, rngs: nnx.Rngs,
                  ep: ExpertParallel | None = None):
         dtype, param_dtype = jnp.dtype(cfg.dtype), jnp.dtype(cfg.weight_dtype)
+        dot_general = dense_dot_general(cfg.quantization)
         self.is_moe = moe
         self.pre_attention_norm = _norm(cfg, rngs)
         self.attention = MLA(
-            cfg.mla, emb_dim=cfg.emb_dim, dtype=dtype, param_dtype=param_dtype, rngs=rngs
+            cfg.mla, emb_dim=cfg.emb_dim, dtype=dtype, param_dtype=param_dtype, rngs=rngs,
+            dot_general=dot_general,
         )
         self.pre_ffn_norm = _norm(cfg, rngs)
         if moe:
             self.moe = MoEBlock(
                 cfg.moe, emb_dim=cfg.emb_dim, dtype=dtype, param_dtype=param_dtype, rngs=rngs,
-                ep=ep,
+                ep=ep, dense_dot_general=dot_general,
             )
         else:
-            self.mlp = MLP(cfg.emb_dim, cfg.mlp_dim, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
+            self.mlp = MLP(cfg.emb_dim, cfg.mlp_dim, dtype=dtype, param_dtype=param_dtype, rngs=rngs,
+                           dot_general=dot_general)
 
     def __call__(self, x_BSD, positions_BS) -> tuple[jax.Array, MoEStats | None]:
         """Returns the new hidden state and the MoE stats (None for a dense layer)."""
@@ -180,11 +201,10 @@ class Transformer(nnx.Module):
             )
         if cfg.mtp_num_layers < 0:
             raise ValueError(f"mtp_num_layers={cfg.mtp_num_layers} must be >= 0")
-        if cfg.quantization not in SUPPORTED_QUANTIZATION:
-            raise ValueError(
-                f"quantization={cfg.quantization!r} is not implemented yet; "
-                f"use one of {SUPPORTED_QUANTIZATION}"
-            )
+        dot_general = dense_dot_general(cfg.quantization)  # raises for an unknown value
+        if cfg.quantize_output_head and dot_general is None:
+            raise ValueError("quantize_output_head=True needs quantization='te_fp8_currentscaling'")
+        head_dot_general = dot_general if cfg.quantize_output_head else None
         self.cfg = cfg
         self.remat = remat or _identity
         dtype, param_dtype = jnp.dtype(cfg.dtype), jnp.dtype(cfg.weight_dtype)
@@ -201,7 +221,8 @@ class Transformer(nnx.Module):
         self.final_norm = _norm(cfg, rngs)
         self.head = nnx.Linear(
             cfg.emb_dim, cfg.vocab_size, use_bias=False, dtype=dtype, param_dtype=param_dtype,
-            kernel_init=default_kernel_init, rngs=rngs,
+            kernel_init=default_kernel_init, dot_general=head_dot_general or jax.lax.dot_general,
+            rngs=rngs,
         )
         # The MTP layer has the kind of the model's last layer (MoE in V3).
         self.mtp = nnx.List(

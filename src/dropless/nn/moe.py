@@ -18,6 +18,12 @@ No token is ever dropped: the buffer has static size T*K (plus alignment
 padding) and each expert takes however many rows it was sent. Gradients reach
 the router through the combine weights.
 
+``gmm_quantization`` (``te_mxfp8`` | ``te_fp8_blockwise``) runs the three
+products of both grouped matmuls with that recipe's FP8 numerics
+(``ops.gmm.quantized``); the group alignment the recipe needs (32 | 128) is
+applied to the permutation automatically (the max with ``group_alignment``).
+The shared experts take the dense layers' ``dot_general`` from the model.
+
 Given an ``ExpertParallel`` (``ep``), dispatch -> experts -> combine run
 expert-parallel over its mesh (``parallel.ep.routed_experts``): tokens are
 exchanged with the ranks holding their experts and come back combined. The
@@ -49,10 +55,10 @@ from dropless.config.sections import MoEConfig
 from dropless.nn.mlp import MLP
 from dropless.ops import permute as permute_ops
 from dropless.ops import routing
-from dropless.ops.gmm import BACKENDS, gmm
+from dropless.ops.gmm import BACKENDS, quantized
 from dropless.parallel import ep as ep_lib
 
-SUPPORTED_QUANTIZATION = ("te_no_quant",)
+SUPPORTED_QUANTIZATION = quantized.RECIPES
 
 # Fan-in over D (axis -2); the expert axis 0 is a batch of independent matrices.
 expert_kernel_init = nnx.initializers.variance_scaling(
@@ -112,19 +118,22 @@ def combine(y_PD, weights_TK, plan):
     return permute_ops.unpermute(y_PD, weights_TK, plan)
 
 
-def grouped_swiglu(x_PD, group_sizes_G, weights, *, backend):
+def grouped_swiglu(x_PD, group_sizes_G, weights, *, backend, quantization="te_no_quant"):
     """SwiGLU experts over an expert-sorted buffer: [P, D] -> [P, D].
 
     Args:
       x_PD: [P, D] rows grouped by expert, in expert order.
       group_sizes_G: [G] int32 rows per expert; rows past their sum give zeros.
+        Multiples of ``quantized.required_alignment(quantization)``.
       weights: ``(wi [G, D, 2F], wo [G, F, D])`` (gate|up fused) or
         ``(wi_0 [G, D, F], wi_1 [G, D, F], wo [G, F, D])``, in x's dtype.
       backend: the gmm backend.
+      quantization: the grouped-GEMM recipe (``quantized.RECIPES``).
     """
 
     def grouped(x, w, name):
-        return checkpoint_name(gmm(x, w, group_sizes_G, backend=backend), name)
+        y = quantized.gmm(x, w, group_sizes_G, recipe=quantization, backend=backend)
+        return checkpoint_name(y, name)
 
     *gate_up, w_out = weights
     if len(gate_up) == 1:
@@ -181,9 +190,16 @@ def _check_config(cfg: MoEConfig):
     if cfg.gmm_backend not in BACKENDS:
         raise ValueError(f"{cfg.gmm_backend=} is not one of {BACKENDS}")
     if cfg.gmm_quantization not in SUPPORTED_QUANTIZATION:
-        raise ValueError(
-            f"{cfg.gmm_quantization=} is not implemented yet; use one of {SUPPORTED_QUANTIZATION}"
-        )
+        raise ValueError(f"{cfg.gmm_quantization=} is not one of {SUPPORTED_QUANTIZATION}")
+    if cfg.gmm_quantization != "te_no_quant" and not cfg.sparse_matmul:
+        raise ValueError(f"{cfg.gmm_quantization=} quantizes the grouped GEMMs of the dropless "
+                         "path; the capacity baseline (sparse_matmul=False) has none")
+
+
+def group_alignment(cfg: MoEConfig) -> int:
+    """Rows per expert are padded to a multiple of this: ``group_alignment``, raised to
+    what the grouped-GEMM quantization recipe needs (its scale blocks run along rows)."""
+    return max(cfg.group_alignment, quantized.required_alignment(cfg.gmm_quantization))
 
 
 class MoEBlock(nnx.Module):
@@ -201,6 +217,8 @@ class MoEBlock(nnx.Module):
     ``ep``: run the routed experts expert-parallel over its mesh (parameters
     and activations are then expected sharded per ``parallel.sharding``);
     None: single device (or plain jit partitioning).
+    ``dense_dot_general``: the matmul of the shared experts (the dense
+    layers' FP8 ``dot_general`` under ``te_fp8_currentscaling``; None: plain).
 
     Raises:
       ValueError: an invalid config, or E not divisible by the expert ranks.
@@ -215,6 +233,7 @@ class MoEBlock(nnx.Module):
         param_dtype=jnp.float32,
         rngs: nnx.Rngs,
         ep: ep_lib.ExpertParallel | None = None,
+        dense_dot_general=None,
     ):
         _check_config(cfg)
         if ep is not None and cfg.num_experts % ep.ranks:
@@ -244,7 +263,8 @@ class MoEBlock(nnx.Module):
             self.wi_1 = expert_param((e, d, f))
         self.wo = expert_param((e, f, d))
         self.shared_experts = (
-            MLP(d, cfg.shared_experts * f, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
+            MLP(d, cfg.shared_experts * f, dtype=dtype, param_dtype=param_dtype, rngs=rngs,
+                dot_general=dense_dot_general)
             if cfg.shared_experts > 0
             else None
         )
@@ -279,7 +299,8 @@ class MoEBlock(nnx.Module):
     def _experts_sparse(self, x_PD, group_sizes_E):
         """Grouped SwiGLU over the expert-sorted buffer: [P, D] -> [P, D]."""
         return grouped_swiglu(x_PD, group_sizes_E, self._expert_weights(),
-                              backend=self.cfg.gmm_backend)
+                              backend=self.cfg.gmm_backend,
+                              quantization=self.cfg.gmm_quantization)
 
     def _experts_dense(self, x_ECD):
         """Batched SwiGLU over per-expert capacity buffers: [E, C, D] -> [E, C, D]."""
@@ -301,8 +322,9 @@ class MoEBlock(nnx.Module):
         e = self.cfg.num_experts
         out_TD, ep_stats = ep_lib.routed_experts(
             x_TD, decision.experts_TK, decision.weights_TK, self._expert_weights(),
-            functools.partial(grouped_swiglu, backend=self.cfg.gmm_backend),
-            num_experts=e, alignment=self.cfg.group_alignment, ep=self.ep,
+            functools.partial(grouped_swiglu, backend=self.cfg.gmm_backend,
+                              quantization=self.cfg.gmm_quantization),
+            num_experts=e, alignment=group_alignment(self.cfg), ep=self.ep,
         )
         tokens_E = routing.tokens_per_expert(decision.experts_TK, e)
         return out_TD, tokens_E, jnp.zeros((), jnp.int32), ep_stats
