@@ -179,9 +179,10 @@ def test_alignment_and_errors():
 
 def test_emulation_is_logged_once(caplog):
     quantized._say_once.cache_clear()
-    x, w, gs = jnp.ones((64, 32)), jnp.ones((2, 32, 32)), jnp.array([32, 32], jnp.int32)
+    w, gs = jnp.ones((2, 32, 32)), jnp.array([32, 32], jnp.int32)
     with caplog.at_level(logging.WARNING, logger=quantized.__name__):
-        for _ in range(3):
-            quantized.gmm(x, w, gs, recipe="te_mxfp8", backend="xla")
+        for m in (64, 96, 128):  # three traces (eval_shape: no compile)
+            jax.eval_shape(lambda x: quantized.gmm(x, w, gs, recipe="te_mxfp8", backend="xla"),
+                           jax.ShapeDtypeStruct((m, 32), jnp.float32))
     msgs = [r.getMessage() for r in caplog.records if "MXFP8 is emulated" in r.getMessage()]
     assert len(msgs) == 1 and jax.devices()[0].device_kind in msgs[0]

@@ -17,6 +17,16 @@ import pytest
 from dropless.ops import quant
 
 
+# Jitted once per static configuration: far fewer compiles than op-by-op dispatch.
+quantize_tensor = jax.jit(quant.quantize_tensor, static_argnames="dtype")
+dequantize_tensor = jax.jit(quant.dequantize_tensor, static_argnames="out_dtype")
+quantize_blocks = jax.jit(quant.quantize_blocks, static_argnames=("block", "dtype"))
+dequantize_blocks = jax.jit(quant.dequantize_blocks, static_argnames=("block", "out_dtype"))
+quantize_mx = jax.jit(quant.quantize_mx, static_argnames=("axis", "block"))
+dequantize_mx = jax.jit(quant.dequantize_mx, static_argnames=("axis", "block", "out_dtype"))
+qdq_blocks = jax.jit(quant.qdq_blocks, static_argnames=("block", "dtype", "out_dtype"))
+
+
 def _wide_random(rng, shape, lo=-30, hi=12):
     """Normal values times random powers of two: many binades, zeros, E4M3-subnormal tails."""
     x = rng.standard_normal(shape) * np.ldexp(1.0, rng.integers(lo, hi, shape))
@@ -56,29 +66,29 @@ def test_fp8_max_rejects_other_dtypes():
 def test_quantize_tensor_matches_model(rng, fmt):
     x = _wide_random(rng, (64, 48))
     x[0, :4] = [1e-40, -3e-39, 2.0**-127, 0.0]  # float32 subnormals: read as zero
-    q, s = jax.jit(lambda a: quant.quantize_tensor(a, jnp.dtype(fmt)))(x)
+    q, s = quantize_tensor(x, jnp.dtype(fmt))
     q_ref, s_ref = ref.quantize_tensor(x, fmt)
     assert np.float32(s) == s_ref
     np.testing.assert_array_equal(ref.codes(q), ref.codes(q_ref))
     assert np.max(np.abs(np.asarray(q, np.float64))) == ref.FMAX[fmt]  # amax maps to fmax
     assert np.all(np.asarray(q, np.float64)[0, :4] == 0)
-    back = np.asarray(quant.dequantize_tensor(q, s), np.float64)
+    back = np.asarray(dequantize_tensor(q, s), np.float64)
     bound = ref.element_error_bound(x, np.full((1, 1), float(s)), x.shape, fmt)
     assert np.all(np.abs(back - ref.read(x)) <= bound)
 
 
 def test_quantize_tensor_zero_tiny_and_nonfinite():
-    q, s = quant.quantize_tensor(jnp.zeros((3, 5)))
+    q, s = quantize_tensor(jnp.zeros((3, 5)))
     assert float(s) == 1.0 and not np.any(np.asarray(q, np.float32))
     # 448 / amax would overflow float32: inv stops at 2^126, so the scale stays normal.
     tiny = np.array([2.0**-126, -2.0**-125], np.float32)
-    q, s = quant.quantize_tensor(tiny)
+    q, s = quantize_tensor(tiny)
     assert float(s) == 2.0**-126
     np.testing.assert_array_equal(np.asarray(q, np.float32), [1.0, -2.0])
     for bad in (np.nan, np.inf):
-        q, s = quant.quantize_tensor(jnp.array([1.0, bad, 2.0]))
+        q, s = quantize_tensor(jnp.array([1.0, bad, 2.0]))
         assert np.isnan(float(s))
-        assert np.all(np.isnan(np.asarray(quant.dequantize_tensor(q, s))))
+        assert np.all(np.isnan(np.asarray(dequantize_tensor(q, s))))
 
 
 # ----------------------------------------------------------------------------
@@ -93,11 +103,11 @@ def test_quantize_tensor_zero_tiny_and_nonfinite():
 def test_quantize_blocks_matches_model(rng, shape, block):
     x = _wide_random(rng, shape)
     x.reshape(-1)[:130] = 0.0  # a whole zero block in every layout
-    q, s = jax.jit(lambda a: quant.quantize_blocks(a, block))(x)
+    q, s = quantize_blocks(x, block)
     q_ref, s_ref = ref.quantize_blocks(x, block)
     np.testing.assert_array_equal(np.asarray(s), s_ref)
     np.testing.assert_array_equal(ref.codes(q), ref.codes(q_ref))
-    back = np.asarray(quant.dequantize_blocks(q, s, block), np.float64)
+    back = np.asarray(dequantize_blocks(q, s, block), np.float64)
     np.testing.assert_array_equal(back, ref.dequantize(q_ref, s_ref, shape, block))
     assert np.all(np.abs(back - ref.read(x)) <= ref.element_error_bound(x, s_ref, block))
     assert np.all(np.abs(np.asarray(q, np.float64)) <= 448)
@@ -111,19 +121,19 @@ def test_blockwise_scale_boundaries():
     rows = np.zeros((2 * len(ks), 128), np.float32)
     rows[: len(ks), 0], rows[len(ks):, 0] = amax, above
     rows[:, 1] = rows[:, 0] / 3  # a second element that is not the amax
-    _, s = quant.quantize_blocks(rows, (1, 128))
+    _, s = quantize_blocks(rows, (1, 128))
     np.testing.assert_array_equal(np.log2(np.asarray(s)[:, 0]), np.concatenate([ks, ks + 1]))
-    q, _ = quant.quantize_blocks(rows, (1, 128))
+    q, _ = quantize_blocks(rows, (1, 128))
     assert np.all(np.asarray(q, np.float32)[: len(ks), 0] == 448)
 
 
 def test_blockwise_bf16_dequant_is_exact(rng):
     x = _wide_random(rng, (4, 256), lo=-20)
-    q, s = quant.quantize_blocks(x, (1, 128))
-    f32 = quant.dequantize_blocks(q, s, (1, 128), jnp.float32)
-    bf16 = quant.dequantize_blocks(q, s, (1, 128), jnp.bfloat16)
+    q, s = quantize_blocks(x, (1, 128))
+    f32 = dequantize_blocks(q, s, (1, 128), jnp.float32)
+    bf16 = dequantize_blocks(q, s, (1, 128), jnp.bfloat16)
     np.testing.assert_array_equal(np.asarray(bf16, np.float32), np.asarray(f32))
-    qdq = quant.qdq_blocks(jnp.asarray(x, jnp.bfloat16), (1, 128))
+    qdq = qdq_blocks(jnp.asarray(x, jnp.bfloat16), (1, 128))
     assert qdq.dtype == jnp.bfloat16
 
 
@@ -131,23 +141,23 @@ def test_blockwise_nonfinite_poisons_only_its_block():
     x = np.ones((3, 256), np.float32)
     x[1, 5] = np.nan
     x[2, 200] = -np.inf
-    q, s = quant.quantize_blocks(x, (1, 128))
+    q, s = quantize_blocks(x, (1, 128))
     s = np.asarray(s)
     assert np.isnan(s[1, 0]) and np.isnan(s[2, 1])
     assert np.isfinite(s[[0, 0, 1, 2], [0, 1, 1, 0]]).all()
-    back = np.asarray(quant.dequantize_blocks(q, s, (1, 128)))
+    back = np.asarray(dequantize_blocks(q, s, (1, 128)))
     assert np.isnan(back[1, :128]).all() and np.isnan(back[2, 128:]).all()
     assert (back[0] == 1).all() and (back[1, 128:] == 1).all() and (back[2, :128] == 1).all()
 
 
 def test_block_validation():
     with pytest.raises(ValueError, match="block"):
-        quant.quantize_blocks(jnp.ones((4, 4)), (1,))
+        quantize_blocks(jnp.ones((4, 4)), (1,))
     with pytest.raises(ValueError, match="block"):
-        quant.quantize_blocks(jnp.ones((4, 4)), (0, 4))
-    q, s = quant.quantize_blocks(jnp.ones((4, 256)), (1, 128))
+        quantize_blocks(jnp.ones((4, 4)), (0, 4))
+    q, s = quantize_blocks(jnp.ones((4, 256)), (1, 128))
     with pytest.raises(ValueError, match="do not match"):
-        quant.dequantize_blocks(q, s[:, :1], (1, 128))
+        dequantize_blocks(q, s[:, :1], (1, 128))
 
 
 # ----------------------------------------------------------------------------
@@ -157,13 +167,13 @@ def test_block_validation():
 @pytest.mark.parametrize("shape, axis", [((6, 100), -1), ((70, 9), 0), ((2, 64, 40), 1)])
 def test_quantize_mx_matches_model(rng, shape, axis):
     x = _wide_random(rng, shape, lo=-40)
-    q, s = jax.jit(lambda a: quant.quantize_mx(a, axis))(x)
+    q, s = quantize_mx(x, axis)
     q_ref, s_ref = ref.quantize_mx(x, axis)
     np.testing.assert_array_equal(ref.codes(s), ref.codes(s_ref))
     np.testing.assert_array_equal(ref.codes(q), ref.codes(q_ref))
     bshape = tuple(32 if i == axis % len(shape) else 1 for i in range(len(shape)))
     scales = ref.mx_scales_f64(s_ref)
-    back = np.asarray(quant.dequantize_mx(q, s, axis), np.float64)
+    back = np.asarray(dequantize_mx(q, s, axis), np.float64)
     np.testing.assert_array_equal(back, ref.dequantize(q_ref, scales, shape, bshape))
     assert np.all(np.abs(back - ref.read(x)) <= ref.element_error_bound(x, scales, bshape))
 
@@ -176,7 +186,7 @@ def test_mx_e8m0_exponent_rule_and_saturation():
     x = np.zeros((len(amaxes), 32), np.float32)
     x[:, 3] = amaxes
     x[:, 4] = amaxes / 3  # a non-amax element
-    q, s = quant.quantize_mx(x)
+    q, s = quantize_mx(x)
     e, finite = quant.mx_scale_exponents(s)
     n = len(js)
     want = np.concatenate([js - 8, js - 9, js - 8, js - 8])
@@ -196,7 +206,7 @@ def test_mx_zero_tiny_subnormal_and_nonfinite_blocks():
     x[3, 2] = 2.0**-18                  # 2^-10: half the smallest subnormal, ties to zero
     x[4, 7] = np.nan
     x[5, 9] = np.inf
-    q, s = quant.quantize_mx(x)
+    q, s = quantize_mx(x)
     q_ref, s_ref = ref.quantize_mx(x)
     np.testing.assert_array_equal(ref.codes(s), ref.codes(s_ref))
     np.testing.assert_array_equal(ref.codes(q), ref.codes(q_ref))
@@ -207,17 +217,17 @@ def test_mx_zero_tiny_subnormal_and_nonfinite_blocks():
     qf = np.asarray(q, np.float64)
     assert not qf[:2].any()
     assert qf[3, 1] == 2.0**-8 and qf[3, 2] == 0.0
-    back = np.asarray(quant.dequantize_mx(q, s))
+    back = np.asarray(dequantize_mx(q, s))
     assert np.isnan(back[4]).all() and np.isnan(back[5]).all()
     assert back[3, 0] == 1.0 and back[3, 1] == 2.0**-16
 
 
 def test_mx_validation():
     with pytest.raises(ValueError, match="axis"):
-        quant.quantize_mx(jnp.ones((4, 32)), axis=2)
-    q, s = quant.quantize_mx(jnp.ones((4, 64)))
+        quantize_mx(jnp.ones((4, 32)), axis=2)
+    q, s = quantize_mx(jnp.ones((4, 64)))
     with pytest.raises(ValueError, match="do not match"):
-        quant.dequantize_mx(q, s, axis=0)
+        dequantize_mx(q, s, axis=0)
 
 
 # ----------------------------------------------------------------------------
@@ -236,5 +246,5 @@ def test_every_e4m3_code_times_every_normal_scale_is_exact_in_bf16():
     for x_exp in (-117, 0, 119):
         codes = np.full((2, q.shape[1] // 32 + (q.shape[1] % 32 > 0)), x_exp + 127, np.uint8)
         s = jnp.asarray(codes.view(ml_dtypes.float8_e8m0fnu))
-        got = np.asarray(quant.dequantize_mx(q, s, out_dtype=jnp.bfloat16), np.float64)
+        got = np.asarray(dequantize_mx(q, s, out_dtype=jnp.bfloat16), np.float64)
         np.testing.assert_array_equal(got[0], vals * 2.0**x_exp)
