@@ -9,6 +9,15 @@ Compares, in one process and on the same random data:
   jaxex   jax's example kernels ragged_dot_mgpu / transposed_ragged_dot_mgpu
   ragged  ``jax.lax.ragged_dot`` (the xla backend), a few iterations only
 
+With ``--quant mxfp8|blockwise`` two more columns (FP8 recipes, issue 8):
+  ours_q  ``ops.gmm.quantized`` with that recipe over the mosaic backend: the
+          quantize-dequantize of the operands plus our bf16 kernel, all timed
+          (what a training step pays today; the FP8 Mosaic kernel would
+          replace it)
+  dense8  an FP8 x FP8 -> bf16 dense product through XLA (cuBLASLt FP8 GEMM,
+          E4M3 operands quantized outside the timing) at equal FLOPs: the
+          FP8 ceiling, next to ``dense`` (the bf16 one)
+
 FLOPs count real rows only: 2 * sum(group_sizes) * K * N per product. JAX
 timings are kernel time on device through CUPTI
 (``jax.experimental.mosaic.gpu.profiler.measure``), median of ``--iters``
@@ -25,6 +34,7 @@ Pallas GPU interpret mode on CPU, to check this script without a GPU.
 import argparse
 import dataclasses
 import datetime
+import functools
 import json
 import os
 import pathlib
@@ -54,6 +64,7 @@ SMOKE_SHAPES = [(300, 5, 128, 256)]
 LAYOUTS = ["balanced", "dirichlet1.0", "dirichlet0.3", "empty"]
 OPS = ["fwd", "dgrad", "wgrad", "fwd+dgrad+wgrad"]
 IMPLS = ["ours", "dense", "torch", "jaxex", "ragged"]
+QUANT_RECIPES = {"mxfp8": "te_mxfp8", "blockwise": "te_fp8_blockwise"}
 
 
 def make_group_sizes(layout, m, g, seed=0):
@@ -71,6 +82,21 @@ def make_group_sizes(layout, m, g, seed=0):
     sizes = np.floor(p * m).astype(np.int64)
     sizes[np.argmax(p)] += m - sizes.sum()
     return sizes.astype(np.int32)
+
+
+def align_group_sizes(sizes, align):
+    """Each size rounded down to a multiple of ``align``; the rows taken off go to the
+    largest group, rounded down too (the total stays <= M and a multiple of align)."""
+    out = sizes // align * align
+    big = int(np.argmax(sizes))
+    out[big] += (int(sizes.sum()) - int(out.sum())) // align * align
+    return out.astype(np.int32)
+
+
+def quantized_alignment(quant):
+    from dropless.ops.gmm import quantized
+
+    return quantized.required_alignment(QUANT_RECIPES[quant])
 
 
 def time_jax(fn, args, iters):
@@ -168,6 +194,36 @@ def torch_fns(x, w, dy, sizes):
     return fns
 
 
+def quant_fns(impl, g, recipe):
+    """{op: fn(x, w, dy, gs)} of the FP8 columns; ``dense8`` takes E4M3 x, w, dy."""
+    from dropless.ops.gmm import quantized
+
+    if impl == "ours_q":
+        q = functools.partial(quantized.qdq, recipe=recipe)
+        fwd = lambda x, w, dy, gs: quantized.gmm(x, w, gs, recipe=recipe, backend="mosaic")
+        dgrad = lambda x, w, dy, gs: mosaic.gmm(q(dy, axis=1), q(w, axis=2), gs, transpose_rhs=True)
+        wgrad = lambda x, w, dy, gs: mosaic.tgmm(q(x, axis=0), q(dy, axis=0), gs, num_groups=g)
+
+        def all3(x, w, dy, gs):
+            y, vjp = jax.vjp(lambda x, w: quantized.gmm(x, w, gs, recipe=recipe, backend="mosaic"),
+                             x, w)
+            return y, *vjp(dy)
+    elif impl == "dense8":
+        def dot(a, b, dims):
+            return lax.dot_general(a, b, (dims, ((), ())), preferred_element_type=jnp.bfloat16)
+
+        fwd = lambda x, w, dy, gs: dot(x, w[0], ((1,), (0,)))
+        dgrad = lambda x, w, dy, gs: dot(dy, w[0], ((1,), (1,)))
+        wgrad = lambda x, w, dy, gs: dot(x, dy, ((0,), (0,)))
+
+        def all3(x, w, dy, gs):
+            return fwd(x, w, dy, gs), dgrad(x, w, dy, gs), wgrad(x, w, dy, gs)
+    else:
+        raise ValueError(impl)
+    fns = {"fwd": fwd, "dgrad": dgrad, "wgrad": wgrad, "fwd+dgrad+wgrad": all3}
+    return {op: jax.jit(f) for op, f in fns.items()}
+
+
 def jax_fns(impl, g, tilings, jaxex_cfg):
     """{op: jitted fn(x, w, dy, gs)} for one implementation."""
     if impl == "ours":
@@ -242,11 +298,37 @@ def check_ours(fns_ours, torch_f, x, w, dy, gs):
     return errs
 
 
+def bench_quant(row, x, w, dy, gs, g, flops, args, dense8_ms):
+    """The ``--quant`` columns of one row: ours_q (all of it timed) and dense8 (FP8 GEMM only)."""
+    recipe = QUANT_RECIPES[args.quant]
+    row["quant"] = recipe
+    fns = quant_fns("ours_q", g, recipe)
+    for op in OPS:
+        _run(row, "ours_q", op, flops, lambda op=op: time_jax(fns[op], (x, w, dy, gs), args.iters))
+    # The recipe's error next to bf16 (about 5% for FP8 operands, whatever the size).
+    row["rel_err_q_vs_bf16"] = _safe(
+        lambda: rel_err(fns["fwd"](x, w, dy, gs), mosaic.gmm(x, w, gs)), None)
+    if not dense8_ms:
+        f8 = tuple(a.astype(jnp.float8_e4m3fn) for a in (x, w[:1], dy))
+        fns8 = quant_fns("dense8", g, recipe)
+        for op in OPS:
+            _run(row, "dense8", op, flops,
+                 lambda op=op: time_jax(fns8[op], (*f8, gs), args.iters))
+        dense8_ms.update(row["ms"].get("dense8", {}))
+        del f8
+    else:
+        for op, ms in dense8_ms.items():
+            row["ms"].setdefault("dense8", {})[op] = ms
+            row["tflops"].setdefault("dense8", {})[op] = (3 if "+" in op else 1) * flops / ms / 1e9
+
+
 def bench_shape(m, g, k, n, layouts, impls, tilings, args, record):
     x, w, dy = random_inputs(m, g, k, n, seed=m + g + k + n)
-    dense_ms = {}
+    dense_ms, dense8_ms = {}, {}
     for layout in layouts:
         sizes = make_group_sizes(layout, m, g, seed=g)
+        if args.quant != "none":  # as the MoE block pads them: whole scale blocks per group
+            sizes = align_group_sizes(sizes, quantized_alignment(args.quant))
         gs = jnp.asarray(sizes)
         total = int(sizes.sum())
         flops = 2.0 * total * k * n
@@ -279,6 +361,11 @@ def bench_shape(m, g, k, n, layouts, impls, tilings, args, record):
                 dense_ms.update(row["ms"].get("dense", {}))
             if impl == "ours":
                 row["rel_err_vs_torch"] = _safe(lambda: check_ours(fns, torch_f, x, w, dy, gs), {})
+        if args.quant != "none":
+            try:
+                bench_quant(row, x, w, dy, gs, g, flops, args, dense8_ms)
+            except Exception:  # noqa: BLE001 - keep the bf16 numbers of this row
+                traceback.print_exc()
         record["results"].append(row)
         print_row(row)
         sys.stdout.flush()
@@ -318,6 +405,14 @@ def print_row(row):
         r1 = f"{ours / dense:9.3f}" if ours and dense else f"{'-':>9s}"
         r2 = f"{ours / torch_v:9.3f}" if ours and torch_v else f"{'-':>9s}"
         print(f"  {op:16s}" + "".join(f"{v:8.1f}" if v else f"{'-':>8s}" for v in vals) + r1 + r2)
+    if row.get("quant"):
+        q, o, d8 = (t.get(i, {}) for i in ("ours_q", "ours", "dense8"))
+        print(f"  {row['quant']}: " + "  ".join(
+            f"{op} {q[op]:.0f} TF/s (x{q[op] / o[op]:.2f} ours bf16"
+            + (f", x{q[op] / d8[op]:.2f} dense fp8)" if d8.get(op) else ")")
+            for op in OPS if q.get(op) and o.get(op)))
+        if row.get("rel_err_q_vs_bf16") is not None:
+            print(f"  {row['quant']} fwd rel err vs bf16: {row['rel_err_q_vs_bf16']:.2e}")
     if row.get("rel_err_vs_torch"):
         print("  rel err vs torch:", {k: f"{v:.2e}" for k, v in row["rel_err_vs_torch"].items()})
     if row.get("errors"):
@@ -386,6 +481,8 @@ def main():
     p.add_argument("--smoke", action="store_true", help="tiny shapes in GPU interpret mode (CPU)")
     p.add_argument("--iters", type=int, default=10)
     p.add_argument("--impls", default=",".join(IMPLS))
+    p.add_argument("--quant", default="none", choices=["none", *QUANT_RECIPES],
+                   help="also time an FP8 recipe (ours_q) and the dense FP8 GEMM (dense8)")
     p.add_argument("--shapes", default="", help="comma list of indices into FULL_SHAPES")
     p.add_argument("--shape", action="append", default=[], help="M,G,K,N (repeatable)")
     p.add_argument("--out", default=os.environ.get("OUT", "benchmarks/results"))
@@ -411,7 +508,8 @@ def main():
         "dtype": "bfloat16", "iters": args.iters, "quick": args.quick,
         "timing": "jax: CUPTI kernel time (profiler.measure), median; torch: do_bench median",
         "flops": "2 * sum(group_sizes) * K * N per product; x3 for fwd+dgrad+wgrad",
-        "jaxex_config": JAXEX_CFG, "tuning_sweep": [], "results": [],
+        "jaxex_config": JAXEX_CFG, "quant": QUANT_RECIPES.get(args.quant, "none"),
+        "tuning_sweep": [], "results": [],
     }
     os.makedirs(args.out, exist_ok=True)
     if args.smoke:
@@ -435,12 +533,13 @@ def main():
                 bench_shape(m, g, k, n, layouts, impls, tilings, args, record)
             except Exception:  # noqa: BLE001 - keep the other shapes' numbers
                 traceback.print_exc()
-    path = pathlib.Path(args.inner or pathlib.Path(args.out, _result_name()))
+    path = pathlib.Path(args.inner or pathlib.Path(args.out, _result_name(args.quant)))
     path.write_text(json.dumps(record, indent=1) + "\n")
 
 
-def _result_name():
-    return f"gmm-{datetime.date.today().isoformat()}-{tuning.gpu_name()}.json"
+def _result_name(quant="none"):
+    tag = "" if quant == "none" else f"-{quant}"
+    return f"gmm-{datetime.date.today().isoformat()}-{tuning.gpu_name()}{tag}.json"
 
 
 def run_children(args, shapes, record):
@@ -451,14 +550,14 @@ def run_children(args, shapes, record):
     import tempfile
 
     base = [sys.executable, __file__, "--iters", str(args.iters), "--impls", args.impls,
-            "--out", args.out, "--commit", args.commit]
+            "--out", args.out, "--commit", args.commit, "--quant", args.quant]
     base += ["--quick"] * args.quick + ["--smoke"] * args.smoke
     spec = lambda s: ["--shape", ",".join(map(str, s))]
     jobs = []
     if args.tune and not args.smoke:
         jobs.append(["--tune", "--tune-only"] + sum((spec(s) for s in shapes if s[1] == 32), []))
     jobs += [spec(s) for s in shapes]
-    path = pathlib.Path(args.out, _result_name())
+    path = pathlib.Path(args.out, _result_name(args.quant))
     deadline = time.monotonic() + args.budget_s if args.budget_s else None
     for extra in jobs:
         with tempfile.NamedTemporaryFile(suffix=".json", delete=False) as f:
@@ -501,6 +600,12 @@ def print_summary(record):
             r2 = f"{ours / tor:.2f}" if tor else "-"
             cells.append(f"{op} {ours:.0f} ({r1},{r2})")
         print(f"M={row['M']} G={row['G']} K={row['K']} N={row['N']} {row['layout']:12s} " + " | ".join(cells))
+        if row.get("quant"):
+            q, o, d8 = (t.get(i, {}) for i in ("ours_q", "ours", "dense8"))
+            print(f"  {row['quant']} TF/s (/ours bf16, /dense fp8): " + " | ".join(
+                f"{op} {q[op]:.0f} ({q[op] / o[op]:.2f},"
+                f"{q[op] / d8[op]:.2f})" if q.get(op) and o.get(op) and d8.get(op) else f"{op} -"
+                for op in OPS))
 
 
 if __name__ == "__main__":

@@ -19,6 +19,11 @@ only that attempt):
   capacity  MaxText's capacity-limited ``dense_matmul`` (``sparse_matmul=False``,
             capacity factor 1.0; drops tokens, counted)
   ours      dropless with the best kernels available (``gmm_backend=auto``)
+  ours_fp8  ``ours`` with both FP8 options of the seed recipe: dense projections
+            ``quantization=te_fp8_currentscaling`` (cuBLASLt FP8 GEMMs) and
+            grouped GEMMs ``te_gmm_quantization=te_mxfp8`` (emulated on Hopper:
+            FP8 numerics, bf16 grouped-GEMM speed)
+  ours_fp8_blockwise  the same with ``te_fp8_blockwise`` grouped GEMMs
 
 A case that runs out of memory is retried with half the batch, down to 1 per
 device; the JSON says which batch each case ran at. Figures: median step time
@@ -26,7 +31,7 @@ over ``--steps`` timed steps after ``--warmup`` steps (compile, autotuning),
 tokens/s, TFLOP/s per device from the analytic MaxText-convention count
 (``dropless.train.flops``: useful dropless FLOPs, so the capacity baseline is
 credited with the same work whatever it computes), MFU against the device's
-bf16 peak, and peak device memory.
+bf16 peak (the FP8 peak for the FP8 cases), and peak device memory.
 
 Writes ``<out>/step-<time>-<gpu>.json`` with the GPU, jax version, commit,
 environment, the sections and every case.
@@ -45,7 +50,8 @@ import time
 # One case per process, so it may take nearly all of the GPU's memory (JAX's default is 75%).
 os.environ.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.92")
 
-CASES = ("xla", "capacity", "ours")
+CASES = ("xla", "capacity", "ours", "ours_fp8", "ours_fp8_blockwise")
+FP8_DENSE = "te_fp8_currentscaling"
 RESULT_PREFIX = "STEP_RESULT "
 
 
@@ -88,8 +94,13 @@ def case_sections(case: str, tiny: bool, batch: float | None, remat: str | None)
     model, train = proxy_sections(tiny)
     moe = {"xla": dict(gmm_backend="xla"),
            "capacity": dict(sparse_matmul=False, capacity_factor=1.0),
-           "ours": dict(gmm_backend="auto")}[case]
+           "ours": dict(gmm_backend="auto"),
+           "ours_fp8": dict(gmm_backend="auto", gmm_quantization="te_mxfp8"),
+           "ours_fp8_blockwise": dict(gmm_backend="auto", gmm_quantization="te_fp8_blockwise"),
+           }[case]
     model = dataclasses.replace(model, moe=dataclasses.replace(model.moe, **moe))
+    if case.startswith("ours_fp8"):
+        model = dataclasses.replace(model, quantization=FP8_DENSE)
     if remat:
         model = dataclasses.replace(model, remat_policy=remat)
     if batch:
@@ -127,13 +138,17 @@ def run_case(case: str, tiny: bool, batch, remat, steps: int, warmup: int) -> di
         times.append(time.perf_counter() - t0)
     step_time = statistics.median(times)
     device = jax.devices()[0]
-    peak = None if device.platform == "cpu" else flops_lib.peak_tflops(device.device_kind, "bf16")
+    precision = flops_lib.precision_of(model)
+    peak = None if device.platform == "cpu" else flops_lib.peak_tflops(device.device_kind, precision)
     stats = device.memory_stats() or {}
     tokens = built.global_batch * train.max_target_length * train.gradient_accumulation_steps
     tflops = built.tflops_per_step / step_time
     return {
         "case": case,
         "gmm_backend": resolve_backend(model.moe.gmm_backend) if model.moe.sparse_matmul else "capacity",
+        "quantization": model.quantization,
+        "gmm_quantization": model.moe.gmm_quantization,
+        "mfu_peak": precision,
         "per_device_batch_size": train.per_device_batch_size,
         "remat_policy": model.remat_policy,
         "step_time_s": step_time,
@@ -210,7 +225,9 @@ def print_table(rows) -> None:
         if "step_time_s" not in r:
             table.add_row(r["case"], "", "", "", "", "", "", "", "", r.get("error", "")[:80])
             continue
-        note = "batch shrunk to fit" if len(r.get("batches_tried", [])) > 1 else ""
+        notes = ["batch shrunk to fit"] * (len(r.get("batches_tried", [])) > 1)
+        notes += ["MFU of the fp8 peak"] * (r.get("mfu_peak") == "fp8")
+        note = "; ".join(notes)
         table.add_row(
             r["case"], r["gmm_backend"], f"{r['per_device_batch_size']:g}",
             f"{r['step_time_s'] * 1e3:.1f}", f"{r['tokens_per_s']:.4g}",
@@ -222,13 +239,16 @@ def print_table(rows) -> None:
 
 
 def speedups(rows) -> dict:
-    """TFLOP/s/device of ours over each baseline and over the better one."""
+    """TFLOP/s/device of ours over each baseline and over the better one; FP8 over bf16."""
     by = {r["case"]: r.get("tflops_per_device") for r in rows}
     ours = by.get("ours")
     out = {f"ours_over_{c}": ours / by[c] for c in ("xla", "capacity") if ours and by.get(c)}
     baselines = [by[c] for c in ("xla", "capacity") if by.get(c)]
     if ours and baselines:
         out["ours_over_best_baseline"] = ours / max(baselines)
+    for c in ("ours_fp8", "ours_fp8_blockwise"):
+        if ours and by.get(c):
+            out[f"{c}_over_ours"] = by[c] / ours
     return out
 
 
