@@ -141,6 +141,8 @@ BAD = [
     (["ici_data_parallelism=-1"], "only one ici_*_parallelism may be -1"),
     (["ici_tensor_parallelism=0"], "positive integer or -1"),
     (["routed_bias=false", "routed_bias_update_rate=0.1"], "routed_bias is false"),
+    (["sparse_matmul=false", "te_gmm_quantization=te_mxfp8"], "capacity baseline"),
+    (["quantize_output_head=true"], "quantize_output_head"),
     (["learning_rate=-1"], "learning_rate=-1"),
     (["adam_b2=1.5"], "adam_b2=1.5"),
     (["steps"], "is not key=value"),

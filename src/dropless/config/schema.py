@@ -236,6 +236,10 @@ def _check_contradictions(c: Config):
         bad("first_num_dense_layers", f"must be <= num_decoder_layers={c.num_decoder_layers}")
     if c.routed_bias_update_rate > 0 and not c.routed_bias:
         bad("routed_bias_update_rate", "is > 0 but routed_bias is false")
+    if c.te_gmm_quantization != "te_no_quant" and not c.sparse_matmul:
+        bad("te_gmm_quantization", "quantizes grouped GEMMs; sparse_matmul=false (the capacity baseline) has none")
+    if c.quantize_output_head and not c.quantization:
+        bad("quantize_output_head", "is true but quantization is '' (set quantization=te_fp8_currentscaling)")
     for axis in ("data", "fsdp", "expert", "tensor"):
         for kind in ("ici", "dcn"):
             key = f"{kind}_{axis}_parallelism"
