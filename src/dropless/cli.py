@@ -71,7 +71,7 @@ def _cpu_devices(cfg) -> int:
 def cmd_train(args: list[str]) -> int:
     resolved = resolve_args(args)
     cfg = resolved.config
-    applied, mesh_shape = start_runtime(cfg)
+    applied, _ = start_runtime(cfg)  # also checks the mesh against the devices
     from dropless.parallel.overflow import EPOverflowError
     from dropless.train.loop import run_training
 
@@ -82,7 +82,7 @@ def cmd_train(args: list[str]) -> int:
     except EPOverflowError as e:
         print(f"dropless: {e}", file=sys.stderr)
         return 1
-    return 0 if result is None or getattr(result, "ok", True) else 1
+    return 0 if result.ok else 1
 
 
 def cmd_config(args: list[str]) -> int:

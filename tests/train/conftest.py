@@ -5,17 +5,11 @@ the decoupled rope key, one dense then MoE layers, shared expert, sigmoid
 group-limited routing with the balancing bias) at sizes that compile and run
 in seconds on two CPU cores.
 
-These tests run a few steps of tiny models, so XLA compile time dominates:
-unless ``XLA_FLAGS`` is already set, XLA:CPU is asked for backend
-optimisation level 0, which compiles about 3x faster (and runs the tiny
-steps about 2x slower). It takes effect only if no test has started the JAX
-backend yet; the results are the same either way.
+XLA:CPU's optimisation level for these compile-bound tests is set once for
+the whole suite, in ``tests/conftest.py``.
 """
 
 import dataclasses
-import os
-
-os.environ.setdefault("XLA_FLAGS", "--xla_backend_optimization_level=0")
 
 import pytest
 
