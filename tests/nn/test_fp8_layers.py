@@ -6,8 +6,14 @@ Frobenius norm and must differ (the quantization is really applied). The
 expected size: E4M3 rounding is uniform within +-2^-4 relative, RMS about
 2^-4/sqrt(3) = 3.6% per element; a product of two such operands with
 random-sign terms has about sqrt(2) x 3.6% = 5% relative error whatever its
-length, gradients through E5M2 (RMS 7%) about 8%. The ops-level tests hold
-the exact numerics; these check the wiring.
+length, gradients through E5M2 (RMS 7%) about 8%. Errors compound through a
+layer: the MLP's first-layer weight gradient passes an E5M2 cotangent through
+the FP8 dgrad of wo and then an E5M2 wgrad, about sqrt(2 x 7^2 + 3.6^2) = 10%,
+so its bound sits well above that mean (a bound of 0.1 sat on the mean, 9.5%,
+and failed on some seeds). The router's gradient is a difference of expert outputs and has
+a heavy tail (MoE, 60 seeds: mean 8%, max 14%). Bounds below were set from
+the spread over 40-60 seeds with at least 1.5x margin over the worst. The
+ops-level tests hold the exact numerics; these check the wiring.
 """
 
 import dataclasses
@@ -35,6 +41,11 @@ def _rel(a, b):
     return np.linalg.norm(a - b) / np.linalg.norm(b)
 
 
+def _named_leaves(tree):
+    return {jax.tree_util.keystr(path): leaf
+            for path, leaf in jax.tree_util.tree_flatten_with_path(nnx.to_pure_dict(tree))[0]}
+
+
 def _loss_and_grads(module, x, c):
     graphdef, params, rest = nnx.split(module, nnx.Param, ...)
 
@@ -47,17 +58,26 @@ def _loss_and_grads(module, x, c):
         return jax.value_and_grad(loss, argnums=(0, 1), has_aux=True)(params, x)
 
     (_, y), (g_params, g_x) = run(params, x)
-    return y, jax.tree.leaves(nnx.to_pure_dict(g_params)), g_x
+    return y, _named_leaves(g_params), g_x
 
 
-def _compare(quantized_module, plain_module, x, rng, tol):
+def _compare(quantized_module, plain_module, x, rng, *, y_tol, grad_tol, extra_tol=None):
+    """Relative errors of output, input gradient and every parameter gradient.
+
+    ``extra_tol`` maps a substring of a parameter's path to its own bound.
+    """
     c = jnp.asarray(rng.standard_normal(x.shape), jnp.float32)
     yq, gq, gxq = _loss_and_grads(quantized_module, x, c)
     y0, g0, gx0 = _loss_and_grads(plain_module, x, c)
+    assert gq.keys() == g0.keys()
     errs = {"y": _rel(yq, y0), "dx": _rel(gxq, gx0)}
-    errs.update({f"dparam{i}": _rel(a, b) for i, (a, b) in enumerate(zip(gq, g0))})
+    errs.update({f"d{name}": _rel(gq[name], g0[name]) for name in g0})
     for name, err in errs.items():
-        assert err < tol, f"{name}: relative error {err:.3g}"
+        bound = y_tol if name == "y" else grad_tol
+        for part, tol in (extra_tol or {}).items():
+            if part in name:
+                bound = tol
+        assert err < bound, f"{name}: relative error {err:.3g} (bound {bound})"
     assert errs["y"] > 1e-4, "the quantized layer computes exactly the plain one"
     return errs
 
@@ -77,8 +97,11 @@ def test_moe_block_recipe_close_to_unquantized(recipe, rng, monkeypatch):
                                rngs=nnx.Rngs(3))
     block_0 = moe_lib.MoEBlock(MOE, emb_dim=D, rngs=nnx.Rngs(3))
     x = jnp.asarray(rng.standard_normal((2, 24, D)), jnp.float32)
-    errs = _compare(block_q, block_0, x, rng, tol=0.15)
-    assert errs["y"] < 0.08
+    # Measured over 60 seeds (te_mxfp8): y 4.6% (max 5.1%), expert and shared
+    # gradients 8% (max 9%), router gradient 8% (max 14%).
+    errs = _compare(block_q, block_0, x, rng, y_tol=0.08, grad_tol=0.15,
+                    extra_tol={"router": 0.25})
+    assert max(errs.values()) > 1e-3
     align = quantized.required_alignment(recipe)
     assert moe_lib.group_alignment(block_q.cfg) == align
     # Both grouped matmuls saw group sizes padded to the recipe's blocks.
@@ -98,7 +121,8 @@ def test_mlp_fp8_close_to_plain(rng):
     mlp_0 = MLP(D, 96, rngs=nnx.Rngs(1))
     assert mlp_q.wi_0.dot_general is fp8_dot.fp8_dot_general
     x = jnp.asarray(rng.standard_normal((3, 10, D)), jnp.float32)
-    _compare(mlp_q, mlp_0, x, rng, tol=0.1)
+    # Measured over 40 seeds: y 6.6% (max 7.4%), gradients 8-9.5% (max 10.3%).
+    _compare(mlp_q, mlp_0, x, rng, y_tol=0.11, grad_tol=0.16)
 
 
 SMALL = ModelConfig(
