@@ -12,7 +12,7 @@ the FP8 dgrad of wo and then an E5M2 wgrad, about sqrt(2 x 7^2 + 3.6^2) = 10%,
 so its bound sits well above that mean (a bound of 0.1 sat on the mean, 9.5%,
 and failed on some seeds). The router's gradient is a difference of expert outputs and has
 a heavy tail (MoE, 60 seeds: mean 8%, max 14%). Bounds below were set from
-the spread over 40-60 seeds with at least 1.5x margin over the worst. The
+the spread over 40-60 seeds with about 1.5x margin or more over the worst. The
 ops-level tests hold the exact numerics; these check the wiring.
 """
 
