@@ -2,7 +2,8 @@
 
 ``rng`` hands each test a fresh NumPy generator: a new seed per test run (so
 repeated runs explore new inputs), printed so a failure can be replayed with
-``DROPLESS_TEST_SEED=<seed>``. Hypothesis uses the "dropless" profile: no
+``PYTEST_SEED=<seed>`` (not a ``DROPLESS_`` name: the CLI reads those as
+config keys and rejects unknown ones). Hypothesis uses the "dropless" profile: no
 per-example deadline (the first example of a shape pays for XLA compilation)
 and few examples, to keep the suite fast on two cores.
 
@@ -33,6 +34,6 @@ settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "dropless"))
 @pytest.fixture
 def rng():
     """A fresh ``np.random.Generator``; its seed is printed (shown on failure)."""
-    seed = int(os.environ.get("DROPLESS_TEST_SEED", secrets.randbits(32)))
-    print(f"DROPLESS_TEST_SEED={seed}")
+    seed = int(os.environ.get("PYTEST_SEED", secrets.randbits(32)))
+    print(f"PYTEST_SEED={seed}")
     return np.random.default_rng(seed)
