@@ -155,6 +155,7 @@ class Config(BaseModel):
     te_ep_overflow_check_every_n_steps: int = _f(20, "Steps between host reads of the on-device overflow counters.", ge=1)
     ep_overflow_policy: Literal["error", "warn"] = _f("error", "On receive-buffer overflow: stop with a clear error, or warn and continue (overflowing steps are skipped either way).")
     ep_exchange: Literal["auto", "ragged", "padded"] = _f("auto", "Expert-parallel exchange: ragged_all_to_all (GPU) or padded all_to_all (any platform).")
+    ep_overflow_rounds: int = _f(0, "Extra expert-parallel exchange rounds that deliver the rows and expert copies a step's buffers could not hold, so nothing is dropped and the step is not skipped; they run only when some rank overflowed (0: overflow skips the step).", ge=0, le=8)
 
     # --- XLA flags and environment (collected from xla_* / ALL-CAPS keys) -------
     xla_flags: dict[str, Any] = _f({}, "XLA flags (keys starting with xla_), applied on GPU before the backend starts.")

@@ -98,6 +98,7 @@ class MeshConfig:
     ep_overflow_check_every_n_steps: int = 20
     ep_overflow_policy: str = "error"  # error | warn
     ep_exchange: str = "auto"  # auto | ragged | padded
+    ep_overflow_rounds: int = 0  # extra exchange rounds for what overflowed
 
 
 @dataclasses.dataclass(frozen=True)
