@@ -101,6 +101,29 @@ def batch_sharding(mesh: Mesh, leading_dims: int = 0) -> NamedSharding:
     return NamedSharding(mesh, P(*([None] * leading_dims), BATCH_AXES))
 
 
+def held_indices(sharding, global_shape: tuple[int, ...], axis: int, devices=None) -> np.ndarray:
+    """Sorted indices along ``axis`` of an array of ``global_shape`` that ``devices`` hold.
+
+    ``devices`` defaults to this process's addressable devices: with the batch
+    sharding and ``axis=1`` these are the sequences of each microbatch this
+    process must load (not necessarily contiguous: on a hybrid mesh a process
+    holds every other block when a DCN axis is minor in the batch axes).
+
+    Raises:
+      ValueError: ``devices`` hold no part of the array.
+    """
+    devices = sharding.addressable_devices if devices is None else set(devices)
+    size = global_shape[axis]
+    held = set()
+    for device, index in sharding.devices_indices_map(tuple(global_shape)).items():
+        if device in devices:
+            held.update(range(*index[axis].indices(size)))
+    if not held:
+        raise ValueError(f"devices {sorted(d.id for d in devices)} hold no part of an array "
+                         f"of shape {tuple(global_shape)} sharded as {sharding}")
+    return np.array(sorted(held), np.int64)
+
+
 def fsdp_spec(shape: tuple[int, ...], fsdp: int) -> P:
     """Shard the largest axis divisible by ``fsdp`` over "fsdp"; replicate if none."""
     if fsdp == 1 or not shape:

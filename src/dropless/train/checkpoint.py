@@ -15,6 +15,14 @@ on resume. A step
 whose files disagree with its manifest (truncated, overwritten, missing) is
 corrupt: ``CheckpointError`` says which and how to fall back, and nothing is
 loaded. Checking reads every byte once, at restore time only.
+
+Several processes (``jax.distributed``) share one run directory on a shared
+filesystem; each holds only its shards of each array, and Orbax writes and
+reads those. Process 0 writes the manifests (CRC32 of the files as saved, so
+no array needs to be addressable by one process); the others wait for it
+before deciding anything that depends on a manifest. At restore each process
+checks its share of the files (every ``process_count``-th) and all of them
+raise the same ``CheckpointError`` if any share is bad.
 """
 
 import concurrent.futures
@@ -24,10 +32,13 @@ import threading
 import zlib
 
 import jax
+import numpy as np
 import orbax.checkpoint as ocp
+from jax.experimental import multihost_utils
 
 MANIFEST = "dropless_manifest.json"
 ITEMS = ("model", "opt")
+_MAX_ERROR_BYTES = 2048  # of a CheckpointError message shared between processes
 
 
 class CheckpointError(RuntimeError):
@@ -59,8 +70,12 @@ def write_manifest(step_dir: str) -> None:
     os.replace(tmp, os.path.join(step_dir, MANIFEST))
 
 
-def verify_manifest(step_dir: str) -> None:
-    """Check every file of ``step_dir`` against its manifest.
+def verify_manifest(step_dir: str, share: tuple[int, int] = (0, 1)) -> None:
+    """Check the files of ``step_dir`` against its manifest.
+
+    Args:
+      share: (i, n): check only the files i, i+n, i+2n, ... of the manifest
+        in name order (one process's share); the default checks all.
 
     Raises:
       CheckpointError: no manifest, or a file missing, truncated or changed.
@@ -74,7 +89,9 @@ def verify_manifest(step_dir: str) -> None:
     except (json.JSONDecodeError, KeyError) as e:
         raise CheckpointError(f"checkpoint {step_dir}: unreadable {MANIFEST} ({e})") from None
     hint = f"; delete {step_dir} to resume from the previous checkpoint"
-    for name, (size, crc) in files.items():
+    index, count = share
+    for name in sorted(files)[index::count]:
+        size, crc = files[name]
         full = os.path.join(step_dir, name)
         if not os.path.exists(full):
             raise CheckpointError(f"checkpoint {step_dir} is corrupt: {name} is missing{hint}")
@@ -86,6 +103,37 @@ def verify_manifest(step_dir: str) -> None:
             )
         if _crc32(full) != crc:
             raise CheckpointError(f"checkpoint {step_dir} is corrupt: {name} fails its CRC32{hint}")
+
+
+def _sync(name: str) -> None:
+    """A barrier of all processes (nothing with one)."""
+    if jax.process_count() > 1:
+        multihost_utils.sync_global_devices(name)
+
+
+def verify_everywhere(step_dir: str) -> None:
+    """``verify_manifest`` split over all processes; each raises if any share is bad.
+
+    Call it from every process (it is a collective when there are several).
+
+    Raises:
+      CheckpointError: as ``verify_manifest``, the same in every process.
+    """
+    if jax.process_count() == 1:
+        verify_manifest(step_dir)
+        return
+    try:
+        verify_manifest(step_dir, (jax.process_index(), jax.process_count()))
+        message = b""
+    except CheckpointError as e:
+        message = str(e).encode()[:_MAX_ERROR_BYTES]
+    mine = np.zeros(_MAX_ERROR_BYTES, np.uint8)
+    mine[: len(message)] = np.frombuffer(message, np.uint8)
+    everyone = np.asarray(multihost_utils.process_allgather(mine))
+    for process, row in enumerate(everyone):
+        if row.any():
+            text = row.tobytes().rstrip(b"\0").decode(errors="replace")
+            raise CheckpointError(f"{text} (checked by process {process})")
 
 
 def _abstract(tree, shardings):
@@ -131,6 +179,10 @@ class Checkpointer:
     def step_dir(self, step: int) -> str:
         return os.path.join(self.directory, str(step))
 
+    def due(self, step: int, *, force: bool = False) -> bool:
+        """Whether ``save(step, force=force)`` saves: a multiple of the period, or forced."""
+        return force or step % self._period == 0
+
     def _seal(self) -> None:
         """Write manifests of finalised saves."""
         with self._lock:
@@ -153,13 +205,15 @@ class Checkpointer:
     def save(self, step: int, state: dict, *, force: bool = False) -> bool:
         """Save ``state`` as step ``step`` if due (or forced). Returns whether it saved."""
         # Our own schedule: Orbax's would also save the first step of a run.
-        if not (force or step % self._period == 0):
+        if not self.due(step, force=force):
             return False
+        # One save in flight at a time; the previous one gets its manifest, and
+        # every process sees it before the checks below (they must all agree).
+        self.wait()
         if step in self._manager.all_steps():
             if os.path.exists(os.path.join(self.step_dir(step), MANIFEST)):
                 return False  # e.g. the last step coinciding with a periodic save
             self.delete(step)  # an unsealed leftover of a killed run: write it again
-        self.wait()  # one save in flight at a time; the previous one gets its manifest
         with self._lock:
             self._unsealed.append(step)
         args = ocp.args.Composite(
@@ -172,11 +226,12 @@ class Checkpointer:
         return saved
 
     def wait(self) -> None:
-        """Block until the save in flight is finalised and sealed."""
+        """Block until the save in flight is finalised and sealed (in every process)."""
         self._manager.wait_until_finished()
         if self._sealing is not None:
             self._sealing.result()  # re-raises a failed manifest write
         self._seal()
+        _sync("dropless-checkpoint-sealed")  # process 0's manifests are on disk
 
     def close(self) -> None:
         self.wait()
@@ -202,7 +257,7 @@ class Checkpointer:
           CheckpointError: the step is corrupt, incomplete or does not match the model.
         """
         step_dir = self.step_dir(step)
-        verify_manifest(step_dir)
+        verify_everywhere(step_dir)
         target = _abstract(abstract_state, shardings)
         args = ocp.args.Composite(
             model=ocp.args.StandardRestore({k: target[k] for k in ("params", "router_bias")}),
@@ -227,7 +282,7 @@ def load_parameters(path: str, abstract_model: dict, shardings: dict) -> dict:
     step_dir = os.path.dirname(item_dir)
     if not os.path.isdir(item_dir):
         raise CheckpointError(f"load_parameters_path={path!r}: no such checkpoint directory")
-    verify_manifest(step_dir)
+    verify_everywhere(step_dir)
     try:
         with ocp.StandardCheckpointer() as ckptr:
             return ckptr.restore(item_dir, _abstract(abstract_model, shardings))

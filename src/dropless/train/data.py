@@ -3,9 +3,14 @@
 Legend: A gradient-accumulation microbatches, B global batch per microbatch,
 S sequence length (``max_target_length``), V vocabulary, N Markov states (V**order).
 
-Every source maps ``step -> Batch`` with a NumPy generator seeded by
-``(data_seed, step)``, so a run resumed at step k sees exactly the batches an
-uninterrupted run sees, with no iterator state to checkpoint.
+Every source maps ``step -> Batch`` as a pure function of ``(data_seed, step)``,
+so a run resumed at step k sees exactly the batches an uninterrupted run sees,
+with no iterator state to checkpoint. Each row of a step is made on its own,
+from a NumPy generator seeded by ``(data_seed, step, row)`` (text: from its own
+window), so a process can make only the rows its devices hold
+(``batch_at(step, seqs)``) and they are bit-identical to the same rows of the
+whole batch, whatever the number of processes. Row ``r`` of a step is
+sequence ``r % B`` of microbatch ``r // B``.
 
 * ``synthetic``: uniform random tokens, for throughput. Nothing to learn: the
   loss floor is ln V.
@@ -50,8 +55,8 @@ class Batch(NamedTuple):
     weights: np.ndarray
 
 
-def _rng(seed: int, step: int) -> np.random.Generator:
-    return np.random.default_rng([seed, step, 0x6D61726B])
+def _row_rng(seed: int, step: int, row: int) -> np.random.Generator:
+    return np.random.default_rng([seed, step, row, 0x6D61726B])
 
 
 def _to_batch(tokens: np.ndarray, accum: int, batch: int) -> Batch:
@@ -61,7 +66,39 @@ def _to_batch(tokens: np.ndarray, accum: int, batch: int) -> Batch:
     return Batch(tokens[..., :-1], tokens[..., 1:], np.ones((accum, batch, seq), np.float32))
 
 
-class SyntheticSource:
+class _RowSource:
+    """``batch_at`` for a source that makes any rows of a step by ``rows_at(step, rows)``.
+
+    Subclasses set ``batch`` (B), ``seq`` (S), ``accum`` (A) and define
+    ``rows_at(step, rows_R) -> [R, S+1]`` integer tokens.
+    """
+
+    batch: int
+    seq: int
+    accum: int
+
+    def batch_at(self, step: int, seqs: np.ndarray | None = None) -> Batch:
+        """Batch [A, len(seqs), S] of step ``step``: sequences ``seqs`` of every microbatch.
+
+        Args:
+          seqs: strictly increasing indices into the B sequences of a
+            microbatch (default: all); a process passes those its devices hold.
+
+        Raises:
+          ValueError: ``seqs`` not a strictly increasing 1-D list of indices in [0, B).
+        """
+        if seqs is None:
+            seqs = np.arange(self.batch)
+        seqs = np.asarray(seqs)
+        if (seqs.ndim != 1 or not seqs.size or not np.issubdtype(seqs.dtype, np.integer)
+                or seqs[0] < 0 or seqs[-1] >= self.batch or np.any(np.diff(seqs) <= 0)):
+            raise ValueError(f"seqs={seqs.tolist()} must be strictly increasing sequence indices "
+                             f"in [0, {self.batch}) (the batch of one microbatch)")
+        rows = (np.arange(self.accum)[:, None] * self.batch + seqs[None, :]).ravel()
+        return _to_batch(self.rows_at(step, rows), self.accum, len(seqs))
+
+
+class SyntheticSource(_RowSource):
     """Uniform random tokens; ``entropy_floor`` = ln V."""
 
     def __init__(self, vocab_size: int, seed: int, *, batch: int, seq: int, accum: int = 1):
@@ -70,11 +107,12 @@ class SyntheticSource:
         self.entropy_floor = math.log(vocab_size)
         self.description = f"synthetic uniform tokens over V={vocab_size}"
 
-    def batch_at(self, step: int) -> Batch:
-        tokens = _rng(self.seed, step).integers(
-            0, self.vocab_size, (self.accum * self.batch, self.seq + 1), dtype=np.int64
-        )
-        return _to_batch(tokens, self.accum, self.batch)
+    def rows_at(self, step: int, rows: np.ndarray) -> np.ndarray:
+        """Rows ``rows`` (flat indices into A*B) of step ``step``: [R, S+1] int64."""
+        out = np.empty((len(rows), self.seq + 1), np.int64)
+        for i, row in enumerate(rows):
+            out[i] = _row_rng(self.seed, step, int(row)).integers(0, self.vocab_size, self.seq + 1)
+        return out
 
 
 def stationary_distribution(p_NN: np.ndarray, tol: float = 1e-13, max_iter: int = 100_000):
@@ -92,7 +130,7 @@ def stationary_distribution(p_NN: np.ndarray, tol: float = 1e-13, max_iter: int 
     raise RuntimeError("Markov chain: power iteration did not converge")
 
 
-class MarkovSource:
+class MarkovSource(_RowSource):
     """A seeded random Markov chain of order ``order`` over ``vocab_size`` tokens.
 
     Attributes:
@@ -126,6 +164,7 @@ class MarkovSource:
         self.stationary = self._state_distribution()
         self.entropy_floor = float(self.stationary @ row_entropy_N)
         self._cdf = np.cumsum(p, axis=1)
+        self._start_cdf = np.cumsum(self.stationary)
         self.description = (
             f"markov order {order} over V={vocab_size}, Dirichlet({concentration}) rows, seed {seed}"
         )
@@ -146,25 +185,35 @@ class MarkovSource:
             pi = new
         raise RuntimeError("Markov chain: power iteration did not converge")
 
-    def sample(self, rng: np.random.Generator, rows: int, length: int) -> np.ndarray:
-        """[rows, length] int64 tokens, starting from the stationary distribution."""
+    def sample(self, u_RL: np.ndarray, length: int) -> np.ndarray:
+        """[R, length] int64 tokens, one row per row of uniforms ``u_RL`` in [0, 1).
+
+        ``u_RL[:, 0]`` picks the start state from the stationary distribution
+        (its digits are the first ``order`` tokens, oldest first); ``u_RL[:, j]``
+        for j >= 1 picks token ``order - 1 + j`` from its row of ``transitions``.
+        Needs ``L >= 1 + max(length - order, 0)`` uniforms per row.
+        """
         v, k = self.vocab_size, self.order
-        state = rng.choice(v**k, size=rows, p=self.stationary)
+        rows = u_RL.shape[0]
+        state = np.minimum(np.searchsorted(self._start_cdf, u_RL[:, 0], side="right"), v**k - 1)
         out = np.empty((rows, length), np.int64)
-        # The first k tokens are the digits of the start state, oldest first.
         first = [(state // v**j) % v for j in reversed(range(k))]
         out[:, : min(k, length)] = np.stack(first, axis=1)[:, :length]
-        u = rng.random((rows, max(length - k, 0)))
         for i in range(k, length):
-            tok = (self._cdf[state] < u[:, i - k, None]).sum(axis=1)
+            tok = (self._cdf[state] < u_RL[:, i - k + 1, None]).sum(axis=1)
             tok = np.minimum(tok, v - 1)  # rounding in the cdf's last entry
             out[:, i] = tok
             state = (state % v ** (k - 1)) * v + tok if k > 1 else tok
         return out
 
-    def batch_at(self, step: int) -> Batch:
-        tokens = self.sample(_rng(self.seed, step), self.accum * self.batch, self.seq + 1)
-        return _to_batch(tokens, self.accum, self.batch)
+    def rows_at(self, step: int, rows: np.ndarray) -> np.ndarray:
+        """Rows ``rows`` (flat indices into A*B) of step ``step``: [R, S+1] int64."""
+        length = self.seq + 1
+        width = 1 + max(length - self.order, 0)
+        u_RL = np.empty((len(rows), width))
+        for i, row in enumerate(rows):
+            u_RL[i] = _row_rng(self.seed, step, int(row)).random(width)
+        return self.sample(u_RL, length)
 
 
 def _list_text_files(path: str) -> list[str]:
@@ -255,7 +304,7 @@ class _JsonTokenizer:
         return np.asarray(self._tok.encode(text).ids, np.int32)
 
 
-class TextSource:
+class TextSource(_RowSource):
     """Local text packed into S+1-token windows; ``entropy_floor`` unknown (None).
 
     Raises:
@@ -300,18 +349,26 @@ class TextSource:
             self._perm_epoch = epoch
         return self._perm
 
-    def batch_at(self, step: int) -> Batch:
-        rows = self.accum * self.batch
-        out = np.empty((rows, self.seq + 1), np.int32)
-        for r, index in enumerate(range(step * rows, (step + 1) * rows)):
-            epoch, i = divmod(index, self.num_windows)
-            start = self._window_order(epoch)[i] * self.seq
-            out[r] = self.tokens[start : start + self.seq + 1]
-        return _to_batch(out, self.accum, self.batch)
+    def rows_at(self, step: int, rows: np.ndarray) -> np.ndarray:
+        """Rows ``rows`` (flat indices into A*B) of step ``step``: [R, S+1] int32.
+
+        Row r is window ``step * A*B + r`` of the epoch-by-epoch window order;
+        only those windows are read.
+        """
+        per_step = self.accum * self.batch
+        out = np.empty((len(rows), self.seq + 1), np.int32)
+        for i, row in enumerate(rows):
+            epoch, j = divmod(step * per_step + int(row), self.num_windows)
+            start = self._window_order(epoch)[j] * self.seq
+            out[i] = self.tokens[start : start + self.seq + 1]
+        return out
 
 
 def make_source(cfg: DataConfig, vocab_size: int, *, batch: int, seq: int, accum: int = 1):
     """The data source of ``cfg`` yielding ``Batch`` [accum, batch, seq] by ``batch_at(step)``.
+
+    ``batch_at(step, seqs)`` makes only sequences ``seqs`` of each microbatch
+    (``rows_at(step, rows)`` the flat rows), equal to those of the whole batch.
 
     The source has ``entropy_floor`` (nats per token, or None if unknown) and
     ``description`` (one line for humans).

@@ -10,12 +10,19 @@ What one call does, in order:
 3. runs the jitted step until ``steps``, with the next batch prepared on a
    host thread and each step's metrics read one step late (so the host never
    waits for the device it just fed); saves every ``checkpoint_period`` steps
-   and at the end;
+   and at the end (a save's own metrics row is written first, so a run killed
+   after it resumes with no gap in ``metrics.jsonl``);
 4. prints a summary table and writes ``metrics.jsonl``, TensorBoard events and
    ``summary.png`` into the run directory.
 
 A run without ``run_name`` gets a fresh timestamped one, so it never resumes
 by accident; give ``run_name`` to make a run resumable.
+
+Each process makes only the batch rows its devices hold (``BatchFeed``): the
+data source generates or reads just those sequences, and
+``jax.make_array_from_process_local_data`` assembles the global batch. The
+rows are those of the single-process batch, so results do not depend on the
+number of processes.
 """
 
 import concurrent.futures
@@ -77,6 +84,33 @@ class TrainResult:
     plot_path: str | None
 
 
+class BatchFeed:
+    """This process's rows of each step's batch, assembled into global arrays.
+
+    The batch [A, B, S] is split over its B axis by ``mesh``'s batch axes and
+    replicated over A; this process's devices hold sequences ``seqs`` of every
+    microbatch, and only those are made. ``local(step)`` is the host part (run
+    it on a data thread), ``put(local)`` makes the global ``jax.Array``s.
+    """
+
+    def __init__(self, source, mesh):
+        self.source = source
+        self.sharding = mesh_lib.batch_sharding(mesh, leading_dims=1)
+        self.shape = (source.accum, source.batch, source.seq)
+        self.seqs = mesh_lib.held_indices(self.sharding, self.shape, axis=1)
+
+    def local(self, step: int) -> data_lib.Batch:
+        """NumPy Batch [A, len(seqs), S]: this process's sequences of step ``step``."""
+        return self.source.batch_at(step, self.seqs)
+
+    def put(self, local: data_lib.Batch) -> data_lib.Batch:
+        """Global Batch [A, B, S] of ``jax.Array``s sharded as ``sharding``."""
+        return jax.make_array_from_process_local_data(self.sharding, local, self.shape)
+
+    def __call__(self, step: int) -> data_lib.Batch:
+        return self.put(self.local(step))
+
+
 @dataclasses.dataclass
 class _Setup:
     model: ModelConfig
@@ -89,6 +123,7 @@ class _Setup:
     init: object
     abstract: dict
     shardings: dict
+    feed: BatchFeed
     global_batch: int
     flops: flops_lib.TrainingFlops
     peak: float | None
@@ -139,7 +174,7 @@ def _setup(model: ModelConfig, train: TrainConfig, mesh_cfg: MeshConfig) -> _Set
     return _Setup(
         model=model, mesh_cfg=mesh_cfg, mesh=mesh, source=source, tx=tx, schedule=schedule,
         graphdef=graphdef, init=init, abstract=abstract, shardings=mesh_lib.param_shardings(mesh, abstract),
-        global_batch=global_batch,
+        feed=BatchFeed(source, mesh), global_batch=global_batch,
         flops=flops_lib.training_tflops_per_device(
             model, global_batch / mesh.size, train.max_target_length, train.gradient_accumulation_steps
         ),
@@ -194,7 +229,7 @@ def _jit_step(s: _Setup):
     """The jitted train step: state sharded as ``s.shardings`` and donated."""
     return jax.jit(
         step_lib.make_train_step(s.graphdef, s.model, s.tx, s.schedule),
-        in_shardings=(s.shardings, mesh_lib.batch_sharding(s.mesh, leading_dims=1)),
+        in_shardings=(s.shardings, s.feed.sharding),
         out_shardings=(s.shardings, None),
         donate_argnums=0,
     )
@@ -228,8 +263,7 @@ def build(model: ModelConfig, train: TrainConfig, mesh: MeshConfig) -> Built:
       ValueError / FileNotFoundError: as ``run_training``.
     """
     s = _setup(model, train, mesh)
-    batch_sh = mesh_lib.batch_sharding(s.mesh, leading_dims=1)
-    batches = (jax.device_put(s.source.batch_at(i), batch_sh) for i in itertools.count())
+    batches = (s.feed(i) for i in itertools.count())
     state = jax.jit(s.init, out_shardings=s.shardings)()
     return Built(state, _jit_step(s), batches, s.flops.total, s.global_batch, s.source.entropy_floor)
 
@@ -240,10 +274,9 @@ def _train_steps(s: _Setup, train: TrainConfig, state, start, ckpt, writer, cons
     rows, step_times, load_LE, compile_s = [], [], None, None
     pending, last_done = None, None
     monitor = _overflow_monitor(s, console)
-    batch_sh = mesh_lib.batch_sharding(s.mesh, leading_dims=1)
     with concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="data") as pool, \
             metrics_lib.ProgressDisplay(console, train.steps, start) as progress:
-        future = pool.submit(s.source.batch_at, start)
+        future = pool.submit(s.feed.local, start)
         t_start = time.perf_counter()
 
         def finish(step_no, raw_device):
@@ -270,15 +303,19 @@ def _train_steps(s: _Setup, train: TrainConfig, state, start, ckpt, writer, cons
                 monitor.record(step_no, raw["overflow_tokens"], raw["buffer_factor_needed"])
 
         for step in range(start, train.steps):
-            batch = jax.device_put(future.result(), batch_sh)
+            batch = s.feed.put(future.result())
             if step + 1 < train.steps:
-                future = pool.submit(s.source.batch_at, step + 1)
+                future = pool.submit(s.feed.local, step + 1)
             state, raw = step_fn(state, batch)
             if pending is not None:
                 finish(*pending)
             pending = (step + 1, raw)
             if ckpt is not None:
-                ckpt.save(step + 1, state, force=step + 1 == train.steps)
+                force = step + 1 == train.steps
+                if ckpt.due(step + 1, force=force):
+                    finish(*pending)  # the saved step's row, before anything can kill the run
+                    pending = None
+                ckpt.save(step + 1, state, force=force)
                 ckpt.poll()
         if pending is not None:
             finish(*pending)
