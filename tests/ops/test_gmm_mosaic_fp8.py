@@ -1,70 +1,238 @@
-"""The FP8 blockwise grouped-matmul kernel sketch (``ops.gmm.mosaic_fp8``), on CPU only.
+"""The FP8 blockwise grouped-GEMM kernels (``mosaic_fp8``: fwd, dgrad; ``mosaic_fp8_tgmm``: wgrad).
 
-- It lowers for CUDA through ``jax.export`` (Mosaic's layout inference and
-  smem checks run on the host).
-- In Pallas GPU interpret mode it equals the float32 per-group product of
-  the dequantized operands (boundary tiles, an empty group, a group smaller
-  than a tile, a tail of rows past the total that must come out as zeros).
-  The race detector is off: it reports the row-scale loads (see the open
-  question in the module docstring).
+Legend: M rows, K x N the weight dims (w [G, K, N]), G groups.
 
-Nothing here runs it on a GPU; it is not wired into any backend.
+All on CPU; nothing here runs them on a GPU:
+- they lower for CUDA through ``jax.export`` at DeepSeek-V3 shapes (Mosaic's
+  layout inference and smem checks run on the host);
+- in Pallas GPU interpret mode, with the race detector on, each kernel equals
+  the float32 HIGHEST product of its dequantized operands (the same codes
+  and scales: only the float32 accumulation order differs) on fresh random
+  inputs whose magnitudes vary per row, column and block (every scale
+  differs), on awkward layouts: empty groups, one group holding all rows,
+  several groups, ``sum(group_sizes) < M`` (rows past the total must be
+  exact zeros in fwd and dgrad; empty groups' dw exact zeros), and for fwd
+  and dgrad groups not aligned to the tile;
+- ``quantized.gmm(impl="kernel")``'s value and gradients equal the emulation
+  (``impl="emulate"``) up to float32 accumulation order.
+
+Interpret mode is slow (one Python callback per memory access, and a compile
+of a few seconds per kernel call), so the shapes are the smallest that give
+two scale blocks along the contraction, and the per-kernel "one group holds
+all rows" cases (also covered, through all three kernels, by the wrapper
+test) run only with ``DROPLESS_SLOW=1``. The default set takes about 40 s on
+two cores.
 """
+
+import os
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from dropless.ops.gmm import mosaic_fp8
+from dropless.ops.gmm import mosaic_fp8, mosaic_fp8_tgmm, quantized
+
+F8 = jnp.float8_e4m3fn
+S = jax.ShapeDtypeStruct
 
 
-def test_lowers_for_cuda():
-    m, k, n, g = 4096, 512, 768, 40
-    s = jax.ShapeDtypeStruct
-    f8 = jnp.float8_e4m3fn
-    args = (s((m, k), f8), s((k // 128, m), jnp.float32), s((g, n, k), f8),
-            s((g, k // 128, n // 128), jnp.float32), s((g,), jnp.int32))
-    fn = lambda *a: mosaic_fp8.gmm_fp8_blockwise(*a, sms=132)
-    exported = jax.export.export(jax.jit(fn), platforms=["cuda"])(*args)
+def _interpret(detect_races=False):
+    from jax.experimental.pallas import mosaic_gpu as plgpu
+
+    return plgpu.force_gpu_interpret_mode(plgpu.InterpretGPUParams(detect_races=detect_races))
+
+
+def _races_found():
+    from jax._src.pallas.mosaic_gpu.interpret.interpret_pallas_call import get_races
+
+    return get_races().races_found
+
+
+def _scaled(rng, shape, block_axes):
+    """Normal values times a random power-of-e factor per index of each axis in block_axes
+    (a [rows, cols] factor for 2-D), so blocks along those axes get different scales."""
+    a = rng.standard_normal(shape)
+    for axis in block_axes:
+        fshape = [1] * len(shape)
+        fshape[axis] = shape[axis]
+        a = a * np.exp(rng.uniform(-3, 3, fshape))
+    return jnp.asarray(a, jnp.float32)
+
+
+def _assert_close(out, ref, valid_rows=None):
+    """Equal up to float32 accumulation order; exact zeros in rows past valid_rows."""
+    out = np.asarray(out, np.float64)
+    ref = np.asarray(ref, np.float64)
+    assert not np.isnan(out).any()
+    if valid_rows is not None:
+        np.testing.assert_array_equal(out[valid_rows:], 0.0)
+        out, ref = out[:valid_rows], ref[:valid_rows]
+    scale = np.abs(ref).max() if ref.size else 0.0
+    np.testing.assert_allclose(out, ref, rtol=0, atol=1e-5 * scale + 1e-30)
+
+
+# ---------------------------------------------------------------- lowering
+
+
+def _lowering_args(kind, m, k, n, g):
+    kb, nb, mb = k // 128, n // 128, m // 128
+    gs = S((g,), jnp.int32)
+    if kind == "fwd":  # a = x [M, K], b = w as [G, N, K]
+        return mosaic_fp8.gmm_fp8_blockwise, (S((m, k), F8), S((kb, m), jnp.float32),
+                                              S((g, n, k), F8), S((g, kb, nb), jnp.float32), gs)
+    if kind == "dgrad":  # a = dy [M, N], b = w [G, K, N]
+        return mosaic_fp8.gmm_fp8_blockwise, (S((m, n), F8), S((nb, m), jnp.float32),
+                                              S((g, k, n), F8), S((g, nb, kb), jnp.float32), gs)
+    return mosaic_fp8_tgmm.tgmm_fp8_blockwise, (S((k, m), F8), S((mb, k), jnp.float32),
+                                                 S((n, m), F8), S((mb, n), jnp.float32), gs)
+
+
+@pytest.mark.parametrize("kind", ["fwd", "dgrad", "wgrad"])
+@pytest.mark.parametrize("shape", [(65536, 7168, 4096, 32), (65536, 7168, 2048, 256)], ids=str)
+def test_lowers_for_cuda_at_deepseek_shapes(kind, shape):
+    fn, args = _lowering_args(kind, *shape)
+    exported = jax.export.export(jax.jit(lambda *a: fn(*a, sms=132)), platforms=["cuda"])(*args)
     assert "mosaic_gpu" in exported.mlir_module()
 
 
 def test_shape_checks():
-    f8 = jnp.float8_e4m3fn
-    s = jax.ShapeDtypeStruct
-    good = dict(xq=s((64, 256), f8), sx=s((2, 64), jnp.float32), wq=s((2, 256, 256), f8),
-                sw=s((2, 2, 2), jnp.float32), gs=s((2,), jnp.int32))
+    good = dict(aq=S((64, 256), F8), sa=S((2, 64), jnp.float32), bq=S((2, 256, 256), F8),
+                sb=S((2, 2, 2), jnp.float32), gs=S((2,), jnp.int32))
     mosaic_fp8.check_shapes(*good.values())
-    for key, bad, match in [("xq", s((64, 256), jnp.bfloat16), "float8_e4m3fn"),
-                            ("wq", s((2, 384, 256), f8), "n=384"),
-                            ("sx", s((64, 2), jnp.float32), "sx must have shape"),
-                            ("xq", s((60, 256), f8), "multiple of 8")]:
+    for key, bad, match in [("aq", S((64, 256), jnp.bfloat16), "float8_e4m3fn"),
+                            ("bq", S((2, 384, 256), F8), "o=384"),
+                            ("sa", S((64, 2), jnp.float32), "sa must have shape"),
+                            ("aq", S((60, 256), F8), "multiple of 8")]:
         args = dict(good, **{key: bad})
-        if key == "xq" and bad.shape[0] == 60:
-            args["sx"] = s((2, 60), jnp.float32)
+        if key == "aq" and bad.shape[0] == 60:
+            args["sa"] = S((2, 60), jnp.float32)
         with pytest.raises(ValueError, match=match):
             mosaic_fp8.check_shapes(*args.values())
 
+    good = dict(xq=S((128, 256), F8), sx=S((2, 128), jnp.float32), dyq=S((256, 256), F8),
+                sdy=S((2, 256), jnp.float32), gs=S((3,), jnp.int32))
+    mosaic_fp8_tgmm.check_shapes(*good.values())
+    for key, bad, match in [("dyq", S((256, 256), jnp.bfloat16), "float8_e4m3fn"),
+                            ("dyq", S((128, 256), F8), "n=128"),
+                            ("xq", S((128, 384), F8), "share M"),
+                            ("sdy", S((256, 2), jnp.float32), "sdy must have shape")]:
+        with pytest.raises(ValueError, match=match):
+            mosaic_fp8_tgmm.check_shapes(*dict(good, **{key: bad}).values())
+    with pytest.raises(ValueError, match="multiple of 128"):
+        mosaic_fp8_tgmm.check_shapes(S((128, 200), F8), S((2, 128), jnp.float32),
+                                     S((256, 200), F8), S((2, 256), jnp.float32),
+                                     S((3,), jnp.int32))
 
-def test_interpret_matches_dequantized_product(rng):
-    from jax.experimental.pallas import mosaic_gpu as plgpu
 
-    m, k, n = 144, 256, 256  # two K steps (two scale blocks), one column band
-    sizes = np.array([70, 0, 10, 30], np.int32)  # boundary tiles, a 10-row group, 34-row tail
-    # Magnitudes vary per row, per K block and per N block: every scale differs.
-    kb = np.repeat(np.exp(rng.uniform(-3, 3, (k // 128,))), 128)
-    x = rng.standard_normal((m, k)) * np.exp(rng.uniform(-2, 2, (m, 1))) * kb
-    w = (rng.standard_normal((len(sizes), k, n)) * np.exp(rng.uniform(-2, 2, (len(sizes), 1, n)))
-         * np.repeat(np.exp(rng.uniform(-3, 3, (len(sizes), k // 128, 1))), 128, axis=1))
-    ops = mosaic_fp8.quantize_operands(jnp.asarray(x, jnp.float32), jnp.asarray(w, jnp.float32))
+# ------------------------------------------------------- interpret mode
+
+slow = pytest.mark.skipif(os.environ.get("DROPLESS_SLOW") != "1",
+                          reason="covered by the wrapper test too; run with DROPLESS_SLOW=1")
+
+# (M, group sizes): several groups with an empty one and a tail past the
+# total, not aligned to the 64-row tile (fwd/dgrad take any sizes); one group
+# holding all rows.
+ROW_LAYOUTS = {
+    "several_unaligned_empty_tail": (144, [70, 0, 10, 30]),
+    "one_group_all_rows": (128, [0, 128, 0]),
+}
+
+
+@pytest.mark.parametrize("layout", [
+    "several_unaligned_empty_tail", pytest.param("one_group_all_rows", marks=slow)])
+def test_interpret_fwd_and_dgrad_match_dequantized_product(rng, layout):
+    m, sizes = ROW_LAYOUTS[layout]
+    k, n = 256, 256  # two scale blocks along each of K and N; one 256-wide output band
+    g = len(sizes)
+    gs = jnp.asarray(np.array(sizes, np.int32))
+    x = _scaled(rng, (m, k), (0, 1))
+    dy = _scaled(rng, (m, n), (0, 1))
+    w = _scaled(rng, (g, k, n), (1, 2))
+    wq, sw = mosaic_fp8.quantize_weight(w)
+    fwd_ops = mosaic_fp8.fwd_operands(x, wq, sw)
+    dgrad_ops = mosaic_fp8.dgrad_operands(dy, wq, sw)
+    with _interpret(detect_races=layout == "several_unaligned_empty_tail"):
+        y = mosaic_fp8.gmm_fp8_blockwise(*fwd_ops, gs, out_dtype=jnp.float32)
+        dx = mosaic_fp8.gmm_fp8_blockwise(*dgrad_ops, gs, out_dtype=jnp.float32)
+        jax.block_until_ready((y, dx))
+    assert not _races_found()
+    total = sum(sizes)
+    _assert_close(y, mosaic_fp8.reference(*fwd_ops, gs, out_dtype=jnp.float32), total)
+    _assert_close(dx, mosaic_fp8.reference(*dgrad_ops, gs, out_dtype=jnp.float32), total)
+
+
+# (M, group sizes), each a multiple of 128 as the recipe requires.
+WGRAD_LAYOUTS = {
+    "several_empty_tail": (384, [128, 0, 128, 0]),
+    "one_group_all_rows": (256, [0, 256]),
+}
+
+
+@pytest.mark.parametrize("layout", [
+    "several_empty_tail", pytest.param("one_group_all_rows", marks=slow)])
+def test_interpret_wgrad_matches_dequantized_product(rng, layout):
+    m, sizes = WGRAD_LAYOUTS[layout]
+    k, n = 64, 256  # one 64-row K tile, one 256-wide N band (two warpgroups' columns)
+    gs = jnp.asarray(np.array(sizes, np.int32))
+    x = _scaled(rng, (m, k), (0, 1))
+    dy = _scaled(rng, (m, n), (0, 1))
+    ops = mosaic_fp8_tgmm.wgrad_operands(x, dy)
+    with _interpret(detect_races=layout == "several_empty_tail"):
+        dw = mosaic_fp8_tgmm.tgmm_fp8_blockwise(*ops, gs).block_until_ready()
+    assert not _races_found()
+    ref = mosaic_fp8_tgmm.reference(*ops, gs)
+    for e, size in enumerate(sizes):
+        if size == 0:
+            np.testing.assert_array_equal(np.asarray(dw[e]), 0.0)
+        else:
+            _assert_close(dw[e], ref[e])
+
+
+# ------------------------------------------------------- the custom_vjp wrapper
+
+
+def test_kernel_impl_matches_emulation_in_value_and_gradients(rng):
+    m, k, n = 264, 256, 256  # M not a multiple of 128: the wrapper pads rows
+    sizes = np.array([0, 256, 0], np.int32)  # one group holds all rows but a tail of 8
     gs = jnp.asarray(sizes)
-    with plgpu.force_gpu_interpret_mode(plgpu.InterpretGPUParams()):
-        y = mosaic_fp8.gmm_fp8_blockwise(*ops, gs, out_dtype=jnp.float32)
-    ref = np.asarray(mosaic_fp8.reference(*ops, gs, out_dtype=jnp.float32), np.float64)
-    y = np.asarray(y, np.float64)
+    x = _scaled(rng, (m, k), (0, 1))
+    w = _scaled(rng, (len(sizes), k, n), (1, 2)) / 16
+    dy = _scaled(rng, (m, n), (0, 1))
+
+    def value_and_grads(impl):
+        f = lambda x, w: quantized.gmm(x, w, gs, recipe="te_fp8_blockwise", backend="xla",
+                                       impl=impl)
+        y, vjp = jax.vjp(f, x, w)
+        return (y, *vjp(dy))
+
+    with _interpret():
+        got = jax.block_until_ready(value_and_grads("kernel"))
+    want = value_and_grads("emulate")
     total = int(sizes.sum())
-    np.testing.assert_array_equal(y[total:], 0.0)
-    # Same products, accumulation in a different order: float32 rounding only.
-    scale = np.abs(ref[:total]).max()
-    np.testing.assert_allclose(y[:total], ref[:total], rtol=0, atol=1e-5 * scale)
+    y, dx, dw = got
+    y_ref, dx_ref, dw_ref = want
+    _assert_close(y, y_ref, total)
+    _assert_close(dx, dx_ref, total)
+    for e, size in enumerate(sizes):
+        if size:
+            _assert_close(dw[e], dw_ref[e])
+        else:
+            np.testing.assert_array_equal(np.asarray(dw[e]), 0.0)
+
+
+def test_kernel_impl_errors():
+    x, w = S((256, 256), jnp.float32), S((2, 256, 256), jnp.float32)
+    gs = jnp.array([128, 128], jnp.int32)
+    call = lambda recipe, x=x, w=w: jax.eval_shape(
+        lambda x, w: quantized.gmm(x, w, gs, recipe=recipe, impl="kernel"), x, w)
+    with pytest.raises(ValueError, match="gmm_fp8_impl.*te_fp8_blockwise"):
+        call("te_mxfp8")
+    if jax.devices()[0].platform != "gpu":
+        with pytest.raises(ValueError, match="gmm_fp8_impl.*Hopper"):
+            call("te_fp8_blockwise")
+    with _interpret(), pytest.raises(ValueError, match="multiples of 256"):
+        call("te_fp8_blockwise", w=S((2, 256, 384), jnp.float32))
+    with pytest.raises(ValueError, match="impl"):
+        quantized.gmm(jnp.ones((8, 256)), jnp.ones((1, 256, 256)), jnp.array([8]),
+                      recipe="te_fp8_blockwise", impl="native")

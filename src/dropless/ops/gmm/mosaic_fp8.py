@@ -1,52 +1,75 @@
-"""Sketch: the FP8 blockwise grouped matmul (forward) for Hopper in Pallas Mosaic GPU.
+"""FP8 blockwise grouped matmul, forward and dgrad, for Hopper in Pallas Mosaic GPU.
 
-NOT WIRED IN: no backend calls this, ``auto`` never picks it. It has been
-lowered for CUDA (``jax.export``, on CPU) but never run on a GPU; its
-numbers are unmeasured and its numerics unchecked on hardware. It is the
-starting point of the performance path of ``te_fp8_blockwise`` (target: 1.6x
-our bf16 kernel, about 1,100 TF/s on an H200), which today runs as
-quantize -> dequantize -> bf16 kernel (``quantized.py``).
+UNMEASURED: these kernels have never run on a GPU. They are checked in
+Pallas GPU interpret mode on CPU (against the product of the dequantized
+operands, with the race detector on) and lowered for CUDA through
+``jax.export``; their speed and their numerics on hardware are unknown.
+``quantized.gmm(..., impl="kernel")`` runs them (config key
+``gmm_fp8_impl: kernel``); the default is still the emulation
+(quantize -> dequantize -> bf16 kernel). Target: 1.6x our bf16 kernel,
+about 1,100 TF/s on an H200.
 
-Legend: M rows, K contraction, N output columns, G groups, Kb = K / 128
-scale blocks along K, Nb = N / 128.
+Legend: M rows, C contraction, O output columns, G groups, Cb = C / 128
+scale blocks along C, Ob = O / 128.
 
-    y[rows r of g, n] = sum_kb  sx[kb, r] * sw[g, kb, n // 128]
-                                * (xq[r, kb-block] . wq[g, n, kb-block])
+One kernel computes both products, ``y[rows of g] = a[rows of g] . b[g]^T``
+with blockwise scales (the DeepSeek-V3 recipe; float32 powers of two,
+dequantize = multiply):
 
-Operands (the DeepSeek-V3 recipe; scales are float32, dequantize = multiply):
-  xq [M, K] E4M3 with sx [Kb, M] (1x128 tiles, stored transposed so that a
-  K-block's row scales are contiguous for one TMA copy);
-  wq [G, N, K] E4M3 with sw [G, Kb, Nb] (128x128 blocks). The weights are
-  stored N x K because Hopper's FP8 ``wgmma`` takes K-major operands only;
-  the quantizer writes this layout (one byte per element, once per step).
+    y[r, o] = sum_cb  sa[cb, r] * sb[g, cb, o // 128]
+                      * (aq[r, cb-block] . bq[g, o, cb-block])
+
+  aq [M, C] E4M3 with sa [Cb, M] (1x128 tiles along C, stored transposed so
+    that one C block's row scales are contiguous for one TMA copy);
+  bq [G, O, C] E4M3 with sb [G, Cb, Ob] (128x128 blocks).
+
+Hopper's FP8 ``wgmma`` takes K-major operands only (the contraction is the
+minor dimension of both A and B in shared memory), hence bq [G, O, C]:
+
+  fwd   y  = x . w[g]:     a = xq [M, K],  b = w as [G, N, K] (a transposed
+                           byte copy of the quantized w), sb = sw [G, Kb, Nb].
+  dgrad dx = dy . w[g]^T:  a = dyq [M, N], b = w as [G, K, N] (the natural
+                           layout: its minor dim N is dgrad's contraction),
+                           sb = sw transposed to [G, Nb, Kb].
+
+The 128x128 weight blocks serve both products with one set of codes and
+scales; only the byte layout differs, so the weight is quantized once and
+its codes transposed once (``fwd_operands`` / ``dgrad_operands``).
 
 Design (differences from ``mosaic_gmm``, whose schedule, persistent grid and
 row-exact epilogue it reuses):
-- block_k is 128, one scale block: each K step's wgmma goes into a fresh
-  accumulator, which is then scaled by ``sx[rows] * sw`` (a row vector times
-  a scalar: one weight block per warpgroup, block_n = 128) and added to the
-  running float32 sum in registers. This is DeepSeek-V3's "promotion" of the
-  tensor cores' limited-precision FP8 accumulation to float32 every 128
-  elements of K, and it applies the per-block scales in the same step.
-- Two float32 accumulators per warpgroup (running sum and K-step product),
-  so block_m is 64 (64 registers per thread each).
-- The weight scale is read as a scalar from global memory per K step (tiny,
+- block_c is 128, one scale block: each contraction step's wgmma goes into a
+  fresh accumulator, which is then scaled by ``sa[rows] * sb`` (a row vector
+  times a scalar: one weight block per warpgroup, block_o = 128) and added
+  to the running float32 sum in registers. This is DeepSeek-V3's
+  "promotion" of the tensor cores' limited-precision FP8 accumulation to
+  float32 every 128 elements, and it applies the per-block scales in the
+  same step.
+- Registers: two float32 accumulators per warpgroup (running sum and step
+  product), 64 registers per thread each at block_m = 64, block_o = 128,
+  plus the row scales (2 per thread); the compute warpgroups get 232
+  registers each (40 go to the TMA warpgroup). block_m = 128 would need
+  256 for the accumulators alone.
+- Shared memory per stage: a 64x128 + b 256x128 bytes + 256 bytes of
+  scales = 40.25 KiB; 4 stages + epilogue buffers (2 x 16 KiB at bf16)
+  stay under the 227 KiB limit.
+- The weight scale is read as a scalar from global memory per step (tiny,
   cached); the row scales come through the TMA pipeline with the operands
-  (TMA clips the last row block at M; a plain global load would not, and
-  Mosaic does not lower a register load from global memory in this layout).
+  (TMA clips the last row block at M).
+- The row scales are read from shared memory by the compute warpgroups
+  (generic proxy) and the slot is then refilled by TMA (async proxy). PTX
+  orders a generic-proxy access before a later async-proxy access of the
+  same shared memory only through a proxy fence, so each warpgroup issues
+  ``commit_smem`` (fence.proxy.async) after reading its scales and before the
+  pipeline releases the slot. Without it Pallas' interpret-mode race
+  detector reports the refill as racing with the read (it models the two
+  proxies with separate clocks, joined only by that fence); the operand
+  tiles are read by wgmma, itself in the async proxy, and need no fence.
 
-Open question for the GPU session: Pallas' interpret-mode race detector
-reports the compute warpgroups' plain loads of the pipelined row-scale slot
-as racing with the TMA refill of that slot, although the pipeline arrives
-on the slot's consumed barrier only after the body returns (the results in
-interpret mode are right). Either the detector does not model that ordering
-for non-wgmma reads or the pipeline releases the slot early; check with
-``compute-sanitizer --tool racecheck`` before trusting the kernel.
-
-What is missing before it can replace the emulation: dgrad and wgrad
-kernels (wgrad contracts over rows: x and dy need 128x1 scales and M-major
-FP8 copies), a GPU test against ``quantized.gmm``, tuning (stages, block_m,
-cluster multicast), and the measured TF/s.
+Open questions for the GPU session: the cost of the per-step fence and of
+the fresh-accumulator wgmma wait (the sum's FMA cannot overlap the next
+wgmma as written: ``wgmma_wait(0)`` each step), stages, block_m, cluster
+multicast of the b tile; ``compute-sanitizer --tool racecheck`` on one run.
 """
 
 import functools
@@ -60,7 +83,7 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 from dropless.ops.gmm import schedule as schedule_lib
 from dropless.ops.gmm.mosaic_gmm import _store_tile, num_sms
 
-BLOCK = 128  # scale block along K and N (DeepSeek-V3)
+BLOCK = 128  # scale block along the contraction and the output columns (DeepSeek-V3)
 BLOCK_M = 64  # two f32 accumulators per thread must fit the register file
 _MEMORY_REGISTERS = 40
 
@@ -71,52 +94,56 @@ def _swizzle_transforms(minor_elems, dtype):
     return (plgpu.TilingTransform((8, swizzle_elems)), plgpu.SwizzleTransform(swizzle))
 
 
-def check_shapes(xq_MK, sx, wq_GNK, sw, group_sizes_G):
-    """Raise ValueError unless the kernel takes these operands; returns (m, k, n, g)."""
-    m, k = xq_MK.shape
-    g, n, kw = wq_GNK.shape
-    if xq_MK.dtype != jnp.float8_e4m3fn or wq_GNK.dtype != jnp.float8_e4m3fn:
-        raise ValueError(f"mosaic fp8 gmm: operands must be float8_e4m3fn, got {xq_MK.dtype} "
-                         f"and {wq_GNK.dtype}")
-    if kw != k:
-        raise ValueError(f"mosaic fp8 gmm: x has {k} columns but w [G, N, K] has K={kw}")
-    if k % BLOCK or n % (2 * BLOCK):
-        raise ValueError(f"mosaic fp8 gmm: {k=} must be a multiple of {BLOCK} and {n=} of "
-                         f"{2 * BLOCK}")
+def check_shapes(aq_MC, sa, bq_GOC, sb, group_sizes_G):
+    """Raise ValueError unless the kernel takes these operands; returns (m, c, o, g)."""
+    m, c = aq_MC.shape
+    g, o, cb = bq_GOC.shape
+    if aq_MC.dtype != jnp.float8_e4m3fn or bq_GOC.dtype != jnp.float8_e4m3fn:
+        raise ValueError(f"mosaic fp8 gmm: operands must be float8_e4m3fn, got {aq_MC.dtype} "
+                         f"and {bq_GOC.dtype}")
+    if cb != c:
+        raise ValueError(f"mosaic fp8 gmm: a has {c} columns but b [G, O, C] has C={cb}")
+    if c % BLOCK or o % (2 * BLOCK):
+        raise ValueError(f"mosaic fp8 gmm: contraction {c=} must be a multiple of {BLOCK} and "
+                         f"output columns {o=} of {2 * BLOCK}")
     if m < 1 or m % 8:
         raise ValueError(f"mosaic fp8 gmm: rows {m=} must be a positive multiple of 8")
-    want = {"sx": (k // BLOCK, m), "sw": (g, k // BLOCK, n // BLOCK), "group_sizes": (g,)}
-    got = {"sx": sx.shape, "sw": sw.shape, "group_sizes": group_sizes_G.shape}
+    want = {"sa": (c // BLOCK, m), "sb": (g, c // BLOCK, o // BLOCK), "group_sizes": (g,)}
+    got = {"sa": sa.shape, "sb": sb.shape, "group_sizes": group_sizes_G.shape}
     for name in want:
         if tuple(got[name]) != want[name]:
             raise ValueError(f"mosaic fp8 gmm: {name} must have shape {want[name]}, got {got[name]}")
-    return m, k, n, g
+    return m, c, o, g
 
 
-def gmm_fp8_blockwise(xq_MK, sx, wq_GNK, sw, group_sizes_G, *, out_dtype=jnp.bfloat16,
+def gmm_fp8_blockwise(aq_MC, sa, bq_GOC, sb, group_sizes_G, *, out_dtype=jnp.bfloat16,
                       num_stages=4, grid_tile_width=1, sms=None):
-    """y [M, N] = per-group blockwise-scaled FP8 products; see the module docstring.
+    """y [M, O] = per-group blockwise-scaled a . b[g]^T; see the module docstring.
+
+    Rows past ``sum(group_sizes)`` come out as zeros.
 
     Raises:
       ValueError: shapes or dtypes the kernel cannot take (``check_shapes``).
     """
-    m, k, n, _ = check_shapes(xq_MK, sx, wq_GNK, sw, group_sizes_G)
+    m, c, o, _ = check_shapes(aq_MC, sa, bq_GOC, sb, group_sizes_G)
     out_dtype = jnp.dtype(out_dtype)
-    bm, bn, bk = BLOCK_M, BLOCK, BLOCK
-    cta_n = 2 * bn
-    n_bands = n // cta_n
+    # 4-byte outputs double the epilogue buffers; one load stage less keeps smem in bounds.
+    num_stages = num_stages if out_dtype.itemsize <= 2 else min(num_stages, 3)
+    bm, bo, bc = BLOCK_M, BLOCK, BLOCK
+    cta_o = 2 * bo
+    n_bands = o // cta_o
     sched = schedule_lib.row_tile_schedule(group_sizes_G, m, bm)
-    in_transforms = _swizzle_transforms(bk, xq_MK.dtype)
+    in_transforms = _swizzle_transforms(bc, aq_MC.dtype)
     out_transforms = _swizzle_transforms(64, out_dtype)
 
     def make_pipeline(mma_body, compute_context):
         return plgpu.emit_pipeline_warp_specialized(
             mma_body,
-            grid=(k // bk,),
+            grid=(c // bc,),
             memory_registers=_MEMORY_REGISTERS,
             in_specs=[
-                plgpu.BlockSpec((bm, bk), lambda kk: (0, kk), transforms=in_transforms),
-                plgpu.BlockSpec((cta_n, bk), lambda kk: (0, kk), transforms=in_transforms),
+                plgpu.BlockSpec((bm, bc), lambda kk: (0, kk), transforms=in_transforms),
+                plgpu.BlockSpec((cta_o, bc), lambda kk: (0, kk), transforms=in_transforms),
                 plgpu.BlockSpec((1, bm), lambda kk: (kk, 0)),
             ],
             wg_axis="wg",
@@ -125,11 +152,11 @@ def gmm_fp8_blockwise(xq_MK, sx, wq_GNK, sw, group_sizes_G, *, out_dtype=jnp.bfl
             compute_context=compute_context,
         )
 
-    def body(group_ref, row_start_ref, lo_ref, hi_ref, num_tiles_ref, x_gmem, sx_gmem, w_gmem,
-             sw_gmem, o_gmem):
+    def body(group_ref, row_start_ref, lo_ref, hi_ref, num_tiles_ref, a_gmem, sa_gmem, b_gmem,
+             sb_gmem, o_gmem):
         ignore = lambda *_, **__: None
         pipeline_allocs = make_pipeline(ignore, ignore).get_allocations(
-            x_gmem.at[pl.ds(0, bm)], w_gmem.at[0, pl.ds(0, cta_n)], sx_gmem.at[:, pl.ds(0, bm)]
+            a_gmem.at[pl.ds(0, bm)], b_gmem.at[0, pl.ds(0, cta_o)], sa_gmem.at[:, pl.ds(0, bm)]
         )
 
         @functools.partial(
@@ -138,7 +165,7 @@ def gmm_fp8_blockwise(xq_MK, sx, wq_GNK, sw, group_sizes_G, *, out_dtype=jnp.bfl
             out_smem=[
                 plgpu.RefUnion(
                     plgpu.SMEM((2, 64, 64), out_dtype, transforms=out_transforms),
-                    plgpu.SMEM((64, bn), out_dtype),
+                    plgpu.SMEM((64, bo), out_dtype),
                 )
                 for _ in range(2)
             ],
@@ -153,7 +180,7 @@ def gmm_fp8_blockwise(xq_MK, sx, wq_GNK, sw, group_sizes_G, *, out_dtype=jnp.bfl
                                              grid_tile_width)
                 group = group_ref[t]
                 row_start = pl.multiple_of(row_start_ref[t], bm)
-                col0 = pl.multiple_of(band * cta_n + wg * bn, bn)
+                col0 = pl.multiple_of(band * cta_o + wg * bo, bo)
                 lo, hi = lo_ref[t], hi_ref[t]
 
                 def store(out):
@@ -162,46 +189,49 @@ def gmm_fp8_blockwise(xq_MK, sx, wq_GNK, sw, group_sizes_G, *, out_dtype=jnp.bfl
                         def _store_own():
                             tiles_smem, rows_smem = out_smem[w]
                             _store_tile(out, tiles_smem=tiles_smem, rows_smem=rows_smem,
-                                        o_gmem=o_gmem, m=m, bm=bm, bn=bn, row_start=row_start,
+                                        o_gmem=o_gmem, m=m, bm=bm, bn=bo, row_start=row_start,
                                         col0=col0, lo=lo, hi=hi)
 
                 def compute_context(eval_pipeline):
-                    zeros = plgpu.layout_cast(jnp.zeros((bm, bn), jnp.float32), plgpu.Layout.WGMMA)
+                    zeros = plgpu.layout_cast(jnp.zeros((bm, bo), jnp.float32), plgpu.Layout.WGMMA)
                     store(eval_pipeline(zeros).astype(out_dtype))
 
-                def mma_body(idx, x_smem, w_smem, sx_smem, total):
+                def mma_body(idx, a_smem, b_smem, sa_smem, total):
                     (kk,) = idx
-                    rhs = w_smem.at[pl.ds(wg * bn, bn)].T  # [K, N] view of K-major storage
+                    rhs = b_smem.at[pl.ds(wg * bo, bo)].T  # [C, O] view of C-major storage
 
-                    def k_step(acc_ref):
-                        plgpu.wgmma(acc_ref, x_smem, rhs)
+                    def c_step(acc_ref):
+                        plgpu.wgmma(acc_ref, a_smem, rhs)
                         plgpu.wgmma_wait(0)
                         return acc_ref[...]
 
-                    part = pl.run_scoped(k_step, plgpu.ACC((bm, bn), jnp.float32))
-                    row_scale = plgpu.load(sx_smem.at[0], layout=plgpu.Layout.WGMMA.reduce(1))
-                    block_scale = sw_gmem[group, kk, band * 2 + wg]
-                    scale = lax.broadcast_in_dim(row_scale * block_scale, (bm, bn), (0,))
+                    part = pl.run_scoped(c_step, plgpu.ACC((bm, bo), jnp.float32))
+                    row_scale = plgpu.load(sa_smem.at[0], layout=plgpu.Layout.WGMMA.reduce(1))
+                    # The scales are in registers now; fence the generic-proxy read
+                    # before the pipeline hands the slot back to TMA (module docstring).
+                    plgpu.commit_smem()
+                    block_scale = sb_gmem[group, kk, band * 2 + wg]
+                    scale = lax.broadcast_in_dim(row_scale * block_scale, (bm, bo), (0,))
                     return total + part * scale
 
                 @pl.when(group >= 0)
                 def _matmul_tile():
                     make_pipeline(mma_body, compute_context)(
-                        x_gmem.at[pl.ds(row_start, bm)],
-                        w_gmem.at[group, pl.ds(band * cta_n, cta_n)],
-                        sx_gmem.at[:, pl.ds(row_start, bm)],
+                        a_gmem.at[pl.ds(row_start, bm)],
+                        b_gmem.at[group, pl.ds(band * cta_o, cta_o)],
+                        sa_gmem.at[:, pl.ds(row_start, bm)],
                         allocations=pipeline_allocs,
                     )
 
                 @pl.when((group < 0) & (wg < 2))
                 def _zero_tile():
-                    store(plgpu.layout_cast(jnp.zeros((bm, bn), out_dtype), plgpu.Layout.WGMMA))
+                    store(plgpu.layout_cast(jnp.zeros((bm, bo), out_dtype), plgpu.Layout.WGMMA))
 
         plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
     kernel = plgpu.kernel(
         body,
-        out_type=jax.ShapeDtypeStruct((m, n), out_dtype),
+        out_type=jax.ShapeDtypeStruct((m, o), out_dtype),
         grid=(sms or num_sms(),),
         grid_names=("sm",),
         num_threads=3,
@@ -209,28 +239,50 @@ def gmm_fp8_blockwise(xq_MK, sx, wq_GNK, sw, group_sizes_G, *, out_dtype=jnp.bfl
         compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
     )
     return kernel(sched.group_T, sched.row_start_T, sched.store_lo_T, sched.store_hi_T,
-                  sched.num_tiles, xq_MK, sx, wq_GNK, sw)
+                  sched.num_tiles, aq_MC, sa, bq_GOC, sb)
+
+
+# ----------------------------------------------------------------------------
+# Operand layouts (quantizers from ``ops.quant``; power-of-two float32 scales).
+
+
+def quantize_weight(w_GKN):
+    """(wq [G, K, N] E4M3, sw [G, Kb, Nb]): 128x128 blocks, serving fwd and dgrad."""
+    from dropless.ops import quant
+
+    return quant.quantize_blocks(w_GKN, (1, BLOCK, BLOCK))
+
+
+def quantize_rows(a_MC):
+    """(aq [M, C] E4M3, sa [Cb, M]): 1x128 tiles along C, scales transposed for the kernel."""
+    from dropless.ops import quant
+
+    aq, sa = quant.quantize_blocks(a_MC, (1, BLOCK))
+    return aq, sa.T
+
+
+def fwd_operands(x_MK, wq_GKN, sw):
+    """Kernel operands of y = x . w[g]: (xq, sx, wq as [G, N, K], sw)."""
+    xq, sx = quantize_rows(x_MK)
+    return xq, sx, jnp.swapaxes(wq_GKN, 1, 2), sw
+
+
+def dgrad_operands(dy_MN, wq_GKN, sw):
+    """Kernel operands of dx = dy . w[g]^T: (dyq, sdy, wq [G, K, N] as is, sw as [G, Nb, Kb])."""
+    dyq, sdy = quantize_rows(dy_MN)
+    return dyq, sdy, wq_GKN, jnp.swapaxes(sw, 1, 2)
 
 
 def quantize_operands(x_MK, w_GKN):
-    """(xq, sx, wq, sw) in this kernel's layouts from bf16/f32 x [M, K] and w [G, K, N].
-
-    Uses ``ops.quant.quantize_blocks`` (power-of-two scales): x in 1x128 tiles,
-    w in 128x128 blocks, then the layout changes the kernel wants (sx
-    transposed, w as [G, N, K]).
-    """
-    from dropless.ops import quant
-
-    xq, sx = quant.quantize_blocks(x_MK, (1, BLOCK))
-    wq, sw = quant.quantize_blocks(w_GKN, (1, BLOCK, BLOCK))
-    return xq, sx.T, jnp.swapaxes(wq, 1, 2), sw
+    """Forward operands (xq, sx, wq [G, N, K], sw) from bf16/f32 x [M, K] and w [G, K, N]."""
+    return fwd_operands(x_MK, *quantize_weight(w_GKN))
 
 
-def reference(xq_MK, sx, wq_GNK, sw, group_sizes_G, out_dtype=jnp.bfloat16):
-    """The kernel's result from the dequantized operands (float32, per-group masked)."""
+def reference(aq_MC, sa, bq_GOC, sb, group_sizes_G, out_dtype=jnp.bfloat16):
+    """The kernel's result from the dequantized operands (float32 HIGHEST, per-group masked)."""
     from dropless.ops import quant
     from dropless.ops.gmm import reference as ref_backend
 
-    x = quant.dequantize_blocks(xq_MK, sx.T, (1, BLOCK))
-    w = quant.dequantize_blocks(jnp.swapaxes(wq_GNK, 1, 2), sw, (1, BLOCK, BLOCK))
-    return ref_backend.gmm(x, w, group_sizes_G, out_dtype=out_dtype)
+    a = quant.dequantize_blocks(aq_MC, sa.T, (1, BLOCK))
+    b = quant.dequantize_blocks(jnp.swapaxes(bq_GOC, 1, 2), sb, (1, BLOCK, BLOCK))
+    return ref_backend.gmm(a, b, group_sizes_G, out_dtype=out_dtype)

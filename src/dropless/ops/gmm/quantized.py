@@ -25,20 +25,38 @@ block gets this from the permutation's ``alignment`` option (padding rows are
 zeros). This function cannot check it under ``jit``; unaligned sizes still
 give finite results, but not the recipe's numerics.
 
-How it runs. Hopper has no MXFP8 tensor-core mode, and the FP8 Mosaic kernel
-with per-block scale application is not written yet, so both recipes run as
-quantize -> dequantize to the compute dtype -> the bf16 grouped GEMM of the
-chosen backend. This is exact, not an approximation: an E4M3 value times a
-power of two (every scale of both recipes is one) is representable in
-bfloat16 whenever the result is a normal number, so the bf16 tensor-core
-products with float32 accumulation are the FP8 products a native MXFP8
-(Blackwell) or FP8-blockwise kernel would form, and only the accumulation
-order differs (tests/ops/test_gmm_quantized.py checks this against float64).
-The quantize-dequantize is elementwise plus small block reductions; XLA fuses
-it with whatever produces the operand, so it is not a separate kernel, but it
-adds a pass over each operand that an FP8 kernel reading codes and scales
-would not, and the GEMM runs at bf16, not FP8, speed. A log line says so once
-per process.
+How it runs (``impl``). ``emulate`` (the default, both recipes): quantize ->
+dequantize to the compute dtype -> the bf16 grouped GEMM of the chosen
+backend. This is exact, not an approximation: an E4M3 value times a power
+of two (every scale of both recipes is one) is representable in bfloat16
+whenever the result is a normal number, so the bf16 tensor-core products
+with float32 accumulation are the FP8 products a native MXFP8 (Blackwell)
+or FP8-blockwise kernel would form, and only the accumulation order differs
+(tests/ops/test_gmm_quantized.py checks this against float64). The
+quantize-dequantize is elementwise plus small block reductions; XLA fuses
+it with whatever produces the operand, so it is not a separate kernel, but
+it adds a pass over each operand that an FP8 kernel reading codes and
+scales would not, and the GEMM runs at bf16, not FP8, speed. A log line
+says so once per process. Hopper has no MXFP8 tensor-core mode, so
+``te_mxfp8`` is always emulated.
+
+``kernel`` (``te_fp8_blockwise`` only, opt-in): the three products run in
+the FP8 Mosaic GPU kernels of ``mosaic_fp8`` (fwd, dgrad) and
+``mosaic_fp8_tgmm`` (wgrad) on E4M3 codes and float32 scales, each operand
+quantized by ``ops.quant`` in the layout its kernel reads:
+
+  fwd    x 1x128 [M, K] + scales [Kb, M];  w 128x128, codes as [G, N, K]
+  dgrad  dy 1x128 [M, N] + scales [Nb, M]; w 128x128, codes as [G, K, N]
+  wgrad  x, dy 128x1, codes transposed to [K, M] and [N, M]
+
+(the weight is quantized once per product call and its codes are transposed
+for the forward, because FP8 wgmma reads both operands K-major). The
+numerics are the emulation's up to float32 accumulation order: the same
+codes, the same scales, float32 sums of exact products. These kernels are
+UNMEASURED: checked in Pallas GPU interpret mode on CPU and lowered for
+CUDA, never run on a GPU; ``emulate`` stays the default until they are.
+They need a Hopper GPU, or Pallas GPU interpret mode (tests), K and N
+multiples of 256, and ignore ``backend``.
 """
 
 import functools
@@ -52,6 +70,9 @@ from dropless.ops import quant
 from dropless.ops.gmm import api
 
 RECIPES = ("te_no_quant", "te_fp8_blockwise", "te_mxfp8")
+IMPLS = ("emulate", "kernel")  # how te_fp8_blockwise runs (module docstring)
+KERNEL_RECIPE = "te_fp8_blockwise"
+_KERNEL_DIM = 256  # K and N: the kernels' CTA tiles are 256 wide along O, 128 along C
 _ALIGNMENT = {"te_no_quant": 1, "te_fp8_blockwise": quant.BLOCKWISE_TILE, "te_mxfp8": quant.MX_BLOCK}
 _log = logging.getLogger(__name__)
 
@@ -95,10 +116,13 @@ def _say_once(recipe: str, device_kind: str, backend: str):
                      "used): operands are quantized to E4M3 with E8M0 scales per 32, "
                      "dequantized exactly to the compute dtype and multiplied by the %s "
                      "grouped GEMM. Numerics are MXFP8's; speed is bf16's.", device_kind, backend)
+    elif backend == "fp8_kernel":
+        _log.warning("te_fp8_blockwise: FP8 Mosaic GPU grouped GEMM kernels on %s (impl=kernel; "
+                     "not yet measured on a GPU).", device_kind)
     else:
         _log.warning("te_fp8_blockwise: FP8 blockwise numerics (1x128 / 128x128 scales) through "
-                     "the %s bf16 grouped GEMM on %s; the FP8 Mosaic kernel is not available "
-                     "yet, so speed is bf16's.", backend, device_kind)
+                     "the %s bf16 grouped GEMM on %s (impl=emulate), so speed is bf16's.",
+                     backend, device_kind)
 
 
 def _impl(name):
@@ -131,7 +155,81 @@ def _qgmm_bwd(recipe, backend, out_dtype, res, dy):
 _qgmm.defvjp(_qgmm_fwd, _qgmm_bwd)
 
 
-def gmm(x, w, group_sizes, *, recipe="te_no_quant", backend="auto", out_dtype=None):
+# ----------------------------------------------------------------------------
+# impl="kernel": the FP8 Mosaic GPU kernels.
+
+
+def _pad_rows(a, rows):
+    """a [M, *] with zero rows appended up to ``rows`` (past the groups' total)."""
+    pad = rows - a.shape[0]
+    return a if not pad else jnp.pad(a, ((0, pad), (0, 0)))
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
+def _kgmm(x, w, group_sizes, out_dtype):
+    from dropless.ops.gmm import mosaic_fp8
+
+    m = x.shape[0]
+    wq, sw = mosaic_fp8.quantize_weight(w)
+    ops = mosaic_fp8.fwd_operands(_pad_rows(x, _kernel_rows(m)), wq, sw)
+    return mosaic_fp8.gmm_fp8_blockwise(*ops, group_sizes, out_dtype=out_dtype)[:m]
+
+
+def _kgmm_fwd(x, w, group_sizes, out_dtype):
+    return _kgmm(x, w, group_sizes, out_dtype), (x, w, group_sizes)
+
+
+def _kgmm_bwd(out_dtype, res, dy):
+    from dropless.ops.gmm import mosaic_fp8, mosaic_fp8_tgmm
+
+    x, w, group_sizes = res
+    m = x.shape[0]
+    rows = _kernel_rows(m)
+    x_p, dy_p = _pad_rows(x, rows), _pad_rows(dy, rows)
+    wq, sw = mosaic_fp8.quantize_weight(w)  # the forward's codes, recomputed (not stored)
+    dx = mosaic_fp8.gmm_fp8_blockwise(*mosaic_fp8.dgrad_operands(dy_p, wq, sw), group_sizes,
+                                      out_dtype=x.dtype)[:m]
+    dw = mosaic_fp8_tgmm.tgmm_fp8_blockwise(*mosaic_fp8_tgmm.wgrad_operands(x_p, dy_p),
+                                            group_sizes, out_dtype=w.dtype)
+    return dx, dw, jnp.zeros(group_sizes.shape, jax.dtypes.float0)
+
+
+_kgmm.defvjp(_kgmm_fwd, _kgmm_bwd)
+
+
+def _kernel_rows(m):
+    """Rows the kernels run on: M rounded up to a whole 128-row scale block (wgrad's M-major
+    operands need it; the padding rows lie past the groups' total)."""
+    return -(-m // quant.BLOCKWISE_TILE) * quant.BLOCKWISE_TILE
+
+
+def _interpreting():
+    """True inside ``plgpu.force_gpu_interpret_mode`` (Pallas keeps it in this private flag)."""
+    from jax._src import config as jax_config
+
+    flag = getattr(jax_config, "pallas_tpu_interpret_mode_context_manager", None)
+    return flag is not None and flag.value is not None
+
+
+def _check_kernel_args(x, w, recipe):
+    from dropless.ops.gmm import mosaic
+
+    if recipe != KERNEL_RECIPE:
+        raise ValueError(f"gmm: impl='kernel' (config key gmm_fp8_impl) has kernels for "
+                         f"recipe {KERNEL_RECIPE!r} only, got {recipe!r}; use impl='emulate'")
+    if not (mosaic.is_available() or _interpreting()):
+        raise ValueError("gmm: impl='kernel' (config key gmm_fp8_impl) runs the FP8 Mosaic GPU "
+                         "kernels: it needs a Hopper (sm_90) GPU as the default device, or Pallas "
+                         f"GPU interpret mode; the default device is {jax.devices()[0].platform}. "
+                         "Use impl='emulate' elsewhere.")
+    _, k, n = w.shape
+    if k % _KERNEL_DIM or n % _KERNEL_DIM:
+        raise ValueError(f"gmm: impl='kernel' needs K and N of w multiples of {_KERNEL_DIM}, "
+                         f"got w {w.shape}")
+
+
+def gmm(x, w, group_sizes, *, recipe="te_no_quant", backend="auto", out_dtype=None,
+        impl="emulate"):
     """Grouped matmul with the FP8 numerics of ``recipe`` in all three products.
 
     Args:
@@ -139,21 +237,31 @@ def gmm(x, w, group_sizes, *, recipe="te_no_quant", backend="auto", out_dtype=No
         dtype the operands are dequantized to; bf16 for the Mosaic kernels).
       group_sizes: [G] int32, each a multiple of ``required_alignment(recipe)``.
       recipe: one of ``RECIPES``; ``te_no_quant`` is ``api.gmm`` unchanged.
-      backend: the bf16 gmm backend (``api.BACKENDS``).
+      backend: the bf16 gmm backend (``api.BACKENDS``) of ``impl="emulate"``.
       out_dtype: output dtype (default x.dtype); accumulation is float32.
+      impl: ``"emulate"`` or ``"kernel"`` (``IMPLS``; module docstring).
 
     Returns:
       [M, N]; rows past ``sum(group_sizes)`` are zeros. Differentiable in x
       and w (dgrad and wgrad quantized as in the module docstring).
 
     Raises:
-      ValueError: unknown recipe, or what ``api.gmm`` raises for the shapes.
+      ValueError: unknown recipe or impl; ``impl="kernel"`` with another
+        recipe than ``te_fp8_blockwise``, off a Hopper GPU outside interpret
+        mode, or with K or N not a multiple of 256; what ``api.gmm`` raises
+        for the shapes.
     """
     required_alignment(recipe)
+    if impl not in IMPLS:
+        raise ValueError(f"gmm: impl {impl!r} is not one of {IMPLS}")
     if recipe == "te_no_quant":
         return api.gmm(x, w, group_sizes, backend=backend, out_dtype=out_dtype)
     api._check_gmm_args(x, w, group_sizes, transpose_rhs=False)
     out_dtype = jnp.dtype(out_dtype or x.dtype)
+    if impl == "kernel":
+        _check_kernel_args(x, w, recipe)
+        _say_once(recipe, jax.devices()[0].device_kind, "fp8_kernel")
+        return _kgmm(x, w, group_sizes, out_dtype)
     name = api.resolve_backend(backend, x.shape, w.shape, x.dtype)
     _say_once(recipe, jax.devices()[0].device_kind, name)
     return _qgmm(x, w, group_sizes, recipe, name, out_dtype)

@@ -1,0 +1,237 @@
+"""FP8 blockwise grouped weight gradient ("tgmm") for Hopper in Pallas Mosaic GPU.
+
+UNMEASURED: never run on a GPU; checked in Pallas GPU interpret mode on CPU
+(against the product of the dequantized operands, race detector on) and
+lowered for CUDA through ``jax.export``. Selected by
+``quantized.gmm(..., impl="kernel")`` (config key ``gmm_fp8_impl``).
+
+Legend: M rows (ragged, grouped), K and N the weight dims, G groups,
+Mb = M / 128 scale blocks along M.
+
+    dw[g, k, n] = sum_mb over g's blocks  sx[mb, k] * sdy[mb, n]
+                  * (xq[mb-block, k] . dyq[mb-block, n])
+
+The contraction runs over the rows, so the DeepSeek-V3 recipe quantizes x
+and dy in 128x1 blocks along M (one float32 power-of-two scale per 128 rows
+of one column). A block must not hold rows of two groups: every group size
+must be a multiple of 128 (the MoE block pads its groups so); then each
+group is a whole number of scale blocks and no row needs masking. With
+other sizes the blocks that straddle a boundary count the neighbour's rows
+(wrong, but every read stays in bounds and TMA zero-fills rows past M).
+
+Operands: Hopper's FP8 ``wgmma`` needs both operands K-major, i.e. the
+contraction (here M) minor in shared memory, so the kernel reads M-major
+byte copies of the quantized activations:
+
+  xq_KM [K, M] E4M3 (x's codes transposed),  sx [Mb, K] float32;
+  dyq_NM [N, M] E4M3 (dy's codes transposed), sdy [Mb, N] float32.
+
+``wgrad_operands`` makes them from x and dy with ``ops.quant``. The
+transposes are one byte per element; XLA fuses them with the quantization.
+
+Design (the forward kernel's structure, ``mosaic_fp8``, with the roles of
+rows and contraction swapped):
+- Persistent grid walking (group, K tile, N band) output tiles group-major,
+  as ``mosaic_tgmm``: the SMs share one group's rows in L2 at a time.
+- CTA tile 64 (K) x 256 (N): both compute warpgroups read the same 64x128
+  x tile (A) and each its own 128 columns of the dy tile (B), as the
+  forward shares its row tile. Each 128-row step goes into a fresh float32
+  accumulator, scaled by ``sx[mb, k rows] (x) sdy[mb, n cols]`` (an outer
+  product of a row vector and a column vector) and added to the running
+  float32 sum: the scale changes with every step along M, so the promotion
+  happens every 128 rows.
+- Registers per compute thread: running sum and step product 64 + 64
+  (64x128 float32 over 128 threads), the column scales 32, the row scales
+  2; under the 232 available.
+- Shared memory per stage: 8 KiB (x) + 32 KiB (dy) + 1.25 KiB (scales);
+  4 stages (3 for 4-byte outputs) + 2 x 2 64x64 epilogue tiles.
+- Scales are read from shared memory (generic proxy) and the slot refilled
+  by TMA (async proxy): a ``commit_smem`` (fence.proxy.async) after the
+  reads orders them, as in ``mosaic_fp8``.
+- Empty groups store zero tiles; the step count is read on device, so no
+  code depends on G.
+"""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+from dropless.ops.gmm import schedule as schedule_lib
+from dropless.ops.gmm.mosaic_fp8 import BLOCK, _MEMORY_REGISTERS, _swizzle_transforms
+from dropless.ops.gmm.mosaic_gmm import num_sms
+from dropless.ops.gmm.mosaic_tgmm import _store_tile
+
+BLOCK_K = 64  # rows of dw per CTA (shared by both warpgroups, as wgmma's M)
+
+
+def check_shapes(xq_KM, sx, dyq_NM, sdy, group_sizes_G):
+    """Raise ValueError unless the kernel takes these operands; returns (m, k, n)."""
+    k, m = xq_KM.shape
+    n, m2 = dyq_NM.shape
+    if xq_KM.dtype != jnp.float8_e4m3fn or dyq_NM.dtype != jnp.float8_e4m3fn:
+        raise ValueError(f"mosaic fp8 tgmm: operands must be float8_e4m3fn, got {xq_KM.dtype} "
+                         f"and {dyq_NM.dtype}")
+    if m != m2:
+        raise ValueError(f"mosaic fp8 tgmm: x [K, M] {xq_KM.shape} and dy [N, M] "
+                         f"{dyq_NM.shape} must share M")
+    if m < 1 or m % BLOCK:
+        # M is the minor dim of the operands: whole scale blocks, 16-byte TMA strides.
+        raise ValueError(f"mosaic fp8 tgmm: rows {m=} must be a positive multiple of {BLOCK}")
+    if k % BLOCK_K or n % (2 * BLOCK):
+        raise ValueError(f"mosaic fp8 tgmm: {k=} must be a multiple of {BLOCK_K} and {n=} of "
+                         f"{2 * BLOCK}")
+    want = {"sx": (m // BLOCK, k), "sdy": (m // BLOCK, n)}
+    got = {"sx": sx.shape, "sdy": sdy.shape}
+    for name in want:
+        if tuple(got[name]) != want[name]:
+            raise ValueError(f"mosaic fp8 tgmm: {name} must have shape {want[name]}, got {got[name]}")
+    if group_sizes_G.ndim != 1:
+        raise ValueError(f"mosaic fp8 tgmm: group_sizes must be 1-D, got {group_sizes_G.shape}")
+    return m, k, n
+
+
+def tgmm_fp8_blockwise(xq_KM, sx, dyq_NM, sdy, group_sizes_G, *, out_dtype=jnp.float32,
+                       num_stages=4, sms=None):
+    """dw [G, K, N] = per-group blockwise-scaled x^T dy; zeros for empty groups.
+
+    See the module docstring for the operand layouts.
+
+    Raises:
+      ValueError: shapes or dtypes the kernel cannot take (``check_shapes``).
+    """
+    m, k, n = check_shapes(xq_KM, sx, dyq_NM, sdy, group_sizes_G)
+    num_groups = group_sizes_G.shape[0]
+    out_dtype = jnp.dtype(out_dtype)
+    num_stages = num_stages if out_dtype.itemsize <= 2 else min(num_stages, 3)
+    bk, bn, bm = BLOCK_K, BLOCK, BLOCK
+    cta_n = 2 * bn
+    k_tiles, n_bands = k // bk, n // cta_n
+    mb = m // bm
+    starts_G, sizes_G = schedule_lib.group_offsets(group_sizes_G, m)
+    in_transforms = _swizzle_transforms(bm, xq_KM.dtype)
+    out_transforms = _swizzle_transforms(64, out_dtype)
+
+    def make_pipeline(mma_body, compute_context, steps):
+        return plgpu.emit_pipeline_warp_specialized(
+            mma_body,
+            grid=(steps,),
+            memory_registers=_MEMORY_REGISTERS,
+            in_specs=[
+                plgpu.BlockSpec((bk, bm), lambda s: (0, s), transforms=in_transforms),
+                plgpu.BlockSpec((cta_n, bm), lambda s: (0, s), transforms=in_transforms),
+                plgpu.BlockSpec((1, bk), lambda s: (s, 0)),
+                plgpu.BlockSpec((1, cta_n), lambda s: (s, 0)),
+            ],
+            wg_axis="wg",
+            num_compute_wgs=2,
+            max_concurrent_steps=num_stages,
+            compute_context=compute_context,
+        )
+
+    def body(starts_ref, sizes_ref, x_gmem, sx_gmem, dy_gmem, sdy_gmem, o_gmem):
+        ignore = lambda *_, **__: None
+        pipeline_allocs = make_pipeline(ignore, ignore, num_stages).get_allocations(
+            x_gmem.at[pl.ds(0, bk), pl.ds(0, bm)], dy_gmem.at[pl.ds(0, cta_n), pl.ds(0, bm)],
+            sx_gmem.at[pl.ds(0, 1), pl.ds(0, bk)], sdy_gmem.at[pl.ds(0, 1), pl.ds(0, cta_n)],
+        )
+
+        @functools.partial(
+            pl.run_scoped,
+            pipeline_allocs=pipeline_allocs,
+            out_smem=plgpu.SMEM((2, 2, 64, 64), out_dtype, transforms=out_transforms),
+            collective_axes="wg",
+        )
+        def _scope(pipeline_allocs, out_smem):
+            wg = lax.axis_index("wg")
+
+            @plgpu.nd_loop((num_groups, k_tiles, n_bands), collective_axes="sm")
+            def _tile_loop(loop_info):
+                g, k_tile, band = loop_info.index
+                start, size = starts_ref[g], sizes_ref[g]
+                first_block = start // bm
+                steps = jnp.where(size > 0, (start + size + bm - 1) // bm - first_block, 0)
+                store = functools.partial(
+                    _store_tile, out_smem=out_smem, wg=wg, bk=bk, bn=bn,
+                    dst=o_gmem.at[g, pl.ds(k_tile * bk, bk), pl.ds(band * cta_n + wg * bn, bn)],
+                )
+
+                def compute_context(eval_pipeline):
+                    zeros = plgpu.layout_cast(jnp.zeros((bk, bn), jnp.float32), plgpu.Layout.WGMMA)
+                    store(eval_pipeline(zeros).astype(out_dtype))
+
+                def mma_body(_, x_smem, dy_smem, sx_smem, sdy_smem, total):
+                    rhs = dy_smem.at[pl.ds(wg * bn, bn)].T  # [M, N] view of M-major storage
+
+                    def m_step(acc_ref):
+                        plgpu.wgmma(acc_ref, x_smem, rhs)
+                        plgpu.wgmma_wait(0)
+                        return acc_ref[...]
+
+                    part = pl.run_scoped(m_step, plgpu.ACC((bk, bn), jnp.float32))
+                    row_scale = plgpu.load(sx_smem.at[0], layout=plgpu.Layout.WGMMA.reduce(1))
+                    col_scale = plgpu.load(sdy_smem.at[0, pl.ds(wg * bn, bn)],
+                                           layout=plgpu.Layout.WGMMA.reduce(0))
+                    # Fence the generic-proxy scale reads before TMA refills the slot.
+                    plgpu.commit_smem()
+                    scale = (lax.broadcast_in_dim(row_scale, (bk, bn), (0,))
+                             * lax.broadcast_in_dim(col_scale, (bk, bn), (1,)))
+                    return total + part * scale
+
+                @pl.when(steps > 0)
+                def _contract():
+                    # Views may run past M (and Mb): TMA zero-fills, and the
+                    # step count stops at the group's last block.
+                    cols = pl.ds(first_block * bm, m)
+                    blocks = pl.ds(first_block, mb)
+                    make_pipeline(mma_body, compute_context, steps)(
+                        x_gmem.at[pl.ds(k_tile * bk, bk), cols],
+                        dy_gmem.at[pl.ds(band * cta_n, cta_n), cols],
+                        sx_gmem.at[blocks, pl.ds(k_tile * bk, bk)],
+                        sdy_gmem.at[blocks, pl.ds(band * cta_n, cta_n)],
+                        allocations=pipeline_allocs,
+                    )
+
+                @pl.when((steps == 0) & (wg < 2))
+                def _empty_group():
+                    store(plgpu.layout_cast(jnp.zeros((bk, bn), out_dtype), plgpu.Layout.WGMMA))
+
+        plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+
+    kernel = plgpu.kernel(
+        body,
+        out_type=jax.ShapeDtypeStruct((num_groups, k, n), out_dtype),
+        grid=(sms or num_sms(),),
+        grid_names=("sm",),
+        num_threads=3,
+        thread_name="wg",
+        compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
+    )
+    return kernel(starts_G, sizes_G, xq_KM, sx, dyq_NM, sdy)
+
+
+def quantize_columns(a_MC):
+    """(aq [C, M] E4M3, sa [Mb, C]): 128x1 blocks along M, codes transposed to M-major."""
+    from dropless.ops import quant
+
+    aq, sa = quant.quantize_blocks(a_MC, (BLOCK, 1))
+    return aq.T, sa
+
+
+def wgrad_operands(x_MK, dy_MN):
+    """Kernel operands of dw = x^T . dy: (xq [K, M], sx [Mb, K], dyq [N, M], sdy [Mb, N])."""
+    return (*quantize_columns(x_MK), *quantize_columns(dy_MN))
+
+
+def reference(xq_KM, sx, dyq_NM, sdy, group_sizes_G, out_dtype=jnp.float32):
+    """The kernel's result from the dequantized operands (float32 HIGHEST, per group)."""
+    from dropless.ops import quant
+    from dropless.ops.gmm import reference as ref_backend
+
+    x = quant.dequantize_blocks(xq_KM.T, sx, (BLOCK, 1))
+    dy = quant.dequantize_blocks(dyq_NM.T, sdy, (BLOCK, 1))
+    return ref_backend.tgmm(x, dy, group_sizes_G, num_groups=group_sizes_G.shape[0],
+                            out_dtype=out_dtype)
