@@ -143,6 +143,10 @@ BAD = [
     (["routed_bias=false", "routed_bias_update_rate=0.1"], "routed_bias is false"),
     (["sparse_matmul=false", "te_gmm_quantization=te_mxfp8"], "capacity baseline"),
     (["quantize_output_head=true"], "quantize_output_head"),
+    (["gmm_fp8_impl=kernel"], "gmm_fp8_impl='kernel' (from command line): has FP8 kernels for te_gmm_quantization=te_fp8_blockwise only"),
+    (["te_gmm_quantization=te_mxfp8", "gmm_fp8_impl=kernel"], "got te_gmm_quantization=te_mxfp8; allowed with it: emulate"),
+    (["te_gmm_quantization=te_fp8_blockwise", "gmm_fp8_impl=kernel", "hardware=cpu"], "with hardware=cpu only emulate is allowed"),
+    (["gmm_fp8_impl=native"], "'emulate' or 'kernel'"),
     (["learning_rate=-1"], "learning_rate=-1"),
     (["adam_b2=1.5"], "adam_b2=1.5"),
     (["steps"], "is not key=value"),
@@ -161,6 +165,12 @@ def test_bad_input_gives_one_clear_line(overrides, message):
     text = str(err.value)
     assert message in text
     assert "\n" not in text
+
+
+def test_gmm_fp8_impl_reaches_the_moe_section():
+    assert resolve("te_gmm_quantization=te_fp8_blockwise").config.moe().gmm_fp8_impl == "emulate"
+    cfg = resolve("te_gmm_quantization=te_fp8_blockwise", "gmm_fp8_impl=kernel").config
+    assert cfg.moe().gmm_fp8_impl == "kernel"
 
 
 def test_bad_files(tmp_path):

@@ -109,6 +109,7 @@ class Config(BaseModel):
     gmm_backend: Literal["reference", "xla", "mosaic", "auto"] = _f("auto", "Grouped matmul backend.")
     te_moe_block: bool = _f(True, "Use the fused MoE block (dropless's MoEBlock; accepted for MaxText recipes).")
     te_gmm_quantization: Literal["te_no_quant", "te_fp8_blockwise", "te_mxfp8"] = _f("te_no_quant", "Expert grouped-GEMM quantization recipe.")
+    gmm_fp8_impl: Literal["emulate", "kernel"] = _f("emulate", "How te_fp8_blockwise grouped GEMMs run: emulate = quantize -> dequantize -> the bf16 grouped GEMM (exact FP8 numerics, bf16 speed); kernel = the FP8 Mosaic GPU kernels on E4M3 codes (Hopper only; checked in interpret mode, not yet measured on a GPU).")
     quantization: Literal["", "te_fp8_currentscaling"] = _f("", "Dense-matmul quantization ('' = bf16/fp32 as dtype; te_fp8_currentscaling: attention projections, dense MLP and shared experts in FP8 with per-tensor current scaling).")
     quantize_output_head: bool = _f(False, "With quantization=te_fp8_currentscaling, compute the output head in FP8 too.")
 
@@ -239,6 +240,10 @@ def _check_contradictions(c: Config):
         bad("routed_bias_update_rate", "is > 0 but routed_bias is false")
     if c.te_gmm_quantization != "te_no_quant" and not c.sparse_matmul:
         bad("te_gmm_quantization", "quantizes grouped GEMMs; sparse_matmul=false (the capacity baseline) has none")
+    if c.gmm_fp8_impl == "kernel" and c.te_gmm_quantization != "te_fp8_blockwise":
+        bad("gmm_fp8_impl", f"has FP8 kernels for te_gmm_quantization=te_fp8_blockwise only, got te_gmm_quantization={c.te_gmm_quantization}; allowed with it: emulate")
+    if c.gmm_fp8_impl == "kernel" and c.hardware in ("cpu", "tpu"):
+        bad("gmm_fp8_impl", f"runs Mosaic GPU kernels on a Hopper GPU; with hardware={c.hardware} only emulate is allowed")
     if c.quantize_output_head and not c.quantization:
         bad("quantize_output_head", "is true but quantization is '' (set quantization=te_fp8_currentscaling)")
     for axis in ("data", "fsdp", "expert", "tensor"):

@@ -34,6 +34,7 @@ class MoEConfig:
     gmm_backend: str = "auto"  # reference | xla | mosaic | auto
     group_alignment: int = 1  # pad each expert's rows to a multiple (quantized kernels)
     gmm_quantization: str = "te_no_quant"  # te_no_quant | te_fp8_blockwise | te_mxfp8
+    gmm_fp8_impl: str = "emulate"  # te_fp8_blockwise: emulate (qdq + bf16 gmm) | kernel (FP8 Mosaic)
 
 
 @dataclasses.dataclass(frozen=True)

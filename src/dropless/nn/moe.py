@@ -22,6 +22,8 @@ the router through the combine weights.
 products of both grouped matmuls with that recipe's FP8 numerics
 (``ops.gmm.quantized``); the group alignment the recipe needs (32 | 128) is
 applied to the permutation automatically (the max with ``group_alignment``).
+``gmm_fp8_impl`` picks how ``te_fp8_blockwise`` runs: ``emulate`` (default) or
+``kernel``, the FP8 Mosaic GPU kernels (Hopper; not yet measured on a GPU).
 The shared experts take the dense layers' ``dot_general`` from the model.
 
 Given an ``ExpertParallel`` (``ep``), dispatch -> experts -> combine run
@@ -118,7 +120,8 @@ def combine(y_PD, weights_TK, plan):
     return permute_ops.unpermute(y_PD, weights_TK, plan)
 
 
-def grouped_swiglu(x_PD, group_sizes_G, weights, *, backend, quantization="te_no_quant"):
+def grouped_swiglu(x_PD, group_sizes_G, weights, *, backend, quantization="te_no_quant",
+                   fp8_impl="emulate"):
     """SwiGLU experts over an expert-sorted buffer: [P, D] -> [P, D].
 
     Args:
@@ -129,10 +132,12 @@ def grouped_swiglu(x_PD, group_sizes_G, weights, *, backend, quantization="te_no
         ``(wi_0 [G, D, F], wi_1 [G, D, F], wo [G, F, D])``, in x's dtype.
       backend: the gmm backend.
       quantization: the grouped-GEMM recipe (``quantized.RECIPES``).
+      fp8_impl: ``quantized.IMPLS``: emulate, or the FP8 kernels (te_fp8_blockwise).
     """
 
     def grouped(x, w, name):
-        y = quantized.gmm(x, w, group_sizes_G, recipe=quantization, backend=backend)
+        y = quantized.gmm(x, w, group_sizes_G, recipe=quantization, backend=backend,
+                          impl=fp8_impl)
         return checkpoint_name(y, name)
 
     *gate_up, w_out = weights
@@ -194,6 +199,11 @@ def _check_config(cfg: MoEConfig):
     if cfg.gmm_quantization != "te_no_quant" and not cfg.sparse_matmul:
         raise ValueError(f"{cfg.gmm_quantization=} quantizes the grouped GEMMs of the dropless "
                          "path; the capacity baseline (sparse_matmul=False) has none")
+    if cfg.gmm_fp8_impl not in quantized.IMPLS:
+        raise ValueError(f"{cfg.gmm_fp8_impl=} is not one of {quantized.IMPLS}")
+    if cfg.gmm_fp8_impl == "kernel" and cfg.gmm_quantization != quantized.KERNEL_RECIPE:
+        raise ValueError(f"{cfg.gmm_fp8_impl=} has kernels for gmm_quantization="
+                         f"{quantized.KERNEL_RECIPE} only, got {cfg.gmm_quantization=}")
 
 
 def group_alignment(cfg: MoEConfig) -> int:
@@ -300,7 +310,8 @@ class MoEBlock(nnx.Module):
         """Grouped SwiGLU over the expert-sorted buffer: [P, D] -> [P, D]."""
         return grouped_swiglu(x_PD, group_sizes_E, self._expert_weights(),
                               backend=self.cfg.gmm_backend,
-                              quantization=self.cfg.gmm_quantization)
+                              quantization=self.cfg.gmm_quantization,
+                              fp8_impl=self.cfg.gmm_fp8_impl)
 
     def _experts_dense(self, x_ECD):
         """Batched SwiGLU over per-expert capacity buffers: [E, C, D] -> [E, C, D]."""
@@ -323,7 +334,8 @@ class MoEBlock(nnx.Module):
         out_TD, ep_stats = ep_lib.routed_experts(
             x_TD, decision.experts_TK, decision.weights_TK, self._expert_weights(),
             functools.partial(grouped_swiglu, backend=self.cfg.gmm_backend,
-                              quantization=self.cfg.gmm_quantization),
+                              quantization=self.cfg.gmm_quantization,
+                              fp8_impl=self.cfg.gmm_fp8_impl),
             num_experts=e, alignment=group_alignment(self.cfg), ep=self.ep,
         )
         tokens_E = routing.tokens_per_expert(decision.experts_TK, e)
