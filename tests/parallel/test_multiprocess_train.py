@@ -1,0 +1,145 @@
+"""Two processes joined by ``jax.distributed`` (gloo) train like one process of 8 devices.
+
+``python -m dropless train`` on CPU, each process with 4 devices, the mesh
+fsdp=2 x expert=4 with the expert axis across the processes (so expert
+parallelism crosses them, and each process holds the non-contiguous batch
+sequences {0, 1, 4, 5} or {2, 3, 6, 7}). Checked:
+
+* each process made only the rows its devices hold (``rows_at`` is logged);
+* the run is stopped right after its step-2 checkpoint (Orbax, every process
+  writing its own shards; manifest from process 0), both processes are
+  started again on the run directory, resume from step 2 and finish;
+* the losses of all 4 steps equal those of one process with 8 devices and the
+  same mesh and global batch, within float tolerance (gloo sums in another
+  order).
+
+XLA:CPU compiles at optimisation level 0; the model is deepseek3-tiny cut down.
+"""
+
+import json
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+
+REPO = Path(__file__).resolve().parents[2]
+STEPS, ACCUM, BATCH = 4, 2, 8
+ARGS = ["dataset_type=markov", "num_decoder_layers=2", "emb_dim=32", "per_device_batch_size=1",
+        f"gradient_accumulation_steps={ACCUM}", "max_target_length=16", "remat_policy=none",
+        "enable_tensorboard=false", f"steps={STEPS}", "ici_fsdp_parallelism=2"]
+
+# Logs every rows_at call; with a stop step, exits right after that checkpoint
+# is saved and sealed in every process, as a preempted job would (no cleanup).
+_CHILD = """
+import json, os, sys
+from dropless.train import checkpoint as ckpt_lib, data as data_lib
+log, stop_at = sys.argv[1], int(sys.argv[2])
+rows_at = data_lib.MarkovSource.rows_at
+def logged(self, step, rows):
+    with open(log, "a") as f:
+        f.write(json.dumps([step, [int(r) for r in rows]]) + "\\n")
+    return rows_at(self, step, rows)
+data_lib.MarkovSource.rows_at = logged
+save = ckpt_lib.Checkpointer.save
+def save_then_stop(self, step, state, *, force=False):
+    saved = save(self, step, state, force=force)
+    if step == stop_at:
+        self.wait()
+        print("STOPPED", step, flush=True)
+        os._exit(0)
+    return saved
+ckpt_lib.Checkpointer.save = save_then_stop
+from dropless.cli import main
+raise SystemExit(main(["train", *sys.argv[3:]]))
+"""
+
+
+def _env(**extra):
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("JAX_COORDINATOR_ADDRESS", "JAX_NUM_PROCESSES", "JAX_PROCESS_ID")}
+    return {**env, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": "--xla_backend_optimization_level=0", **extra}
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("localhost", 0))
+        return s.getsockname()[1]
+
+
+def _two_processes(tmp_path, phase: str, stop_at: int, args: list[str]) -> list[str]:
+    """Run the child as processes 0 and 1 of one job; their outputs (asserting exit 0)."""
+    address = f"localhost:{_free_port()}"
+    procs = [
+        subprocess.Popen(
+            [sys.executable, str(tmp_path / "child.py"), str(tmp_path / f"rows-{phase}-{i}.jsonl"),
+             str(stop_at), *args],
+            cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+            env=_env(JAX_COORDINATOR_ADDRESS=address, JAX_NUM_PROCESSES="2", JAX_PROCESS_ID=str(i)))
+        for i in range(2)
+    ]
+    outs = []
+    try:
+        for p in procs:
+            outs.append(p.communicate(timeout=600)[0])
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+    for i, (p, out) in enumerate(zip(procs, outs)):
+        assert p.returncode == 0, f"{phase}, process {i}:\n{out[-4000:]}"
+    return outs
+
+
+def _rows_by_step(path: Path) -> dict[int, list[int]]:
+    out: dict[int, list[int]] = {}
+    for line in path.read_text().splitlines():
+        step, rows = json.loads(line)
+        out.setdefault(step, []).extend(rows)
+    return out
+
+
+def _metrics(run_dir: Path) -> list[dict]:
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def test_two_processes_load_their_rows_checkpoint_resume_and_match_one_process(tmp_path):
+    (tmp_path / "child.py").write_text(_CHILD)
+    run = [f"base_output_directory={tmp_path}", "run_name=mp", "hardware=cpu",
+           "ici_expert_parallelism=2", "dcn_expert_parallelism=2", "checkpoint_period=2", *ARGS]
+    first = _two_processes(tmp_path, "first", 2, run)
+    assert all("STOPPED 2" in out for out in first)
+    assert "'expert': 4" in first[0] and "'fsdp': 2" in first[0]
+    ckpt = tmp_path / "mp" / "checkpoints"
+    assert sorted(os.listdir(ckpt)) == ["2"] and (ckpt / "2" / "dropless_manifest.json").exists()
+
+    second = _two_processes(tmp_path, "second", -1, run)
+    assert all("resuming from" in out for out in second), second[0][-3000:]
+
+    # Process i made rows a*B + s for its sequences s of each microbatch a, and no others.
+    for phase, steps in (("first", [0, 1]), ("second", [2, 3])):
+        made = [_rows_by_step(tmp_path / f"rows-{phase}-{i}.jsonl") for i in range(2)]
+        for m in made:  # the first run may have prefetched step 2 before it stopped
+            assert sorted(m) in (steps, steps + [steps[-1] + 1]), sorted(m)
+        seqs = sorted(sorted({r % BATCH for r in m[steps[0]]}) for m in made)
+        assert seqs == [[0, 1, 4, 5], [2, 3, 6, 7]]
+        for m in made:
+            for step in m:
+                mine = {r % BATCH for r in m[step]}
+                assert sorted(m[step]) == sorted(a * BATCH + s for a in range(ACCUM) for s in mine)
+
+    one = subprocess.run(
+        [sys.executable, "-m", "dropless", "train", f"base_output_directory={tmp_path}", "run_name=one",
+         "ici_expert_parallelism=4", "enable_checkpointing=false", *ARGS],
+        cwd=REPO, env=_env(), capture_output=True, text=True, timeout=600,
+    )
+    assert one.returncode == 0, one.stdout[-3000:] + one.stderr[-3000:]
+    assert "'expert': 4" in one.stdout and "'fsdp': 2" in one.stdout
+    ref, got = _metrics(tmp_path / "one"), _metrics(tmp_path / "mp")
+    assert [r["step"] for r in got] == [r["step"] for r in ref] == list(range(1, STEPS + 1))
+    assert all(r["applied"] and r["overflow_tokens"] == 0 and r["ep_rows_sent"] > 0 for r in got)
+    for key in ("loss", "lm_loss", "grad_norm"):
+        np.testing.assert_allclose([r[key] for r in got], [r[key] for r in ref], rtol=2e-5, err_msg=key)
+    assert ref[-1]["loss"] < ref[0]["loss"]
