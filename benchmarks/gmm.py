@@ -17,6 +17,14 @@ With ``--quant mxfp8|blockwise`` two more columns (FP8 recipes, issue 8):
   dense8  an FP8 x FP8 -> bf16 dense product through XLA (cuBLASLt FP8 GEMM,
           E4M3 operands quantized outside the timing) at equal FLOPs: the
           FP8 ceiling, next to ``dense`` (the bf16 one)
+and with ``--quant blockwise`` two more, the FP8 Mosaic kernels
+(``quantized.gmm(impl="kernel")``, ``mosaic_fp8`` / ``mosaic_fp8_tgmm``; not
+yet measured on a GPU):
+  ours_fp8k  each product quantized in its kernel's layout, then the kernel,
+             all timed (what a training step with ``gmm_fp8_impl: kernel``
+             pays; compare with ours_q)
+  fp8k       the kernels alone on codes and scales prepared outside the
+             timing (compare with dense8)
 
 FLOPs count real rows only: 2 * sum(group_sizes) * K * N per product. JAX
 timings are kernel time on device through CUPTI
@@ -61,6 +69,7 @@ FULL_SHAPES = [  # (M, G, K, N); most important first, in case a run is cut shor
 ]
 QUICK_SHAPES = FULL_SHAPES[:3]
 SMOKE_SHAPES = [(300, 5, 128, 256)]
+SMOKE_SHAPES_FP8 = [(300, 3, 256, 256)]  # the FP8 kernels need K and N multiples of 256
 LAYOUTS = ["balanced", "dirichlet1.0", "dirichlet0.3", "empty"]
 OPS = ["fwd", "dgrad", "wgrad", "fwd+dgrad+wgrad"]
 IMPLS = ["ours", "dense", "torch", "jaxex", "ragged"]
@@ -218,10 +227,41 @@ def quant_fns(impl, g, recipe):
 
         def all3(x, w, dy, gs):
             return fwd(x, w, dy, gs), dgrad(x, w, dy, gs), wgrad(x, w, dy, gs)
+    elif impl == "ours_fp8k":
+        fwd = lambda x, w, dy, gs: quantized.kernel_fwd(x, w, gs, x.dtype)
+        dgrad = lambda x, w, dy, gs: quantized.kernel_dgrad(dy, w, gs, x.dtype)
+        wgrad = lambda x, w, dy, gs: quantized.kernel_wgrad(x, dy, gs, w.dtype)
+
+        def all3(x, w, dy, gs):
+            y, vjp = jax.vjp(lambda x, w: quantized.gmm(x, w, gs, recipe=recipe, impl="kernel"),
+                             x, w)
+            return y, *vjp(dy)
     else:
         raise ValueError(impl)
     fns = {"fwd": fwd, "dgrad": dgrad, "wgrad": wgrad, "fwd+dgrad+wgrad": all3}
     return {op: jax.jit(f) for op, f in fns.items()}
+
+
+def fp8_kernel_fns(x, w, dy):
+    """({op: jitted fn(operands, gs)}, operands): the FP8 kernels alone, on codes and
+    scales made once here (outside any timing), rows padded as ``quantized`` pads them."""
+    from dropless.ops.gmm import mosaic_fp8, mosaic_fp8_tgmm, quantized
+
+    rows = quantized._kernel_rows(x.shape[0])
+    xp, dyp = quantized._pad_rows(x, rows), quantized._pad_rows(dy, rows)
+
+    @jax.jit
+    def prepare(xp, w, dyp):
+        wq, sw = mosaic_fp8.quantize_weight(w)
+        return (mosaic_fp8.fwd_operands(xp, wq, sw), mosaic_fp8.dgrad_operands(dyp, wq, sw),
+                mosaic_fp8_tgmm.wgrad_operands(xp, dyp))
+
+    fwd = lambda ops, gs: mosaic_fp8.gmm_fp8_blockwise(*ops[0], gs, out_dtype=x.dtype)
+    dgrad = lambda ops, gs: mosaic_fp8.gmm_fp8_blockwise(*ops[1], gs, out_dtype=x.dtype)
+    wgrad = lambda ops, gs: mosaic_fp8_tgmm.tgmm_fp8_blockwise(*ops[2], gs, out_dtype=w.dtype)
+    all3 = lambda ops, gs: (fwd(ops, gs), dgrad(ops, gs), wgrad(ops, gs))
+    fns = {"fwd": fwd, "dgrad": dgrad, "wgrad": wgrad, "fwd+dgrad+wgrad": all3}
+    return {op: jax.jit(f) for op, f in fns.items()}, jax.block_until_ready(prepare(xp, w, dyp))
 
 
 def jax_fns(impl, g, tilings, jaxex_cfg):
@@ -308,6 +348,8 @@ def bench_quant(row, x, w, dy, gs, g, flops, args, dense8_ms):
     # The recipe's error next to bf16 (about 5% for FP8 operands, whatever the size).
     row["rel_err_q_vs_bf16"] = _safe(
         lambda: rel_err(fns["fwd"](x, w, dy, gs), mosaic.gmm(x, w, gs)), None)
+    if recipe == "te_fp8_blockwise":
+        _safe(lambda: bench_fp8_kernels(row, x, w, dy, gs, g, flops, args, fns), None)
     if not dense8_ms:
         f8 = tuple(a.astype(jnp.float8_e4m3fn) for a in (x, w[:1], dy))
         fns8 = quant_fns("dense8", g, recipe)
@@ -320,6 +362,23 @@ def bench_quant(row, x, w, dy, gs, g, flops, args, dense8_ms):
         for op, ms in dense8_ms.items():
             row["ms"].setdefault("dense8", {})[op] = ms
             row["tflops"].setdefault("dense8", {})[op] = (3 if "+" in op else 1) * flops / ms / 1e9
+
+
+def bench_fp8_kernels(row, x, w, dy, gs, g, flops, args, fns_q):
+    """The blockwise FP8 kernel columns: ours_fp8k (quantize + kernel) and fp8k (kernel only),
+    and each product's relative difference from the emulation (the same FP8 products summed
+    in another order, then rounded to bf16: about 1e-3 at most; near the recipe's error,
+    ~4e-2, it is a kernel bug)."""
+    fns = quant_fns("ours_fp8k", g, QUANT_RECIPES[args.quant])
+    for op in OPS:
+        _run(row, "ours_fp8k", op, flops, lambda op=op: time_jax(fns[op], (x, w, dy, gs), args.iters))
+    row["rel_err_fp8k_vs_q"] = {
+        op: _safe(lambda op=op: rel_err(fns[op](x, w, dy, gs), fns_q[op](x, w, dy, gs)), None)
+        for op in ("fwd", "dgrad", "wgrad")}
+    kfns, ops = fp8_kernel_fns(x, w, dy)
+    for op in OPS:
+        _run(row, "fp8k", op, flops, lambda op=op: time_jax(kfns[op], (ops, gs), args.iters))
+    del ops
 
 
 def bench_shape(m, g, k, n, layouts, impls, tilings, args, record):
@@ -413,6 +472,16 @@ def print_row(row):
             for op in OPS if q.get(op) and o.get(op)))
         if row.get("rel_err_q_vs_bf16") is not None:
             print(f"  {row['quant']} fwd rel err vs bf16: {row['rel_err_q_vs_bf16']:.2e}")
+        for impl in ("ours_fp8k", "fp8k"):
+            k8 = t.get(impl, {})
+            if k8:
+                print(f"  {impl}: " + "  ".join(
+                    f"{op} {k8[op]:.0f} TF/s (x{k8[op] / o[op]:.2f} ours bf16"
+                    + (f", x{k8[op] / d8[op]:.2f} dense fp8)" if d8.get(op) else ")")
+                    for op in OPS if k8.get(op) and o.get(op)))
+        if row.get("rel_err_fp8k_vs_q"):
+            print("  fp8 kernel rel diff vs emulation:",
+                  {op: f"{v:.1e}" if v is not None else "-" for op, v in row["rel_err_fp8k_vs_q"].items()})
     if row.get("rel_err_vs_torch"):
         print("  rel err vs torch:", {k: f"{v:.2e}" for k, v in row["rel_err_vs_torch"].items()})
     if row.get("errors"):
@@ -516,7 +585,8 @@ def main():
         from jax.experimental.pallas import mosaic_gpu as plgpu
 
         plgpu.set_gpu_interpret_mode()
-        shapes = shapes if args.shape else SMOKE_SHAPES
+        shapes = shapes if args.shape else (SMOKE_SHAPES_FP8 if args.quant == "blockwise"
+                                            else SMOKE_SHAPES)
         layouts, impls = ["dirichlet0.3"], ["ours", "dense"]
         args.tune = False  # a CPU tuning table would be meaningless
     if not args.inner:
@@ -606,6 +676,11 @@ def print_summary(record):
                 f"{op} {q[op]:.0f} ({q[op] / o[op]:.2f},"
                 f"{q[op] / d8[op]:.2f})" if q.get(op) and o.get(op) and d8.get(op) else f"{op} -"
                 for op in OPS))
+            k8 = t.get("fp8k", {})
+            if k8:
+                print("  fp8k (kernel only) TF/s (/ours bf16, /dense fp8): " + " | ".join(
+                    f"{op} {k8[op]:.0f} ({k8[op] / o[op]:.2f},{k8[op] / d8[op]:.2f})"
+                    if k8.get(op) and o.get(op) and d8.get(op) else f"{op} -" for op in OPS))
 
 
 if __name__ == "__main__":

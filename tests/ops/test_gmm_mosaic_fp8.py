@@ -2,7 +2,7 @@
 
 Legend: M rows, K x N the weight dims (w [G, K, N]), G groups.
 
-All on CPU; nothing here runs them on a GPU:
+On CPU (everything but the ``gpu``-marked test, which no GPU has run yet):
 - they lower for CUDA through ``jax.export`` at DeepSeek-V3 shapes (Mosaic's
   layout inference and smem checks run on the host);
 - in Pallas GPU interpret mode, with the race detector on, each kernel equals
@@ -31,7 +31,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from dropless.ops.gmm import mosaic_fp8, mosaic_fp8_tgmm, quantized
+from dropless.ops.gmm import mosaic, mosaic_fp8, mosaic_fp8_tgmm, quantized
 
 F8 = jnp.float8_e4m3fn
 S = jax.ShapeDtypeStruct
@@ -236,3 +236,49 @@ def test_kernel_impl_errors():
     with pytest.raises(ValueError, match="impl"):
         quantized.gmm(jnp.ones((8, 256)), jnp.ones((1, 256, 256)), jnp.array([8]),
                       recipe="te_fp8_blockwise", impl="native")
+
+
+# ------------------------------------------------------------------- GPU
+
+hopper = pytest.mark.skipif(not mosaic.is_available(), reason="needs a Hopper (sm_90) GPU")
+
+
+@pytest.mark.gpu
+@hopper
+@pytest.mark.parametrize("sizes", [[1024, 0, 2048, 128, 0, 768], [0, 0, 4096, 0, 0, 0],
+                                   [128] * 6], ids=["several_empty_tail", "one_group", "small"])
+def test_gpu_kernels_match_dequantized_product_and_emulation(rng, sizes):
+    m, k, n = 4224, 512, 768  # a tail of rows past the total in the first layout
+    sizes = np.array(sizes, np.int32)
+    gs = jnp.asarray(sizes)
+    x = _scaled(rng, (m, k), (0, 1)).astype(jnp.bfloat16)
+    dy = _scaled(rng, (m, n), (0, 1)).astype(jnp.bfloat16)
+    w = (_scaled(rng, (len(sizes), k, n), (1, 2)) / 64).astype(jnp.bfloat16)
+    wq, sw = mosaic_fp8.quantize_weight(w)
+    total = int(sizes.sum())
+    fwd_ops = mosaic_fp8.fwd_operands(x, wq, sw)
+    _assert_close(mosaic_fp8.gmm_fp8_blockwise(*fwd_ops, gs, out_dtype=jnp.float32),
+                  mosaic_fp8.reference(*fwd_ops, gs, out_dtype=jnp.float32), total)
+    dgrad_ops = mosaic_fp8.dgrad_operands(dy, wq, sw)
+    _assert_close(mosaic_fp8.gmm_fp8_blockwise(*dgrad_ops, gs, out_dtype=jnp.float32),
+                  mosaic_fp8.reference(*dgrad_ops, gs, out_dtype=jnp.float32), total)
+    wgrad_ops = mosaic_fp8_tgmm.wgrad_operands(x[:4096], dy[:4096])
+    dw = mosaic_fp8_tgmm.tgmm_fp8_blockwise(*wgrad_ops, gs)
+    ref = mosaic_fp8_tgmm.reference(*wgrad_ops, gs)
+    for e, size in enumerate(sizes):
+        if size:
+            _assert_close(dw[e], ref[e])
+        else:
+            np.testing.assert_array_equal(np.asarray(dw[e]), 0.0)
+
+    def value_and_grads(impl):
+        f = lambda x, w: quantized.gmm(x, w, gs, recipe="te_fp8_blockwise", impl=impl)
+        y, vjp = jax.vjp(f, x, w)
+        return tuple(a.astype(jnp.float32) for a in (y, *vjp(dy)))
+
+    got = jax.jit(lambda: value_and_grads("kernel"))()
+    want = jax.jit(lambda: value_and_grads("emulate"))()
+    # bf16 outputs: both round the same float32 sums, up to accumulation order.
+    for a, b in zip(got, want):
+        a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+        assert np.linalg.norm(a - b) <= 1e-2 * np.linalg.norm(b)

@@ -80,10 +80,12 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
+from dropless.ops import quant
+from dropless.ops.gmm import reference as ref_backend
 from dropless.ops.gmm import schedule as schedule_lib
 from dropless.ops.gmm.mosaic_gmm import _store_tile, num_sms
 
-BLOCK = 128  # scale block along the contraction and the output columns (DeepSeek-V3)
+BLOCK = quant.BLOCKWISE_TILE  # 128: scale block along the contraction and the outputs (DeepSeek-V3)
 BLOCK_M = 64  # two f32 accumulators per thread must fit the register file
 _MEMORY_REGISTERS = 40
 
@@ -248,15 +250,11 @@ def gmm_fp8_blockwise(aq_MC, sa, bq_GOC, sb, group_sizes_G, *, out_dtype=jnp.bfl
 
 def quantize_weight(w_GKN):
     """(wq [G, K, N] E4M3, sw [G, Kb, Nb]): 128x128 blocks, serving fwd and dgrad."""
-    from dropless.ops import quant
-
     return quant.quantize_blocks(w_GKN, (1, BLOCK, BLOCK))
 
 
 def quantize_rows(a_MC):
     """(aq [M, C] E4M3, sa [Cb, M]): 1x128 tiles along C, scales transposed for the kernel."""
-    from dropless.ops import quant
-
     aq, sa = quant.quantize_blocks(a_MC, (1, BLOCK))
     return aq, sa.T
 
@@ -280,9 +278,6 @@ def quantize_operands(x_MK, w_GKN):
 
 def reference(aq_MC, sa, bq_GOC, sb, group_sizes_G, out_dtype=jnp.bfloat16):
     """The kernel's result from the dequantized operands (float32 HIGHEST, per-group masked)."""
-    from dropless.ops import quant
-    from dropless.ops.gmm import reference as ref_backend
-
     a = quant.dequantize_blocks(aq_MC, sa.T, (1, BLOCK))
     b = quant.dequantize_blocks(jnp.swapaxes(bq_GOC, 1, 2), sb, (1, BLOCK, BLOCK))
     return ref_backend.gmm(a, b, group_sizes_G, out_dtype=out_dtype)

@@ -60,6 +60,8 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
+from dropless.ops import quant
+from dropless.ops.gmm import reference as ref_backend
 from dropless.ops.gmm import schedule as schedule_lib
 from dropless.ops.gmm.mosaic_fp8 import BLOCK, _MEMORY_REGISTERS, _swizzle_transforms
 from dropless.ops.gmm.mosaic_gmm import num_sms
@@ -215,8 +217,6 @@ def tgmm_fp8_blockwise(xq_KM, sx, dyq_NM, sdy, group_sizes_G, *, out_dtype=jnp.f
 
 def quantize_columns(a_MC):
     """(aq [C, M] E4M3, sa [Mb, C]): 128x1 blocks along M, codes transposed to M-major."""
-    from dropless.ops import quant
-
     aq, sa = quant.quantize_blocks(a_MC, (BLOCK, 1))
     return aq.T, sa
 
@@ -228,9 +228,6 @@ def wgrad_operands(x_MK, dy_MN):
 
 def reference(xq_KM, sx, dyq_NM, sdy, group_sizes_G, out_dtype=jnp.float32):
     """The kernel's result from the dequantized operands (float32 HIGHEST, per group)."""
-    from dropless.ops import quant
-    from dropless.ops.gmm import reference as ref_backend
-
     x = quant.dequantize_blocks(xq_KM.T, sx, (BLOCK, 1))
     dy = quant.dequantize_blocks(dyq_NM.T, sdy, (BLOCK, 1))
     return ref_backend.tgmm(x, dy, group_sizes_G, num_groups=group_sizes_G.shape[0],

@@ -165,8 +165,8 @@ def _pad_rows(a, rows):
     return a if not pad else jnp.pad(a, ((0, pad), (0, 0)))
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
-def _kgmm(x, w, group_sizes, out_dtype):
+def kernel_fwd(x, w, group_sizes, out_dtype):
+    """y [M, N] of ``impl="kernel"``: x 1x128, w 128x128 (codes as [G, N, K]), FP8 kernel."""
     from dropless.ops.gmm import mosaic_fp8
 
     m = x.shape[0]
@@ -175,22 +175,38 @@ def _kgmm(x, w, group_sizes, out_dtype):
     return mosaic_fp8.gmm_fp8_blockwise(*ops, group_sizes, out_dtype=out_dtype)[:m]
 
 
+def kernel_dgrad(dy, w, group_sizes, out_dtype):
+    """dx [M, K] of ``impl="kernel"``: dy 1x128 along N, w's 128x128 codes as stored."""
+    from dropless.ops.gmm import mosaic_fp8
+
+    m = dy.shape[0]
+    wq, sw = mosaic_fp8.quantize_weight(w)  # the forward's codes, recomputed (not stored)
+    ops = mosaic_fp8.dgrad_operands(_pad_rows(dy, _kernel_rows(m)), wq, sw)
+    return mosaic_fp8.gmm_fp8_blockwise(*ops, group_sizes, out_dtype=out_dtype)[:m]
+
+
+def kernel_wgrad(x, dy, group_sizes, out_dtype):
+    """dw [G, K, N] of ``impl="kernel"``: x and dy 128x1 along M, M-major codes."""
+    from dropless.ops.gmm import mosaic_fp8_tgmm
+
+    rows = _kernel_rows(x.shape[0])
+    ops = mosaic_fp8_tgmm.wgrad_operands(_pad_rows(x, rows), _pad_rows(dy, rows))
+    return mosaic_fp8_tgmm.tgmm_fp8_blockwise(*ops, group_sizes, out_dtype=out_dtype)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
+def _kgmm(x, w, group_sizes, out_dtype):
+    return kernel_fwd(x, w, group_sizes, out_dtype)
+
+
 def _kgmm_fwd(x, w, group_sizes, out_dtype):
     return _kgmm(x, w, group_sizes, out_dtype), (x, w, group_sizes)
 
 
 def _kgmm_bwd(out_dtype, res, dy):
-    from dropless.ops.gmm import mosaic_fp8, mosaic_fp8_tgmm
-
     x, w, group_sizes = res
-    m = x.shape[0]
-    rows = _kernel_rows(m)
-    x_p, dy_p = _pad_rows(x, rows), _pad_rows(dy, rows)
-    wq, sw = mosaic_fp8.quantize_weight(w)  # the forward's codes, recomputed (not stored)
-    dx = mosaic_fp8.gmm_fp8_blockwise(*mosaic_fp8.dgrad_operands(dy_p, wq, sw), group_sizes,
-                                      out_dtype=x.dtype)[:m]
-    dw = mosaic_fp8_tgmm.tgmm_fp8_blockwise(*mosaic_fp8_tgmm.wgrad_operands(x_p, dy_p),
-                                            group_sizes, out_dtype=w.dtype)
+    dx = kernel_dgrad(dy, w, group_sizes, x.dtype)
+    dw = kernel_wgrad(x, dy, group_sizes, w.dtype)
     return dx, dw, jnp.zeros(group_sizes.shape, jax.dtypes.float0)
 
 
