@@ -167,10 +167,34 @@ def test_bad_input_gives_one_clear_line(overrides, message):
     assert "\n" not in text
 
 
-def test_gmm_fp8_impl_reaches_the_moe_section():
+def test_gmm_fp8_impl_reaches_the_grouped_gemms(monkeypatch):
+    """The key goes config -> MoEConfig -> MoEBlock -> both quantized.gmm calls."""
+    import dataclasses
+
+    import jax
+    import jax.numpy as jnp
+    from flax import nnx
+
+    from dropless.nn import moe
+    from dropless.ops.gmm import quantized
+
     assert resolve("te_gmm_quantization=te_fp8_blockwise").config.moe().gmm_fp8_impl == "emulate"
-    cfg = resolve("te_gmm_quantization=te_fp8_blockwise", "gmm_fp8_impl=kernel").config
-    assert cfg.moe().gmm_fp8_impl == "kernel"
+    section = resolve("te_gmm_quantization=te_fp8_blockwise", "gmm_fp8_impl=kernel",
+                      "num_experts=4", "num_experts_per_tok=2", "gmm_backend=xla").config.moe()
+    assert section.gmm_fp8_impl == "kernel"
+    seen, real_gmm = [], quantized.gmm
+
+    def recording_gmm(x, w, group_sizes, **kw):  # records, then runs the emulation (CPU)
+        seen.append(kw["impl"])
+        return real_gmm(x, w, group_sizes, **dict(kw, impl="emulate"))
+
+    monkeypatch.setattr(quantized, "gmm", recording_gmm)
+    block = moe.MoEBlock(section, emb_dim=32, rngs=nnx.Rngs(0))
+    jax.eval_shape(lambda x: block(x)[0], jax.ShapeDtypeStruct((1, 8, 32), jnp.float32))
+    assert seen == ["kernel", "kernel"]
+    with pytest.raises(ValueError, match="gmm_fp8_impl"):
+        moe.MoEBlock(dataclasses.replace(section, gmm_quantization="te_mxfp8"), emb_dim=32,
+                     rngs=nnx.Rngs(0))
 
 
 def test_bad_files(tmp_path):
