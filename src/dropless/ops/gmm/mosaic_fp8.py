@@ -55,7 +55,8 @@ row-exact epilogue it reuses):
   stay under the 227 KiB limit.
 - The weight scale is read as a scalar from global memory per step (tiny,
   cached); the row scales come through the TMA pipeline with the operands
-  (TMA clips the last row block at M).
+  (TMA clips the last row block at M). Both loads are issued before the
+  step's wgmma, so their latency overlaps it instead of following it.
 - The row scales are read from shared memory by the compute warpgroups
   (generic proxy) and the slot is then refilled by TMA (async proxy). PTX
   orders a generic-proxy access before a later async-proxy access of the
@@ -201,6 +202,13 @@ def gmm_fp8_blockwise(aq_MC, sa, bq_GOC, sb, group_sizes_G, *, out_dtype=jnp.bfl
                 def mma_body(idx, a_smem, b_smem, sa_smem, total):
                     (kk,) = idx
                     rhs = b_smem.at[pl.ds(wg * bo, bo)].T  # [C, O] view of C-major storage
+                    # Scales first, so that their loads (the weight scale's from global
+                    # memory) are in flight during the wgmma, not after it.
+                    row_scale = plgpu.load(sa_smem.at[0], layout=plgpu.Layout.WGMMA.reduce(1))
+                    # Fence the generic-proxy read before the pipeline hands the slot
+                    # back to TMA (module docstring).
+                    plgpu.commit_smem()
+                    step_scale = row_scale * sb_gmem[group, kk, band * 2 + wg]
 
                     def c_step(acc_ref):
                         plgpu.wgmma(acc_ref, a_smem, rhs)
@@ -208,13 +216,7 @@ def gmm_fp8_blockwise(aq_MC, sa, bq_GOC, sb, group_sizes_G, *, out_dtype=jnp.bfl
                         return acc_ref[...]
 
                     part = pl.run_scoped(c_step, plgpu.ACC((bm, bo), jnp.float32))
-                    row_scale = plgpu.load(sa_smem.at[0], layout=plgpu.Layout.WGMMA.reduce(1))
-                    # The scales are in registers now; fence the generic-proxy read
-                    # before the pipeline hands the slot back to TMA (module docstring).
-                    plgpu.commit_smem()
-                    block_scale = sb_gmem[group, kk, band * 2 + wg]
-                    scale = lax.broadcast_in_dim(row_scale * block_scale, (bm, bo), (0,))
-                    return total + part * scale
+                    return total + part * lax.broadcast_in_dim(step_scale, (bm, bo), (0,))
 
                 @pl.when(group >= 0)
                 def _matmul_tile():

@@ -167,6 +167,12 @@ def tgmm_fp8_blockwise(xq_KM, sx, dyq_NM, sdy, group_sizes_G, *, out_dtype=jnp.f
 
                 def mma_body(_, x_smem, dy_smem, sx_smem, sdy_smem, total):
                     rhs = dy_smem.at[pl.ds(wg * bn, bn)].T  # [M, N] view of M-major storage
+                    # Scales first: their loads overlap the wgmma.
+                    row_scale = plgpu.load(sx_smem.at[0], layout=plgpu.Layout.WGMMA.reduce(1))
+                    col_scale = plgpu.load(sdy_smem.at[0, pl.ds(wg * bn, bn)],
+                                           layout=plgpu.Layout.WGMMA.reduce(0))
+                    # Fence the generic-proxy scale reads before TMA refills the slot.
+                    plgpu.commit_smem()
 
                     def m_step(acc_ref):
                         plgpu.wgmma(acc_ref, x_smem, rhs)
@@ -174,11 +180,6 @@ def tgmm_fp8_blockwise(xq_KM, sx, dyq_NM, sdy, group_sizes_G, *, out_dtype=jnp.f
                         return acc_ref[...]
 
                     part = pl.run_scoped(m_step, plgpu.ACC((bk, bn), jnp.float32))
-                    row_scale = plgpu.load(sx_smem.at[0], layout=plgpu.Layout.WGMMA.reduce(1))
-                    col_scale = plgpu.load(sdy_smem.at[0, pl.ds(wg * bn, bn)],
-                                           layout=plgpu.Layout.WGMMA.reduce(0))
-                    # Fence the generic-proxy scale reads before TMA refills the slot.
-                    plgpu.commit_smem()
                     scale = (lax.broadcast_in_dim(row_scale, (bk, bn), (0,))
                              * lax.broadcast_in_dim(col_scale, (bk, bn), (1,)))
                     return total + part * scale
