@@ -4,6 +4,7 @@
 
 import dataclasses
 import io
+import json
 import os
 import shutil
 
@@ -93,6 +94,27 @@ def test_corrupt_checkpoint_is_reported_not_loaded(saved, tmp_path, damage, matc
         ckpt.restore(4, *saved[2:])
     assert "delete" in str(err.value) and ckpt.step_dir(4) in str(err.value)
     ckpt.close()
+
+
+def test_verification_shares_cover_every_file_once(saved, tmp_path):
+    """Process i of n checks files i, i+n, ...: exactly one share sees a damaged file."""
+    step_dir = _copy(saved, tmp_path).step_dir(4)
+    names = sorted(json.load(open(os.path.join(step_dir, ckpt_lib.MANIFEST)))["files"])
+    assert len(names) >= 3
+    victim = names[1]
+    with open(os.path.join(step_dir, victim), "ab") as f:
+        f.write(b"junk")
+    for count in (1, 2, 3):
+        failed = []
+        for index in range(count):
+            try:
+                ckpt_lib.verify_manifest(step_dir, (index, count))
+            except ckpt_lib.CheckpointError as e:
+                assert victim in str(e)
+                failed.append(index)
+        assert failed == [1 % count]
+    with pytest.raises(ckpt_lib.CheckpointError, match="truncated"):
+        ckpt_lib.verify_everywhere(step_dir)  # one process: the whole manifest
 
 
 def test_resume_refuses_a_corrupt_latest_checkpoint(saved, small_model, make_train, tmp_path):

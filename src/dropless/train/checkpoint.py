@@ -248,7 +248,22 @@ class Checkpointer:
                 if os.path.exists(os.path.join(self.step_dir(s), MANIFEST))]
 
     def incomplete_steps(self) -> list[int]:
-        return [s for s in sorted(self._manager.all_steps()) if s not in self.complete_steps()]
+        complete = set(self.complete_steps())
+        return [s for s in sorted(self._manager.all_steps()) if s not in complete]
+
+    def prepare_resume(self) -> tuple[int | None, list[int]]:
+        """(newest complete step or None, incomplete steps after it, now removed).
+
+        Incomplete steps newer than the last complete one were killed before
+        their manifests were written; the run redoes and saves them again. Call
+        it from every process: all list the directory before any removes.
+        """
+        complete = self.complete_steps()
+        stale = [x for x in self.incomplete_steps() if not complete or x > complete[-1]]
+        _sync("dropless-checkpoint-listed")
+        for step in stale:
+            self.delete(step)
+        return (complete[-1] if complete else None), stale
 
     def restore(self, step: int, abstract_state: dict, shardings: dict) -> dict:
         """The full train state of ``step``, verified, placed with ``shardings``.

@@ -186,16 +186,13 @@ def _setup(model: ModelConfig, train: TrainConfig, mesh_cfg: MeshConfig) -> _Set
 def _initial_state(s: _Setup, train: TrainConfig, ckpt, console):
     """(state, resumed_from_step or None)."""
     if ckpt is not None:
-        complete = ckpt.complete_steps()
-        skipped = [x for x in ckpt.incomplete_steps() if not complete or x > complete[-1]]
-        if skipped:
-            # Killed before their manifests were written; the steps are rerun and saved again.
-            console.print(f"[yellow]removing incomplete checkpoint(s) at step {skipped}[/yellow]")
-            for x in skipped:
-                ckpt.delete(x)
-        if complete:
-            console.print(f"resuming from {ckpt.step_dir(complete[-1])}")
-            return ckpt.restore(complete[-1], s.abstract, s.shardings), complete[-1]
+        latest, removed = ckpt.prepare_resume()
+        if removed:
+            console.print(f"[yellow]removed incomplete checkpoint(s) at step {removed}; "
+                          "those steps are run and saved again[/yellow]")
+        if latest is not None:
+            console.print(f"resuming from {ckpt.step_dir(latest)}")
+            return ckpt.restore(latest, s.abstract, s.shardings), latest
     state = jax.jit(s.init, out_shardings=s.shardings)()
     if train.load_parameters_path:
         keys = ("params", "router_bias")
