@@ -247,8 +247,7 @@ def fp8_kernel_fns(x, w, dy):
     scales made once here (outside any timing), rows padded as ``quantized`` pads them."""
     from dropless.ops.gmm import mosaic_fp8, mosaic_fp8_tgmm, quantized
 
-    rows = quantized._kernel_rows(x.shape[0])
-    xp, dyp = quantized._pad_rows(x, rows), quantized._pad_rows(dy, rows)
+    xp, dyp = quantized.pad_kernel_rows(x), quantized.pad_kernel_rows(dy)
 
     @jax.jit
     def prepare(xp, w, dyp):

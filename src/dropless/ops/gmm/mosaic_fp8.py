@@ -273,11 +273,6 @@ def dgrad_operands(dy_MN, wq_GKN, sw):
     return dyq, sdy, wq_GKN, jnp.swapaxes(sw, 1, 2)
 
 
-def quantize_operands(x_MK, w_GKN):
-    """Forward operands (xq, sx, wq [G, N, K], sw) from bf16/f32 x [M, K] and w [G, K, N]."""
-    return fwd_operands(x_MK, *quantize_weight(w_GKN))
-
-
 def reference(aq_MC, sa, bq_GOC, sb, group_sizes_G, out_dtype=jnp.bfloat16):
     """The kernel's result from the dequantized operands (float32 HIGHEST, per-group masked)."""
     a = quant.dequantize_blocks(aq_MC, sa.T, (1, BLOCK))

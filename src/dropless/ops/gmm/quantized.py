@@ -159,9 +159,11 @@ _qgmm.defvjp(_qgmm_fwd, _qgmm_bwd)
 # impl="kernel": the FP8 Mosaic GPU kernels.
 
 
-def _pad_rows(a, rows):
-    """a [M, *] with zero rows appended up to ``rows`` (past the groups' total)."""
-    pad = rows - a.shape[0]
+def pad_kernel_rows(a):
+    """a [M, *] with zero rows appended up to a whole 128-row scale block: the rows
+    the FP8 kernels run on (wgrad's M-major operands need it; the padding rows lie
+    past the groups' total, so every product ignores them)."""
+    pad = -a.shape[0] % quant.BLOCKWISE_TILE
     return a if not pad else jnp.pad(a, ((0, pad), (0, 0)))
 
 
@@ -171,7 +173,7 @@ def kernel_fwd(x, w, group_sizes, out_dtype):
 
     m = x.shape[0]
     wq, sw = mosaic_fp8.quantize_weight(w)
-    ops = mosaic_fp8.fwd_operands(_pad_rows(x, _kernel_rows(m)), wq, sw)
+    ops = mosaic_fp8.fwd_operands(pad_kernel_rows(x), wq, sw)
     return mosaic_fp8.gmm_fp8_blockwise(*ops, group_sizes, out_dtype=out_dtype)[:m]
 
 
@@ -181,7 +183,7 @@ def kernel_dgrad(dy, w, group_sizes, out_dtype):
 
     m = dy.shape[0]
     wq, sw = mosaic_fp8.quantize_weight(w)  # the forward's codes, recomputed (not stored)
-    ops = mosaic_fp8.dgrad_operands(_pad_rows(dy, _kernel_rows(m)), wq, sw)
+    ops = mosaic_fp8.dgrad_operands(pad_kernel_rows(dy), wq, sw)
     return mosaic_fp8.gmm_fp8_blockwise(*ops, group_sizes, out_dtype=out_dtype)[:m]
 
 
@@ -189,8 +191,7 @@ def kernel_wgrad(x, dy, group_sizes, out_dtype):
     """dw [G, K, N] of ``impl="kernel"``: x and dy 128x1 along M, M-major codes."""
     from dropless.ops.gmm import mosaic_fp8_tgmm
 
-    rows = _kernel_rows(x.shape[0])
-    ops = mosaic_fp8_tgmm.wgrad_operands(_pad_rows(x, rows), _pad_rows(dy, rows))
+    ops = mosaic_fp8_tgmm.wgrad_operands(pad_kernel_rows(x), pad_kernel_rows(dy))
     return mosaic_fp8_tgmm.tgmm_fp8_blockwise(*ops, group_sizes, out_dtype=out_dtype)
 
 
@@ -211,12 +212,6 @@ def _kgmm_bwd(out_dtype, res, dy):
 
 
 _kgmm.defvjp(_kgmm_fwd, _kgmm_bwd)
-
-
-def _kernel_rows(m):
-    """Rows the kernels run on: M rounded up to a whole 128-row scale block (wgrad's M-major
-    operands need it; the padding rows lie past the groups' total)."""
-    return -(-m // quant.BLOCKWISE_TILE) * quant.BLOCKWISE_TILE
 
 
 def _interpreting():
