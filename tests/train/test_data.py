@@ -79,6 +79,37 @@ def test_text_bytes_windows_and_epochs(tmp_path):
     assert seen[: src.num_windows] != list(range(src.num_windows))
 
 
+def test_token_file_is_memory_mapped_and_read_by_window(tmp_path):
+    tokens = np.random.default_rng(1).integers(0, 1000, 501).astype(np.uint16)
+    np.save(tmp_path / "tokens.npy", tokens)
+    cfg = DataConfig(dataset_type="text", dataset_path=str(tmp_path / "tokens.npy"), data_seed=2)
+    src = data_lib.make_source(cfg, 1000, batch=4, seq=10, accum=2)
+    assert isinstance(src.tokens, np.memmap) and src.num_windows == 50
+    b = src.batch_at(3)
+    assert b.inputs.dtype == np.int32
+    for row_in, row_t in zip(b.inputs.reshape(-1, 10), b.targets.reshape(-1, 10)):
+        w = int(np.flatnonzero((tokens[:-1].reshape(-1, 10)[:50] == row_in).all(axis=1))[0])
+        np.testing.assert_array_equal(row_t, tokens[w * 10 + 1:w * 10 + 11])
+    np.testing.assert_array_equal(src.batch_at(3, [1, 3]).inputs, b.inputs[:, [1, 3]])
+    with pytest.raises(ValueError, match=r"outside \[0, vocab_size=500\)"):
+        for step in range(13):  # one epoch: every window is read once
+            data_lib.make_source(cfg, 500, batch=4, seq=10).batch_at(step)
+
+
+def test_token_file_errors(tmp_path):
+    np.save(tmp_path / "a.npy", np.zeros((4, 4), np.int32))
+    with pytest.raises(ValueError, match=r"1-D integer array, got shape \(4, 4\)"):
+        _text(tmp_path, dataset_path=str(tmp_path / "a.npy"))
+    np.save(tmp_path / "f.npy", np.zeros(40, np.float32))
+    with pytest.raises(ValueError, match="1-D integer array, got shape .* of float32"):
+        _text(tmp_path, dataset_path=str(tmp_path / "f.npy"))
+    with pytest.raises(ValueError, match="must be the only file; it matches 2"):
+        _text(tmp_path, dataset_path=str(tmp_path))
+    np.save(tmp_path / "ok.npy", np.zeros(40, np.int32))
+    with pytest.raises(ValueError, match="does not apply to"):
+        _text(tmp_path, dataset_path=str(tmp_path / "ok.npy"), tokenizer_path="tok.json")
+
+
 def _text(tmp_path, **kw):
     return data_lib.make_source(DataConfig(dataset_type="text", **kw), 256, batch=2, seq=8)
 

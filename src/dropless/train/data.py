@@ -26,6 +26,9 @@ sequence ``r % B`` of microbatch ``r // B``.
   bytes as tokens by default (V >= 256), or a ``tokenizer.json`` through the
   ``tokenizers`` package. Documents are joined with an end-of-text token and
   cut into S+1-token windows, visited in a seeded random order per epoch.
+  Every process tokenizes these files once at start. Or one ``.npy`` file of
+  token ids (1-D, documents already joined), memory-mapped: a process then
+  reads from disk only the windows of its own rows.
 """
 
 import glob
@@ -39,7 +42,7 @@ import numpy as np
 from dropless.config.sections import DataConfig
 
 DATASET_TYPES = ("synthetic", "markov", "text")
-TEXT_SUFFIXES = (".txt", ".jsonl", ".parquet")
+TEXT_SUFFIXES = (".txt", ".jsonl", ".parquet", ".npy")
 _MAX_MARKOV_ENTRIES = 1 << 27  # N * V float64 entries (1 GiB)
 
 
@@ -304,6 +307,42 @@ class _JsonTokenizer:
         return np.asarray(self._tok.encode(text).ids, np.int32)
 
 
+def _tokenize(files: list[str], tokenizer_path: str, vocab_size: int) -> tuple[np.ndarray, str]:
+    """(All documents of ``files`` as one int32 token array, the tokenizer's name)."""
+    tok = _JsonTokenizer(tokenizer_path) if tokenizer_path else _ByteTokenizer()
+    if tok.vocab_size > vocab_size:
+        raise ValueError(f"tokenizer {tok.name} has {tok.vocab_size} tokens but vocab_size={vocab_size}")
+    pieces = []
+    for file in files:
+        for doc in _read_documents(file):
+            pieces.append(tok.encode(doc))
+            if tok.eos_id is not None:
+                pieces.append(np.array([tok.eos_id], np.int32))
+    return (np.concatenate(pieces) if pieces else np.zeros(0, np.int32)), tok.name
+
+
+def _token_file(files: list[str], tokenizer_path: str) -> np.memmap:
+    """The one ``.npy`` file of ``files``, memory-mapped (nothing is read yet).
+
+    Raises:
+      ValueError: other files beside it, a tokenizer given, or not a 1-D integer array.
+    """
+    if len(files) != 1:
+        raise ValueError(f"dataset_path: a .npy token file must be the only file; it matches "
+                         f"{len(files)} ({files[0]!r}, {files[1]!r}, ...)")
+    if tokenizer_path:
+        raise ValueError(f"tokenizer_path={tokenizer_path!r} does not apply to {files[0]!r}: "
+                         "a .npy file holds token ids already")
+    try:
+        tokens = np.load(files[0], mmap_mode="r", allow_pickle=False)
+    except ValueError as e:
+        raise ValueError(f"{files[0]}: not a plain .npy array ({e})") from None
+    if tokens.ndim != 1 or not np.issubdtype(tokens.dtype, np.integer):
+        raise ValueError(f"{files[0]}: token ids must be a 1-D integer array, "
+                         f"got shape {tokens.shape} of {tokens.dtype}")
+    return tokens
+
+
 class TextSource(_RowSource):
     """Local text packed into S+1-token windows; ``entropy_floor`` unknown (None).
 
@@ -315,18 +354,12 @@ class TextSource(_RowSource):
 
     def __init__(self, cfg: DataConfig, vocab_size: int, *, batch, seq, accum=1):
         files = _list_text_files(cfg.dataset_path)
-        tok = _JsonTokenizer(cfg.tokenizer_path) if cfg.tokenizer_path else _ByteTokenizer()
-        if tok.vocab_size > vocab_size:
-            raise ValueError(
-                f"tokenizer {tok.name} has {tok.vocab_size} tokens but vocab_size={vocab_size}"
-            )
-        pieces = []
-        for file in files:
-            for doc in _read_documents(file):
-                pieces.append(tok.encode(doc))
-                if tok.eos_id is not None:
-                    pieces.append(np.array([tok.eos_id], np.int32))
-        self.tokens = np.concatenate(pieces) if pieces else np.zeros(0, np.int32)
+        self.vocab_size = vocab_size
+        if any(f.endswith(".npy") for f in files):
+            self.tokens, kind = _token_file(files, cfg.tokenizer_path), "pre-tokenized"
+        else:
+            self.tokens, kind = _tokenize(files, cfg.tokenizer_path, vocab_size)
+        self._checked = not isinstance(self.tokens, np.memmap)  # ids checked as windows are read
         self.num_windows = (len(self.tokens) - 1) // seq if len(self.tokens) > seq else 0
         if self.num_windows == 0:
             raise ValueError(
@@ -336,7 +369,7 @@ class TextSource(_RowSource):
         self.seed, self.batch, self.seq, self.accum = cfg.data_seed, batch, seq, accum
         self.entropy_floor = None
         self.description = (
-            f"text: {len(files)} file(s), {len(self.tokens):,} {tok.name} tokens, "
+            f"text: {len(files)} file(s), {len(self.tokens):,} {kind} tokens, "
             f"{self.num_windows:,} windows of {seq}"
         )
         self._perm_epoch, self._perm = -1, None
@@ -360,7 +393,13 @@ class TextSource(_RowSource):
         for i, row in enumerate(rows):
             epoch, j = divmod(step * per_step + int(row), self.num_windows)
             start = self._window_order(epoch)[j] * self.seq
-            out[i] = self.tokens[start : start + self.seq + 1]
+            window = self.tokens[start : start + self.seq + 1]
+            if not self._checked and (window.min() < 0 or window.max() >= self.vocab_size):
+                raise ValueError(
+                    f"{self.tokens.filename}: token ids in [{window.min()}, {window.max()}] at "
+                    f"offset {start}, outside [0, vocab_size={self.vocab_size})"
+                )
+            out[i] = window
         return out
 
 

@@ -1,6 +1,6 @@
 """Each process makes only its rows of the batch, and they assemble to the whole batch.
 
-On 8 CPU devices, for every dataset type and meshes that split the batch over
+On 8 CPU devices, for every dataset type (text also as a .npy token file) and meshes that split the batch over
 data, fsdp and expert (and replicate it over tensor): the global array
 ``BatchFeed`` assembles equals ``batch_at(step)`` of the source, every device
 holds its slice, and simulated processes (groups of devices) each make only
@@ -26,15 +26,19 @@ def sources(tmp_path_factory):
     text = tmp_path_factory.mktemp("text") / "corpus.txt"
     letters = np.random.default_rng(0).integers(ord("a"), ord("z") + 1, 3000).astype(np.uint8)
     text.write_bytes(letters.tobytes())
+    np.save(text.with_suffix(".npy"), letters.astype(np.int32) - ord("a"))
     cfgs = {"synthetic": DataConfig(dataset_type="synthetic", data_seed=4),
             "markov": DataConfig(dataset_type="markov", markov_order=2, data_seed=4),
-            "text": DataConfig(dataset_type="text", dataset_path=str(text), data_seed=4)}
-    return {k: data_lib.make_source(c, 256 if k == "text" else 16, batch=BATCH, seq=SEQ, accum=ACCUM)
+            "text": DataConfig(dataset_type="text", dataset_path=str(text), data_seed=4),
+            "tokens": DataConfig(dataset_type="text", dataset_path=str(text.with_suffix(".npy")),
+                                 data_seed=4)}
+    vocab = {"synthetic": 16, "markov": 16, "text": 256, "tokens": 26}
+    return {k: data_lib.make_source(c, vocab[k], batch=BATCH, seq=SEQ, accum=ACCUM)
             for k, c in cfgs.items()}
 
 
 @pytest.mark.parametrize("axes", MESHES, ids=lambda a: "-".join(f"{k}{v}" for k, v in a.items()))
-@pytest.mark.parametrize("kind", ["synthetic", "markov", "text"])
+@pytest.mark.parametrize("kind", ["synthetic", "markov", "text", "tokens"])
 def test_assembled_batch_is_the_global_batch(sources, kind, axes):
     source = sources[kind]
     mesh = make_mesh(**axes)
