@@ -121,8 +121,9 @@ def test_capacity_by_hand():
                                   balanced_copies=40)
     # Factor -1: every token of every rank here (80 rows), each with min(K, L) = 2 copies.
     assert ep_lib.capacity(10, 4, 8, 2, -1) == (40, 80, 160, 40, 40)
-    # Large factors are cut at the worst case; alignment pads every local expert.
-    assert ep_lib.capacity(10, 4, 8, 2, 100.0, alignment=4) == (40, 80, 160 + 2 * 3, 40, 40)
+    # Large factors are cut at the worst case; alignment pads every local expert, and the
+    # buffer is a whole number of aligned blocks (166 -> 168).
+    assert ep_lib.capacity(10, 4, 8, 2, 100.0, alignment=4) == (40, 80, 168, 40, 40)
     # K > R: a token reaches at most R ranks.
     assert ep_lib.capacity(10, 8, 4, 4, 1.0)[:2] == (40, 40)
     with pytest.raises(ValueError, match="must be -1 or >= 1"):

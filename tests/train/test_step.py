@@ -120,7 +120,7 @@ def test_microbatch_stats_combine_by_sum_mean_or_max():
     def stats(tokens, factor, bias):
         i = jnp.int32
         return MoEStats(jnp.array([tokens, 1], i), i(2), jnp.float32(0.5), jnp.array([bias, 0.0]),
-                        i(1), jnp.float32(factor), i(3), i(4))
+                        i(1), jnp.float32(factor), i(3), i(4), i(1))
 
     a, b = stats(5, 1.5, 0.2), stats(7, 2.5, 0.4)
     acc = step_lib._accumulate({"s": a}, {"s": b})["s"]

@@ -93,6 +93,8 @@ class MoEStats(NamedTuple):
     ep_rows_sent: [] int32 token rows sent to other expert ranks (deduplicated).
     ep_rows_saved: [] int32 rows per-expert sending would have added; times
       D x itemsize, the bytes deduplication saved.
+    ep_extra_rounds: [] int32 extra exchange rounds and grouped-matmul passes
+      run for a load larger than the buffers (``ep_overflow_rounds``).
     """
 
     tokens_per_expert: jax.Array
@@ -103,6 +105,7 @@ class MoEStats(NamedTuple):
     buffer_factor_needed: jax.Array
     ep_rows_sent: jax.Array
     ep_rows_saved: jax.Array
+    ep_extra_rounds: jax.Array
 
 
 def dispatch(x_TD, experts_TK, num_experts, alignment=1):
@@ -416,5 +419,6 @@ class MoEBlock(nnx.Module):
             buffer_factor_needed=ep_stats.buffer_factor_needed,
             ep_rows_sent=ep_stats.rows_sent,
             ep_rows_saved=ep_stats.rows_saved,
+            ep_extra_rounds=ep_stats.extra_rounds,
         )
         return out_TD.reshape(b, s, d), stats

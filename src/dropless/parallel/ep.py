@@ -39,6 +39,19 @@ counted (``overflow_tokens``, summed over all ranks) together with the
 smallest factor that would have held everything (``buffer_factor_needed``), so
 the trainer can skip the step on device and report it; with factor -1 overflow
 cannot happen.
+
+Extra rounds (``ep_overflow_rounds`` = n > 0) deliver an overflowing load
+instead of dropping it. Each receiver's rows form one stream in sender
+order; round j carries rows [j*Q, (j+1)*Q) of it (``exchange.layouts``'s
+``first_row``) through the same buffers, and each round's expert copies,
+sorted once, are computed in windows of P rows (``compact_plan``'s
+``first``). Round j > 0 and window i > 0 sit under ``lax.cond``: they run
+only when some rank's load reaches them (the row-round test is the same on
+every rank, from the all-gathered counts and a max over the batch axes), so
+a load that fits costs nothing extra, and a load up to (n+1) x the buffers
+is computed whole, exactly as with factor -1 (same outputs and gradients).
+Only what lies past n+1 windows still counts as overflow; ``extra_rounds``
+reports the passes run.
 """
 
 import dataclasses
@@ -67,9 +80,12 @@ class ExpertParallel:
       ``exchange.resolve_impl`` before building this.
     expert_axis: mesh axis the experts are split over.
     token_axes: mesh axes the tokens are split over (batch x expert).
+    overflow_rounds: extra rounds for a load that overflows the buffers (see
+      the module docstring); 0 leaves overflow to the trainer's skip.
 
     Raises:
-      ValueError: factor neither -1 nor >= 1; unknown exchange; axes not in the mesh.
+      ValueError: factor neither -1 nor >= 1; rounds < 0; unknown exchange;
+        axes not in the mesh.
     """
 
     mesh: Mesh
@@ -77,10 +93,13 @@ class ExpertParallel:
     exchange: str = "padded"
     expert_axis: str = "expert"
     token_axes: tuple[str, ...] = ("data", "fsdp", "expert")
+    overflow_rounds: int = 0
 
     def __post_init__(self):
         if self.buffer_factor != EXACT and self.buffer_factor < 1:
             raise ValueError(f"ragged_buffer_factor={self.buffer_factor} must be -1 or >= 1")
+        if self.overflow_rounds < 0:
+            raise ValueError(f"ep_overflow_rounds={self.overflow_rounds} must be >= 0")
         if self.exchange not in exchange_lib.IMPLS:
             raise ValueError(f"{self.exchange=} is not one of {exchange_lib.IMPLS}")
         for axis in (self.expert_axis, *self.token_axes):
@@ -110,6 +129,7 @@ def from_config(mesh: Mesh, cfg) -> ExpertParallel:
     return ExpertParallel(
         mesh, buffer_factor=float(cfg.ragged_buffer_factor),
         exchange=exchange_lib.resolve_impl(cfg.ep_exchange, platform),
+        overflow_rounds=int(cfg.ep_overflow_rounds),
     )
 
 
@@ -118,7 +138,8 @@ class Capacity(NamedTuple):
 
     send: S = T*min(K, R), every (token, rank) pair a token can need.
     recv: Q, the receive buffer.
-    expert: P, the expert-sorted buffer (alignment padding included).
+    expert: P, the expert-sorted buffer (alignment padding included; a
+      multiple of the alignment, so windows of it cut no aligned group badly).
     balanced_rows: T*min(K, R); balanced_copies: T*K (the units of the factor).
     """
 
@@ -146,7 +167,8 @@ def capacity(tokens, k, ranks, local_experts, factor, alignment=1) -> Capacity:
     else:
         recv = min(worst_rows, math.ceil(factor * send))
         expert = min(recv * min(k, local_experts), math.ceil(factor * balanced_copies))
-    return Capacity(send, recv, expert + local_experts * (alignment - 1), send, balanced_copies)
+    expert = -(-(expert + local_experts * (alignment - 1)) // alignment) * alignment
+    return Capacity(send, recv, expert, send, balanced_copies)
 
 
 class EPStats(NamedTuple):
@@ -158,38 +180,56 @@ class EPStats(NamedTuple):
     rows_sent: int32 token rows sent to other ranks (deduplicated).
     rows_saved: int32 rows per-expert sending would have sent on top of them;
       bytes saved = rows_saved * D * itemsize.
+    extra_rounds: int32 extra passes this call ran for what overflowed the
+      first one (exchange rounds plus grouped-matmul passes; max over ranks).
     """
 
     overflow_tokens: jax.Array
     buffer_factor_needed: jax.Array
     rows_sent: jax.Array
     rows_saved: jax.Array
+    extra_rounds: jax.Array
 
     @staticmethod
     def zeros() -> "EPStats":
         z = jnp.zeros((), jnp.int32)
-        return EPStats(z, jnp.zeros((), jnp.float32), z, z)
+        return EPStats(z, jnp.zeros((), jnp.float32), z, z, z)
 
 
-def compact_plan(keys_TK, groups, rows, alignment=1) -> permute_ops.PermutePlan:
-    """``make_plan`` over ``groups`` groups, key ``groups`` meaning "absent", cut to ``rows``.
+def compact_plan(keys_TK, groups, rows, alignment=1, first=0,
+                 full: permute_ops.PermutePlan | None = None) -> permute_ops.PermutePlan:
+    """``make_plan`` over ``groups`` groups, key ``groups`` meaning "absent", cut to a window.
 
-    Copies keyed ``groups`` and copies sorted past ``rows`` get row ``rows``
-    (out of the buffer: they read as zeros); group sizes are cut to fit.
+    The window is rows [first, first + rows) of the full expert-sorted order
+    (static ints); several windows of one ``full`` plan split a load larger
+    than one buffer into passes. Copies keyed ``groups`` and copies sorted
+    outside the window get row ``rows`` (out of the buffer: they read as
+    zeros); group sizes are cut to the window.
+
+    Args:
+      full: ``permute_ops.make_plan(keys_TK, groups + 1, alignment)`` when the
+        caller already has it (windows of one load share it).
 
     Returns:
-      PermutePlan with P = ``rows``, ``group_sizes_E`` [groups] summing to <= rows,
-      ``tokens_per_expert_E`` [groups] uncut counts.
+      PermutePlan with P = ``rows`` (at most the full plan's rows),
+      ``group_sizes_E`` [groups] summing to <= rows, ``tokens_per_expert_E``
+      [groups] uncut counts.
     """
-    full = permute_ops.make_plan(keys_TK, groups + 1, alignment)
+    if full is None:
+        full = permute_ops.make_plan(keys_TK, groups + 1, alignment)
     c = keys_TK.size
-    rows = min(rows, full.copy_of_row_P.shape[0])
+    p_full = full.copy_of_row_P.shape[0]
+    rows = min(rows, p_full)
     real = keys_TK.reshape(-1) < groups
-    row_of_copy_C = jnp.where(real & (full.row_of_copy_C < rows), full.row_of_copy_C, rows)
+    r_C = full.row_of_copy_C - first
+    row_of_copy_C = jnp.where(real & (r_C >= 0) & (r_C < rows), r_C, rows)
     real_rows = jnp.sum(full.group_sizes_E[:groups])
-    row_ids = jnp.arange(rows, dtype=jnp.int32)
-    copy_of_row_P = jnp.where(row_ids < real_rows, full.copy_of_row_P[:rows], c)
-    ends_G = jnp.minimum(jnp.cumsum(full.group_sizes_E[:groups]), rows)
+    window_P = full.copy_of_row_P[first:first + rows]
+    if window_P.shape[0] < rows:
+        window_P = jnp.pad(window_P, (0, rows - window_P.shape[0]), constant_values=c)
+    row_ids = first + jnp.arange(rows, dtype=jnp.int32)
+    copy_of_row_P = jnp.where(row_ids < real_rows, window_P, c)
+    ends_G = jnp.clip(jnp.cumsum(full.group_sizes_E[:groups]) - first, 0, rows)
     group_sizes_G = jnp.diff(ends_G, prepend=0).astype(jnp.int32)
     return permute_ops.PermutePlan(
         row_of_copy_C, copy_of_row_P, group_sizes_G, full.tokens_per_expert_E[:groups]
@@ -242,10 +282,15 @@ def _dispatch_send(x_TD, experts_TK, weights_TK, ranks, per_rank, send_rows):
 
 
 def _receive_and_compute(recv_x_QD, recv_meta_QM, recv_rows, expert_weights, expert_fn,
-                         per_rank, cap: Capacity, alignment):
+                         per_rank, cap: Capacity, alignment, passes):
     """Receiver side: expand rows to local experts, grouped matmuls, weighted row sums.
 
-    Returns (out_QD, rows whose copies did not all fit in the expert buffer).
+    The expert copies are sorted once and computed in windows of ``cap.expert``
+    rows: the first always, each of the next ``passes - 1`` only when the copies
+    reach into it (``lax.cond``: a load that fits costs one pass).
+
+    Returns (out_QD, rows whose copies did not all fit in ``passes`` windows,
+    extra passes run).
     """
     q, m = recv_meta_QM.shape
     k = m // 2
@@ -253,11 +298,25 @@ def _receive_and_compute(recv_x_QD, recv_meta_QM, recv_rows, expert_weights, exp
     local_QK = jax.lax.stop_gradient(recv_meta_QM[:, k:]).astype(jnp.int32)
     valid_Q = jnp.arange(q) < recv_rows
     local_QK = jnp.where(valid_Q[:, None], local_QK, per_rank)
-    plan = compact_plan(local_QK, per_rank, cap.expert, alignment)
-    y_PD = expert_fn(permute_ops.permute(recv_x_QD, plan), plan.group_sizes_E, expert_weights)
-    out_QD = permute_ops.unpermute(y_PD, w_QK, plan)
-    lost_QK = (local_QK < per_rank) & (plan.row_of_copy_C.reshape(q, k) >= cap.expert)
-    return out_QD, jnp.sum(jnp.any(lost_QK, axis=1)).astype(jnp.int32)
+    full = permute_ops.make_plan(local_QK, per_rank + 1, alignment)
+    sorted_rows = jnp.sum(full.group_sizes_E[:per_rank])
+
+    def window(i):
+        plan = compact_plan(local_QK, per_rank, cap.expert, alignment, i * cap.expert, full)
+        y_PD = expert_fn(permute_ops.permute(recv_x_QD, plan), plan.group_sizes_E,
+                         expert_weights)
+        return permute_ops.unpermute(y_PD, w_QK, plan)
+
+    out_QD = window(0)
+    extra = jnp.zeros((), jnp.int32)
+    for i in range(1, passes):
+        if i * cap.expert >= full.copy_of_row_P.shape[0]:
+            break  # no load can reach this window
+        needed = sorted_rows > i * cap.expert
+        out_QD = out_QD + jax.lax.cond(needed, lambda i=i: window(i), lambda: jnp.zeros_like(out_QD))
+        extra = extra + needed.astype(jnp.int32)
+    lost_QK = (local_QK < per_rank) & (full.row_of_copy_C.reshape(q, k) >= passes * cap.expert)
+    return out_QD, jnp.sum(jnp.any(lost_QK, axis=1)).astype(jnp.int32), extra
 
 
 def _per_rank(x_TD, experts_TK, weights_TK, expert_weights, *, expert_fn, num_experts,
@@ -280,16 +339,43 @@ def _per_rank(x_TD, experts_TK, weights_TK, expert_weights, *, expert_fn, num_ex
     sent = _dispatch_send(x_TD, experts_TK, weights_TK, ranks, per_rank, cap.send)
     counts_R2R = jax.lax.all_gather(sent.counts_2R, axis)
     rank = jax.lax.axis_index(axis)
-    trips = exchange_lib.layouts(counts_R2R[:, 0], cap.recv, rank)
     move = functools.partial(exchange_lib.exchange, axis_name=axis, impl=ep.exchange,
                              chunk_rows=min(t, cap.recv))
-    recv_x_QD = move(sent.x_SD, cap.recv, trips.out, trips.back)
-    recv_meta_QM = move(sent.meta_SM, cap.recv, trips.out, trips.back)
-    out_QD, lost_rows = _receive_and_compute(
-        recv_x_QD, recv_meta_QM, trips.recv_rows, expert_weights, expert_fn, per_rank, cap,
-        alignment,
-    )
-    back_SD = move(out_QD, cap.send, trips.back, trips.out)
+    passes = 1 + ep.overflow_rounds
+    axes = ep.live(ep.token_axes)
+
+    def row_round(j):
+        """Deliver window j of every receiver's rows, compute, bring the results home."""
+        trips = exchange_lib.layouts(counts_R2R[:, 0], cap.recv, rank, j * cap.recv)
+        recv_x_QD = move(sent.x_SD, cap.recv, trips.out, trips.back)
+        recv_meta_QM = move(sent.meta_SM, cap.recv, trips.out, trips.back)
+        out_QD, lost_rows, extra = _receive_and_compute(
+            recv_x_QD, recv_meta_QM, trips.recv_rows, expert_weights, expert_fn, per_rank, cap,
+            alignment, passes,
+        )
+        # Each window's rows return to their own rows of the send buffer.
+        return move(out_QD, cap.send, trips.back, trips.out), lost_rows, extra, trips
+
+    back_SD, lost_rows, extra, trips = row_round(0)
+    # Extra rounds, all ranks of the exchange agreeing (counts are all-gathered;
+    # the max over the batch axes makes the branch the same everywhere).
+    busiest = jax.lax.pmax(jnp.max(jnp.sum(counts_R2R[:, 0], axis=0)), axes)
+    for j in range(1, passes):
+        if j * cap.recv >= ranks * t:
+            break  # no load can reach this window
+        needed_j = busiest > j * cap.recv
+
+        def run(j=j):
+            b_SD, lost, ext, _ = row_round(j)
+            return b_SD, lost, ext
+
+        def skip():  # zeros_like keeps the operands' varying mesh axes
+            return jnp.zeros_like(back_SD), jnp.zeros_like(lost_rows), jnp.zeros_like(extra)
+
+        b_SD, lost, ext = jax.lax.cond(needed_j, run, skip)
+        back_SD, lost_rows = back_SD + b_SD, lost_rows + lost
+        extra = extra + ext + needed_j.astype(jnp.int32)
+    dropped_rows = jnp.maximum(trips.wanted_rows - passes * cap.recv, 0)
     out_TD = permute_ops.unpermute(back_SD, sent.lead_TK.astype(jnp.float32), sent.plan)
     copies_wanted = jnp.sum(counts_R2R[:, 1, rank])
     needed = jnp.maximum(trips.wanted_rows / cap.balanced_rows,
@@ -297,12 +383,12 @@ def _per_rank(x_TD, experts_TK, weights_TK, expert_weights, *, expert_fn, num_ex
     remote_R = jnp.arange(ranks) != rank
     rows_sent = jnp.sum(jnp.where(remote_R, sent.counts_2R[0], 0))
     copies_sent = jnp.sum(jnp.where(remote_R, sent.counts_2R[1], 0))
-    axes = ep.live(ep.token_axes)
     stats = EPStats(
-        overflow_tokens=jax.lax.psum(trips.dropped_rows + lost_rows, axes),
+        overflow_tokens=jax.lax.psum(dropped_rows + lost_rows, axes),
         buffer_factor_needed=jax.lax.pmax(needed, axes),
         rows_sent=jax.lax.psum(rows_sent, axes),
         rows_saved=jax.lax.psum(copies_sent - rows_sent, axes),
+        extra_rounds=jax.lax.pmax(extra, axes),
     )
     return out_TD, stats
 

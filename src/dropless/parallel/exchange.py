@@ -57,7 +57,8 @@ class Trips(NamedTuple):
     out: the outbound ``Layout`` (send buffer -> receive buffer).
     back: the return ``Layout`` (receive buffer -> the senders' send buffers).
     recv_rows: [] int32 rows this rank received; they fill rows [0, recv_rows).
-    dropped_rows: [] int32 rows sent to this rank that did not fit.
+    dropped_rows: [] int32 rows sent to this rank that land past this trip's
+      window (did not fit, for the first window).
     wanted_rows: [] int32 rows sent to this rank, fitting or not.
     """
 
@@ -72,7 +73,7 @@ def _exclusive_cumsum(x, axis):
     return jnp.cumsum(x, axis=axis) - x
 
 
-def layouts(counts_RR, capacity, rank):
+def layouts(counts_RR, capacity, rank, first_row=0):
     """Offsets and sizes of both trips, with receive buffers of ``capacity`` rows.
 
     Args:
@@ -81,23 +82,34 @@ def layouts(counts_RR, capacity, rank):
         rank order, from row 0.
       capacity: rows of every receive buffer (static int).
       rank: this rank's index on the exchange axis ([] int32, traced is fine).
+      first_row: which window of the receivers' row streams this trip carries
+        (static int; a multiple of ``capacity``). Receiver q's stream is
+        every row sent to q in sender order; a trip carries rows
+        [first_row, first_row + capacity) of it, so trips with first_row 0,
+        capacity, 2 x capacity, ... deliver a load larger than one buffer in
+        rounds (``parallel.ep``'s ``ep_overflow_rounds``).
 
     Returns:
-      ``Trips``. Rows from sender s land at receiver q from row
-      ``sum_{s' < s} counts_RR[s', q]``; what would land at or past
-      ``capacity`` is cut (a whole tail: later senders lose first).
+      ``Trips``. Rows from sender s sit in receiver q's stream from row
+      ``sum_{s' < s} counts_RR[s', q]``; this trip delivers the part inside
+      its window to receive-buffer row (stream row - first_row); the rest is
+      cut (a whole tail past the window: later senders lose first).
 
     Raises:
-      ValueError: counts_RR not square; capacity < 0.
+      ValueError: counts_RR not square; capacity or first_row < 0.
     """
     if counts_RR.ndim != 2 or counts_RR.shape[0] != counts_RR.shape[1]:
         raise ValueError(f"counts_RR must be [R, R], got {counts_RR.shape}")
-    if capacity < 0:
-        raise ValueError(f"{capacity=} must be >= 0")
+    if capacity < 0 or first_row < 0:
+        raise ValueError(f"{capacity=} and {first_row=} must be >= 0")
     counts_RR = counts_RR.astype(jnp.int32)
-    land_RR = _exclusive_cumsum(counts_RR, axis=0)  # where s's rows start at receiver q
-    fit_RR = jnp.clip(capacity - land_RR, 0, counts_RR)  # rows of s that fit at q
-    start_RR = _exclusive_cumsum(counts_RR, axis=1)  # where s's rows for q start in s's buffer
+    land_RR = _exclusive_cumsum(counts_RR, axis=0)  # where s's rows start in q's stream
+    lo_RR = jnp.maximum(land_RR, first_row)  # first stream row of s inside the window
+    hi_RR = jnp.minimum(land_RR + counts_RR, first_row + capacity)
+    fit_RR = jnp.maximum(hi_RR - lo_RR, 0)  # rows of s this trip delivers to q
+    skip_RR = lo_RR - land_RR  # rows of s for q that earlier windows carried
+    start_RR = _exclusive_cumsum(counts_RR, axis=1) + skip_RR  # their first row in s's buffer
+    at_RR = lo_RR - first_row  # where they land in q's receive buffer
 
     def trip(input_offsets, send_sizes, output_offsets, recv_sizes):
         zero_empty = lambda off, size: jnp.where(size > 0, off, 0)  # noqa: E731
@@ -106,11 +118,12 @@ def layouts(counts_RR, capacity, rank):
             zero_empty(output_offsets, send_sizes), recv_sizes,
         )
 
-    out = trip(start_RR[rank], fit_RR[rank], land_RR[rank], fit_RR[:, rank])
-    back = trip(land_RR[:, rank], fit_RR[:, rank], start_RR[:, rank], fit_RR[rank])
+    out = trip(start_RR[rank], fit_RR[rank], at_RR[rank], fit_RR[:, rank])
+    back = trip(at_RR[:, rank], fit_RR[:, rank], start_RR[:, rank], fit_RR[rank])
     recv_rows = jnp.sum(fit_RR[:, rank])
     wanted_rows = jnp.sum(counts_RR[:, rank])
-    return Trips(out, back, recv_rows, wanted_rows - recv_rows, wanted_rows)
+    dropped_rows = jnp.maximum(wanted_rows - (first_row + capacity), 0)
+    return Trips(out, back, recv_rows, dropped_rows, wanted_rows)
 
 
 def _ragged(x_ND, out_rows, lay: Layout, axis_name):

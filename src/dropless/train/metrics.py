@@ -43,6 +43,7 @@ TENSORBOARD_TAGS = {
     "buffer_factor_needed": "moe/ep_buffer_factor_needed",
     "ep_rows_sent": "moe/ep_rows_sent",
     "ep_rows_saved": "moe/ep_rows_saved",
+    "ep_extra_rounds": "moe/ep_extra_rounds",
     "skipped_steps": "learning/skipped_steps",
 }
 
@@ -79,7 +80,7 @@ def make_row(step: int, raw: dict, *, step_time: float | None, tokens_per_step: 
     row["skipped_steps"] = int(raw["skipped_steps"])
     if "tokens_per_expert" in raw:
         row.update(moe_load_stats(raw["tokens_per_expert"]))
-        for key in ("dropped_tokens", "ep_rows_sent", "ep_rows_saved"):
+        for key in ("dropped_tokens", "ep_rows_sent", "ep_rows_saved", "ep_extra_rounds"):
             row[key] = int(raw[key])
         row["overflow_tokens"] = int(np.sum(raw["overflow_tokens"]))  # per layer on device
         row["buffer_factor_needed"] = float(np.max(raw["buffer_factor_needed"]))

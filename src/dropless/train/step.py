@@ -174,7 +174,7 @@ def make_train_step(graphdef, cfg: ModelConfig, tx, schedule) -> Callable:
     has MoE layers ``tokens_per_expert`` [L, E] int32, ``overflow_tokens``
     [L] int32 and ``buffer_factor_needed`` [L] float32 per layer (for
     ``parallel.overflow``), ``dropped_tokens``, ``ep_rows_sent``,
-    ``ep_rows_saved`` [] int32.
+    ``ep_rows_saved``, ``ep_extra_rounds`` [] int32.
     """
 
     def train_step(state, batch: Batch):
@@ -222,6 +222,7 @@ def make_train_step(graphdef, cfg: ModelConfig, tx, schedule) -> Callable:
                 buffer_factor_needed=stats.buffer_factor_needed,
                 ep_rows_sent=jnp.sum(stats.ep_rows_sent),
                 ep_rows_saved=jnp.sum(stats.ep_rows_saved),
+                ep_extra_rounds=jnp.sum(stats.ep_extra_rounds),
             )
         return new_state, metrics
 
