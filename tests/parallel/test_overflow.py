@@ -2,7 +2,8 @@
 
 import pytest
 
-from dropless.parallel.overflow import EPOverflowError, OverflowMonitor, sufficient_factor
+from dropless.parallel.overflow import (EPOverflowError, OverflowMonitor, sufficient_factor,
+                                        sufficient_rounds)
 
 NAMES = ["decoder layer 1", "decoder layer 2", "mtp 0"]
 
@@ -19,6 +20,7 @@ def test_error_names_layer_tokens_and_factor():
     assert "decoder layer 2: 15 token rows (needs factor 2.5)" in msg
     assert "decoder layer 1" not in msg and "mtp 0" not in msg
     assert "ragged_buffer_factor=1 is too small: 2.5 would have sufficed" in msg
+    assert "ep_overflow_rounds=2 would have delivered" in msg  # 3 windows of 1x for 2.5x
 
 
 def test_warn_continues_and_resets():
@@ -44,6 +46,7 @@ def test_sufficient_factor_and_bad_args():
     assert sufficient_factor(0.3) == 1.0
     assert sufficient_factor(2.0) == 2.0
     assert sufficient_factor(2.001) == 2.01
+    assert [sufficient_rounds(n, 2.0) for n in (2.2, 4.0, 4.01, 9.0)] == [1, 1, 2, 4]
     with pytest.raises(ValueError, match="policy"):
         OverflowMonitor(every_n_steps=1, policy="drop", buffer_factor=1, layer_names=NAMES)
     with pytest.raises(ValueError, match=">= 1"):

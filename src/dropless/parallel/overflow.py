@@ -11,8 +11,9 @@ and every ``ep_overflow_check_every_n_steps`` steps, and at the end of a run,
 ``check`` applies ``ep_overflow_policy``:
 
 * ``error``: raise ``EPOverflowError`` naming each overflowing layer, how many
-  token rows overflowed, and the ``ragged_buffer_factor`` that would have
-  sufficed;
+  token rows overflowed, the ``ragged_buffer_factor`` that would have
+  sufficed, and the ``ep_overflow_rounds`` that would have delivered the same
+  load through the configured buffers;
 * ``warn``: print the same message and go on (those steps stay skipped).
 """
 
@@ -31,6 +32,13 @@ class EPOverflowError(RuntimeError):
 def sufficient_factor(needed: float) -> float:
     """``needed`` rounded up to two decimals, at least 1 (a factor the config accepts)."""
     return max(1.0, math.ceil(needed * 100 - 1e-6) / 100)
+
+
+def sufficient_rounds(needed: float, buffer_factor: float) -> int:
+    """Extra rounds that carry a load of ``needed`` x balanced through buffers of
+    ``buffer_factor`` x balanced: each round moves one buffer's worth of rows,
+    and its expert copies fit in as many windows (``parallel.ep``)."""
+    return max(1, math.ceil(needed / buffer_factor - 1e-9) - 1)
 
 
 class OverflowMonitor:
@@ -100,7 +108,9 @@ class OverflowMonitor:
             f"{', ...' if len(self._steps) > 5 else ''}); these steps were skipped, parameters "
             f"untouched. Overflowing layers: {layers}. ragged_buffer_factor="
             f"{self.buffer_factor:g} is too small: {suffice:g} would have sufficed for these "
-            f"steps (ragged_buffer_factor=-1 sizes the buffers for the exact worst case)."
+            f"steps (ragged_buffer_factor=-1 sizes the buffers for the exact worst case), or "
+            f"ep_overflow_rounds={sufficient_rounds(float(self._needed_L.max()), self.buffer_factor)}"
+            f" would have delivered the overflow in extra exchange rounds with these buffers."
         )
 
     def check(self, step: int) -> None:
