@@ -17,6 +17,7 @@ experts averaged over layers, dropped tokens). Rows go to
 import json
 import math
 import os
+import uuid
 
 import numpy as np
 from rich.console import Console
@@ -127,7 +128,10 @@ class MetricsWriter:
     """Appends rows to ``metrics.jsonl`` and TensorBoard under ``run_dir``.
 
     On creation, rows after ``resume_step`` (from a run killed after its last
-    checkpoint) are dropped: the resumed run writes them again.
+    checkpoint) are dropped: the resumed run writes them again. TensorBoard's
+    events of those steps stay in the old event file, so the new file starts
+    with a purge marker (``purge_step``): TensorBoard then discards every
+    earlier event at or after ``resume_step + 1`` and shows each step once.
     """
 
     def __init__(self, run_dir: str, *, enable_tensorboard: bool, resume_step: int,
@@ -143,7 +147,12 @@ class MetricsWriter:
         if enable_tensorboard:
             from tensorboardX import SummaryWriter
 
-            self._tb = SummaryWriter(os.path.join(run_dir, "tensorboard"))
+            # tensorboardX names the file by the second and host and opens it "wb": a
+            # restart within the same second would erase the previous file without
+            # a suffix of its own.
+            self._tb = SummaryWriter(os.path.join(run_dir, "tensorboard"),
+                                     purge_step=resume_step + 1 if resume_step > 0 else None,
+                                     filename_suffix=f".{uuid.uuid4().hex[:8]}")
 
     def write(self, row: dict) -> None:
         """Record one row; files are flushed every ``log_period`` steps (MaxText's meaning)."""
