@@ -89,8 +89,25 @@ def proxy_sections(tiny: bool):
     return model, train
 
 
-def case_sections(case: str, tiny: bool, batch: float | None, remat: str | None):
-    """The sections of one case (``--batch`` / ``--remat`` override the defaults)."""
+def parse_custom(text: str) -> tuple[tuple[str, str], ...]:
+    """``--custom "decoder_layer_input=offload,mlpwo=device"`` -> ``remat_custom`` pairs.
+
+    Raises:
+      ValueError: an item that is not name=action (names and actions are
+        checked by ``train.remat`` when the model is built).
+    """
+    pairs = []
+    for item in filter(None, (part.strip() for part in text.split(","))):
+        name, sep, action = item.partition("=")
+        if not sep or not name or not action:
+            raise ValueError(f"--custom item {item!r} is not name=action (e.g. decoder_layer_input=offload)")
+        pairs.append((name.strip(), action.strip()))
+    return tuple(pairs)
+
+
+def case_sections(case: str, tiny: bool, batch: float | None, remat: str | None,
+                  custom: str = ""):
+    """The sections of one case (``--batch`` / ``--remat`` / ``--custom`` override the defaults)."""
     model, train = proxy_sections(tiny)
     moe = {"xla": dict(gmm_backend="xla"),
            "capacity": dict(sparse_matmul=False, capacity_factor=1.0),
@@ -103,6 +120,10 @@ def case_sections(case: str, tiny: bool, batch: float | None, remat: str | None)
         model = dataclasses.replace(model, quantization=FP8_DENSE)
     if remat:
         model = dataclasses.replace(model, remat_policy=remat)
+    if custom:
+        if model.remat_policy != "custom":
+            raise ValueError(f"--custom needs --remat custom, not {model.remat_policy!r}")
+        model = dataclasses.replace(model, remat_custom=parse_custom(custom))
     if batch:
         train = dataclasses.replace(train, per_device_batch_size=batch)
     return model, train
@@ -113,7 +134,7 @@ def _is_oom(e: BaseException) -> bool:
     return "RESOURCE_EXHAUSTED" in text or "Out of memory" in text or "out of memory" in text
 
 
-def run_case(case: str, tiny: bool, batch, remat, steps: int, warmup: int) -> dict:
+def run_case(case: str, tiny: bool, batch, remat, steps: int, warmup: int, custom: str = "") -> dict:
     """Build, warm up and time one case in this process; returns its result row."""
     import jax
 
@@ -122,7 +143,7 @@ def run_case(case: str, tiny: bool, batch, remat, steps: int, warmup: int) -> di
     from dropless.train import flops as flops_lib
     from dropless.train.loop import build
 
-    model, train = case_sections(case, tiny, batch, remat)
+    model, train = case_sections(case, tiny, batch, remat, custom)
     train = dataclasses.replace(train, steps=warmup + steps)
     built = build(model, train, MeshConfig())
     batches = [next(built.batches) for _ in range(2)]  # host data stays out of the timing
@@ -151,6 +172,7 @@ def run_case(case: str, tiny: bool, batch, remat, steps: int, warmup: int) -> di
         "mfu_peak": precision,
         "per_device_batch_size": train.per_device_batch_size,
         "remat_policy": model.remat_policy,
+        "remat_custom": [list(pair) for pair in model.remat_custom],
         "step_time_s": step_time,
         "step_times_s": times,
         "tokens_per_s": tokens / step_time,
@@ -167,7 +189,8 @@ def run_case(case: str, tiny: bool, batch, remat, steps: int, warmup: int) -> di
 
 def child_main(args) -> int:
     try:
-        row = run_case(args.case, args.tiny, args.batch, args.remat, args.steps, args.warmup)
+        row = run_case(args.case, args.tiny, args.batch, args.remat, args.steps, args.warmup,
+                       args.custom)
     except Exception as e:  # noqa: BLE001 - report OOM to the parent as a result
         if _is_oom(e):
             print(RESULT_PREFIX + json.dumps({"case": args.case, "oom": True, "error": str(e)[:2000]}))
@@ -182,6 +205,7 @@ def _spawn(case, batch, args) -> dict:
            str(batch), "--steps", str(args.steps), "--warmup", str(args.warmup)]
     cmd += ["--tiny"] if args.tiny else []
     cmd += ["--remat", args.remat] if args.remat else []
+    cmd += ["--custom", args.custom] if args.custom else []
     proc = subprocess.run(cmd, capture_output=True, text=True)
     for line in proc.stdout.splitlines():
         if line.startswith(RESULT_PREFIX):
@@ -191,7 +215,7 @@ def _spawn(case, batch, args) -> dict:
 
 def run_with_backoff(case, args) -> dict:
     """Run ``case``, halving the batch after each OOM down to 1 per device."""
-    _, train = case_sections(case, args.tiny, args.batch, args.remat)
+    _, train = case_sections(case, args.tiny, args.batch, args.remat, args.custom)
     batch, tried = train.per_device_batch_size, []
     while True:
         print(f"[{case}] per_device_batch_size={batch} ...", flush=True)
@@ -258,6 +282,8 @@ def main(argv=None) -> int:
     p.add_argument("--cases", default=",".join(CASES), help=f"comma list of {CASES}")
     p.add_argument("--batch", type=float, default=None, help="per-device batch (default: the config's)")
     p.add_argument("--remat", default=None, help="remat_policy override (default: full)")
+    p.add_argument("--custom", default="", help="with --remat custom: name=remat|device|offload,... "
+                   "(e.g. decoder_layer_input=offload,mlpwo=device)")
     p.add_argument("--steps", type=int, default=5, help="timed steps per case")
     p.add_argument("--warmup", type=int, default=2, help="untimed steps first (compile, autotune)")
     p.add_argument("--out", default=os.environ.get("OUT", "benchmarks/results"))
