@@ -102,6 +102,22 @@ def test_lowers_for_cuda_at_deepseek_shapes(kind, shape):
     assert "mosaic_gpu" in exported.mlir_module()
 
 
+def test_kernel_impl_value_and_gradients_lower_for_cuda(monkeypatch):
+    """The whole custom_vjp (quantizers, layouts, three kernels) at a DeepSeek-V3 shape."""
+    monkeypatch.setattr(mosaic, "is_available", lambda: True)  # export from a CPU host
+    m, k, n, g = 65536, 7168, 2048, 32
+    gs = S((g,), jnp.int32)
+
+    def loss(x, w, gs):
+        y = quantized.gmm(x, w, gs, recipe="te_fp8_blockwise", impl="kernel")
+        return jnp.sum(y.astype(jnp.float32))
+
+    fn = jax.jit(jax.value_and_grad(loss, argnums=(0, 1)))
+    exported = jax.export.export(fn, platforms=["cuda"])(
+        S((m, k), jnp.bfloat16), S((g, k, n), jnp.bfloat16), gs)
+    assert exported.mlir_module().count("stablehlo.custom_call @mosaic_gpu") == 3  # fwd, dgrad, wgrad
+
+
 def test_shape_checks():
     good = dict(aq=S((64, 256), F8), sa=S((2, 64), jnp.float32), bq=S((2, 256, 256), F8),
                 sb=S((2, 2, 2), jnp.float32), gs=S((2,), jnp.int32))
