@@ -4,7 +4,8 @@ Legend: M rows, K x N the weight dims (w [G, K, N]), G groups.
 
 On CPU (everything but the ``gpu``-marked test, which no GPU has run yet):
 - they lower for CUDA through ``jax.export`` at DeepSeek-V3 shapes (Mosaic's
-  layout inference and smem checks run on the host);
+  layout inference and smem checks run on the host), alone and inside the
+  ``impl="kernel"`` wrapper's value and gradients;
 - in Pallas GPU interpret mode, with the race detector on, each kernel equals
   the float32 HIGHEST product of its dequantized operands (the same codes
   and scales: only the float32 accumulation order differs) on fresh random
