@@ -9,7 +9,8 @@ Checked:
 
 * each process made only the rows its devices hold (``rows_at`` is logged);
 * the run is stopped right after its step-2 checkpoint (Orbax, every process
-  writing its own shards; manifest from process 0), both processes are
+  writing its own shards; each process CRCs half the files, process 0 writes
+  the manifest, which names every file), both processes are
   started again on the run directory, resume from step 2 and finish;
 * the losses of all 4 steps equal those of one process with 8 devices and the
   same mesh and global batch, within float tolerance (gloo sums in another
@@ -128,6 +129,14 @@ def _rows_by_step(path: Path) -> dict[int, list[int]]:
     return out
 
 
+def _manifest_covers_every_file(step_dir: Path) -> bool:
+    """The manifest (CRCs from both processes' shares) names every file of the step."""
+    listed = json.loads((step_dir / ckpt_lib.MANIFEST).read_text())["files"]
+    on_disk = [str(p.relative_to(step_dir)) for p in step_dir.rglob("*")
+               if p.is_file() and p.name != ckpt_lib.MANIFEST]
+    return sorted(listed) == sorted(on_disk) and len(on_disk) > 2
+
+
 def _metrics(run_dir: Path) -> list[dict]:
     return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
 
@@ -146,10 +155,11 @@ def test_two_processes_load_their_rows_checkpoint_resume_and_match_one_process(t
     assert all("STOPPED 2" in out for out in first)
     assert "'expert': 4" in first[0] and "'fsdp': 2" in first[0]
     ckpt = tmp_path / "mp" / "checkpoints"
-    assert sorted(os.listdir(ckpt)) == ["2"] and (ckpt / "2" / "dropless_manifest.json").exists()
+    assert sorted(os.listdir(ckpt)) == ["2"] and _manifest_covers_every_file(ckpt / "2")
 
     second = _two_processes(tmp_path, "second", -1, run)
     assert all("resuming from" in out for out in second), second[0][-3000:]
+    assert _manifest_covers_every_file(ckpt / str(STEPS))
 
     # Process i made rows a*B + s for its sequences s of each microbatch a, and no others.
     for phase, steps in (("first", [0, 1]), ("second", [2, 3])):

@@ -18,14 +18,18 @@ loaded. Checking reads every byte once, at restore time only.
 
 Several processes (``jax.distributed``) share one run directory on a shared
 filesystem; each holds only its shards of each array, and Orbax writes and
-reads those. Process 0 writes the manifests (CRC32 of the files as saved, so
-no array needs to be addressable by one process); the others wait for it
-before deciding anything that depends on a manifest. At restore each process
-checks its share of the files (every ``process_count``-th) and all of them
-raise the same ``CheckpointError`` if any share is bad.
+reads those. The manifest records files, not arrays, so no array needs to be
+addressable by one process. Sealing is split: process 0 lists the finalised
+step's files and publishes the list through the ``jax.distributed`` key-value
+store, each process CRCs its share (every ``process_count``-th file) and
+publishes the result, and process 0 writes the manifest; the others wait for
+it before deciding anything that depends on a manifest. At restore each
+process checks its share again and all of them raise the same
+``CheckpointError`` if any share is bad.
 """
 
 import concurrent.futures
+import itertools
 import json
 import os
 import threading
@@ -39,6 +43,7 @@ from jax.experimental import multihost_utils
 MANIFEST = "dropless_manifest.json"
 ITEMS = ("model", "opt")
 _MAX_ERROR_BYTES = 2048  # of a CheckpointError message shared between processes
+_SEAL_TIMEOUT_MS = 3_600_000  # waiting for other processes' CRCs of a large checkpoint
 
 
 class CheckpointError(RuntimeError):
@@ -60,14 +65,21 @@ def _files(step_dir: str) -> list[str]:
     return sorted(out)
 
 
-def write_manifest(step_dir: str) -> None:
-    """Record size and CRC32 of every file under ``step_dir`` (atomically)."""
-    files = {f: [os.path.getsize(os.path.join(step_dir, f)), _crc32(os.path.join(step_dir, f))]
-             for f in _files(step_dir)}
+def _sizes_and_crcs(step_dir: str, names: list[str]) -> dict[str, list[int]]:
+    return {n: [os.path.getsize(os.path.join(step_dir, n)), _crc32(os.path.join(step_dir, n))]
+            for n in names}
+
+
+def _write_manifest_of(step_dir: str, files: dict[str, list[int]]) -> None:
     tmp = os.path.join(step_dir, MANIFEST + ".tmp")
     with open(tmp, "w") as f:
         json.dump({"version": 1, "files": files}, f)
     os.replace(tmp, os.path.join(step_dir, MANIFEST))
+
+
+def write_manifest(step_dir: str) -> None:
+    """Record size and CRC32 of every file under ``step_dir`` (atomically)."""
+    _write_manifest_of(step_dir, _sizes_and_crcs(step_dir, _files(step_dir)))
 
 
 def verify_manifest(step_dir: str, share: tuple[int, int] = (0, 1)) -> None:
@@ -158,6 +170,8 @@ class Checkpointer:
       max_to_keep: keep the newest this many (0: all).
     """
 
+    _instances = itertools.count()  # the same sequence in every process: key-value store names
+
     def __init__(self, directory: str, *, period: int, async_save: bool = True, max_to_keep: int = 0):
         if period < 1:
             raise ValueError(f"checkpoint_period={period} must be >= 1")
@@ -165,7 +179,9 @@ class Checkpointer:
         self._async = async_save
         self._period = period
         self._lock = threading.Lock()
-        self._unsealed: list[int] = []  # saved steps still without a manifest
+        self._unsealed: list[tuple[int, int]] = []  # (step, save number) still without a manifest
+        self._saves = 0
+        self._kv_prefix = f"dropless_checkpoint/{next(Checkpointer._instances)}"
         self._sealer = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="ckpt-manifest")
         self._sealing = None
         options = ocp.CheckpointManagerOptions(
@@ -184,17 +200,37 @@ class Checkpointer:
         return force or step % self._period == 0
 
     def _seal(self) -> None:
-        """Write manifests of finalised saves."""
+        """Write manifests of finalised saves (every process does its share)."""
         with self._lock:
-            steps, self._unsealed = self._unsealed, []
-        for step in steps:
-            if jax.process_index() != 0:
-                continue  # one writer per manifest (a shared run directory)
-            if os.path.isdir(self.step_dir(step)):
+            saves, self._unsealed = self._unsealed, []
+        for step, number in saves:
+            if jax.process_index() == 0 and not os.path.isdir(self.step_dir(step)):
+                with self._lock:  # not renamed into place yet: try again on the next poll
+                    self._unsealed.append((step, number))
+            elif jax.process_count() == 1:
                 write_manifest(self.step_dir(step))
-            else:  # not renamed into place yet: try again on the next poll
-                with self._lock:
-                    self._unsealed.append(step)
+            else:
+                self._seal_shared(step, f"{self._kv_prefix}/{number}")
+
+    def _seal_shared(self, step: int, key: str) -> None:
+        """Process 0 lists the files, each process CRCs its share, process 0 writes the manifest."""
+        client = ocp.multihost.get_jax_distributed_client()
+        index, count = jax.process_index(), jax.process_count()
+        step_dir = self.step_dir(step)
+        if index == 0:
+            names = _files(step_dir)
+            client.key_value_set(f"{key}/files", json.dumps(names))
+        else:  # one list for all: the others wait until the save is finalised
+            names = json.loads(client.blocking_key_value_get(f"{key}/files", _SEAL_TIMEOUT_MS))
+        files = _sizes_and_crcs(step_dir, names[index::count])
+        if index != 0:
+            client.key_value_set(f"{key}/crc/{index}", json.dumps(files))
+            return
+        for other in range(1, count):
+            share = client.blocking_key_value_get(f"{key}/crc/{other}", _SEAL_TIMEOUT_MS)
+            files.update(json.loads(share))
+        _write_manifest_of(step_dir, files)
+        client.key_value_delete(key)  # with everything under it
 
     def poll(self) -> None:
         """Seal a finished save in the background; cheap, call it every step."""
@@ -214,8 +250,9 @@ class Checkpointer:
             if os.path.exists(os.path.join(self.step_dir(step), MANIFEST)):
                 return False  # e.g. the last step coinciding with a periodic save
             self.delete(step)  # an unsealed leftover of a killed run: write it again
+        self._saves += 1
         with self._lock:
-            self._unsealed.append(step)
+            self._unsealed.append((step, self._saves))
         args = ocp.args.Composite(
             model=ocp.args.StandardSave({"params": state["params"], "router_bias": state["router_bias"]}),
             opt=ocp.args.StandardSave({k: state[k] for k in ("opt_state", "step", "skipped_steps")}),

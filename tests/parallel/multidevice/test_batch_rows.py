@@ -101,5 +101,5 @@ def test_rows_requested_are_exactly_the_held_ones(sources):
 def test_bad_sequence_indices_are_refused(sources):
     source = sources["synthetic"]
     for seqs in ([3, 1], [0, BATCH], [-1, 2], [], [[0, 1]], [0.0, 1.0]):
-        with pytest.raises(ValueError, match=rf"must be strictly increasing sequence indices in \[0, {BATCH}\)"):
+        with pytest.raises(ValueError, match=rf"strictly increasing sequence indices in \[0, {BATCH}\)"):
             source.batch_at(0, seqs)
