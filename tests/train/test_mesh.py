@@ -1,4 +1,5 @@
-"""Mesh shapes from ICI/DCN settings, their errors, and the FSDP sharding rule."""
+"""Mesh shapes from ICI/DCN settings, their errors, the batch indices a process holds, and
+the FSDP sharding rule."""
 
 import jax
 import pytest
@@ -34,6 +35,17 @@ def test_make_mesh_on_this_host():
     assert mesh_lib.batch_shards(mesh) == jax.device_count()
     with pytest.raises(ValueError, match="holds"):
         mesh_lib.make_mesh(MeshConfig(ici_fsdp_parallelism=jax.device_count() + 1))
+
+
+def test_held_indices_of_this_process():
+    mesh = mesh_lib.make_mesh(MeshConfig())
+    sharding = mesh_lib.batch_sharding(mesh, leading_dims=1)
+    # One process holds every sequence; the leading accumulation axis is never split.
+    assert mesh_lib.held_indices(sharding, (2, 4 * jax.device_count(), 8), 1).tolist() == list(
+        range(4 * jax.device_count()))
+    assert mesh_lib.held_indices(sharding, (2, 4 * jax.device_count(), 8), 0).tolist() == [0, 1]
+    with pytest.raises(ValueError, match="hold no part of an array of shape"):
+        mesh_lib.held_indices(sharding, (2, 4, 8), 1, devices=[])
 
 
 def test_fsdp_rule():
