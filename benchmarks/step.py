@@ -24,6 +24,10 @@ only that attempt):
             grouped GEMMs ``te_gmm_quantization=te_mxfp8`` (emulated on Hopper:
             FP8 numerics, bf16 grouped-GEMM speed)
   ours_fp8_blockwise  the same with ``te_fp8_blockwise`` grouped GEMMs
+            (emulated: quantize -> dequantize -> bf16 kernel)
+  ours_fp8k ``ours_fp8_blockwise`` through the FP8 Mosaic kernels
+            (``gmm_fp8_impl=kernel``; Hopper only; not in the default list
+            until the kernels have passed their GPU tests)
 
 A case that runs out of memory is retried with half the batch, down to 1 per
 device; the JSON says which batch each case ran at. Figures: median step time
@@ -51,6 +55,7 @@ import time
 os.environ.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.92")
 
 CASES = ("xla", "capacity", "ours", "ours_fp8", "ours_fp8_blockwise")
+EXTRA_CASES = ("ours_fp8k",)
 FP8_DENSE = "te_fp8_currentscaling"
 RESULT_PREFIX = "STEP_RESULT "
 
@@ -114,6 +119,8 @@ def case_sections(case: str, tiny: bool, batch: float | None, remat: str | None,
            "ours": dict(gmm_backend="auto"),
            "ours_fp8": dict(gmm_backend="auto", gmm_quantization="te_mxfp8"),
            "ours_fp8_blockwise": dict(gmm_backend="auto", gmm_quantization="te_fp8_blockwise"),
+           "ours_fp8k": dict(gmm_backend="auto", gmm_quantization="te_fp8_blockwise",
+                             gmm_fp8_impl="kernel"),
            }[case]
     model = dataclasses.replace(model, moe=dataclasses.replace(model.moe, **moe))
     if case.startswith("ours_fp8"):
@@ -270,7 +277,7 @@ def speedups(rows) -> dict:
     baselines = [by[c] for c in ("xla", "capacity") if by.get(c)]
     if ours and baselines:
         out["ours_over_best_baseline"] = ours / max(baselines)
-    for c in ("ours_fp8", "ours_fp8_blockwise"):
+    for c in ("ours_fp8", "ours_fp8_blockwise", "ours_fp8k"):
         if ours and by.get(c):
             out[f"{c}_over_ours"] = by[c] / ours
     return out
@@ -279,7 +286,7 @@ def speedups(rows) -> dict:
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--tiny", action="store_true", help="CPU-sized model (smoke test of this script)")
-    p.add_argument("--cases", default=",".join(CASES), help=f"comma list of {CASES}")
+    p.add_argument("--cases", default=",".join(CASES), help=f"comma list of {CASES + EXTRA_CASES}")
     p.add_argument("--batch", type=float, default=None, help="per-device batch (default: the config's)")
     p.add_argument("--remat", default=None, help="remat_policy override (default: full)")
     p.add_argument("--custom", default="", help="with --remat custom: name=remat|device|offload,... "
@@ -294,9 +301,9 @@ def main(argv=None) -> int:
     if args.child:
         return child_main(args)
     cases = [c for c in args.cases.split(",") if c]
-    unknown = [c for c in cases if c not in CASES]
+    unknown = [c for c in cases if c not in CASES + EXTRA_CASES]
     if unknown:
-        p.error(f"unknown case(s) {unknown}; choose from {CASES}")
+        p.error(f"unknown case(s) {unknown}; choose from {CASES + EXTRA_CASES}")
 
     import jax
 
