@@ -246,12 +246,13 @@ def _git_commit() -> str:
     return info["commit"] + ("-dirty" if info["dirty"] else "")
 
 
-def print_table(rows) -> None:
+def print_table(rows, tiny: bool = False) -> None:
     from rich.console import Console
     from rich.table import Table
 
     table = Table("case", "backend", "batch/dev", "step (ms)", "tokens/s", "TFLOP/s/dev", "MFU",
-                  "peak mem (GB)", "dropped", "note", title="training step, deepseek3-proxy")
+                  "peak mem (GiB)", "dropped", "note",
+                  title="training step, " + ("tiny CPU model" if tiny else "deepseek3-proxy"))
     for r in rows:
         if "step_time_s" not in r:
             table.add_row(r["case"], "", "", "", "", "", "", "", "", r.get("error", "")[:80])
@@ -309,7 +310,7 @@ def main(argv=None) -> int:
 
     device = jax.devices()[0]
     rows = [run_with_backoff(case, args) for case in cases]
-    print_table(rows)
+    print_table(rows, args.tiny)
     model, train = proxy_sections(args.tiny)
     record = {
         "benchmark": "step",
