@@ -1,4 +1,4 @@
-"""Command line: ``dropless train | config | bench | profile``.
+"""Command line: ``dropless train | config | bench | profile | tokenize``.
 
 ``python -m dropless train [config.yml] key=value ...`` resolves the config
 (base.yml < models/<model_name>.yml < config.yml < key=value < DROPLESS_<KEY>),
@@ -137,6 +137,8 @@ COMMANDS = {
     "config": (cmd_config, "print the resolved config and each value's source (--changed, --keys)"),
     "bench": (lambda a: _delegate("dropless.perf.bench", a), "run the benchmark matrix on this machine's GPU"),
     "profile": (lambda a: _delegate("dropless.perf.profile", a), "capture a profiler trace and break down kernel time"),
+    "tokenize": (lambda a: _delegate("dropless.train.tokenize", a),
+                 "text files -> one .npy token file (dataset_path for multi-host training)"),
 }
 
 

@@ -27,8 +27,9 @@ sequence ``r % B`` of microbatch ``r // B``.
   ``tokenizers`` package. Documents are joined with an end-of-text token and
   cut into S+1-token windows, visited in a seeded random order per epoch.
   Every process tokenizes these files once at start. Or one ``.npy`` file of
-  token ids (1-D, documents already joined), memory-mapped: a process then
-  reads from disk only the windows of its own rows.
+  token ids (1-D, documents already joined; ``dropless tokenize`` writes it
+  from the same files, token for token the stream above), memory-mapped: a
+  process then reads from disk only the windows of its own rows.
 """
 
 import glob
@@ -219,7 +220,7 @@ class MarkovSource(_RowSource):
         return self.sample(u_RL, length)
 
 
-def _list_text_files(path: str) -> list[str]:
+def list_text_files(path: str) -> list[str]:
     if not path:
         raise ValueError("dataset_type=text needs dataset_path (a file, directory or glob)")
     if os.path.isdir(path):
@@ -307,17 +308,36 @@ class _JsonTokenizer:
         return np.asarray(self._tok.encode(text).ids, np.int32)
 
 
+def make_tokenizer(tokenizer_path: str):
+    """The tokenizer of ``tokenizer_path`` (a ``tokenizer.json``), or UTF-8 bytes if empty.
+
+    It has ``vocab_size``, ``eos_id`` (None if it names no end-of-text token),
+    ``name`` and ``encode(text) -> int32 ids``.
+
+    Raises:
+      FileNotFoundError / ValueError: as ``TextSource``.
+    """
+    return _JsonTokenizer(tokenizer_path) if tokenizer_path else _ByteTokenizer()
+
+
+def token_pieces(file: str, tok):
+    """Yield one int32 array per document of ``file``: its ids, then the end-of-text id.
+
+    The one definition of the text stream: ``TextSource`` concatenates these
+    pieces over its files in order, and ``dropless tokenize`` writes the same
+    concatenation to a ``.npy`` file, so both give the same windows.
+    """
+    eos = [] if tok.eos_id is None else [np.array([tok.eos_id], np.int32)]
+    for doc in _read_documents(file):
+        yield np.concatenate([tok.encode(doc), *eos])
+
+
 def _tokenize(files: list[str], tokenizer_path: str, vocab_size: int) -> tuple[np.ndarray, str]:
     """(All documents of ``files`` as one int32 token array, the tokenizer's name)."""
-    tok = _JsonTokenizer(tokenizer_path) if tokenizer_path else _ByteTokenizer()
+    tok = make_tokenizer(tokenizer_path)
     if tok.vocab_size > vocab_size:
         raise ValueError(f"tokenizer {tok.name} has {tok.vocab_size} tokens but vocab_size={vocab_size}")
-    pieces = []
-    for file in files:
-        for doc in _read_documents(file):
-            pieces.append(tok.encode(doc))
-            if tok.eos_id is not None:
-                pieces.append(np.array([tok.eos_id], np.int32))
+    pieces = [piece for file in files for piece in token_pieces(file, tok)]
     return (np.concatenate(pieces) if pieces else np.zeros(0, np.int32)), tok.name
 
 
@@ -353,7 +373,7 @@ class TextSource(_RowSource):
     """
 
     def __init__(self, cfg: DataConfig, vocab_size: int, *, batch, seq, accum=1):
-        files = _list_text_files(cfg.dataset_path)
+        files = list_text_files(cfg.dataset_path)
         self.vocab_size = vocab_size
         if any(f.endswith(".npy") for f in files):
             self.tokens, kind = _token_file(files, cfg.tokenizer_path), "pre-tokenized"
