@@ -55,7 +55,7 @@ class Config(BaseModel):
     gradient_accumulation_steps: int = _f(1, "Microbatches accumulated per optimizer step.", ge=1)
     max_target_length: int = _f(64, "Sequence length in tokens.", ge=2)
     dataset_type: Literal["synthetic", "markov", "text"] = _f("markov", "synthetic: random tokens; markov: seeded Markov source with known entropy; text: local files.")
-    dataset_path: str = _f("", "Text data: a .txt/.jsonl/.parquet file or a directory of them (tokenized whole by every process), or one .npy file of token ids (1-D, memory-mapped; each process reads only its windows).")
+    dataset_path: str = _f("", "Text data: a .txt/.jsonl/.parquet file or a directory of them (tokenized whole by every process), or one .npy file of token ids (1-D, memory-mapped; each process reads only its windows; `dropless tokenize` writes one).")
     tokenizer_path: str = _f("", "tokenizer.json for text data (default: bytes).")
     markov_concentration: float = _f(0.1, "Dirichlet alpha of each Markov transition row (lower: more predictable).", gt=0)
     data_seed: int = _f(0, "Seed of the data stream.")
