@@ -56,6 +56,7 @@ os.environ.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.92")
 
 CASES = ("xla", "capacity", "ours", "ours_fp8", "ours_fp8_blockwise")
 EXTRA_CASES = ("ours_fp8k",)
+QUICK_CASES = ("xla", "capacity", "ours")
 FP8_DENSE = "te_fp8_currentscaling"
 RESULT_PREFIX = "STEP_RESULT "
 
@@ -287,6 +288,8 @@ def speedups(rows) -> dict:
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--tiny", action="store_true", help="CPU-sized model (smoke test of this script)")
+    p.add_argument("--quick", action="store_true",
+                   help=f"the bf16 cases {QUICK_CASES} with 3 timed steps (dropless bench --quick)")
     p.add_argument("--cases", default=",".join(CASES), help=f"comma list of {CASES + EXTRA_CASES}")
     p.add_argument("--batch", type=float, default=None, help="per-device batch (default: the config's)")
     p.add_argument("--remat", default=None, help="remat_policy override (default: full)")
@@ -301,6 +304,10 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
     if args.child:
         return child_main(args)
+    if args.quick:
+        if args.cases == ",".join(CASES):
+            args.cases = ",".join(QUICK_CASES)
+        args.steps = min(args.steps, 3)
     cases = [c for c in args.cases.split(",") if c]
     unknown = [c for c in cases if c not in CASES + EXTRA_CASES]
     if unknown:

@@ -89,3 +89,20 @@ def test_bench_retries_without_unknown_flags(bench_dir, tmp_path, monkeypatch):
 def test_bench_rejects_unknown_benchmarks(tmp_path):
     with pytest.raises(SystemExit):
         bench.main(["--only", "nope", "--out", str(tmp_path)])
+
+
+def test_real_benchmarks_tiny_and_quick(tmp_path):
+    # The real moe_layer.py and step.py through bench with --tiny --quick: every flag bench
+    # passes must be accepted and every record must come back (a --quick that step.py
+    # rejected once failed the whole step benchmark). gmm.py's --smoke mode runs Pallas
+    # interpret mode, too slow for the suite.
+    out = tmp_path / "results"
+    code = bench.main(["--tiny", "--quick", "--only", "moe_layer,step", "--out", str(out),
+                       "--md", str(tmp_path / "RESULTS.md")])
+    bundle = json.loads(next(p for p in out.glob("*.json") if "-" in p.name
+                             and not p.name.startswith(("moe_layer", "step"))).read_text())
+    assert code == 0, {k: r.get("error") for k, r in bundle["records"].items()}
+    step = bundle["records"]["step"]
+    assert [r["case"] for r in step["cases"]] == ["xla", "capacity", "ours"]
+    assert all("step_time_s" in r for r in step["cases"])
+    assert bundle["records"]["moe_layer"]["config"]["tiny"] is True

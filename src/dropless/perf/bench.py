@@ -1,4 +1,4 @@
-"""``dropless bench [--quick] [--out DIR] [--only gmm,moe_layer,step]``: the benchmark matrix.
+"""``dropless bench [--quick] [--tiny] [--out DIR] [--only gmm,moe_layer,step]``: the benchmark matrix.
 
 Runs, in this one process on this machine's GPU, the standard benchmarks of
 ``benchmarks/``: ``gmm.py`` (grouped GEMM kernels), ``moe_layer.py`` (one
@@ -81,15 +81,21 @@ def _newest_record(kind: str, out: Path, since: float) -> Path | None:
     return max(files, key=lambda p: p.stat().st_mtime, default=None)
 
 
-def run_one(kind: str, bench_dir: Path, out: Path, quick: bool, commit: str | None) -> dict:
+# The CPU-sized mode of each benchmark (``--tiny``): a smoke run of the whole matrix.
+TINY_FLAGS = {"gmm": ["--smoke"], "moe_layer": ["--tiny"], "step": ["--tiny"]}
+
+
+def run_one(kind: str, bench_dir: Path, out: Path, quick: bool, commit: str | None,
+            tiny: bool = False) -> dict:
     """Run one benchmark; its record, or ``{"error": ...}``."""
     start = time.time()
     module = load_module(kind, bench_dir)
-    if hasattr(module, "run"):
+    if hasattr(module, "run") and not tiny:
         return module.run(quick=quick, out_dir=out)
     if not hasattr(module, "main"):
         return {"error": f"benchmarks/{kind}.py has neither run() nor main()"}
     base = ["--out", str(out)] + (["--quick"] if quick else [])
+    base += TINY_FLAGS.get(kind, ["--tiny"]) if tiny else []
     code = _call_main(module.main, base + (["--commit", commit] if commit else []))
     if code == 2 and commit:  # argparse usage error: it takes no --commit
         code = _call_main(module.main, base)
@@ -110,11 +116,11 @@ def _free_memory():
     jax.clear_caches()
 
 
-def run_all(kinds, bench_dir: Path, out: Path, quick: bool) -> dict:
+def run_all(kinds, bench_dir: Path, out: Path, quick: bool, tiny: bool = False) -> dict:
     """Run ``kinds`` in order; returns the bundle (not yet written)."""
     from dropless.perf import measure
 
-    bundle = measure.new_record("bench", {"quick": quick, "benchmarks": list(kinds)})
+    bundle = measure.new_record("bench", {"quick": quick, "tiny": tiny, "benchmarks": list(kinds)})
     bundle.update(records={}, seconds={})
     commit = bundle["commit"]["commit"]
     commit = None if commit == "unknown" else commit
@@ -122,7 +128,7 @@ def run_all(kinds, bench_dir: Path, out: Path, quick: bool) -> dict:
         t0 = time.perf_counter()
         print(f"=== {kind} ===", flush=True)
         try:
-            bundle["records"][kind] = run_one(kind, bench_dir, out, quick, commit)
+            bundle["records"][kind] = run_one(kind, bench_dir, out, quick, commit, tiny)
         except Exception as e:  # noqa: BLE001 - report it, run the other benchmarks
             traceback.print_exc()
             bundle["records"][kind] = {"error": f"{type(e).__name__}: {str(e)[:500]}"}
@@ -155,6 +161,9 @@ def main(args: list[str] | None = None) -> int:
 
     parser = argparse.ArgumentParser(prog="dropless bench", description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="fewer shapes, cases and samples")
+    parser.add_argument("--tiny", action="store_true",
+                        help="CPU-sized smoke run of every benchmark (gmm --smoke, others --tiny); "
+                             "checks the matrix end to end, measures nothing")
     parser.add_argument("--out", type=Path, default=DEFAULT_RESULTS_DIR,
                         help="results directory (default benchmarks/results)")
     parser.add_argument("--only", default=",".join(BENCHMARKS),
@@ -172,7 +181,7 @@ def main(args: list[str] | None = None) -> int:
     from dropless.perf import measure, report
 
     ns.out.mkdir(parents=True, exist_ok=True)
-    bundle = run_all(kinds, ns.benchmarks_dir, ns.out, ns.quick)
+    bundle = run_all(kinds, ns.benchmarks_dir, ns.out, ns.quick, ns.tiny)
     created = datetime.datetime.fromisoformat(bundle["created"])
     path = ns.out / f"{created:%Y%m%d-%H%M%S}-{bundle['device']['slug']}.json"
     path.write_text(json.dumps(bundle, indent=1, default=measure._jsonable) + "\n")
