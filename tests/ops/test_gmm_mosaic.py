@@ -127,6 +127,22 @@ def test_rows_not_a_multiple_of_8_lower_through_padding():
         jax.eval_shape(lambda x, w, gs: mosaic_gmm.gmm(x, w, gs, tiling=GmmTiling(block_n=64)), x, w, gs)
 
 
+def test_unaligned_k_n_lower_through_padding():
+    """K and N that no tile divides lower to the kernels on padded operands."""
+    m, k, n, g = 4096, 2000, 1400, 16  # neither a multiple of 128
+    s = jax.ShapeDtypeStruct
+    x, dy, w = s((m, k), jnp.bfloat16), s((m, n), jnp.bfloat16), s((g, k, n), jnp.bfloat16)
+    gs = s((g,), jnp.int32)
+    for fn, args, shape in [
+        (lambda x, w, gs: mosaic.gmm(x, w, gs), (x, w, gs), (m, n)),
+        (lambda dy, w, gs: mosaic.gmm(dy, w, gs, transpose_rhs=True), (dy, w, gs), (m, k)),
+        (lambda x, dy, gs: mosaic.tgmm(x, dy, gs, num_groups=g), (x, dy, gs), (g, k, n)),
+    ]:
+        exported = jax.export.export(jax.jit(fn), platforms=["cuda"])(*args)
+        assert "mosaic_gpu" in exported.mlir_module()
+        assert exported.out_avals[0].shape == shape
+
+
 # ------------------------------------------------------ CPU: interpret mode
 
 
@@ -169,6 +185,24 @@ def test_interpret_wgrad_masks_neighbour_and_nan_rows(rng, sizes):
         dw = mosaic.tgmm(x, dy, jnp.asarray(sizes), num_groups=len(sizes), tiling=TgmmTiling())
     ref = reference.tgmm(clean(x), clean(dy), jnp.asarray(sizes), num_groups=len(sizes))
     assert_groups_match(dw, ref, sizes)
+
+
+@pytest.mark.parametrize("k, n", [(96, 160), (200, 128)], ids=str)
+def test_interpret_unaligned_k_n_are_padded(rng, k, n):
+    """K or N not a multiple of 128: zero-padded to the kernels' tiles, cut back, exact."""
+    m = 150
+    sizes = np.array([40, 0, 70, 20], np.int32)  # a tail of 20 rows
+    x, w, dy = problem(rng, m, k, n, len(sizes), sizes)
+    gs = jnp.asarray(sizes)
+    with _interpret():
+        y = mosaic.gmm(x, w, gs)
+        dx = mosaic.gmm(dy, w, gs, transpose_rhs=True)
+        dw = mosaic.tgmm(x, dy, gs, num_groups=len(sizes))
+    assert y.shape == (m, n) and dx.shape == (m, k) and dw.shape == (len(sizes), k, n)
+    assert_rows_match(y, reference.gmm(clean(x), w, gs), sizes)
+    assert_rows_match(dx, reference.gmm(clean(dy), w, gs, transpose_rhs=True), sizes)
+    assert_groups_match(dw, reference.tgmm(clean(x), clean(dy), gs, num_groups=len(sizes)),
+                        sizes)
 
 
 # ------------------------------------------------------------------- GPU

@@ -137,8 +137,8 @@ def test_tiling_validation():
         ((65536, 7168), (32, 7168, 4096), jnp.bfloat16, True),
         ((100, 128), (3, 128, 256), jnp.float16, True),
         ((100, 128), (3, 128, 256), jnp.float32, False),
-        ((100, 7168), (3, 7168, 1000), jnp.bfloat16, False),
-        ((100, 96), (3, 96, 256), jnp.bfloat16, False),
+        ((100, 7168), (3, 7168, 1000), jnp.bfloat16, True),  # N padded to 1024
+        ((100, 96), (3, 96, 256), jnp.bfloat16, True),  # K padded to 128
         ((0, 128), (3, 128, 256), jnp.bfloat16, False),
     ],
 )
@@ -150,12 +150,12 @@ def test_unsupported_shapes_raise_clear_errors():
     x = jnp.zeros((64, 96), jnp.bfloat16)
     w = jnp.zeros((2, 96, 256), jnp.bfloat16)
     gs = jnp.array([32, 32], jnp.int32)
-    with pytest.raises(ValueError, match="multiples of 128"):
-        mosaic.gmm(x, w, gs)
-    with pytest.raises(ValueError, match="multiples of 128"):
-        mosaic.tgmm(x, jnp.zeros((64, 256), jnp.bfloat16), gs, num_groups=2)
     with pytest.raises(ValueError, match="bfloat16 or float16"):
         mosaic.gmm(x.astype(jnp.float32), w.astype(jnp.float32), gs)
+    with pytest.raises(ValueError, match="bfloat16 or float16"):
+        mosaic.tgmm(x.astype(jnp.float32), jnp.zeros((64, 256), jnp.float32), gs, num_groups=2)
+    with pytest.raises(ValueError, match="G >= 1"):
+        mosaic.gmm(x, w[:0], gs[:0])
 
 
 def test_auto_backend_is_xla_without_hopper():

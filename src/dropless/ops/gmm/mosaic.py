@@ -6,12 +6,21 @@ checked-in table in ``tuning.py``. ``resolve_backend("auto")`` asks
 ``is_available`` and ``supports`` before choosing this backend; calling it
 directly with shapes it cannot take raises ValueError (never a wrong answer).
 
-Shapes taken: bf16 or fp16 inputs; K and N of w[G, K, N] multiples of 128
-(each of fwd, dgrad and wgrad then has a tile that divides its columns and
-contraction); any M >= 1, any G >= 1, any group sizes. Mosaic's swizzled
-TMA views tile the row dimension of x, dy and the output in 8s, so when M is
-not a multiple of 8 the rows are padded to one here (a copy: the slow path).
+Shapes taken: bf16 or fp16 inputs; any M >= 1, any G >= 1, any group
+sizes, any K and N. The kernels' tiles need K and N of w[G, K, N] to be
+multiples of 128 (each of fwd, dgrad and wgrad then has a tile that divides
+its columns and contraction); other K and N are zero-padded to the next
+multiple here (copies of w and of the activations on every call, logged once
+per shape: right, but slower than an aligned shape; zero columns add
+nothing to a contraction and padded output columns are cut off). This keeps
+``auto`` on the kernel for such shapes instead of falling back to XLA's
+``ragged_dot``, which is 30x slower on Hopper. Mosaic's swizzled TMA views
+tile the row dimension of x, dy and the output in 8s, so when M is not a
+multiple of 8 the rows are padded to one likewise.
 """
+
+import functools
+import logging
 
 import jax
 import jax.numpy as jnp
@@ -20,6 +29,25 @@ from dropless.ops.gmm import mosaic_gmm, mosaic_tgmm, tuning
 
 SUPPORTED_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
 ROW_ALIGN = 8
+COL_ALIGN = 128
+_log = logging.getLogger(__name__)
+
+
+def _round_up(n, multiple=COL_ALIGN):
+    return -(-n // multiple) * multiple
+
+
+@functools.lru_cache(maxsize=None)
+def _log_padding(k, n):
+    _log.warning("mosaic gmm: K=%d, N=%d are not multiples of %d; w and the activations are "
+                 "zero-padded to K=%d, N=%d on every call (correct, slower than aligned shapes)",
+                 k, n, COL_ALIGN, _round_up(k), _round_up(n))
+
+
+def _pad_last(a, to):
+    """Zero-pad the last dimension of ``a`` to ``to``."""
+    pad = to - a.shape[-1]
+    return a if not pad else jnp.pad(a, [(0, 0)] * (a.ndim - 1) + [(0, pad)])
 
 
 def _pad_rows(*arrays):
@@ -55,8 +83,6 @@ def _unsupported_reason(x_shape, w_shape, dtype):
     g, k, n = w_shape
     if m < 1 or g < 1:
         return f"need M >= 1 and G >= 1, got M={m}, G={g}"
-    if k % 128 or n % 128:
-        return f"K={k} and N={n} of w must be multiples of 128"
     return None
 
 
@@ -82,8 +108,16 @@ def gmm(x, w, group_sizes, *, transpose_rhs=False, out_dtype=None, tiling=None):
     """
     if x.dtype != w.dtype:
         raise ValueError(f"mosaic gmm: x and w must share a dtype, got {x.dtype} and {w.dtype}")
-    _, k, n = w.shape
+    g, k, n = w.shape
     _require((x.shape[0], k), w.shape, x.dtype)
+    kp, np_ = _round_up(k), _round_up(n)
+    if (kp, np_) != (k, n):
+        _log_padding(k, n)
+        w = _pad_last(jnp.pad(w, ((0, 0), (0, kp - k), (0, 0))), np_)
+        x = _pad_last(x, np_ if transpose_rhs else kp)
+        y = gmm(x, w, group_sizes, transpose_rhs=transpose_rhs, out_dtype=out_dtype,
+                tiling=tiling)
+        return y[:, :k] if transpose_rhs else y[:, :n]
     kind = "dgrad" if transpose_rhs else "fwd"
     tiling = tiling or tuning.lookup(kind, x.dtype, k, n)
     (x_padded,) = _pad_rows(x)
@@ -105,6 +139,12 @@ def tgmm(x, dy, group_sizes, *, num_groups, out_dtype=None, tiling=None):
         raise ValueError(f"mosaic tgmm: x and dy must be 2-D, got {x.shape} and {dy.shape}")
     k, n = x.shape[1], dy.shape[1]
     _require(x.shape, (num_groups, k, n), x.dtype)
+    kp, np_ = _round_up(k), _round_up(n)
+    if (kp, np_) != (k, n):
+        _log_padding(k, n)
+        dw = tgmm(_pad_last(x, kp), _pad_last(dy, np_), group_sizes, num_groups=num_groups,
+                  out_dtype=out_dtype, tiling=tiling)
+        return dw[:, :k, :n]
     tiling = tiling or tuning.lookup("wgrad", x.dtype, k, n)
     x, dy = _pad_rows(x, dy)
     return mosaic_tgmm.tgmm(
