@@ -45,11 +45,13 @@ instead of dropping it. Each receiver's rows form one stream in sender
 order; round j carries rows [j*Q, (j+1)*Q) of it (``exchange.layouts``'s
 ``first_row``) through the same buffers, and each round's expert copies,
 sorted once, are computed in windows of P rows (``compact_plan``'s
-``first``). Round j > 0 and window i > 0 sit under ``lax.cond``: they run
-only when some rank's load reaches them (the row-round test is the same on
-every rank, from the all-gathered counts and a max over the batch axes), so
-a load that fits costs nothing extra, and a load up to (n+1) x the buffers
-is computed whole, exactly as with factor -1 (same outputs and gradients).
+``first``). Round j > 0 and window i > 0 sit under nested ``lax.cond``s:
+they run only when some rank's load reaches them (the row-round test is the
+same on every rank, from the all-gathered counts and a max over the batch
+axes), so a load that fits skips their work and evaluates one condition for
+the rounds and one for the windows (their cost: ``benchmarks/ep_rounds.py``),
+and a load up to (n+1) x the buffers is computed whole, exactly as with
+factor -1 (same outputs and gradients).
 Only what lies past n+1 windows still counts as overflow; ``extra_rounds``
 reports the passes run.
 """
@@ -281,6 +283,18 @@ def _dispatch_send(x_TD, experts_TK, weights_TK, ranks, per_rank, send_rows):
     return _Sent(x_SD, meta_SM, lead_TK, plan, counts_2R)
 
 
+def _recomputed(fn):
+    """``fn`` rematerialised in the backward pass (static int argument).
+
+    Used for the extra rounds and windows under ``lax.cond``: the linearised
+    cond returns every branch's residuals, zero-filled when the branch was
+    not taken, so without remat each idle round would cost a full set of
+    activation buffers; with it the residuals are the round's inputs, which
+    exist anyway. A round that runs is computed twice (rare by design).
+    """
+    return jax.checkpoint(fn, static_argnums=(0,), policy=jax.checkpoint_policies.nothing_saveable)
+
+
 def _receive_and_compute(recv_x_QD, recv_meta_QM, recv_rows, expert_weights, expert_fn,
                          per_rank, cap: Capacity, alignment, passes):
     """Receiver side: expand rows to local experts, grouped matmuls, weighted row sums.
@@ -308,13 +322,24 @@ def _receive_and_compute(recv_x_QD, recv_meta_QM, recv_rows, expert_weights, exp
         return permute_ops.unpermute(y_PD, w_QK, plan)
 
     out_QD = window(0)
-    extra = jnp.zeros((), jnp.int32)
-    for i in range(1, passes):
-        if i * cap.expert >= full.copy_of_row_P.shape[0]:
-            break  # no load can reach this window
-        needed = sorted_rows > i * cap.expert
-        out_QD = out_QD + jax.lax.cond(needed, lambda i=i: window(i), lambda: jnp.zeros_like(out_QD))
-        extra = extra + needed.astype(jnp.int32)
+    # Windows a load can reach (static); window i runs when the copies reach it. The
+    # conditions nest, so a load that fits evaluates one.
+    reachable = [i for i in range(1, passes) if i * cap.expert < full.copy_of_row_P.shape[0]]
+
+    def windows_from(n):
+        if n == len(reachable):
+            return jnp.zeros_like(out_QD), jnp.zeros((), jnp.int32)
+        i = reachable[n]
+
+        def run():
+            rest, extra = windows_from(n + 1)
+            return _recomputed(window)(i) + rest, extra + 1
+
+        return jax.lax.cond(sorted_rows > i * cap.expert, run,
+                            lambda: (jnp.zeros_like(out_QD), jnp.zeros((), jnp.int32)))
+
+    more_QD, extra = windows_from(0)
+    out_QD = out_QD + more_QD
     lost_QK = (local_QK < per_rank) & (full.row_of_copy_C.reshape(q, k) >= passes * cap.expert)
     return out_QD, jnp.sum(jnp.any(lost_QK, axis=1)).astype(jnp.int32), extra
 
@@ -358,23 +383,29 @@ def _per_rank(x_TD, experts_TK, weights_TK, expert_weights, *, expert_fn, num_ex
 
     back_SD, lost_rows, extra, trips = row_round(0)
     # Extra rounds, all ranks of the exchange agreeing (counts are all-gathered;
-    # the max over the batch axes makes the branch the same everywhere).
+    # the max over the batch axes makes the branch the same everywhere). Round j
+    # runs when some receiver's rows reach its window; the conditions nest, so a
+    # load that fits evaluates one.
     busiest = jax.lax.pmax(jnp.max(jnp.sum(counts_R2R[:, 0], axis=0)), axes)
-    for j in range(1, passes):
-        if j * cap.recv >= ranks * t:
-            break  # no load can reach this window
-        needed_j = busiest > j * cap.recv
+    reachable = [j for j in range(1, passes) if j * cap.recv < ranks * t]
 
-        def run(j=j):
-            b_SD, lost, ext, _ = row_round(j)
-            return b_SD, lost, ext
+    def skip():  # zeros_like keeps the operands' varying mesh axes
+        return jnp.zeros_like(back_SD), jnp.zeros_like(lost_rows), jnp.zeros_like(extra)
 
-        def skip():  # zeros_like keeps the operands' varying mesh axes
-            return jnp.zeros_like(back_SD), jnp.zeros_like(lost_rows), jnp.zeros_like(extra)
+    def rounds_from(n):
+        if n == len(reachable):
+            return skip()
+        j = reachable[n]
 
-        b_SD, lost, ext = jax.lax.cond(needed_j, run, skip)
-        back_SD, lost_rows = back_SD + b_SD, lost_rows + lost
-        extra = extra + ext + needed_j.astype(jnp.int32)
+        def run():
+            b_SD, lost, ext = _recomputed(lambda j: row_round(j)[:3])(j)
+            rest_SD, rest_lost, rest_ext = rounds_from(n + 1)
+            return b_SD + rest_SD, lost + rest_lost, ext + rest_ext + 1
+
+        return jax.lax.cond(busiest > j * cap.recv, run, skip)
+
+    more_SD, more_lost, more_extra = rounds_from(0)
+    back_SD, lost_rows, extra = back_SD + more_SD, lost_rows + more_lost, extra + more_extra
     dropped_rows = jnp.maximum(trips.wanted_rows - passes * cap.recv, 0)
     out_TD = permute_ops.unpermute(back_SD, sent.lead_TK.astype(jnp.float32), sent.plan)
     copies_wanted = jnp.sum(counts_R2R[:, 1, rank])
