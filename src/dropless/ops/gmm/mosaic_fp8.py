@@ -84,7 +84,7 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 from dropless.ops import quant
 from dropless.ops.gmm import reference as ref_backend
 from dropless.ops.gmm import schedule as schedule_lib
-from dropless.ops.gmm.mosaic_gmm import _store_tile, num_sms
+from dropless.ops.gmm.mosaic_gmm import _store_tile, persistent_kernel
 
 BLOCK = quant.BLOCKWISE_TILE  # 128: scale block along the contraction and the outputs (DeepSeek-V3)
 BLOCK_M = 64  # two f32 accumulators per thread must fit the register file
@@ -233,15 +233,7 @@ def gmm_fp8_blockwise(aq_MC, sa, bq_GOC, sb, group_sizes_G, *, out_dtype=jnp.bfl
 
         plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
-    kernel = plgpu.kernel(
-        body,
-        out_type=jax.ShapeDtypeStruct((m, o), out_dtype),
-        grid=(sms or num_sms(),),
-        grid_names=("sm",),
-        num_threads=3,
-        thread_name="wg",
-        compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
-    )
+    kernel = persistent_kernel(body, jax.ShapeDtypeStruct((m, o), out_dtype), sms)
     return kernel(sched.group_T, sched.row_start_T, sched.store_lo_T, sched.store_hi_T,
                   sched.num_tiles, aq_MC, sa, bq_GOC, sb)
 

@@ -64,7 +64,7 @@ from dropless.ops import quant
 from dropless.ops.gmm import reference as ref_backend
 from dropless.ops.gmm import schedule as schedule_lib
 from dropless.ops.gmm.mosaic_fp8 import BLOCK, _MEMORY_REGISTERS, _swizzle_transforms
-from dropless.ops.gmm.mosaic_gmm import num_sms
+from dropless.ops.gmm.mosaic_gmm import persistent_kernel
 from dropless.ops.gmm.mosaic_tgmm import _store_tile
 
 BLOCK_K = 64  # rows of dw per CTA (shared by both warpgroups, as wgmma's M)
@@ -204,15 +204,7 @@ def tgmm_fp8_blockwise(xq_KM, sx, dyq_NM, sdy, group_sizes_G, *, out_dtype=jnp.f
 
         plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
-    kernel = plgpu.kernel(
-        body,
-        out_type=jax.ShapeDtypeStruct((num_groups, k, n), out_dtype),
-        grid=(sms or num_sms(),),
-        grid_names=("sm",),
-        num_threads=3,
-        thread_name="wg",
-        compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
-    )
+    kernel = persistent_kernel(body, jax.ShapeDtypeStruct((num_groups, k, n), out_dtype), sms)
     return kernel(starts_G, sizes_G, xq_KM, sx, dyq_NM, sdy)
 
 

@@ -54,6 +54,21 @@ def num_sms(device=None):
     return int(getattr(device, "core_count", 0) or 1)
 
 
+def persistent_kernel(body, out_type, sms=None):
+    """``body`` as a persistent, warp-specialised kernel: one CTA per SM (``sms``
+    or the device's count), three warpgroups ``wg`` (0, 1 compute; 2 TMA), warpgroup
+    lowering. Every kernel of this package has this shape."""
+    return plgpu.kernel(
+        body,
+        out_type=out_type,
+        grid=(sms or num_sms(),),
+        grid_names=("sm",),
+        num_threads=3,
+        thread_name="wg",
+        compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
+    )
+
+
 def _swizzle_transforms(minor_elems, dtype):
     swizzle = plgpu.find_swizzle(minor_elems * jnp.dtype(dtype).itemsize * 8)
     swizzle_elems = swizzle // jnp.dtype(dtype).itemsize
@@ -190,15 +205,7 @@ def gmm(x_MK, w, group_sizes_G, *, tiling: GmmTiling, transpose_rhs=False, out_d
 
         plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
-    kernel = plgpu.kernel(
-        body,
-        out_type=jax.ShapeDtypeStruct((m, n_out), out_dtype),
-        grid=(sms or num_sms(),),
-        grid_names=("sm",),
-        num_threads=3,
-        thread_name="wg",
-        compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
-    )
+    kernel = persistent_kernel(body, jax.ShapeDtypeStruct((m, n_out), out_dtype), sms)
     return kernel(
         sched.group_T, sched.row_start_T, sched.store_lo_T, sched.store_hi_T, sched.num_tiles,
         x_MK, w,

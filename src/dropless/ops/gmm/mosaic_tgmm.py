@@ -36,7 +36,8 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from dropless.ops.gmm import schedule as schedule_lib
-from dropless.ops.gmm.mosaic_gmm import _EPI, _MEMORY_REGISTERS, _swizzle_transforms, num_sms
+from dropless.ops.gmm.mosaic_gmm import (_EPI, _MEMORY_REGISTERS, _swizzle_transforms,
+                                         persistent_kernel)
 from dropless.ops.gmm.tuning import TgmmTiling
 
 
@@ -165,15 +166,7 @@ def tgmm(x_MK, dy_MN, group_sizes_G, *, num_groups, tiling: TgmmTiling, out_dtyp
 
         plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
-    kernel = plgpu.kernel(
-        body,
-        out_type=jax.ShapeDtypeStruct((num_groups, k, n), out_dtype),
-        grid=(sms or num_sms(),),
-        grid_names=("sm",),
-        num_threads=3,
-        thread_name="wg",
-        compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
-    )
+    kernel = persistent_kernel(body, jax.ShapeDtypeStruct((num_groups, k, n), out_dtype), sms)
     return kernel(starts_G, sizes_G, x_MK, dy_MN)
 
 
