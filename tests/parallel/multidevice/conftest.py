@@ -29,6 +29,26 @@ def make_mesh(data=1, fsdp=1, expert=1, tensor=1) -> Mesh:
     return Mesh(np.array(jax.devices()[:n]).reshape(shape), AXES)
 
 
+def rank0_bias(num_experts, ranks):
+    """A balancing bias that makes every token pick rank 0's experts first."""
+    import jax.numpy as jnp
+
+    return jnp.zeros(num_experts).at[:num_experts // ranks].set(100.0)
+
+
+def assert_same_values_and_grads(got, want, what):
+    """(y, stats, (param grads, input grad)) of an expert-parallel block equal the
+    single-device block's: outputs to 1e-5, gradients to 1e-4 relative."""
+    y1, _, (gp1, gx1) = got
+    y0, _, (gp0, gx0) = want
+    np.testing.assert_allclose(y1, y0, rtol=1e-5, atol=1e-5, err_msg=what)
+    np.testing.assert_allclose(gx1, gx0, rtol=1e-4, atol=1e-5, err_msg=what)
+    flat0 = dict(jax.tree_util.tree_leaves_with_path(gp0))
+    for path, g1 in jax.tree_util.tree_leaves_with_path(gp1):
+        np.testing.assert_allclose(g1, flat0[path], rtol=1e-4, atol=1e-5,
+                                   err_msg=f"{what} {jax.tree_util.keystr(path)}")
+
+
 @pytest.fixture(scope="session", autouse=True)
 def _eight_devices():
     if jax.device_count() < 8:

@@ -11,7 +11,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import make_mesh
+from conftest import assert_same_values_and_grads, make_mesh, rank0_bias
 from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec as P
 
@@ -46,21 +46,6 @@ def _run(block, x, c, mesh=None, bias=None):
     return y, stats, grads
 
 
-def _rank0_bias(e, ranks):
-    return jnp.zeros(e).at[:e // ranks].set(100.0)
-
-
-def _assert_same(got, want, what):
-    y1, _, (gp1, gx1) = got
-    y0, _, (gp0, gx0) = want
-    np.testing.assert_allclose(y1, y0, rtol=1e-5, atol=1e-5, err_msg=what)
-    np.testing.assert_allclose(gx1, gx0, rtol=1e-4, atol=1e-5, err_msg=what)
-    flat0 = dict(jax.tree_util.tree_leaves_with_path(gp0))
-    for path, g1 in jax.tree_util.tree_leaves_with_path(gp1):
-        np.testing.assert_allclose(g1, flat0[path], rtol=1e-4, atol=1e-5,
-                                   err_msg=f"{what} {jax.tree_util.keystr(path)}")
-
-
 @pytest.mark.parametrize("k", [1, 2])
 def test_rounds_deliver_what_one_buffer_cannot(k, rng):
     mesh = make_mesh(data=2, expert=4)
@@ -68,7 +53,7 @@ def test_rounds_deliver_what_one_buffer_cannot(k, rng):
                     routed_bias=True)
     x = jnp.asarray(rng.standard_normal((8, 2, D)), jnp.float32)
     c = jnp.asarray(rng.standard_normal((8, 2, D)), jnp.float32)
-    bias = _rank0_bias(cfg.num_experts, 4)
+    bias = rank0_bias(cfg.num_experts, 4)
     want = _run(_block(cfg), x, c, bias=bias)
     # Rank 0 of each data group is sent 4 ranks x T = 8 rows. k=1: buffer T*min(K,R) = 2
     # rows, so 4 row windows (3 extra rounds), each 2 copies in an expert buffer of T*K = 2.
@@ -78,7 +63,7 @@ def test_rounds_deliver_what_one_buffer_cannot(k, rng):
     ep = ep_lib.ExpertParallel(mesh, buffer_factor=1.0, exchange="padded",
                                overflow_rounds=rounds)
     got = _run(_block(cfg, ep), x, c, mesh, bias=bias)
-    _assert_same(got, want, f"k={k} rounds={rounds}")
+    assert_same_values_and_grads(got, want, f"k={k} rounds={rounds}")
     stats = got[1]
     assert int(stats.overflow_tokens) == 0
     assert float(stats.buffer_factor_needed) == 4.0
@@ -95,7 +80,7 @@ def test_too_few_rounds_count_what_is_left():
     x = jax.random.normal(jax.random.key(1), (8, 2, D))
     ep = ep_lib.ExpertParallel(mesh, buffer_factor=1.0, exchange="padded", overflow_rounds=1)
     _, stats, _ = _run(_block(cfg, ep), x, jnp.ones_like(x), mesh,
-                       bias=_rank0_bias(cfg.num_experts, 4))
+                       bias=rank0_bias(cfg.num_experts, 4))
     assert int(stats.overflow_tokens) == 2 * (4 * T - 2 * T)
     assert int(stats.ep_extra_rounds) == 1
 
@@ -108,7 +93,7 @@ def test_a_load_that_fits_runs_no_extra_pass(rng):
     want = _run(_block(cfg), x, c)
     ep = ep_lib.ExpertParallel(mesh, buffer_factor=-1, exchange="padded", overflow_rounds=2)
     got = _run(_block(cfg, ep), x, c, mesh)
-    _assert_same(got, want, "exact buffers")
+    assert_same_values_and_grads(got, want, "exact buffers")
     assert int(got[1].ep_extra_rounds) == 0 and int(got[1].overflow_tokens) == 0
 
 
@@ -140,7 +125,7 @@ def test_random_skew_within_rounds_matches_single_device(rng):
         needed = float(stats.buffer_factor_needed)
         if needed <= (rounds + 1) * factor:
             assert int(stats.overflow_tokens) == 0, (draw, needed)
-            _assert_same(got, want, f"draw {draw}, needed {needed:.2f}")
+            assert_same_values_and_grads(got, want, f"draw {draw}, needed {needed:.2f}")
         else:
             assert int(stats.overflow_tokens) > 0, (draw, needed)
             seen_beyond += 1
