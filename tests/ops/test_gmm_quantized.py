@@ -186,3 +186,90 @@ def test_emulation_is_logged_once(caplog):
                            jax.ShapeDtypeStruct((m, 32), jnp.float32))
     msgs = [r.getMessage() for r in caplog.records if "MXFP8 is emulated" in r.getMessage()]
     assert len(msgs) == 1 and jax.devices()[0].device_kind in msgs[0]
+
+
+def test_align_groups_by_hand():
+    a = jnp.arange(1, 11, dtype=jnp.float32)[:, None] * jnp.array([[1.0, -1.0]])
+    out, padded = quantized.align_groups(a, jnp.array([3, 0, 5, 1], jnp.int32), 4)
+    # P = 10 + 4 * 3 = 22 -> 24 rows; groups at 0 (3 rows), 4 (5 rows), 12 (1 row).
+    want = np.zeros((24, 2), np.float32)
+    want[0:3], want[4:9], want[12] = a[0:3], a[3:8], a[8]
+    np.testing.assert_array_equal(out, want)
+    np.testing.assert_array_equal(padded, [4, 0, 8, 4])
+
+
+@pytest.mark.parametrize("recipe", sorted(CASES))
+def test_unaligned_groups_get_the_recipe_numerics_in_wgrad(rng, recipe):
+    """Group sizes that are not multiples of the block: wgrad's blocks along M are
+    taken within each group (as if each group were padded with zero rows), never
+    across two groups."""
+    sizes = [70, 0, 150, 33]
+    m, k, n, total = 260, 64, 48, sum(sizes)
+    # Each group 16x larger than the one before: a block straddling two groups would
+    # take the larger group's scale and lose the smaller one's low bits.
+    group_scale = np.repeat(16.0 ** np.arange(len(sizes)), sizes)
+    group_scale = np.concatenate([group_scale, np.ones(m - total)])[:, None]
+    x = rng.standard_normal((m, k)) * np.exp(rng.uniform(-1, 1, (m, 1))) * group_scale
+    dy = rng.standard_normal((m, n)) * np.exp(rng.uniform(-1, 1, (m, 1))) * group_scale
+    w = rng.standard_normal((len(sizes), k, n))
+    x[total:] = dy[total:] = np.nan
+    x, dy, w = (np.asarray(v, np.float32) for v in (x, dy, w))
+    _, _, dw = _run(x, w, dy, np.asarray(sizes, np.int32), recipe, jnp.float32)
+    starts = np.cumsum([0] + sizes)
+    for g, (a, b) in enumerate(zip(starts, starts[1:])):
+        if a == b:
+            np.testing.assert_array_equal(dw[g], 0.0)
+            continue
+        qx, _ = _model_qdq(x[a:b], recipe, 0)
+        qdy, _ = _model_qdq(dy[a:b], recipe, 0)
+        exact = qx.T @ qdy
+        bound = (b - a + 1) * 2.0**-23 * (np.abs(qx).T @ np.abs(qdy))
+        assert np.all(np.abs(dw[g] - exact) <= bound), f"group {g}"
+
+
+def test_straddled_blocks_are_detected(rng, monkeypatch):
+    """Sanity of the check above: wgrad with blocks across groups (a broken
+    ``groups_aligned=True`` promise) fails it."""
+    import functools
+
+    monkeypatch.setattr(quantized, "gmm", functools.partial(quantized.gmm, groups_aligned=True))
+    with pytest.raises(AssertionError, match="group"):
+        test_unaligned_groups_get_the_recipe_numerics_in_wgrad(rng, "te_fp8_blockwise")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(jax.default_backend() != "gpu", reason="needs a GPU")
+@pytest.mark.parametrize("recipe", ["te_fp8_blockwise", "te_mxfp8"])
+def test_gpu_emulation_is_fp8_under_jit(rng, recipe):
+    """What the CPU tests cannot show: under ``jit`` on the GPU the emulated recipe
+    really quantizes. XLA:GPU folds an f32 -> f8 -> f32 round trip into the
+    identity (float-conversion simplification), which once made the emulation
+    compute plain bf16 products (relative difference 0.0 from bf16) while the
+    log said FP8; ``quant.keep_codes`` prevents it.
+
+    Checked on the default (Mosaic) bf16 kernel: the optimized HLO holds E4M3
+    values; the forward equals the float64 product of the model-quantized
+    operands within the tensor-core accumulation model of
+    ``fp8_accumulation`` (a conservative bound for the bf16 kernel's float32
+    accumulation); and it differs from the unquantized product by at least
+    1e-2 relative (Frobenius): E4M3 rounds each operand by a relative error
+    of RMS about 2.6e-2 (half an ulp, 2^-4 to 2^-3 of the value, uniform),
+    so the product's error is about sqrt(2) * 2.6e-2 = 3.7e-2; plain bf16
+    would be about 1e-6 away."""
+    import fp8_accumulation as fp8_acc
+
+    sizes = [512, 0, 1024, 512]
+    m, k, n = 2048, 1024, 512
+    x = jnp.asarray(rng.standard_normal((m, k)) * np.exp(rng.uniform(-2, 2, (m, 1))),
+                    jnp.bfloat16)
+    w = jnp.asarray(rng.standard_normal((len(sizes), k, n)) / np.sqrt(k), jnp.bfloat16)
+    gs = jnp.asarray(np.array(sizes, np.int32))
+    f = jax.jit(lambda x, w: quantized.gmm(x, w, gs, recipe=recipe, out_dtype=jnp.float32))
+    assert "f8e4m3fn" in f.lower(x, w).compile().as_text()
+    y = np.asarray(f(x, w), np.float64)
+    x64, w64 = (np.asarray(v.astype(jnp.float32), np.float64) for v in (x, w))
+    qx, _ = _model_qdq(x64, recipe, 1)
+    qw, _ = _model_qdq(w64, recipe, 1)
+    fp8_acc.check_product(_fwd, y, qx, qw, sizes, k // 128, recipe)
+    plain = _fwd(x64, w64, sizes)
+    assert np.linalg.norm(y - plain) >= 1e-2 * np.linalg.norm(plain)

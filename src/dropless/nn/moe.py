@@ -140,7 +140,7 @@ def grouped_swiglu(x_PD, group_sizes_G, weights, *, backend, quantization="te_no
 
     def grouped(x, w, name):
         y = quantized.gmm(x, w, group_sizes_G, recipe=quantization, backend=backend,
-                          impl=fp8_impl)
+                          impl=fp8_impl, groups_aligned=True)  # the contract above
         return checkpoint_name(y, name)
 
     *gate_up, w_out = weights

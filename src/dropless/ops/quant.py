@@ -332,13 +332,34 @@ def dequantize_mx(q, scales, axis=-1, block=MX_BLOCK, out_dtype=jnp.float32):
 # Quantize-dequantize in one step (what the emulated grouped GEMMs use).
 
 
+def keep_codes(q, scales):
+    """``(q, scales)`` behind an optimization barrier, so the FP8 rounding survives ``jit``.
+
+    Without it XLA:GPU's float-conversion simplification (on by default,
+    ``xla_allow_excess_precision``) folds the f32 -> f8 -> f32 round trip of a
+    quantize-dequantize into the identity: under ``jit`` on an H200 the
+    emulated recipes then computed exactly the bf16 products (relative
+    difference 0.0 against bf16, where the recipe's is ~4e-2) while the log
+    said FP8. The barrier costs the codes' one-byte write and read: the
+    quantize fusion ends at the codes and the dequantize fusion starts from
+    them.
+    """
+    return lax.optimization_barrier((q, scales))
+
+
 def qdq_blocks(x, block, dtype=E4M3, out_dtype=None):
-    """``dequantize_blocks(*quantize_blocks(x, block))`` in ``out_dtype`` (default x.dtype)."""
-    q, s = quantize_blocks(x, block, dtype)
+    """``dequantize_blocks(*quantize_blocks(x, block))`` in ``out_dtype`` (default x.dtype).
+
+    The codes really are FP8 under ``jit`` on every platform (``keep_codes``).
+    """
+    q, s = keep_codes(*quantize_blocks(x, block, dtype))
     return dequantize_blocks(q, s, block, out_dtype or x.dtype)
 
 
 def qdq_mx(x, axis=-1, out_dtype=None):
-    """``dequantize_mx(*quantize_mx(x, axis))`` in ``out_dtype`` (default x.dtype)."""
-    q, s = quantize_mx(x, axis)
+    """``dequantize_mx(*quantize_mx(x, axis))`` in ``out_dtype`` (default x.dtype).
+
+    The codes really are FP8 under ``jit`` on every platform (``keep_codes``).
+    """
+    q, s = keep_codes(*quantize_mx(x, axis))
     return dequantize_mx(q, s, axis, out_dtype=out_dtype or x.dtype)

@@ -19,11 +19,15 @@ elements the range E5M2 would add is not needed (DeepSeek-V3 and TE's
 MXFP8 recipe do the same).
 
 Group alignment. The wgrad blocks run along M, the ragged dimension: a block
-must not hold rows of two groups, so every group size must be a multiple of
-``required_alignment(recipe)`` (32 for MXFP8, 128 for blockwise). The MoE
-block gets this from the permutation's ``alignment`` option (padding rows are
-zeros). This function cannot check it under ``jit``; unaligned sizes still
-give finite results, but not the recipe's numerics.
+must not hold rows of two groups. With ``groups_aligned=True`` the caller
+promises that every group size is a multiple of ``required_alignment(recipe)``
+(32 for MXFP8, 128 for blockwise); the MoE block gets this from the
+permutation's ``alignment`` option (padding rows are zeros). Otherwise (the
+default) the wgrad product first regroups x and dy so that each group starts
+on a block boundary (``align_groups``: a row gather, zero rows between
+groups, fused by XLA with the quantization that reads them), so any group
+sizes get the recipe's numerics. Group sizes are traced values: a promise
+that does not hold cannot be detected under ``jit``.
 
 How it runs (``impl``). ``emulate`` (the default, both recipes): quantize ->
 dequantize to the compute dtype -> the bf16 grouped GEMM of the chosen
@@ -88,6 +92,45 @@ def required_alignment(recipe: str) -> int:
     return _ALIGNMENT[recipe]
 
 
+def align_groups(a_MC, group_sizes_G, block):
+    """Rows regrouped so that every group starts on a multiple of ``block``.
+
+    Args:
+      a_MC: [M, C] rows sorted by group (rows past ``sum(group_sizes)`` are ignored).
+      group_sizes_G: [G] int32, sum <= M.
+      block: the alignment (the recipe's scale block along M).
+
+    Returns:
+      (a_PC, padded_G): a_PC [P, C], P = M + G (block - 1) rounded up to a
+      multiple of block (static), holding group g's rows at
+      ``sum(padded[:g])`` followed by zero rows up to ``padded[g]``, the size
+      rounded up to a multiple of block; zero rows after the last group.
+    """
+    m, g = a_MC.shape[0], group_sizes_G.shape[0]
+    p = -(-(m + g * (block - 1)) // block) * block
+    sizes = group_sizes_G.astype(jnp.int32)
+    padded = (sizes + block - 1) // block * block
+    padded_end = jnp.cumsum(padded)
+    start = jnp.cumsum(sizes) - sizes
+    row = jnp.arange(p, dtype=jnp.int32)
+    group = jnp.searchsorted(padded_end, row, side="right").astype(jnp.int32)
+    inside = group < g
+    group = jnp.minimum(group, g - 1)
+    offset = row - (padded_end[group] - padded[group])
+    valid = inside & (offset < sizes[group])
+    src = jnp.where(valid, start[group] + offset, 0)
+    return jnp.where(valid[:, None], a_MC[src], jnp.zeros((), a_MC.dtype)), padded
+
+
+def _wgrad_rows(x, dy, group_sizes, block, aligned):
+    """(x, dy, group sizes) for a wgrad whose scale blocks run along M (``align_groups``)."""
+    if aligned:
+        return x, dy, group_sizes
+    x, padded = align_groups(x, group_sizes, block)
+    dy, _ = align_groups(dy, group_sizes, block)
+    return x, dy, padded
+
+
 def qdq(a, recipe, axis, out_dtype=None):
     """Quantize-dequantize one operand for a product contracting ``axis``.
 
@@ -129,17 +172,17 @@ def _impl(name):
     return importlib.import_module(f"dropless.ops.gmm.{name}")
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5))
-def _qgmm(x, w, group_sizes, recipe, backend, out_dtype):
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5, 6))
+def _qgmm(x, w, group_sizes, recipe, backend, out_dtype, aligned):
     return _impl(backend).gmm(qdq(x, recipe, 1), qdq(w, recipe, 1), group_sizes,
                               transpose_rhs=False, out_dtype=out_dtype)
 
 
-def _qgmm_fwd(x, w, group_sizes, recipe, backend, out_dtype):
-    return _qgmm(x, w, group_sizes, recipe, backend, out_dtype), (x, w, group_sizes)
+def _qgmm_fwd(x, w, group_sizes, recipe, backend, out_dtype, aligned):
+    return _qgmm(x, w, group_sizes, recipe, backend, out_dtype, aligned), (x, w, group_sizes)
 
 
-def _qgmm_bwd(recipe, backend, out_dtype, res, dy):
+def _qgmm_bwd(recipe, backend, out_dtype, aligned, res, dy):
     x, w, group_sizes = res
     impl = _impl(backend)
     # dy is quantized as it arrives and dequantized to the compute dtype (exact),
@@ -147,7 +190,8 @@ def _qgmm_bwd(recipe, backend, out_dtype, res, dy):
     # and w^T (qdq ignores the axis for 3-D operands).
     dx = impl.gmm(qdq(dy, recipe, 1, x.dtype), qdq(w, recipe, 2), group_sizes,
                   transpose_rhs=True, out_dtype=x.dtype)
-    dw = impl.tgmm(qdq(x, recipe, 0), qdq(dy, recipe, 0, x.dtype), group_sizes,
+    xm, dym, sizes_m = _wgrad_rows(x, dy, group_sizes, _ALIGNMENT[recipe], aligned)
+    dw = impl.tgmm(qdq(xm, recipe, 0), qdq(dym, recipe, 0, x.dtype), sizes_m,
                    num_groups=w.shape[0], out_dtype=w.dtype)
     return dx, dw, jnp.zeros(group_sizes.shape, jax.dtypes.float0)
 
@@ -187,27 +231,32 @@ def kernel_dgrad(dy, w, group_sizes, out_dtype):
     return mosaic_fp8.gmm_fp8_blockwise(*ops, group_sizes, out_dtype=out_dtype)[:m]
 
 
-def kernel_wgrad(x, dy, group_sizes, out_dtype):
-    """dw [G, K, N] of ``impl="kernel"``: x and dy 128x1 along M, M-major codes."""
+def kernel_wgrad(x, dy, group_sizes, out_dtype, aligned=False):
+    """dw [G, K, N] of ``impl="kernel"``: x and dy 128x1 along M, M-major codes.
+
+    ``aligned``: group sizes are known to be multiples of 128; otherwise the
+    rows are regrouped first (``align_groups``).
+    """
     from dropless.ops.gmm import mosaic_fp8_tgmm
 
+    x, dy, group_sizes = _wgrad_rows(x, dy, group_sizes, quant.BLOCKWISE_TILE, aligned)
     ops = mosaic_fp8_tgmm.wgrad_operands(pad_kernel_rows(x), pad_kernel_rows(dy))
     return mosaic_fp8_tgmm.tgmm_fp8_blockwise(*ops, group_sizes, out_dtype=out_dtype)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
-def _kgmm(x, w, group_sizes, out_dtype):
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4))
+def _kgmm(x, w, group_sizes, out_dtype, aligned):
     return kernel_fwd(x, w, group_sizes, out_dtype)
 
 
-def _kgmm_fwd(x, w, group_sizes, out_dtype):
-    return _kgmm(x, w, group_sizes, out_dtype), (x, w, group_sizes)
+def _kgmm_fwd(x, w, group_sizes, out_dtype, aligned):
+    return _kgmm(x, w, group_sizes, out_dtype, aligned), (x, w, group_sizes)
 
 
-def _kgmm_bwd(out_dtype, res, dy):
+def _kgmm_bwd(out_dtype, aligned, res, dy):
     x, w, group_sizes = res
     dx = kernel_dgrad(dy, w, group_sizes, x.dtype)
-    dw = kernel_wgrad(x, dy, group_sizes, w.dtype)
+    dw = kernel_wgrad(x, dy, group_sizes, w.dtype, aligned)
     return dx, dw, jnp.zeros(group_sizes.shape, jax.dtypes.float0)
 
 
@@ -240,17 +289,19 @@ def _check_kernel_args(x, w, recipe):
 
 
 def gmm(x, w, group_sizes, *, recipe="te_no_quant", backend="auto", out_dtype=None,
-        impl="emulate"):
+        impl="emulate", groups_aligned=False):
     """Grouped matmul with the FP8 numerics of ``recipe`` in all three products.
 
     Args:
       x: [M, K] rows sorted by group; w: [G, K, N], same dtype (the compute
         dtype the operands are dequantized to; bf16 for the Mosaic kernels).
-      group_sizes: [G] int32, each a multiple of ``required_alignment(recipe)``.
+      group_sizes: [G] int32, any sizes (module docstring, "Group alignment").
       recipe: one of ``RECIPES``; ``te_no_quant`` is ``api.gmm`` unchanged.
       backend: the bf16 gmm backend (``api.BACKENDS``) of ``impl="emulate"``.
       out_dtype: output dtype (default x.dtype); accumulation is float32.
       impl: ``"emulate"`` or ``"kernel"`` (``IMPLS``; module docstring).
+      groups_aligned: the caller guarantees every group size is a multiple
+        of ``required_alignment(recipe)``, so wgrad needs no regrouping.
 
     Returns:
       [M, N]; rows past ``sum(group_sizes)`` are zeros. Differentiable in x
@@ -272,7 +323,7 @@ def gmm(x, w, group_sizes, *, recipe="te_no_quant", backend="auto", out_dtype=No
     if impl == "kernel":
         _check_kernel_args(x, w, recipe)
         _say_once(recipe, jax.devices()[0].device_kind, "fp8_kernel")
-        return _kgmm(x, w, group_sizes, out_dtype)
+        return _kgmm(x, w, group_sizes, out_dtype, bool(groups_aligned))
     name = api.resolve_backend(backend, x.shape, w.shape, x.dtype)
     _say_once(recipe, jax.devices()[0].device_kind, name)
-    return _qgmm(x, w, group_sizes, recipe, name, out_dtype)
+    return _qgmm(x, w, group_sizes, recipe, name, out_dtype, bool(groups_aligned))

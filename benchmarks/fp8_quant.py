@@ -1,0 +1,164 @@
+"""What the FP8 grouped GEMMs pay besides the GEMM: the quantization passes, and where the time goes.
+
+Legend: M rows, K x N the weight dims (w [G, K, N]), G groups.
+
+For one shape (default DeepSeek-V3's gate|up at M=65536, G=32, K=7168,
+N=4096) this times, on random data, each pass the ``te_fp8_blockwise``
+kernel path (``quantized.gmm(impl="kernel")``) runs before its kernels:
+
+  rows      x [M, K] -> 1x128 codes [M, K] + scales [Kb, M]   (fwd; dgrad's dy alike)
+  columns   x [M, K] -> 128x1 codes transposed [K, M] + scales (wgrad's x and dy)
+  weight    w [G, K, N] -> 128x128 codes [G, K, N] + scales   (dgrad's layout)
+  weight2   the same plus the transposed byte copy [G, N, K]    (what the forward reads)
+  qdq_rows  the emulation's quantize-dequantize of x (bf16 out, codes kept)
+
+and reports each pass's kernel time (CUPTI, ``mosaic.gpu.profiler.measure``)
+and wall-clock time (jitted call, back to back, median), its bytes (input
+read once, outputs written once) and GB/s next to a plain bf16 elementwise
+pass over x (``copy``: read + write) measured in the same process, the
+bandwidth ceiling a fused pass could reach. Then the whole products, fwd
+and fwd+dgrad+wgrad of the kernel path against the FP8 kernels alone and
+the bf16 kernel, and a per-kernel breakdown (``jax.profiler`` trace) of the
+kernel path's fwd+bwd, so the passes that cost most are named.
+
+Run on the GPU machine:
+  PYTHONPATH=src python3 benchmarks/fp8_quant.py [--shape M,G,K,N] [--out DIR]
+``--smoke`` runs a tiny shape on CPU (interpret mode for the kernels is too
+slow: the kernel rows are skipped there) to check the script.
+"""
+
+import argparse
+import os
+import statistics
+import sys
+import time
+
+os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+
+from dropless.ops import quant  # noqa: E402
+from dropless.ops.gmm import api, mosaic, mosaic_fp8, mosaic_fp8_tgmm, quantized  # noqa: E402
+from dropless.perf import measure  # noqa: E402
+
+
+def cupti_ms(fn, args, iters):
+    """Median summed kernel time of one call (ms), or None where CUPTI is unavailable."""
+    try:
+        from jax.experimental.mosaic.gpu import profiler
+
+        _, times = profiler.measure(fn, iterations=iters)(*args)
+        return statistics.median(times)
+    except Exception:  # noqa: BLE001 - CPU, or no CUPTI
+        return None
+
+
+def wall_ms(fn, args, iters):
+    return measure.time_fn(fn, *args, warmup=2, iters=iters)["median_ms"]
+
+
+def passes(m, g, k, n):
+    """name -> (fn, which input, bytes moved)."""
+    e = m * k
+    wn = g * k * n
+    return {
+        "copy": (lambda x: x * 2, "x", 4 * e),
+        "rows": (mosaic_fp8.quantize_rows, "x", 2 * e + e + 4 * e // 128),
+        "columns": (mosaic_fp8_tgmm.quantize_columns, "x", 2 * e + e + 4 * e // 128),
+        "weight": (mosaic_fp8.quantize_weight, "w", 2 * wn + wn + 4 * wn // 128**2),
+        "weight2": (lambda w: (lambda q, s: (q, jnp.swapaxes(q, 1, 2), s))(
+            *mosaic_fp8.quantize_weight(w)), "w", 2 * wn + 2 * wn + 4 * wn // 128**2),
+        "qdq_rows": (lambda x: quant.qdq_blocks(x, (1, 128)), "x", 2 * e + 2 * e),
+    }
+
+
+def products(x, w, gs, dy):
+    """name -> (fn, args): the kernel path, the FP8 kernels alone, the bf16 kernel."""
+    kpath = lambda x, w: quantized.gmm(x, w, gs, recipe="te_fp8_blockwise", impl="kernel",  # noqa: E731
+                                       groups_aligned=True)
+    bf16 = lambda x, w: api.gmm(x, w, gs)  # noqa: E731
+
+    def fwd_bwd(f):
+        def run(x, w, dy):
+            y, vjp = jax.vjp(f, x, w)
+            return y, *vjp(dy)
+        return jax.jit(run)
+
+    wq, sw = mosaic_fp8.quantize_weight(w)
+    fwd_ops = jax.block_until_ready(mosaic_fp8.fwd_operands(x, wq, sw))
+    dgrad_ops = jax.block_until_ready(mosaic_fp8.dgrad_operands(dy, wq, sw))
+    wgrad_ops = jax.block_until_ready(mosaic_fp8_tgmm.wgrad_operands(x, dy))
+    kernels = jax.jit(lambda f, d, wg: (mosaic_fp8.gmm_fp8_blockwise(*f, gs),
+                                        mosaic_fp8.gmm_fp8_blockwise(*d, gs),
+                                        mosaic_fp8_tgmm.tgmm_fp8_blockwise(*wg, gs)))
+    return {
+        "fwd kernel path": (jax.jit(kpath), (x, w)),
+        "fwd FP8 kernel alone": (jax.jit(lambda o: mosaic_fp8.gmm_fp8_blockwise(*o, gs)),
+                                 (fwd_ops,)),
+        "fwd bf16 kernel": (jax.jit(bf16), (x, w)),
+        "fwd+bwd kernel path": (fwd_bwd(kpath), (x, w, dy)),
+        "fwd+bwd FP8 kernels alone": (kernels, (fwd_ops, dgrad_ops, wgrad_ops)),
+        "fwd+bwd bf16 kernel": (fwd_bwd(bf16), (x, w, dy)),
+    }
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--shape", default="65536,32,7168,4096", help="M,G,K,N")
+    p.add_argument("--iters", type=int, default=10)
+    p.add_argument("--out", default=str(measure.DEFAULT_RESULTS_DIR))
+    p.add_argument("--smoke", action="store_true", help="tiny shape, passes only (CPU check)")
+    a = p.parse_args(argv)
+    m, g, k, n = (256, 2, 256, 256) if a.smoke else map(int, a.shape.split(","))
+    rng = np.random.default_rng(0)
+    x = jnp.asarray(rng.standard_normal((m, k)), jnp.bfloat16)
+    w = jnp.asarray(rng.standard_normal((g, k, n)) / np.sqrt(k), jnp.bfloat16)
+    dy = jnp.asarray(rng.standard_normal((m, n)), jnp.bfloat16)
+    gs = jnp.full((g,), m // g, jnp.int32)
+    record = measure.new_record("fp8_quant", {"M": m, "G": g, "K": k, "N": n, "iters": a.iters,
+                                              "dtype": "bfloat16", "layout": "balanced"})
+    inputs = {"x": x, "w": w}
+    print(f"{'pass':<10} {'kernel ms':>10} {'wall ms':>9} {'GB':>7} {'GB/s kern':>10} "
+          f"{'GB/s wall':>10}")
+    for name, (fn, which, nbytes) in passes(m, g, k, n).items():
+        f = jax.jit(fn)
+        kms = cupti_ms(f, (inputs[which],), a.iters)
+        wms = wall_ms(f, (inputs[which],), a.iters)
+        row = {"section": "pass", "name": name, "kernel_ms": kms, "wall_ms": wms,
+               "gbytes": nbytes / 1e9, "gbps_kernel": kms and nbytes / kms / 1e6,
+               "gbps_wall": nbytes / wms / 1e6}
+        record["rows"].append(row)
+        print(f"{name:<10} {kms or float('nan'):>10.3f} {wms:>9.3f} {nbytes / 1e9:>7.3f} "
+              f"{row['gbps_kernel'] or float('nan'):>10.0f} {row['gbps_wall']:>10.0f}")
+    if mosaic.is_available():
+        flops = 2 * m * k * n
+        print(f"\n{'product':<28} {'kernel ms':>10} {'wall ms':>9} {'TF/s kern':>10} {'TF/s wall':>10}")
+        for name, (fn, args) in products(x, w, gs, dy).items():
+            fl = flops * (3 if "bwd" in name else 1)
+            kms = cupti_ms(fn, args, a.iters)
+            wms = wall_ms(fn, args, a.iters)
+            record["rows"].append({"section": "product", "name": name, "kernel_ms": kms,
+                                   "wall_ms": wms, "tflops_kernel": kms and fl / kms / 1e9,
+                                   "tflops_wall": fl / wms / 1e9})
+            print(f"{name:<28} {kms or float('nan'):>10.3f} {wms:>9.3f} "
+                  f"{(kms and fl / kms / 1e9) or float('nan'):>10.0f} {fl / wms / 1e9:>10.0f}")
+        fn, args = products(x, w, gs, dy)["fwd+bwd kernel path"]
+        bd = measure.profile_calls(fn, *args, calls=3)
+        record["breakdown_fwd_bwd_kernel_path"] = bd.to_dict()
+        print("\nfwd+bwd kernel path, kernels by time (3 calls):")
+        for kr in bd.top_kernels:
+            print(f"  {kr['time_us'] / 3 / 1e3:8.3f} ms  x{kr['count'] // 3:<3} {kr['name'][:90]}")
+    else:
+        print("(no Hopper GPU: product rows and breakdown skipped)")
+    path = measure.write_record(record, a.out)
+    print(f"\nrecord: {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    t0 = time.time()
+    rc = main()
+    print(f"({time.time() - t0:.0f} s)", file=sys.stderr)
+    sys.exit(rc)
