@@ -120,7 +120,7 @@ def check_shapes(aq_MC, sa, bq_GOC, sb, group_sizes_G):
 
 
 def gmm_fp8_blockwise(aq_MC, sa, bq_GOC, sb, group_sizes_G, *, out_dtype=jnp.bfloat16,
-                      num_stages=4, grid_tile_width=1, sms=None):
+                      num_stages=4, grid_tile_width=1, sms=None, prefetch_scale=True):
     """y [M, O] = per-group blockwise-scaled a . b[g]^T; see the module docstring.
 
     Rows past ``sum(group_sizes)`` come out as zeros.
@@ -129,6 +129,7 @@ def gmm_fp8_blockwise(aq_MC, sa, bq_GOC, sb, group_sizes_G, *, out_dtype=jnp.bfl
       ValueError: shapes or dtypes the kernel cannot take (``check_shapes``).
     """
     m, c, o, _ = check_shapes(aq_MC, sa, bq_GOC, sb, group_sizes_G)
+    num_c = c // BLOCK
     out_dtype = jnp.dtype(out_dtype)
     # 4-byte outputs double the epilogue buffers; one load stage less keeps smem in bounds.
     num_stages = num_stages if out_dtype.itemsize <= 2 else min(num_stages, 3)
@@ -195,28 +196,39 @@ def gmm_fp8_blockwise(aq_MC, sa, bq_GOC, sb, group_sizes_G, *, out_dtype=jnp.bfl
                                         o_gmem=o_gmem, m=m, bm=bm, bn=bo, row_start=row_start,
                                         col0=col0, lo=lo, hi=hi)
 
+                col_block = band * 2 + wg
+
                 def compute_context(eval_pipeline):
                     zeros = plgpu.layout_cast(jnp.zeros((bm, bo), jnp.float32), plgpu.Layout.WGMMA)
-                    store(eval_pipeline(zeros).astype(out_dtype))
+                    total, _ = eval_pipeline((zeros, sb_gmem[group, 0, col_block]))
+                    store(total.astype(out_dtype))
 
-                def mma_body(idx, a_smem, b_smem, sa_smem, total):
+                def mma_body(idx, a_smem, b_smem, sa_smem, carry):
                     (kk,) = idx
+                    total, w_scale = carry
+                    if prefetch_scale:
+                        # The next step's weight scale, loaded from global memory now and
+                        # used a whole step later: its latency (hundreds of cycles) would
+                        # otherwise stall the step between the wgmma and the promotion.
+                        next_scale = sb_gmem[group, jnp.minimum(kk + 1, num_c - 1), col_block]
+                    else:
+                        w_scale = sb_gmem[group, kk, col_block]
+                        next_scale = w_scale
                     rhs = b_smem.at[pl.ds(wg * bo, bo)].T  # [C, O] view of C-major storage
-                    # Scales first, so that their loads (the weight scale's from global
-                    # memory) are in flight during the wgmma, not after it.
                     row_scale = plgpu.load(sa_smem.at[0], layout=plgpu.Layout.WGMMA.reduce(1))
                     # Fence the generic-proxy read before the pipeline hands the slot
                     # back to TMA (module docstring).
                     plgpu.commit_smem()
-                    step_scale = row_scale * sb_gmem[group, kk, band * 2 + wg]
 
                     def c_step(acc_ref):
                         plgpu.wgmma(acc_ref, a_smem, rhs)
+                        step_scale = row_scale * w_scale  # while the wgmma runs
                         plgpu.wgmma_wait(0)
-                        return acc_ref[...]
+                        return acc_ref[...], step_scale
 
-                    part = pl.run_scoped(c_step, plgpu.ACC((bm, bo), jnp.float32))
-                    return total + part * lax.broadcast_in_dim(step_scale, (bm, bo), (0,))
+                    part, step_scale = pl.run_scoped(c_step, plgpu.ACC((bm, bo), jnp.float32))
+                    total = total + part * lax.broadcast_in_dim(step_scale, (bm, bo), (0,))
+                    return total, next_scale
 
                 @pl.when(group >= 0)
                 def _matmul_tile():
