@@ -29,12 +29,12 @@ from dropless.perf import measure  # noqa: E402
 
 # name -> keyword arguments of gmm_fp8_blockwise
 VARIANTS = {
-    "no_prefetch": dict(prefetch_scale=False),
-    "base": dict(),
-    "gtw4": dict(grid_tile_width=4),
-    "gtw8": dict(grid_tile_width=8),
-    "gtw16": dict(grid_tile_width=16),
-    "gtw8_s3": dict(grid_tile_width=8, num_stages=3),
+    "cols_gtw1": dict(split="columns", grid_tile_width=1),
+    "cols_gtw4": dict(split="columns", grid_tile_width=4),
+    "rows_gtw1": dict(split="rows", grid_tile_width=1),
+    "rows_gtw4": dict(split="rows", grid_tile_width=4),
+    "rows_gtw8": dict(split="rows", grid_tile_width=8),
+    "rows_gtw4_s5": dict(split="rows", grid_tile_width=4, num_stages=5),
 }
 
 
@@ -102,6 +102,17 @@ def main(argv=None):
         record["rows"].append(row)
         print(f"{v:<12} {prod:<6} {kms:>9.3f} {wms:>8.3f} {row['tflops_kernel']:>9.0f} "
               f"{row['tflops_wall']:>9.0f}")
+    # Every variant computes each output element from the same wgmma steps in the
+    # same order, so the results must agree bit for bit with the first variant.
+    names = a.variants.split(",")
+    for prod in ("fwd", "dgrad"):
+        outs = {v: np.asarray(mosaic_fp8.gmm_fp8_blockwise(*ops[prod], gs, **VARIANTS[v])
+                              .astype(jnp.float32)) for v in names}
+        for v in names[1:]:
+            same = bool(np.array_equal(outs[v], outs[names[0]]))
+            record["rows"].append({"variant": v, "product": prod, "bitwise_equal_to": names[0],
+                                   "equal": same})
+            print(f"{prod} {v} == {names[0]}: {same}")
     print(f"record: {measure.write_record(record, a.out)}")
     return 0
 

@@ -88,6 +88,10 @@ from dropless.ops.gmm.mosaic_gmm import _store_tile, persistent_kernel
 
 BLOCK = quant.BLOCKWISE_TILE  # 128: scale block along the contraction and the outputs (DeepSeek-V3)
 BLOCK_M = 64  # two f32 accumulators per thread must fit the register file
+# How the two compute warpgroups share a CTA tile: "columns", 64 rows x 256
+# columns (each warpgroup its 128 columns, both reading the 64-row a tile), or
+# "rows", 128 rows x 128 columns (each its 64 rows, both reading the b tile).
+SPLITS = ("columns", "rows")
 _MEMORY_REGISTERS = 40
 
 
@@ -120,7 +124,7 @@ def check_shapes(aq_MC, sa, bq_GOC, sb, group_sizes_G):
 
 
 def gmm_fp8_blockwise(aq_MC, sa, bq_GOC, sb, group_sizes_G, *, out_dtype=jnp.bfloat16,
-                      num_stages=4, grid_tile_width=1, sms=None, prefetch_scale=True):
+                      num_stages=4, grid_tile_width=4, sms=None, split="columns"):
     """y [M, O] = per-group blockwise-scaled a . b[g]^T; see the module docstring.
 
     Rows past ``sum(group_sizes)`` come out as zeros.
@@ -133,10 +137,13 @@ def gmm_fp8_blockwise(aq_MC, sa, bq_GOC, sb, group_sizes_G, *, out_dtype=jnp.bfl
     out_dtype = jnp.dtype(out_dtype)
     # 4-byte outputs double the epilogue buffers; one load stage less keeps smem in bounds.
     num_stages = num_stages if out_dtype.itemsize <= 2 else min(num_stages, 3)
-    bm, bo, bc = BLOCK_M, BLOCK, BLOCK
-    cta_o = 2 * bo
+    if split not in SPLITS:
+        raise ValueError(f"mosaic fp8 gmm: {split=} must be one of {SPLITS}")
+    bm, bo, bc = BLOCK_M, BLOCK, BLOCK  # one warpgroup's tile: 64 x 128
+    by_rows = split == "rows"
+    cta_m, cta_o = (2 * bm, bo) if by_rows else (bm, 2 * bo)
     n_bands = o // cta_o
-    sched = schedule_lib.row_tile_schedule(group_sizes_G, m, bm)
+    sched = schedule_lib.row_tile_schedule(group_sizes_G, m, cta_m)
     in_transforms = _swizzle_transforms(bc, aq_MC.dtype)
     out_transforms = _swizzle_transforms(64, out_dtype)
 
@@ -146,9 +153,9 @@ def gmm_fp8_blockwise(aq_MC, sa, bq_GOC, sb, group_sizes_G, *, out_dtype=jnp.bfl
             grid=(c // bc,),
             memory_registers=_MEMORY_REGISTERS,
             in_specs=[
-                plgpu.BlockSpec((bm, bc), lambda kk: (0, kk), transforms=in_transforms),
+                plgpu.BlockSpec((cta_m, bc), lambda kk: (0, kk), transforms=in_transforms),
                 plgpu.BlockSpec((cta_o, bc), lambda kk: (0, kk), transforms=in_transforms),
-                plgpu.BlockSpec((1, bm), lambda kk: (kk, 0)),
+                plgpu.BlockSpec((1, cta_m), lambda kk: (kk, 0)),
             ],
             wg_axis="wg",
             num_compute_wgs=2,
@@ -160,8 +167,8 @@ def gmm_fp8_blockwise(aq_MC, sa, bq_GOC, sb, group_sizes_G, *, out_dtype=jnp.bfl
              sb_gmem, o_gmem):
         ignore = lambda *_, **__: None
         pipeline_allocs = make_pipeline(ignore, ignore).get_allocations(
-            a_gmem.at[pl.ds(0, bm)], b_gmem.at[0, pl.ds(0, cta_o)], sa_gmem.at[:, pl.ds(0, bm)]
-        )
+            a_gmem.at[pl.ds(0, cta_m)], b_gmem.at[0, pl.ds(0, cta_o)],
+            sa_gmem.at[:, pl.ds(0, cta_m)])
 
         @functools.partial(
             pl.run_scoped,
@@ -183,8 +190,10 @@ def gmm_fp8_blockwise(aq_MC, sa, bq_GOC, sb, group_sizes_G, *, out_dtype=jnp.bfl
                 t, band = plgpu.planar_snake(loop_info.index[0], (num_tiles_ref[0], n_bands), 0,
                                              grid_tile_width)
                 group = group_ref[t]
-                row_start = pl.multiple_of(row_start_ref[t], bm)
-                col0 = pl.multiple_of(band * cta_o + wg * bo, bo)
+                row_start = pl.multiple_of(row_start_ref[t], cta_m)
+                # This warpgroup's 64 x 128 part of the CTA tile.
+                wg_row = pl.multiple_of(row_start + wg * bm, bm) if by_rows else row_start
+                col0 = pl.multiple_of(band * cta_o + (0 if by_rows else wg * bo), bo)
                 lo, hi = lo_ref[t], hi_ref[t]
 
                 def store(out):
@@ -193,10 +202,10 @@ def gmm_fp8_blockwise(aq_MC, sa, bq_GOC, sb, group_sizes_G, *, out_dtype=jnp.bfl
                         def _store_own():
                             tiles_smem, rows_smem = out_smem[w]
                             _store_tile(out, tiles_smem=tiles_smem, rows_smem=rows_smem,
-                                        o_gmem=o_gmem, m=m, bm=bm, bn=bo, row_start=row_start,
+                                        o_gmem=o_gmem, m=m, bm=bm, bn=bo, row_start=wg_row,
                                         col0=col0, lo=lo, hi=hi)
 
-                col_block = band * 2 + wg
+                col_block = col0 // bo
 
                 def compute_context(eval_pipeline):
                     zeros = plgpu.layout_cast(jnp.zeros((bm, bo), jnp.float32), plgpu.Layout.WGMMA)
@@ -206,22 +215,22 @@ def gmm_fp8_blockwise(aq_MC, sa, bq_GOC, sb, group_sizes_G, *, out_dtype=jnp.bfl
                 def mma_body(idx, a_smem, b_smem, sa_smem, carry):
                     (kk,) = idx
                     total, w_scale = carry
-                    if prefetch_scale:
-                        # The next step's weight scale, loaded from global memory now and
-                        # used a whole step later: its latency (hundreds of cycles) would
-                        # otherwise stall the step between the wgmma and the promotion.
-                        next_scale = sb_gmem[group, jnp.minimum(kk + 1, num_c - 1), col_block]
-                    else:
-                        w_scale = sb_gmem[group, kk, col_block]
-                        next_scale = w_scale
-                    rhs = b_smem.at[pl.ds(wg * bo, bo)].T  # [C, O] view of C-major storage
-                    row_scale = plgpu.load(sa_smem.at[0], layout=plgpu.Layout.WGMMA.reduce(1))
+                    # The next step's weight scale, loaded from global memory now and
+                    # used a whole step later, so its latency never stalls a step.
+                    next_scale = sb_gmem[group, jnp.minimum(kk + 1, num_c - 1), col_block]
+                    if by_rows:
+                        lhs, rhs = a_smem.at[pl.ds(wg * bm, bm)], b_smem.T
+                        rows = sa_smem.at[0, pl.ds(wg * bm, bm)]
+                    else:  # [C, O] view of C-major storage
+                        lhs, rhs = a_smem, b_smem.at[pl.ds(wg * bo, bo)].T
+                        rows = sa_smem.at[0]
+                    row_scale = plgpu.load(rows, layout=plgpu.Layout.WGMMA.reduce(1))
                     # Fence the generic-proxy read before the pipeline hands the slot
                     # back to TMA (module docstring).
                     plgpu.commit_smem()
 
                     def c_step(acc_ref):
-                        plgpu.wgmma(acc_ref, a_smem, rhs)
+                        plgpu.wgmma(acc_ref, lhs, rhs)
                         step_scale = row_scale * w_scale  # while the wgmma runs
                         plgpu.wgmma_wait(0)
                         return acc_ref[...], step_scale

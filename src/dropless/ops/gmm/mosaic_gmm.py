@@ -220,7 +220,9 @@ def _store_tile(out, *, tiles_smem, rows_smem, o_gmem, m, bm, bn, row_start, col
     """
     # The previous tile's stores must have read the (aliased) smem buffers.
     plgpu.wait_smem_to_gmem(0, wait_read_only=True)
-    full = (lo == row_start) & ((hi == row_start + bm) | (hi == m))
+    # lo <= row_start and hi past the block: the block is inside [lo, hi) (the FP8
+    # kernel's warpgroups store 64-row parts of a 128-row tile with its bounds).
+    full = (lo <= row_start) & ((hi >= row_start + bm) | (hi == m))
 
     @pl.when(full)
     def _whole_tile():
