@@ -30,11 +30,9 @@ from dropless.perf import measure  # noqa: E402
 # name -> keyword arguments of gmm_fp8_blockwise
 VARIANTS = {
     "cols_gtw1": dict(split="columns", grid_tile_width=1),
-    "cols_gtw4": dict(split="columns", grid_tile_width=4),
-    "rows_gtw1": dict(split="rows", grid_tile_width=1),
-    "rows_gtw4": dict(split="rows", grid_tile_width=4),
     "rows_gtw8": dict(split="rows", grid_tile_width=8),
-    "rows_gtw4_s5": dict(split="rows", grid_tile_width=4, num_stages=5),
+    "rows_gtw4": dict(split="rows", grid_tile_width=4),
+    "rows_gtw8_s3": dict(split="rows", grid_tile_width=8, num_stages=3),
 }
 
 
@@ -84,10 +82,11 @@ def main(argv=None):
     print(f"{'variant':<12} {'product':<6} {'kernel ms':>9} {'wall ms':>8} {'TF/s kern':>9} "
           f"{'TF/s wall':>9}")
     jobs = [(v, prod) for v in a.variants.split(",") for prod in ("fwd", "dgrad")]
-    jobs.append(("wgrad", "wgrad"))
+    jobs += [(f"wgrad_{sp}", "wgrad") for sp in mosaic_fp8_tgmm.SPLITS]
     for v, prod in jobs:
         if prod == "wgrad":
-            f = jax.jit(lambda o: mosaic_fp8_tgmm.tgmm_fp8_blockwise(*o, gs))
+            f = jax.jit(lambda o, sp=v.split("_")[1]: mosaic_fp8_tgmm.tgmm_fp8_blockwise(
+                *o, gs, split=sp))
         else:
             f = jax.jit(lambda o, kw=VARIANTS[v]: mosaic_fp8.gmm_fp8_blockwise(*o, gs, **kw))
         try:
@@ -113,6 +112,12 @@ def main(argv=None):
             record["rows"].append({"variant": v, "product": prod, "bitwise_equal_to": names[0],
                                    "equal": same})
             print(f"{prod} {v} == {names[0]}: {same}")
+    outs = [np.asarray(mosaic_fp8_tgmm.tgmm_fp8_blockwise(*ops["wgrad"], gs, split=sp))
+            for sp in mosaic_fp8_tgmm.SPLITS]
+    same = bool(np.array_equal(*outs))
+    record["rows"].append({"variant": "wgrad_rows", "product": "wgrad",
+                           "bitwise_equal_to": "wgrad_columns", "equal": same})
+    print(f"wgrad rows == columns: {same}")
     print(f"record: {measure.write_record(record, a.out)}")
     return 0
 

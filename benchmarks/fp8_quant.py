@@ -59,6 +59,21 @@ def wall_ms(fn, args, iters):
     return measure.time_fn(fn, *args, warmup=2, iters=iters)["median_ms"]
 
 
+def columns_via_transpose(x_MK):
+    """``quantize_columns`` from a bf16 transpose (its own pass) and a row quantization:
+    the same blocks, so the same codes and scales."""
+    q, s = quant.quantize_blocks(jax.lax.optimization_barrier(x_MK.T), (1, 128))
+    return q, s.T
+
+
+def weight_both_layouts(w_GKN):
+    """Both weight layouts from two quantizations (of w and of w read transposed)
+    instead of a byte transpose of the codes; 128x128 blocks give the same codes."""
+    q, s = mosaic_fp8.quantize_weight(w_GKN)
+    qt, _ = mosaic_fp8.quantize_weight(jnp.swapaxes(w_GKN, 1, 2))
+    return q, qt, s
+
+
 def passes(m, g, k, n):
     """name -> (fn, which input, bytes moved)."""
     e = m * k
@@ -70,6 +85,8 @@ def passes(m, g, k, n):
         "weight": (mosaic_fp8.quantize_weight, "w", 2 * wn + wn + 4 * wn // 128**2),
         "weight2": (lambda w: (lambda q, s: (q, jnp.swapaxes(q, 1, 2), s))(
             *mosaic_fp8.quantize_weight(w)), "w", 2 * wn + 2 * wn + 4 * wn // 128**2),
+        "columns_T": (columns_via_transpose, "x", 2 * e + e + 4 * e // 128),
+        "weight2_T": (weight_both_layouts, "w", 2 * wn + 2 * wn + 4 * wn // 128**2),
         "qdq_rows": (lambda x: quant.qdq_blocks(x, (1, 128)), "x", 2 * e + 2 * e),
     }
 

@@ -197,7 +197,7 @@ WGRAD_LAYOUTS = {
     "several_empty_tail", pytest.param("one_group_all_rows", marks=slow)])
 def test_interpret_wgrad_matches_dequantized_product(rng, layout):
     m, sizes = WGRAD_LAYOUTS[layout]
-    k, n = 64, 256  # one 64-row K tile, one 256-wide N band (two warpgroups' columns)
+    k, n = 128, 256  # one 128-row K tile (two warpgroups of 64), two 128-wide N bands
     gs = jnp.asarray(np.array(sizes, np.int32))
     x = _nan_tail(_scaled(rng, (m, k), (0, 1)), sum(sizes))
     dy = _nan_tail(_scaled(rng, (m, n), (0, 1)), sum(sizes))

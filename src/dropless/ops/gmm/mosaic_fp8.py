@@ -124,7 +124,7 @@ def check_shapes(aq_MC, sa, bq_GOC, sb, group_sizes_G):
 
 
 def gmm_fp8_blockwise(aq_MC, sa, bq_GOC, sb, group_sizes_G, *, out_dtype=jnp.bfloat16,
-                      num_stages=4, grid_tile_width=4, sms=None, split="columns"):
+                      num_stages=4, grid_tile_width=8, sms=None, split="rows"):
     """y [M, O] = per-group blockwise-scaled a . b[g]^T; see the module docstring.
 
     Rows past ``sum(group_sizes)`` come out as zeros.

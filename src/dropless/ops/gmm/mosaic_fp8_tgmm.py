@@ -67,7 +67,11 @@ from dropless.ops.gmm.mosaic_fp8 import BLOCK, _MEMORY_REGISTERS, _swizzle_trans
 from dropless.ops.gmm.mosaic_gmm import persistent_kernel
 from dropless.ops.gmm.mosaic_tgmm import _store_tile
 
-BLOCK_K = 64  # rows of dw per CTA (shared by both warpgroups, as wgmma's M)
+BLOCK_K = 64  # rows of dw per warpgroup (wgmma's M)
+# How the two compute warpgroups share a CTA tile (as in ``mosaic_fp8``):
+# "columns", 64 (K) x 256 (N), both reading one x tile; "rows", 128 (K) x 128
+# (N), each its 64 K rows, both reading one dy tile.
+SPLITS = ("columns", "rows")
 
 
 def check_shapes(xq_KM, sx, dyq_NM, sdy, group_sizes_G):
@@ -97,7 +101,7 @@ def check_shapes(xq_KM, sx, dyq_NM, sdy, group_sizes_G):
 
 
 def tgmm_fp8_blockwise(xq_KM, sx, dyq_NM, sdy, group_sizes_G, *, out_dtype=jnp.float32,
-                       num_stages=4, sms=None):
+                       num_stages=4, sms=None, split="rows"):
     """dw [G, K, N] = per-group blockwise-scaled x^T dy; zeros for empty groups.
 
     See the module docstring for the operand layouts.
@@ -109,9 +113,14 @@ def tgmm_fp8_blockwise(xq_KM, sx, dyq_NM, sdy, group_sizes_G, *, out_dtype=jnp.f
     num_groups = group_sizes_G.shape[0]
     out_dtype = jnp.dtype(out_dtype)
     num_stages = num_stages if out_dtype.itemsize <= 2 else min(num_stages, 3)
-    bk, bn, bm = BLOCK_K, BLOCK, BLOCK
-    cta_n = 2 * bn
-    k_tiles, n_bands = k // bk, n // cta_n
+    if split not in SPLITS:
+        raise ValueError(f"mosaic fp8 tgmm: {split=} must be one of {SPLITS}")
+    if split == "rows" and k % (2 * BLOCK_K):
+        split = "columns"  # K = 64 (mod 128): only the 64-row CTA tile fits
+    bk, bn, bm = BLOCK_K, BLOCK, BLOCK  # one warpgroup's tile: 64 (K) x 128 (N)
+    by_rows = split == "rows"
+    cta_k, cta_n = (2 * bk, bn) if by_rows else (bk, 2 * bn)
+    k_tiles, n_bands = k // cta_k, n // cta_n
     mb = m // bm
     starts_G, sizes_G = schedule_lib.group_offsets(group_sizes_G, m)
     in_transforms = _swizzle_transforms(bm, xq_KM.dtype)
@@ -123,9 +132,9 @@ def tgmm_fp8_blockwise(xq_KM, sx, dyq_NM, sdy, group_sizes_G, *, out_dtype=jnp.f
             grid=(steps,),
             memory_registers=_MEMORY_REGISTERS,
             in_specs=[
-                plgpu.BlockSpec((bk, bm), lambda s: (0, s), transforms=in_transforms),
+                plgpu.BlockSpec((cta_k, bm), lambda s: (0, s), transforms=in_transforms),
                 plgpu.BlockSpec((cta_n, bm), lambda s: (0, s), transforms=in_transforms),
-                plgpu.BlockSpec((1, bk), lambda s: (s, 0)),
+                plgpu.BlockSpec((1, cta_k), lambda s: (s, 0)),
                 plgpu.BlockSpec((1, cta_n), lambda s: (s, 0)),
             ],
             wg_axis="wg",
@@ -137,8 +146,8 @@ def tgmm_fp8_blockwise(xq_KM, sx, dyq_NM, sdy, group_sizes_G, *, out_dtype=jnp.f
     def body(starts_ref, sizes_ref, x_gmem, sx_gmem, dy_gmem, sdy_gmem, o_gmem):
         ignore = lambda *_, **__: None
         pipeline_allocs = make_pipeline(ignore, ignore, num_stages).get_allocations(
-            x_gmem.at[pl.ds(0, bk), pl.ds(0, bm)], dy_gmem.at[pl.ds(0, cta_n), pl.ds(0, bm)],
-            sx_gmem.at[pl.ds(0, 1), pl.ds(0, bk)], sdy_gmem.at[pl.ds(0, 1), pl.ds(0, cta_n)],
+            x_gmem.at[pl.ds(0, cta_k), pl.ds(0, bm)], dy_gmem.at[pl.ds(0, cta_n), pl.ds(0, bm)],
+            sx_gmem.at[pl.ds(0, 1), pl.ds(0, cta_k)], sdy_gmem.at[pl.ds(0, 1), pl.ds(0, cta_n)],
         )
 
         @functools.partial(
@@ -158,7 +167,8 @@ def tgmm_fp8_blockwise(xq_KM, sx, dyq_NM, sdy, group_sizes_G, *, out_dtype=jnp.f
                 steps = jnp.where(size > 0, (start + size + bm - 1) // bm - first_block, 0)
                 store = functools.partial(
                     _store_tile, out_smem=out_smem, wg=wg, bk=bk, bn=bn,
-                    dst=o_gmem.at[g, pl.ds(k_tile * bk, bk), pl.ds(band * cta_n + wg * bn, bn)],
+                    dst=o_gmem.at[g, pl.ds(k_tile * cta_k + (wg * bk if by_rows else 0), bk),
+                                  pl.ds(band * cta_n + (0 if by_rows else wg * bn), bn)],
                 )
 
                 def compute_context(eval_pipeline):
@@ -166,16 +176,20 @@ def tgmm_fp8_blockwise(xq_KM, sx, dyq_NM, sdy, group_sizes_G, *, out_dtype=jnp.f
                     store(eval_pipeline(zeros).astype(out_dtype))
 
                 def mma_body(_, x_smem, dy_smem, sx_smem, sdy_smem, total):
-                    rhs = dy_smem.at[pl.ds(wg * bn, bn)].T  # [M, N] view of M-major storage
+                    if by_rows:  # [M, N] views of M-major storage
+                        lhs, rhs = x_smem.at[pl.ds(wg * bk, bk)], dy_smem.T
+                        rows, cols = sx_smem.at[0, pl.ds(wg * bk, bk)], sdy_smem.at[0]
+                    else:
+                        lhs, rhs = x_smem, dy_smem.at[pl.ds(wg * bn, bn)].T
+                        rows, cols = sx_smem.at[0], sdy_smem.at[0, pl.ds(wg * bn, bn)]
                     # Scales first: their loads overlap the wgmma.
-                    row_scale = plgpu.load(sx_smem.at[0], layout=plgpu.Layout.WGMMA.reduce(1))
-                    col_scale = plgpu.load(sdy_smem.at[0, pl.ds(wg * bn, bn)],
-                                           layout=plgpu.Layout.WGMMA.reduce(0))
+                    row_scale = plgpu.load(rows, layout=plgpu.Layout.WGMMA.reduce(1))
+                    col_scale = plgpu.load(cols, layout=plgpu.Layout.WGMMA.reduce(0))
                     # Fence the generic-proxy scale reads before TMA refills the slot.
                     plgpu.commit_smem()
 
                     def m_step(acc_ref):
-                        plgpu.wgmma(acc_ref, x_smem, rhs)
+                        plgpu.wgmma(acc_ref, lhs, rhs)
                         plgpu.wgmma_wait(0)
                         return acc_ref[...]
 
