@@ -205,9 +205,9 @@ def tgmm_fp8_blockwise(xq_KM, sx, dyq_NM, sdy, group_sizes_G, *, out_dtype=jnp.f
                     cols = pl.ds(first_block * bm, m)
                     blocks = pl.ds(first_block, mb)
                     make_pipeline(mma_body, compute_context, steps)(
-                        x_gmem.at[pl.ds(k_tile * bk, bk), cols],
+                        x_gmem.at[pl.ds(k_tile * cta_k, cta_k), cols],
                         dy_gmem.at[pl.ds(band * cta_n, cta_n), cols],
-                        sx_gmem.at[blocks, pl.ds(k_tile * bk, bk)],
+                        sx_gmem.at[blocks, pl.ds(k_tile * cta_k, cta_k)],
                         sdy_gmem.at[blocks, pl.ds(band * cta_n, cta_n)],
                         allocations=pipeline_allocs,
                     )
