@@ -193,17 +193,21 @@ WGRAD_LAYOUTS = {
 }
 
 
+@pytest.mark.parametrize("split", mosaic_fp8_tgmm.SPLITS)
 @pytest.mark.parametrize("layout", [
     "several_empty_tail", pytest.param("one_group_all_rows", marks=slow)])
-def test_interpret_wgrad_matches_dequantized_product(rng, layout):
+def test_interpret_wgrad_matches_dequantized_product(rng, layout, split):
     m, sizes = WGRAD_LAYOUTS[layout]
-    k, n = 128, 256  # one 128-row K tile (two warpgroups of 64), two 128-wide N bands
+    # Two CTA tiles along K and along N in either split (rows: 128 x 128 CTAs,
+    # columns: 64 x 256), so a tile that reads another tile's rows, columns or
+    # scales shows.
+    k, n = 256, 512 if split == "columns" else 256
     gs = jnp.asarray(np.array(sizes, np.int32))
     x = _nan_tail(_scaled(rng, (m, k), (0, 1)), sum(sizes))
     dy = _nan_tail(_scaled(rng, (m, n), (0, 1)), sum(sizes))
     ops = mosaic_fp8_tgmm.wgrad_operands(x, dy)
     with _interpret(detect_races=layout == "several_empty_tail"):
-        dw = mosaic_fp8_tgmm.tgmm_fp8_blockwise(*ops, gs).block_until_ready()
+        dw = mosaic_fp8_tgmm.tgmm_fp8_blockwise(*ops, gs, split=split).block_until_ready()
     assert not _races_found()
     ref = mosaic_fp8_tgmm.reference(*ops, gs)
     for e, size in enumerate(sizes):
