@@ -34,6 +34,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from dropless.ops import quant
 from dropless.ops.gmm import mosaic, mosaic_fp8, mosaic_fp8_tgmm, quantized
 
 F8 = jnp.float8_e4m3fn
@@ -458,3 +459,14 @@ def test_gpu_small_products_exact(rng):
     ops = mosaic_fp8_tgmm.wgrad_operands(x, dy)
     xd, dyd = _dequantized_wgrad_operands(*ops)
     np.testing.assert_array_equal(_run_wgrad(ops, gs), fp8_acc.tgmm(xd[:total], dyd[:total], sizes))
+
+
+def test_quantize_columns_equals_128x1_blocks_transposed(rng):
+    """The wgrad operand pass (a bf16 transpose, then 1x128 blocks) gives the codes and
+    scales of 128x1 blocks of the input, transposed: bit for bit."""
+    a = _scaled(rng, (384, 256), (0, 1)).astype(jnp.bfloat16)
+    aq, sa = mosaic_fp8_tgmm.quantize_columns(a)
+    want_q, want_s = quant.quantize_blocks(a, (128, 1))
+    np.testing.assert_array_equal(np.asarray(aq.astype(jnp.float32)),
+                                  np.asarray(want_q.T.astype(jnp.float32)))
+    np.testing.assert_array_equal(np.asarray(sa), np.asarray(want_s))
