@@ -23,7 +23,7 @@ products of both grouped matmuls with that recipe's FP8 numerics
 (``ops.gmm.quantized``); the group alignment the recipe needs (32 | 128) is
 applied to the permutation automatically (the max with ``group_alignment``).
 ``gmm_fp8_impl`` picks how ``te_fp8_blockwise`` runs: ``emulate`` (default) or
-``kernel``, the FP8 Mosaic GPU kernels (Hopper; not yet measured on a GPU).
+``kernel``, the FP8 Mosaic GPU kernels (Hopper).
 The shared experts take the dense layers' ``dot_general`` from the model.
 
 Given an ``ExpertParallel`` (``ep``), dispatch -> experts -> combine run

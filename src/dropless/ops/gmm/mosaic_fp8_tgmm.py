@@ -1,9 +1,12 @@
 """FP8 blockwise grouped weight gradient ("tgmm") for Hopper in Pallas Mosaic GPU.
 
-UNMEASURED: never run on a GPU; checked in Pallas GPU interpret mode on CPU
-(against the product of the dequantized operands, race detector on) and
-lowered for CUDA through ``jax.export``. Selected by
-``quantized.gmm(..., impl="kernel")`` (config key ``gmm_fp8_impl``).
+Measured on one H200 at M=65536 G=32 K=7168 N=4096 (record
+``fp8_kernels-20261201-194927``): 711 TF/s by CUPTI with the columns split
+(702 with rows; the two agree bit for bit), exact on integer-exact data
+and within the FP8 accumulation model on random data (GPU tests). Also
+checked in Pallas GPU interpret mode on CPU (race detector on) and lowered
+for CUDA through ``jax.export``. Selected by ``quantized.gmm(...,
+impl="kernel")`` (config key ``gmm_fp8_impl``).
 
 Legend: M rows (ragged, grouped), K and N the weight dims, G groups,
 Mb = M / 128 scale blocks along M.
@@ -101,7 +104,7 @@ def check_shapes(xq_KM, sx, dyq_NM, sdy, group_sizes_G):
 
 
 def tgmm_fp8_blockwise(xq_KM, sx, dyq_NM, sdy, group_sizes_G, *, out_dtype=jnp.float32,
-                       num_stages=4, sms=None, split="rows"):
+                       num_stages=4, sms=None, split="columns"):
     """dw [G, K, N] = per-group blockwise-scaled x^T dy; zeros for empty groups.
 
     See the module docstring for the operand layouts.
