@@ -40,7 +40,14 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
 from dropless.ops import quant  # noqa: E402
-from dropless.ops.gmm import api, mosaic, mosaic_fp8, mosaic_fp8_tgmm, quantized  # noqa: E402
+from dropless.ops.gmm import (  # noqa: E402
+    api,
+    fp8_quant_kernels,
+    mosaic,
+    mosaic_fp8,
+    mosaic_fp8_tgmm,
+    quantized,
+)
 from dropless.perf import measure  # noqa: E402
 
 
@@ -65,14 +72,6 @@ def columns_direct(x_MK):
     return q.T, s
 
 
-def weight_both_layouts(w_GKN):
-    """Both weight layouts from two quantizations (of w and of w read transposed)
-    instead of a byte transpose of the codes; 128x128 blocks give the same codes."""
-    q, s = mosaic_fp8.quantize_weight(w_GKN)
-    qt, _ = mosaic_fp8.quantize_weight(jnp.swapaxes(w_GKN, 1, 2))
-    return q, qt, s
-
-
 def passes(m, g, k, n):
     """name -> (fn, which input, bytes moved)."""
     e = m * k
@@ -85,15 +84,34 @@ def passes(m, g, k, n):
         "weight2": (lambda w: (lambda q, s: (q, jnp.swapaxes(q, 1, 2), s))(
             *mosaic_fp8.quantize_weight(w)), "w", 2 * wn + 2 * wn + 4 * wn // 128**2),
         "columns_direct": (columns_direct, "x", 2 * e + e + 4 * e // 128),
-        "weight2_T": (weight_both_layouts, "w", 2 * wn + 2 * wn + 4 * wn // 128**2),
         "qdq_rows": (lambda x: quant.qdq_blocks(x, (1, 128)), "x", 2 * e + 2 * e),
+        # The single-pass kernels (fp8_quant_kernels): same outputs as rows,
+        # columns, weight and weight2.
+        "rows_pallas": (fp8_quant_kernels.quantize_rows, "x", 2 * e + e + 4 * e // 128),
+        "columns_pallas": (fp8_quant_kernels.quantize_columns, "x", 2 * e + e + 4 * e // 128),
+        "weight_pallas": (lambda w: fp8_quant_kernels.quantize_weight(w, transposed=False), "w",
+                          2 * wn + wn + 4 * wn // 128**2),
+        "weight2_pallas": (fp8_quant_kernels.quantize_weight, "w",
+                           2 * wn + 2 * wn + 4 * wn // 128**2),
     }
+
+
+# pass -> the XLA pass whose outputs it must equal bit for bit
+SAME_AS = {"rows_pallas": "rows", "columns_pallas": "columns", "weight_pallas": "weight",
+           "weight2_pallas": "weight2"}
+
+
+def _bits(a):
+    """a's bytes as unsigned integers (NaNs compare equal bit for bit)."""
+    return jax.lax.bitcast_convert_type(a, {1: jnp.uint8, 4: jnp.uint32}[a.dtype.itemsize])
 
 
 def products(x, w, gs, dy):
     """name -> (fn, args): the kernel path, the FP8 kernels alone, the bf16 kernel."""
     kpath = lambda x, w: quantized.gmm(x, w, gs, recipe="te_fp8_blockwise", impl="kernel",  # noqa: E731
                                        groups_aligned=True)
+    kpath_p = lambda x, w: quantized.gmm(x, w, gs, recipe="te_fp8_blockwise", impl="kernel",  # noqa: E731
+                                         groups_aligned=True, quant_impl="pallas")
     bf16 = lambda x, w: api.gmm(x, w, gs)  # noqa: E731
 
     def fwd_bwd(f):
@@ -111,10 +129,12 @@ def products(x, w, gs, dy):
                                         mosaic_fp8_tgmm.tgmm_fp8_blockwise(*wg, gs)))
     return {
         "fwd kernel path": (jax.jit(kpath), (x, w)),
+        "fwd kernel path, pallas quant": (jax.jit(kpath_p), (x, w)),
         "fwd FP8 kernel alone": (jax.jit(lambda o: mosaic_fp8.gmm_fp8_blockwise(*o, gs)),
                                  (fwd_ops,)),
         "fwd bf16 kernel": (jax.jit(bf16), (x, w)),
         "fwd+bwd kernel path": (fwd_bwd(kpath), (x, w, dy)),
+        "fwd+bwd kernel path, pallas q": (fwd_bwd(kpath_p), (x, w, dy)),
         "fwd+bwd FP8 kernels alone": (kernels, (fwd_ops, dgrad_ops, wgrad_ops)),
         "fwd+bwd bf16 kernel": (fwd_bwd(bf16), (x, w, dy)),
     }
@@ -126,6 +146,7 @@ def main(argv=None):
     p.add_argument("--iters", type=int, default=10)
     p.add_argument("--out", default=str(measure.DEFAULT_RESULTS_DIR))
     p.add_argument("--smoke", action="store_true", help="tiny shape, passes only (CPU check)")
+    p.add_argument("--no-breakdown", action="store_true", help="skip the profiler breakdown")
     a = p.parse_args(argv)
     m, g, k, n = (256, 2, 256, 256) if a.smoke else map(int, a.shape.split(","))
     rng = np.random.default_rng(0)
@@ -138,35 +159,59 @@ def main(argv=None):
     inputs = {"x": x, "w": w}
     print(f"{'pass':<10} {'kernel ms':>10} {'wall ms':>9} {'GB':>7} {'GB/s kern':>10} "
           f"{'GB/s wall':>10}")
+    outputs = {}
     for name, (fn, which, nbytes) in passes(m, g, k, n).items():
         f = jax.jit(fn)
-        kms = cupti_ms(f, (inputs[which],), a.iters)
-        wms = wall_ms(f, (inputs[which],), a.iters)
+        try:
+            if name in SAME_AS or name in SAME_AS.values():
+                outputs[name] = jax.block_until_ready(f(inputs[which]))
+            kms = cupti_ms(f, (inputs[which],), a.iters)
+            wms = wall_ms(f, (inputs[which],), a.iters)
+        except Exception as e:  # noqa: BLE001 - one pass failing must not lose the others
+            print(f"{name:<10} failed: {type(e).__name__}: {str(e)[:300]}")
+            record["rows"].append({"section": "pass", "name": name, "error": str(e)[:1000]})
+            continue
         row = {"section": "pass", "name": name, "kernel_ms": kms, "wall_ms": wms,
                "gbytes": nbytes / 1e9, "gbps_kernel": kms and nbytes / kms / 1e6,
                "gbps_wall": nbytes / wms / 1e6}
         record["rows"].append(row)
         print(f"{name:<10} {kms or float('nan'):>10.3f} {wms:>9.3f} {nbytes / 1e9:>7.3f} "
               f"{row['gbps_kernel'] or float('nan'):>10.0f} {row['gbps_wall']:>10.0f}")
+    for name, base in SAME_AS.items():
+        if name not in outputs:
+            continue
+        same = all(bool(jnp.array_equal(_bits(a_), _bits(b_)))
+                   for a_, b_ in zip(outputs[name], outputs[base]))
+        record["rows"].append({"section": "check", "name": name, "bitwise_equal_to": base,
+                               "equal": same})
+        print(f"{name} == {base}: {same}")
+    outputs.clear()
     if mosaic.is_available():
         flops = 2 * m * k * n
-        print(f"\n{'product':<28} {'kernel ms':>10} {'wall ms':>9} {'TF/s kern':>10} {'TF/s wall':>10}")
+        print(f"\n{"product":<30} {'kernel ms':>10} {'wall ms':>9} {'TF/s kern':>10} {'TF/s wall':>10}")
         for name, (fn, args) in products(x, w, gs, dy).items():
             fl = flops * (3 if "bwd" in name else 1)
-            kms = cupti_ms(fn, args, a.iters)
-            wms = wall_ms(fn, args, a.iters)
+            try:
+                kms = cupti_ms(fn, args, a.iters)
+                wms = wall_ms(fn, args, a.iters)
+            except Exception as e:  # noqa: BLE001
+                print(f"{name:<30} failed: {type(e).__name__}: {str(e)[:300]}")
+                record["rows"].append({"section": "product", "name": name, "error": str(e)[:1000]})
+                continue
             record["rows"].append({"section": "product", "name": name, "kernel_ms": kms,
                                    "wall_ms": wms, "tflops_kernel": kms and fl / kms / 1e9,
                                    "tflops_wall": fl / wms / 1e9})
-            print(f"{name:<28} {kms or float('nan'):>10.3f} {wms:>9.3f} "
+            print(f"{name:<30} {kms or float('nan'):>10.3f} {wms:>9.3f} "
                   f"{(kms and fl / kms / 1e9) or float('nan'):>10.0f} {fl / wms / 1e9:>10.0f}")
+        path = measure.write_record(record, a.out)  # kept if the breakdown fails
+    if mosaic.is_available() and not a.no_breakdown:
         fn, args = products(x, w, gs, dy)["fwd+bwd kernel path"]
         bd = measure.profile_calls(fn, *args, calls=3)
         record["breakdown_fwd_bwd_kernel_path"] = bd.to_dict()
         print("\nfwd+bwd kernel path, kernels by time (3 calls):")
         for kr in bd.top_kernels:
             print(f"  {kr['time_us'] / 3 / 1e3:8.3f} ms  x{kr['count'] // 3:<3} {kr['name'][:90]}")
-    else:
+    elif not mosaic.is_available():
         print("(no Hopper GPU: product rows and breakdown skipped)")
     path = measure.write_record(record, a.out)
     print(f"\nrecord: {path}")

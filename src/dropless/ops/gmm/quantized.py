@@ -78,6 +78,10 @@ from dropless.ops.gmm import api
 RECIPES = ("te_no_quant", "te_fp8_blockwise", "te_mxfp8")
 IMPLS = ("emulate", "kernel")  # how te_fp8_blockwise runs (module docstring)
 KERNEL_RECIPE = "te_fp8_blockwise"
+# How impl="kernel" quantizes its operands: "xla", ``ops.quant`` fused by XLA;
+# "pallas", the single-pass kernels of ``fp8_quant_kernels`` (same codes and
+# scales bit for bit).
+QUANT_IMPLS = ("xla", "pallas")
 _KERNEL_DIM = 256  # K and N: the kernels' CTA tiles are 256 wide along O, 128 along C
 _ALIGNMENT = {"te_no_quant": 1, "te_fp8_blockwise": quant.BLOCKWISE_TILE, "te_mxfp8": quant.MX_BLOCK}
 _log = logging.getLogger(__name__)
@@ -214,52 +218,67 @@ def pad_kernel_rows(a):
     return a if not pad else jnp.pad(a, ((0, pad), (0, 0)))
 
 
-def kernel_fwd(x, w, group_sizes, out_dtype):
+def kernel_fwd(x, w, group_sizes, out_dtype, quant_impl="xla"):
     """y [M, N] of ``impl="kernel"``: x 1x128, w 128x128 (codes as [G, N, K]), FP8 kernel."""
-    from dropless.ops.gmm import mosaic_fp8
+    from dropless.ops.gmm import fp8_quant_kernels, mosaic_fp8
 
     m = x.shape[0]
-    wq, sw = mosaic_fp8.quantize_weight(w)
-    ops = mosaic_fp8.fwd_operands(pad_kernel_rows(x), wq, sw)
+    if quant_impl == "pallas":
+        wq, wq_t, sw = fp8_quant_kernels.quantize_weight(w)
+        xq, sx = fp8_quant_kernels.quantize_rows(pad_kernel_rows(x))
+        ops = (xq, sx, wq_t, sw)
+    else:
+        wq, sw = mosaic_fp8.quantize_weight(w)
+        ops = mosaic_fp8.fwd_operands(pad_kernel_rows(x), wq, sw)
     return mosaic_fp8.gmm_fp8_blockwise(*ops, group_sizes, out_dtype=out_dtype)[:m]
 
 
-def kernel_dgrad(dy, w, group_sizes, out_dtype):
+def kernel_dgrad(dy, w, group_sizes, out_dtype, quant_impl="xla"):
     """dx [M, K] of ``impl="kernel"``: dy 1x128 along N, w's 128x128 codes as stored."""
-    from dropless.ops.gmm import mosaic_fp8
+    from dropless.ops.gmm import fp8_quant_kernels, mosaic_fp8
 
     m = dy.shape[0]
-    wq, sw = mosaic_fp8.quantize_weight(w)  # the forward's codes, recomputed (not stored)
-    ops = mosaic_fp8.dgrad_operands(pad_kernel_rows(dy), wq, sw)
+    # The forward's codes, recomputed (not stored).
+    if quant_impl == "pallas":
+        wq, sw = fp8_quant_kernels.quantize_weight(w, transposed=False)
+        dyq, sdy = fp8_quant_kernels.quantize_rows(pad_kernel_rows(dy))
+        ops = (dyq, sdy, wq, jnp.swapaxes(sw, 1, 2))
+    else:
+        wq, sw = mosaic_fp8.quantize_weight(w)
+        ops = mosaic_fp8.dgrad_operands(pad_kernel_rows(dy), wq, sw)
     return mosaic_fp8.gmm_fp8_blockwise(*ops, group_sizes, out_dtype=out_dtype)[:m]
 
 
-def kernel_wgrad(x, dy, group_sizes, out_dtype, aligned=False):
+def kernel_wgrad(x, dy, group_sizes, out_dtype, aligned=False, quant_impl="xla"):
     """dw [G, K, N] of ``impl="kernel"``: x and dy 128x1 along M, M-major codes.
 
     ``aligned``: group sizes are known to be multiples of 128; otherwise the
     rows are regrouped first (``align_groups``).
     """
-    from dropless.ops.gmm import mosaic_fp8_tgmm
+    from dropless.ops.gmm import fp8_quant_kernels, mosaic_fp8_tgmm
 
     x, dy, group_sizes = _wgrad_rows(x, dy, group_sizes, quant.BLOCKWISE_TILE, aligned)
-    ops = mosaic_fp8_tgmm.wgrad_operands(pad_kernel_rows(x), pad_kernel_rows(dy))
+    x, dy = pad_kernel_rows(x), pad_kernel_rows(dy)
+    if quant_impl == "pallas":
+        ops = (*fp8_quant_kernels.quantize_columns(x), *fp8_quant_kernels.quantize_columns(dy))
+    else:
+        ops = mosaic_fp8_tgmm.wgrad_operands(x, dy)
     return mosaic_fp8_tgmm.tgmm_fp8_blockwise(*ops, group_sizes, out_dtype=out_dtype)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4))
-def _kgmm(x, w, group_sizes, out_dtype, aligned):
-    return kernel_fwd(x, w, group_sizes, out_dtype)
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5))
+def _kgmm(x, w, group_sizes, out_dtype, aligned, quant_impl):
+    return kernel_fwd(x, w, group_sizes, out_dtype, quant_impl)
 
 
-def _kgmm_fwd(x, w, group_sizes, out_dtype, aligned):
-    return _kgmm(x, w, group_sizes, out_dtype, aligned), (x, w, group_sizes)
+def _kgmm_fwd(x, w, group_sizes, out_dtype, aligned, quant_impl):
+    return _kgmm(x, w, group_sizes, out_dtype, aligned, quant_impl), (x, w, group_sizes)
 
 
-def _kgmm_bwd(out_dtype, aligned, res, dy):
+def _kgmm_bwd(out_dtype, aligned, quant_impl, res, dy):
     x, w, group_sizes = res
-    dx = kernel_dgrad(dy, w, group_sizes, x.dtype)
-    dw = kernel_wgrad(x, dy, group_sizes, w.dtype, aligned)
+    dx = kernel_dgrad(dy, w, group_sizes, x.dtype, quant_impl)
+    dw = kernel_wgrad(x, dy, group_sizes, w.dtype, aligned, quant_impl)
     return dx, dw, jnp.zeros(group_sizes.shape, jax.dtypes.float0)
 
 
@@ -292,7 +311,7 @@ def _check_kernel_args(x, w, recipe):
 
 
 def gmm(x, w, group_sizes, *, recipe="te_no_quant", backend="auto", out_dtype=None,
-        impl="emulate", groups_aligned=False):
+        impl="emulate", groups_aligned=False, quant_impl="xla"):
     """Grouped matmul with the FP8 numerics of ``recipe`` in all three products.
 
     Args:
@@ -303,6 +322,7 @@ def gmm(x, w, group_sizes, *, recipe="te_no_quant", backend="auto", out_dtype=No
       backend: the bf16 gmm backend (``api.BACKENDS``) of ``impl="emulate"``.
       out_dtype: output dtype (default x.dtype); accumulation is float32.
       impl: ``"emulate"`` or ``"kernel"`` (``IMPLS``; module docstring).
+      quant_impl: how ``impl="kernel"`` quantizes its operands (``QUANT_IMPLS``).
       groups_aligned: the caller guarantees every group size is a multiple
         of ``required_alignment(recipe)``, so wgrad needs no regrouping.
 
@@ -319,6 +339,8 @@ def gmm(x, w, group_sizes, *, recipe="te_no_quant", backend="auto", out_dtype=No
     required_alignment(recipe)
     if impl not in IMPLS:
         raise ValueError(f"gmm: impl {impl!r} is not one of {IMPLS}")
+    if quant_impl not in QUANT_IMPLS:
+        raise ValueError(f"gmm: quant_impl {quant_impl!r} is not one of {QUANT_IMPLS}")
     if recipe == "te_no_quant":
         return api.gmm(x, w, group_sizes, backend=backend, out_dtype=out_dtype)
     api._check_gmm_args(x, w, group_sizes, transpose_rhs=False)
@@ -326,7 +348,7 @@ def gmm(x, w, group_sizes, *, recipe="te_no_quant", backend="auto", out_dtype=No
     if impl == "kernel":
         _check_kernel_args(x, w, recipe)
         _say_once(recipe, jax.devices()[0].device_kind, "fp8_kernel")
-        return _kgmm(x, w, group_sizes, out_dtype, bool(groups_aligned))
+        return _kgmm(x, w, group_sizes, out_dtype, bool(groups_aligned), quant_impl)
     name = api.resolve_backend(backend, x.shape, w.shape, x.dtype)
     _say_once(recipe, jax.devices()[0].device_kind, name)
     return _qgmm(x, w, group_sizes, recipe, name, out_dtype, bool(groups_aligned))

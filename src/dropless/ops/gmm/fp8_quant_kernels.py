@@ -1,0 +1,155 @@
+"""Single-pass quantization kernels (Pallas, Triton backend) for the FP8 blockwise GEMMs.
+
+Legend: M rows, C columns, G groups, K x N the weight dims; Cb = C / 128,
+Mb = M / 128.
+
+Each kernel reads its input once and writes the E4M3 codes and the float32
+power-of-two scales in the layout the FP8 kernels read (``mosaic_fp8``,
+``mosaic_fp8_tgmm``), with the numerics of ``ops.quant.quantize_blocks``
+(the same helper functions compute the scale exponents; results equal bit
+for bit, tested):
+
+  rows     a [M, C] -> codes [M, C], scales [Cb, M]     (1x128; fwd's x, dgrad's dy)
+  columns  a [M, C] -> codes [C, M], scales [Mb, C]     (128x1 along M, codes M-major;
+                                                         wgrad's x and dy)
+  weight   w [G, K, N] -> codes [G, K, N], codes [G, N, K], scales [G, Kb, Nb]
+                                                        (128x128; dgrad's and fwd's layouts
+                                                         from one read)
+
+Why our own: XLA's fusion of ``quantize_blocks`` splits the block reduction
+from the scaling, so it reads its input twice (and the columns layout adds
+a strided transpose). On the H200 at x [65536, 7168] bf16 the XLA passes
+ran at 1,754 GB/s (rows), 1,088 (columns, from a bf16 transpose) and 1,620
+(weight, both layouts) against 3,357 for a plain bf16 copy in the same run
+(``benchmarks/fp8_quant.py``, record of 2026-12-01 19:50). One read per
+element is the floor these kernels aim at; ``fp8_quant.py`` times both.
+
+Off an NVIDIA GPU (tests) they run in Pallas interpret mode (``interpret``
+None picks by the default device). Shapes: M and C multiples of 128 (the kernel path pads rows to 128; the FP8
+GEMMs need K and N multiples of 256). Other shapes raise ValueError.
+"""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+
+from dropless.ops import quant
+
+BLOCK = quant.BLOCKWISE_TILE  # 128
+E4M3 = quant.E4M3
+
+
+def _scale_parts(amax):
+    """(scale, inverse) float32 powers of two of ``quantize_blocks``; NaN for a
+    non-finite amax (a NaN or infinity in the block)."""
+    k = quant._pow2_exponent(amax, E4M3)
+    finite = jnp.isfinite(amax)
+    nan = jnp.float32(jnp.nan)
+    return jnp.where(finite, quant._pow2(k), nan), jnp.where(finite, quant._pow2(-k), nan)
+
+
+def _amax(x32, axis):
+    """Largest |x| along ``axis``, NaN where that line holds a NaN (a max reduction on
+    the GPU need not propagate NaN, so it is checked on its own)."""
+    amax = jnp.max(jnp.abs(x32), axis=axis)
+    has_nan = jnp.max(jnp.where(jnp.isnan(x32), 1.0, 0.0), axis=axis) > 0
+    return jnp.where(has_nan, jnp.float32(jnp.nan), amax)
+
+
+def _codes(x32, inv):
+    return quant._saturate(x32 * inv, E4M3)
+
+
+def _check(name, shape):
+    if any(s % BLOCK for s in shape[-2:]) or 0 in shape:
+        raise ValueError(f"fp8_quant_kernels.{name}: the last two dims {shape[-2:]} must be "
+                         f"positive multiples of {BLOCK}")
+
+
+def _call(kernel, operand, grid, in_specs, out_specs, out_shape, interpret):
+    if interpret is None:  # the kernels compile for NVIDIA GPUs; elsewhere (tests) interpret
+        interpret = jax.devices()[0].platform != "gpu"
+    return pl.pallas_call(kernel, grid=grid, in_specs=in_specs, out_specs=out_specs,
+                          out_shape=out_shape, interpret=interpret,
+                          compiler_params=_compiler_params())(operand)
+
+
+def _compiler_params():
+    from jax.experimental.pallas import triton as pltriton
+
+    return pltriton.CompilerParams(num_warps=4, num_stages=1)
+
+
+def _rows_kernel(a_ref, q_ref, s_ref):
+    x = quant._read(a_ref[...])  # [BLOCK rows, BLOCK cols]
+    scale, inv = _scale_parts(_amax(x, 1))
+    q_ref[...] = _codes(x, inv[:, None])
+    s_ref[...] = scale[None, :]
+
+
+@functools.partial(jax.jit, static_argnames="interpret")
+def quantize_rows(a_MC, interpret=None):
+    """(aq [M, C] E4M3, sa [Cb, M]): 1x128 blocks along C (``mosaic_fp8.quantize_rows``)."""
+    _check("quantize_rows", a_MC.shape)
+    m, c = a_MC.shape
+    return _call(
+        _rows_kernel, a_MC, (m // BLOCK, c // BLOCK),
+        [pl.BlockSpec((BLOCK, BLOCK), lambda i, j: (i, j))],
+        [pl.BlockSpec((BLOCK, BLOCK), lambda i, j: (i, j)),
+         pl.BlockSpec((1, BLOCK), lambda i, j: (j, i))],
+        [jax.ShapeDtypeStruct((m, c), E4M3), jax.ShapeDtypeStruct((c // BLOCK, m), jnp.float32)],
+        interpret)
+
+
+def _columns_kernel(a_ref, q_ref, s_ref):
+    x = quant._read(a_ref[...])  # [BLOCK rows (M), BLOCK cols (C)]
+    scale, inv = _scale_parts(_amax(x, 0))
+    q_ref[...] = _codes(x, inv[None, :]).T
+    s_ref[...] = scale[None, :]
+
+
+@functools.partial(jax.jit, static_argnames="interpret")
+def quantize_columns(a_MC, interpret=None):
+    """(aq [C, M] E4M3, sa [Mb, C]): 128x1 blocks along M, codes M-major
+    (``mosaic_fp8_tgmm.quantize_columns``)."""
+    _check("quantize_columns", a_MC.shape)
+    m, c = a_MC.shape
+    return _call(
+        _columns_kernel, a_MC, (m // BLOCK, c // BLOCK),
+        [pl.BlockSpec((BLOCK, BLOCK), lambda i, j: (i, j))],
+        [pl.BlockSpec((BLOCK, BLOCK), lambda i, j: (j, i)),
+         pl.BlockSpec((1, BLOCK), lambda i, j: (i, j))],
+        [jax.ShapeDtypeStruct((c, m), E4M3), jax.ShapeDtypeStruct((m // BLOCK, c), jnp.float32)],
+        interpret)
+
+
+def _weight_kernel(w_ref, *out_refs):
+    x = quant._read(w_ref[0])  # [BLOCK (K), BLOCK (N)]
+    scale, inv = _scale_parts(_amax(_amax(x, 1), 0))
+    q = _codes(x, inv)
+    out_refs[0][0] = q
+    if len(out_refs) == 3:
+        out_refs[1][0] = q.T
+    out_refs[-1][...] = jnp.broadcast_to(scale, (1, 1, 1))
+
+
+@functools.partial(jax.jit, static_argnames=("transposed", "interpret"))
+def quantize_weight(w_GKN, transposed=True, interpret=None):
+    """128x128 blocks of w (``mosaic_fp8.quantize_weight``) from one read:
+    (wq [G, K, N] E4M3, wq as [G, N, K], sw [G, Kb, Nb]), or without the
+    transposed copy (what only dgrad reads) when ``transposed`` is False."""
+    _check("quantize_weight", w_GKN.shape)
+    g, k, n = w_GKN.shape
+    kb, nb = k // BLOCK, n // BLOCK
+    spec = lambda f: pl.BlockSpec((1, BLOCK, BLOCK), f)  # noqa: E731
+    out_specs = [spec(lambda e, i, j: (e, i, j))]
+    out_shape = [jax.ShapeDtypeStruct((g, k, n), E4M3)]
+    if transposed:
+        out_specs.append(spec(lambda e, i, j: (e, j, i)))
+        out_shape.append(jax.ShapeDtypeStruct((g, n, k), E4M3))
+    out_specs.append(pl.BlockSpec((1, 1, 1), lambda e, i, j: (e, i, j)))
+    out_shape.append(jax.ShapeDtypeStruct((g, kb, nb), jnp.float32))
+    return tuple(_call(_weight_kernel, w_GKN, (g, kb, nb), [spec(lambda e, i, j: (e, i, j))],
+                       out_specs, out_shape, interpret))

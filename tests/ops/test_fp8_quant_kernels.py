@@ -1,0 +1,148 @@
+"""The single-pass FP8 quantization kernels (``ops.gmm.fp8_quant_kernels``).
+
+On CPU they run in Pallas interpret mode and must equal ``ops.quant``'s
+blockwise quantization (the layouts the FP8 GEMM kernels read) bit for bit:
+codes and power-of-two scales come from the same exponent arithmetic, so
+there is no tolerance. They are also lowered for CUDA at DeepSeek-V3 shapes
+(Triton IR built on the host). A GPU test repeats the bitwise comparison on
+the hardware, where the compiled Triton kernels run.
+"""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from dropless.ops import quant
+from dropless.ops.gmm import fp8_quant_kernels as fq
+from dropless.ops.gmm import mosaic, mosaic_fp8, mosaic_fp8_tgmm, quantized
+
+S = jax.ShapeDtypeStruct
+
+
+def _data(rng, shape):
+    """Normal values times a random power-of-e factor per row and per column (every
+    block gets a different scale), with exact zeros and values below the smallest
+    float32 normal (which ``quant`` reads as zero) mixed in."""
+    a = rng.standard_normal(shape) * np.exp(rng.uniform(-6, 6, shape[-1]))
+    a = a * np.exp(rng.uniform(-6, 6, shape[:-1] + (1,)))
+    a[..., 0, :5] = 0.0
+    a[..., 1, :3] = 1e-40
+    return a
+
+
+def _same(got, want):
+    got = np.asarray(jnp.asarray(got).astype(jnp.float32))
+    want = np.asarray(jnp.asarray(want).astype(jnp.float32))
+    assert got.shape == want.shape
+    np.testing.assert_array_equal(got, want)
+
+
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32])
+def test_rows_and_columns_equal_quant_bit_for_bit(rng, dtype):
+    a = jnp.asarray(_data(rng, (256, 384)), dtype)
+    q, s = fq.quantize_rows(a)
+    want_q, want_s = quant.quantize_blocks(a, (1, 128))
+    _same(q, want_q)
+    _same(s, want_s.T)
+    q, s = fq.quantize_columns(a)
+    want_q, want_s = quant.quantize_blocks(a, (128, 1))
+    _same(q, want_q.T)
+    _same(s, want_s)
+
+
+def test_weight_both_layouts_equal_quant_bit_for_bit(rng):
+    w = jnp.asarray(_data(rng, (2, 256, 384)), jnp.bfloat16)
+    q, q_t, s = fq.quantize_weight(w)
+    want_q, want_s = quant.quantize_blocks(w, (1, 128, 128))
+    _same(q, want_q)
+    _same(q_t, jnp.swapaxes(want_q, 1, 2))
+    _same(s, want_s)
+    q2, s2 = fq.quantize_weight(w, transposed=False)
+    _same(q2, want_q)
+    _same(s2, want_s)
+
+
+def test_nan_makes_its_block_nan(rng):
+    """A NaN gives its block a NaN scale and NaN codes (``quantize_blocks``'s contract),
+    whatever the backend's max reduction does with NaN; other blocks are untouched."""
+    a = np.asarray(_data(rng, (128, 256)), np.float32)
+    a[5, 200] = np.nan
+    q, s = fq.quantize_rows(jnp.asarray(a))
+    s = np.asarray(s)
+    assert np.isnan(s[1, 5]) and np.isfinite(np.delete(s.ravel(), 1 * 128 + 5)).all()
+    assert np.isnan(np.asarray(q[5, 128:].astype(jnp.float32))).all()
+    q, s = fq.quantize_columns(jnp.asarray(a))
+    s = np.asarray(s)
+    assert np.isnan(s[0, 200]) and np.isfinite(np.delete(s.ravel(), 200)).all()
+
+
+def test_shape_errors():
+    with pytest.raises(ValueError, match="multiples of 128"):
+        fq.quantize_rows(jnp.zeros((128, 200)), interpret=True)
+    with pytest.raises(ValueError, match="multiples of 128"):
+        fq.quantize_weight(jnp.zeros((1, 100, 128)), interpret=True)
+
+
+def _abstract_h200():
+    from jax._src import mesh as mesh_lib
+
+    device = mesh_lib.AbstractDevice(device_kind="NVIDIA H200", num_cores=132, platform="gpu")
+    return jax.sharding.use_abstract_mesh(
+        jax.sharding.AbstractMesh((1,), ("x",), abstract_device=device))
+
+
+@pytest.mark.parametrize("name,shape", [("quantize_rows", (65536, 7168)),
+                                        ("quantize_columns", (65536, 2048)),
+                                        ("quantize_weight", (32, 7168, 4096))])
+def test_lowers_for_cuda(name, shape):
+    fn = getattr(fq, name)
+    checks = [jax.export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")]
+    with _abstract_h200():
+        exported = jax.export.export(jax.jit(lambda a: fn(a, interpret=False)), platforms=["cuda"],
+                                     disabled_checks=checks)(S(shape, jnp.bfloat16))
+    text = exported.mlir_module()
+    assert "xla.gpu.triton" in text and "f8E4M3FN" in text
+
+
+def test_kernel_impl_with_pallas_quantizers_equals_xla_quantizers(rng, monkeypatch):
+    """``quantized.gmm(impl="kernel", quant_impl="pallas")``'s value and gradients equal
+    ``quant_impl="xla"``'s bit for bit: the same codes and scales into the same
+    products. The GEMM kernels are replaced by their float32 references here (the
+    Mosaic GPU interpreter cannot run the Triton quantizers inside it); the kernels
+    themselves are tested in test_gmm_mosaic_fp8."""
+    monkeypatch.setattr(mosaic, "is_available", lambda: True)
+    monkeypatch.setattr(mosaic_fp8, "gmm_fp8_blockwise", mosaic_fp8.reference)
+    monkeypatch.setattr(mosaic_fp8_tgmm, "tgmm_fp8_blockwise", mosaic_fp8_tgmm.reference)
+    m, k, n, sizes = 256, 256, 256, np.array([128, 0, 128], np.int32)
+    gs = jnp.asarray(sizes)
+    x = jnp.asarray(_data(rng, (m, k)), jnp.float32)
+    w = jnp.asarray(_data(rng, (3, k, n)) / 1e3, jnp.float32)
+    dy = jnp.asarray(_data(rng, (m, n)), jnp.float32)
+
+    def run(quant_impl):
+        f = lambda x, w: quantized.gmm(x, w, gs, recipe="te_fp8_blockwise", impl="kernel",  # noqa: E731
+                                       groups_aligned=True, quant_impl=quant_impl)
+        y, vjp = jax.vjp(f, x, w)
+        return (y, *vjp(dy))
+
+    got, want = run("pallas"), run("xla")
+    for g_, w_ in zip(got, want):
+        _same(g_, w_)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not mosaic.is_available(), reason="needs a Hopper (sm_90) GPU")
+def test_gpu_kernels_equal_quant_bit_for_bit(rng):
+    """On the hardware: the compiled kernels against XLA's quantization at a real shape."""
+    a = jnp.asarray(_data(rng, (4096, 2048)), jnp.bfloat16)
+    _same(fq.quantize_rows(a)[0], mosaic_fp8.quantize_rows(a)[0])
+    _same(fq.quantize_rows(a)[1], mosaic_fp8.quantize_rows(a)[1])
+    _same(fq.quantize_columns(a)[0], mosaic_fp8_tgmm.quantize_columns(a)[0])
+    _same(fq.quantize_columns(a)[1], mosaic_fp8_tgmm.quantize_columns(a)[1])
+    w = jnp.asarray(_data(rng, (4, 1024, 2048)), jnp.bfloat16)
+    q, q_t, s = fq.quantize_weight(w)
+    want_q, want_s = mosaic_fp8.quantize_weight(w)
+    _same(q, want_q)
+    _same(q_t, jnp.swapaxes(want_q, 1, 2))
+    _same(s, want_s)
