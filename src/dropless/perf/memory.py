@@ -250,22 +250,21 @@ def _residuals(model: ModelConfig, batch: int, seq: int, seed: int = 0):
     return [(aval, src) for aval, src in res if "from the argument" not in src]
 
 
-def _offloaded_names(model: ModelConfig) -> set[str]:
-    if model.remat_policy != "custom":
-        return set()
-    return {name for name, action in model.remat_custom if action == "offload"}
+def _on_host(aval) -> bool:
+    return "host" in str(getattr(aval, "memory_space", "")).lower()
 
 
 def saved_activation_bytes(model: ModelConfig, batch: int, seq: int) -> tuple[int, int]:
-    """(bytes kept on the device, bytes offloaded to the host) of one microbatch's residuals."""
-    offload = _offloaded_names(model)
+    """(bytes kept on the device, bytes offloaded to the host) of one microbatch's residuals.
+
+    A residual the policy offloads has a host memory space in the traced program.
+    """
     device = host = 0
-    for aval, src in _residuals(model, batch, seq):
-        nbytes = _nbytes(aval)
-        if any(f"'{name}'" in src for name in offload):
-            host += nbytes
+    for aval, _ in _residuals(model, batch, seq):
+        if _on_host(aval):
+            host += _nbytes(aval)
         else:
-            device += nbytes
+            device += _nbytes(aval)
     return device, host
 
 
@@ -276,7 +275,7 @@ def layer_working_set(model: ModelConfig, batch: int, seq: int) -> int:
     bare = dataclasses.replace(model, remat_policy="none", remat_custom=(), mtp_num_layers=0)
 
     def total(m):
-        return sum(_nbytes(aval) for aval, _ in _residuals(m, batch, seq))
+        return sum(_nbytes(aval) for aval, _ in _residuals(m, batch, seq) if not _on_host(aval))
 
     full = total(bare)
     layers, dense = bare.num_decoder_layers, bare.first_num_dense_layers
