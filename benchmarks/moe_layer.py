@@ -11,6 +11,11 @@ loss, as in V3 (no group limit: V3 limits groups over all 256 experts, before
 the exchange). Random data, router weights random, so the load is roughly
 balanced.
 
+The layer's config comes from the loader ``dropless train`` uses:
+``model_name=deepseek3-proxy`` plus overrides (``BASE``; ``--tiny``:
+``deepseek3-tiny``, ``TINY_BASE``), each case adding its own; every row
+records its overrides.
+
 Cases: ``ours`` (dropless, ``gmm_backend=auto``: our Mosaic kernels on
 Hopper), ``xla`` (dropless through ``lax.ragged_dot``), and MaxText's
 capacity-limited ``dense_matmul`` baseline at capacity factors 1.0 and 1.25
@@ -51,29 +56,57 @@ from dropless.nn import moe
 from dropless.ops.gmm import resolve_backend
 from dropless.perf import measure
 
-FULL = {"batch": 2, "seq": 4096, "emb_dim": 7168, "moe_mlp_dim": 2048, "num_experts": 32,
-        "top_k": 8, "shared_experts": 1}
-TINY = {"batch": 2, "seq": 32, "emb_dim": 64, "moe_mlp_dim": 32, "num_experts": 8,
-        "top_k": 2, "shared_experts": 1}
+# The layer is the preset's, through the same loader as ``dropless train``: the
+# proxy's MoE (DeepSeek-V3's expert shape, 32 local experts) without the group
+# limit, with V3's sequence aux loss; a case adds its overrides.
+BASE = ["model_name=deepseek3-proxy", "n_routing_groups=-1", "topk_routing_group=-1",
+        "seq_aux_loss_weight=1e-4"]
+TINY_BASE = ["model_name=deepseek3-tiny", "n_routing_groups=-1", "topk_routing_group=-1",
+             "seq_aux_loss_weight=1e-4", "per_device_batch_size=2", "max_target_length=32",
+             "moe_mlp_dim=32", "routed_scaling_factor=2.5"]
 CASES = {
     "ours": {"gmm_backend": "auto"},
     "xla": {"gmm_backend": "xla"},
     "capacity-1.0": {"sparse_matmul": False, "capacity_factor": 1.0},
     "capacity-1.25": {"sparse_matmul": False, "capacity_factor": 1.25},
 }
+
+
+def overrides_of(tiny: bool, **case) -> list[str]:
+    """The key=value list of a case (``dropless train`` takes the same)."""
+    return (TINY_BASE if tiny else BASE) + [f"{k}={str(v).lower() if isinstance(v, bool) else v}"
+                                            for k, v in case.items()]
+
+
+def resolve(tiny: bool, **case):
+    """The validated ``Config`` of a case. Raises ConfigError on a bad override."""
+    from dropless.config.loader import load_config
+
+    return load_config(None, overrides_of(tiny, **case), environ={}).config
+
+
+def shape_of(cfg) -> dict:
+    return {"batch": int(cfg.per_device_batch_size), "seq": cfg.max_target_length,
+            "emb_dim": cfg.emb_dim, "moe_mlp_dim": cfg.moe_mlp_dim, "num_experts": cfg.num_experts,
+            "top_k": cfg.num_experts_per_tok, "shared_experts": cfg.shared_experts}
+
+
+FULL = shape_of(resolve(False))
+TINY = shape_of(resolve(True))
 TARGETS = {"fwd_bwd_ms": 36.0, "routing_share_pct": 15.0, "torchtitan_fwd_bwd_ms": 43.6,
            "torchtitan_tflops": 447.0, "torchtitan_gemm_ms": 31.7}
 ROUTING_PIECES = ("router", "permute", "combine")
 
 
 def moe_config(shape: dict, **overrides) -> MoEConfig:
-    """DeepSeek-V3's MoE settings at ``shape``, with ``overrides`` (a case)."""
-    return MoEConfig(
-        num_experts=shape["num_experts"], num_experts_per_tok=shape["top_k"],
-        moe_mlp_dim=shape["moe_mlp_dim"], shared_experts=shape["shared_experts"],
-        routed_score_func="sigmoid", norm_topk_prob=True, routed_scaling_factor=2.5,
-        routed_bias=True, routed_bias_update_rate=1e-3, seq_aux_loss_weight=1e-4,
-        prefuse_moe_weights=True, **overrides)
+    """The MoE section of the preset at ``shape`` (FULL or TINY), with a case's ``overrides``.
+
+    Raises:
+      ValueError: ``shape`` is neither FULL nor TINY.
+    """
+    if shape not in (FULL, TINY):
+        raise ValueError(f"shape {shape} is not the preset's FULL or TINY")
+    return resolve(shape == TINY and shape != FULL, **overrides).moe()
 
 
 def expert_flops(shape: dict) -> dict:
@@ -211,7 +244,8 @@ def time_case(name: str, shape: dict, quick: bool) -> tuple[dict, Layer]:
     t, d = shape["batch"] * shape["seq"], shape["emb_dim"]
     backend = resolve_backend(layer.cfg.gmm_backend, (t * shape["top_k"], d),
                               (shape["num_experts"], d, 2 * shape["moe_mlp_dim"]), jnp.bfloat16)
-    row = {"case": name, "backend": backend if layer.cfg.sparse_matmul else "dense_matmul",
+    row = {"case": name, "overrides": overrides_of(shape == TINY and shape != FULL, **CASES[name]),
+           "backend": backend if layer.cfg.sparse_matmul else "dense_matmul",
            "sparse_matmul": layer.cfg.sparse_matmul, "capacity_factor":
            None if layer.cfg.sparse_matmul else layer.cfg.capacity_factor}
     flops = expert_flops(shape)
@@ -272,7 +306,8 @@ def run(quick: bool = False, out_dir=measure.DEFAULT_RESULTS_DIR, tiny: bool = F
         raise ValueError(f"unknown cases {sorted(unknown)}; choose from {list(CASES)}")
     record = measure.new_record("moe_layer", {**shape, "tokens": shape["batch"] * shape["seq"],
                                               "dtype": "bfloat16", "tiny": tiny, "quick": quick,
-                                              "moe": vars(moe_config(shape))})
+                                              "moe": vars(moe_config(shape)),
+                                              "base_overrides": TINY_BASE if tiny else BASE})
     record.update(flops=expert_flops(shape), targets=TARGETS, split=None, kernel_breakdown=None,
                   flops_formula="fwd = 6*T*(K+S)*D*F (K routed + S shared SwiGLU experts); "
                                 "fwd+bwd = 3*fwd; router excluded")

@@ -3,13 +3,16 @@
     PYTHONPATH=src python3 benchmarks/step.py [--steps N] [--out DIR] [--commit SHA]   # GPU
     JAX_PLATFORMS=cpu PYTHONPATH=src python3 benchmarks/step.py --tiny                # CPU smoke
 
-Model: ``deepseek3-proxy`` (V3's layer shapes: D = 7168, MLA with q_lora 1536,
-kv_lora 512, 128 heads of 128 + 64 rope / 128 v, V = 129280; 1 dense layer
-(mlp 18432) + 3 MoE layers of 32 experts top-8 (moe_mlp 2048) + 1 shared, in
-4 groups with 2 kept, sigmoid routing with the balancing bias), bf16
-parameters and activations, AdamW with bf16 first moment, cuDNN flash
-attention, seq 4096, synthetic tokens. The sections are built here directly
-(no pydantic on the GPU machine); they mirror ``config/models/deepseek3-proxy.yml``.
+Every case is the config a user gets from ``dropless train``: the loader's
+preset plus key=value overrides (``BASE``: ``model_name=deepseek3-proxy`` with
+synthetic tokens, cuDNN flash attention and
+``XLA_PYTHON_CLIENT_MEM_FRACTION=0.92``; then the case's ``CASE_OVERRIDES``;
+then ``--batch``, ``--remat``, ``--custom`` and ``--set KEY=VALUE ...``). So
+``python -m dropless train <the row's overrides>`` trains exactly what a row
+measured. ``--tiny`` starts from ``deepseek3-tiny`` instead (``TINY_BASE``).
+The config's environment keys and XLA flags are applied in each case's
+process before JAX starts, as ``dropless train`` applies them. ``DROPLESS_*``
+environment variables are not read (the record must say all that was set).
 
 Cases, each in its own process (so peak memory is per case and an OOM ends
 only that attempt):
@@ -35,10 +38,12 @@ over ``--steps`` timed steps after ``--warmup`` steps (compile, autotuning),
 tokens/s, TFLOP/s per device from the analytic MaxText-convention count
 (``dropless.train.flops``: useful dropless FLOPs, so the capacity baseline is
 credited with the same work whatever it computes), MFU against the device's
-bf16 peak (the FP8 peak for the FP8 cases), and peak device memory.
+bf16 peak (the FP8 peak for the FP8 cases), peak device memory, and beside it
+``perf.memory``'s estimate for the same config (``estimated_peak_gb``).
 
 Writes ``<out>/step-<time>-<gpu>.json`` with the GPU, jax version, commit,
-environment, the sections and every case.
+environment, the base and case overrides, and every case with its overrides
+and resolved config.
 """
 
 import argparse
@@ -51,9 +56,6 @@ import subprocess
 import sys
 import time
 
-# One case per process, so it may take nearly all of the GPU's memory (JAX's default is 75%).
-os.environ.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.92")
-
 CASES = ("xla", "capacity", "ours", "ours_fp8", "ours_fp8_blockwise")
 EXTRA_CASES = ("ours_fp8k",)
 QUICK_CASES = ("xla", "capacity", "ours")
@@ -61,80 +63,74 @@ FP8_DENSE = "te_fp8_currentscaling"
 RESULT_PREFIX = "STEP_RESULT "
 
 
-def proxy_sections(tiny: bool):
-    """(ModelConfig, TrainConfig) of the benchmark; ``tiny`` is a CPU-sized stand-in."""
-    from dropless.config.sections import (DataConfig, MLAConfig, ModelConfig, MoEConfig,
-                                          OptimizerConfig, TrainConfig)
-
-    data = DataConfig(dataset_type="synthetic", data_seed=0)
-    opt = OptimizerConfig(learning_rate=1e-4, mu_dtype="bfloat16")
-    moe_common = dict(routed_score_func="sigmoid", norm_topk_prob=True, routed_bias=True,
-                      routed_bias_update_rate=1e-3, shared_experts=1)
-    if tiny:
-        model = ModelConfig(
-            vocab_size=256, emb_dim=64, num_decoder_layers=4, first_num_dense_layers=1,
-            mlp_dim=128, remat_policy="full",
-            mla=MLAConfig(num_heads=4, q_lora_rank=32, kv_lora_rank=32, qk_nope_head_dim=16,
-                          qk_rope_head_dim=8, v_head_dim=16),
-            moe=MoEConfig(num_experts=8, num_experts_per_tok=2, moe_mlp_dim=64,
-                          n_routing_groups=4, topk_routing_group=2, **moe_common),
-        )
-        train = TrainConfig(per_device_batch_size=4, max_target_length=64, data=data, optimizer=opt)
-        return model, train
-    model = ModelConfig(
-        vocab_size=129280, emb_dim=7168, num_decoder_layers=4, first_num_dense_layers=1,
-        mlp_dim=18432, dtype="bfloat16", weight_dtype="bfloat16", remat_policy="full",
-        mla=MLAConfig(num_heads=128, q_lora_rank=1536, kv_lora_rank=512, qk_nope_head_dim=128,
-                      qk_rope_head_dim=64, v_head_dim=128, rope_factor=40.0,
-                      original_max_position_embeddings=4096, attention="cudnn_flash_te"),
-        moe=MoEConfig(num_experts=32, num_experts_per_tok=8, moe_mlp_dim=2048,
-                      n_routing_groups=4, topk_routing_group=2, routed_scaling_factor=2.5,
-                      **moe_common),
-    )
-    train = TrainConfig(per_device_batch_size=2, max_target_length=4096, data=data, optimizer=opt)
-    return model, train
+# The benchmark is the preset users run, plus overrides: the base below, then
+# the case's, then the command line's (--batch, --remat, --custom, --set).
+BASE = ["model_name=deepseek3-proxy", "dataset_type=synthetic", "attention=cudnn_flash_te",
+        "XLA_PYTHON_CLIENT_MEM_FRACTION=0.92"]
+TINY_BASE = ["model_name=deepseek3-tiny", "dataset_type=synthetic", "per_device_batch_size=4",
+             "max_target_length=64", "remat_policy=full"]
+CASE_OVERRIDES = {
+    "xla": ["gmm_backend=xla"],
+    "capacity": ["sparse_matmul=false", "capacity_factor=1.0"],
+    "ours": ["gmm_backend=auto"],
+    "ours_fp8": ["gmm_backend=auto", "te_gmm_quantization=te_mxfp8", f"quantization={FP8_DENSE}"],
+    "ours_fp8_blockwise": ["gmm_backend=auto", "te_gmm_quantization=te_fp8_blockwise",
+                           f"quantization={FP8_DENSE}"],
+    "ours_fp8k": ["gmm_backend=auto", "te_gmm_quantization=te_fp8_blockwise",
+                  f"quantization={FP8_DENSE}", "gmm_fp8_impl=kernel"],
+}
 
 
-def parse_custom(text: str) -> tuple[tuple[str, str], ...]:
-    """``--custom "decoder_layer_input=offload,mlpwo=device"`` -> ``remat_custom`` pairs.
+def parse_custom(text: str) -> list[str]:
+    """``--custom "decoder_layer_input=offload,mlpwo=device"`` -> overrides ``["decoder_layer_input=offload", ...]``.
 
     Raises:
       ValueError: an item that is not name=action (names and actions are
-        checked by ``train.remat`` when the model is built).
+        checked by the config loader).
     """
     pairs = []
     for item in filter(None, (part.strip() for part in text.split(","))):
         name, sep, action = item.partition("=")
         if not sep or not name or not action:
             raise ValueError(f"--custom item {item!r} is not name=action (e.g. decoder_layer_input=offload)")
-        pairs.append((name.strip(), action.strip()))
-    return tuple(pairs)
+        pairs.append(f"{name.strip()}={action.strip()}")
+    return pairs
 
 
-def case_sections(case: str, tiny: bool, batch: float | None, remat: str | None,
-                  custom: str = ""):
-    """The sections of one case (``--batch`` / ``--remat`` / ``--custom`` override the defaults)."""
-    model, train = proxy_sections(tiny)
-    moe = {"xla": dict(gmm_backend="xla"),
-           "capacity": dict(sparse_matmul=False, capacity_factor=1.0),
-           "ours": dict(gmm_backend="auto"),
-           "ours_fp8": dict(gmm_backend="auto", gmm_quantization="te_mxfp8"),
-           "ours_fp8_blockwise": dict(gmm_backend="auto", gmm_quantization="te_fp8_blockwise"),
-           "ours_fp8k": dict(gmm_backend="auto", gmm_quantization="te_fp8_blockwise",
-                             gmm_fp8_impl="kernel"),
-           }[case]
-    model = dataclasses.replace(model, moe=dataclasses.replace(model.moe, **moe))
-    if case.startswith("ours_fp8"):
-        model = dataclasses.replace(model, quantization=FP8_DENSE)
-    if remat:
-        model = dataclasses.replace(model, remat_policy=remat)
+def case_overrides(case: str, tiny: bool, batch: float | None = None, remat: str | None = None,
+                   custom: str = "", extra=()) -> list[str]:
+    """The key=value list of one case, as ``dropless train`` would take it."""
+    out = list(TINY_BASE if tiny else BASE) + CASE_OVERRIDES[case]
+    out += [f"per_device_batch_size={batch:g}"] if batch else []
+    out += [f"remat_policy={remat}"] if remat else []
     if custom:
-        if model.remat_policy != "custom":
-            raise ValueError(f"--custom needs --remat custom, not {model.remat_policy!r}")
-        model = dataclasses.replace(model, remat_custom=parse_custom(custom))
-    if batch:
-        train = dataclasses.replace(train, per_device_batch_size=batch)
-    return model, train
+        if (remat or "full") != "custom":
+            raise ValueError(f"--custom needs --remat custom, not {remat or 'full'!r}")
+        out += parse_custom(custom)
+    return out + list(extra)
+
+
+def resolve_case(case: str, tiny: bool, batch=None, remat=None, custom: str = "", extra=()):
+    """(overrides, validated Config) of one case; raises ConfigError on a bad override."""
+    from dropless.config.loader import load_config
+
+    overrides = case_overrides(case, tiny, batch, remat, custom, extra)
+    return overrides, load_config(None, overrides, environ={}).config
+
+
+def memory_estimate(cfg) -> dict | None:
+    """``perf.memory``'s per-device estimate of this case (1 device), or {"error": ...}."""
+    from dropless.perf import memory
+
+    try:
+        train = cfg.train()
+        est = memory.estimate(cfg.model(), per_device_batch=int(train.per_device_batch_size),
+                              seq=train.max_target_length, accum=train.gradient_accumulation_steps,
+                              mesh_shape={"data": 1, "fsdp": 1, "expert": 1, "tensor": 1},
+                              optimizer=cfg.optimizer())
+    except Exception as e:  # noqa: BLE001 - the estimate must not cost the measurement
+        return {"error": f"{type(e).__name__}: {str(e)[:300]}"}
+    return {k: v for k, v in est.to_dict().items() if k != "mesh"}
 
 
 def _is_oom(e: BaseException) -> bool:
@@ -142,18 +138,27 @@ def _is_oom(e: BaseException) -> bool:
     return "RESOURCE_EXHAUSTED" in text or "Out of memory" in text or "out of memory" in text
 
 
-def run_case(case: str, tiny: bool, batch, remat, steps: int, warmup: int, custom: str = "") -> dict:
-    """Build, warm up and time one case in this process; returns its result row."""
+def run_case(case: str, tiny: bool, batch, remat, steps: int, warmup: int, custom: str = "",
+             extra=()) -> dict:
+    """Build, warm up and time one case in this process; returns its result row.
+
+    The config's environment keys and XLA flags are applied first, as ``dropless
+    train`` does, so JAX must not have started in this process.
+    """
+    from dropless.config.xla_flags import apply_runtime_settings, gpu_present
+
+    overrides, cfg = resolve_case(case, tiny, batch, remat, custom, extra)
+    applied = apply_runtime_settings(cfg.xla_flags, cfg.env, on_gpu=gpu_present())
+    estimate = memory_estimate(cfg)
     import jax
 
-    from dropless.config.sections import MeshConfig
     from dropless.ops.gmm import resolve_backend
     from dropless.train import flops as flops_lib
     from dropless.train.loop import build
 
-    model, train = case_sections(case, tiny, batch, remat, custom)
+    model, train = cfg.model(), cfg.train()
     train = dataclasses.replace(train, steps=warmup + steps)
-    built = build(model, train, MeshConfig())
+    built = build(model, train, cfg.mesh())
     batches = [next(built.batches) for _ in range(2)]  # host data stays out of the timing
     state, metrics = built.state, None
     for i in range(warmup):
@@ -189,6 +194,13 @@ def run_case(case: str, tiny: bool, batch, remat, steps: int, warmup: int, custo
         "mfu": tflops / peak if peak else None,
         "model_tflop_per_step_per_device": built.tflops_per_step,
         "peak_memory_gb": stats.get("peak_bytes_in_use", 0) / 2**30 if stats else None,
+        "bytes_limit_gb": stats.get("bytes_limit", 0) / 2**30 if stats else None,
+        "estimated_peak_gb": estimate.get("total_gib"),
+        "memory_estimate": estimate,
+        "overrides": overrides,
+        "config": cfg.model_dump(mode="json"),
+        "xla_flags_applied": applied,
+        "gpu": device.device_kind,
         "loss_first": losses[0],
         "loss_last": losses[-1],
         "dropped_tokens_last_step": int(metrics.get("dropped_tokens", 0)),
@@ -198,7 +210,7 @@ def run_case(case: str, tiny: bool, batch, remat, steps: int, warmup: int, custo
 def child_main(args) -> int:
     try:
         row = run_case(args.case, args.tiny, args.batch, args.remat, args.steps, args.warmup,
-                       args.custom)
+                       args.custom, args.set)
     except Exception as e:  # noqa: BLE001 - report OOM to the parent as a result
         if _is_oom(e):
             print(RESULT_PREFIX + json.dumps({"case": args.case, "oom": True, "error": str(e)[:2000]}))
@@ -214,6 +226,7 @@ def _spawn(case, batch, args) -> dict:
     cmd += ["--tiny"] if args.tiny else []
     cmd += ["--remat", args.remat] if args.remat else []
     cmd += ["--custom", args.custom] if args.custom else []
+    cmd += ["--set", *args.set] if args.set else []
     proc = subprocess.run(cmd, capture_output=True, text=True)
     for line in proc.stdout.splitlines():
         if line.startswith(RESULT_PREFIX):
@@ -223,8 +236,8 @@ def _spawn(case, batch, args) -> dict:
 
 def run_with_backoff(case, args) -> dict:
     """Run ``case``, halving the batch after each OOM down to 1 per device."""
-    _, train = case_sections(case, args.tiny, args.batch, args.remat, args.custom)
-    batch, tried = train.per_device_batch_size, []
+    _, cfg = resolve_case(case, args.tiny, args.batch, args.remat, args.custom, args.set)
+    batch, tried = cfg.per_device_batch_size, []
     while True:
         print(f"[{case}] per_device_batch_size={batch} ...", flush=True)
         row = _spawn(case, batch, args)
@@ -252,11 +265,11 @@ def print_table(rows, tiny: bool = False) -> None:
     from rich.table import Table
 
     table = Table("case", "backend", "batch/dev", "step (ms)", "tokens/s", "TFLOP/s/dev", "MFU",
-                  "peak mem (GiB)", "dropped", "note",
+                  "peak mem (GiB)", "est. (GiB)", "dropped", "note",
                   title="training step, " + ("tiny CPU model" if tiny else "deepseek3-proxy"))
     for r in rows:
         if "step_time_s" not in r:
-            table.add_row(r["case"], "", "", "", "", "", "", "", "", r.get("error", "")[:80])
+            table.add_row(r["case"], "", "", "", "", "", "", "", "", "", r.get("error", "")[:80])
             continue
         notes = ["batch shrunk to fit"] * (len(r.get("batches_tried", [])) > 1)
         notes += ["MFU of the fp8 peak"] * (r.get("mfu_peak") == "fp8")
@@ -266,6 +279,7 @@ def print_table(rows, tiny: bool = False) -> None:
             f"{r['step_time_s'] * 1e3:.1f}", f"{r['tokens_per_s']:.4g}",
             f"{r['tflops_per_device']:.4g}", f"{r['mfu']:.1%}" if r["mfu"] else "-",
             f"{r['peak_memory_gb']:.1f}" if r["peak_memory_gb"] is not None else "-",
+            f"{r['estimated_peak_gb']:.1f}" if r.get("estimated_peak_gb") is not None else "-",
             str(r["dropped_tokens_last_step"]), note,
         )
     Console(width=160).print(table)
@@ -295,6 +309,8 @@ def main(argv=None) -> int:
     p.add_argument("--remat", default=None, help="remat_policy override (default: full)")
     p.add_argument("--custom", default="", help="with --remat custom: name=remat|device|offload,... "
                    "(e.g. decoder_layer_input=offload,mlpwo=device)")
+    p.add_argument("--set", nargs="+", default=[], metavar="KEY=VALUE",
+                   help="more config overrides for every case (after the case's own)")
     p.add_argument("--steps", type=int, default=5, help="timed steps per case")
     p.add_argument("--warmup", type=int, default=2, help="untimed steps first (compile, autotune)")
     p.add_argument("--out", default=os.environ.get("OUT", "benchmarks/results"))
@@ -313,12 +329,16 @@ def main(argv=None) -> int:
     if unknown:
         p.error(f"unknown case(s) {unknown}; choose from {CASES + EXTRA_CASES}")
 
-    import jax
-
-    device = jax.devices()[0]
+    try:  # every case's overrides must resolve before any GPU time is spent
+        for case in cases:
+            resolve_case(case, args.tiny, args.batch, args.remat, args.custom, args.set)
+    except ValueError as e:  # ConfigError is a ValueError
+        p.error(str(e))
     rows = [run_with_backoff(case, args) for case in cases]
     print_table(rows, args.tiny)
-    model, train = proxy_sections(args.tiny)
+    import jax  # after the cases: each child process needs the GPU to itself
+
+    device = jax.devices()[0]
     record = {
         "benchmark": "step",
         "time": datetime.datetime.now().isoformat(timespec="seconds"),
@@ -328,8 +348,9 @@ def main(argv=None) -> int:
         "jax": jax.__version__,
         "commit": args.commit or _git_commit(),
         "env": {k: v for k, v in os.environ.items() if k.startswith(("XLA_", "JAX_", "CUDA_", "NCCL_"))},
-        "model": dataclasses.asdict(model),
-        "train": dataclasses.asdict(train),
+        "base_overrides": TINY_BASE if args.tiny else BASE,
+        "case_overrides": {c: CASE_OVERRIDES[c] for c in cases},
+        "extra_overrides": args.set,
         "steps": args.steps,
         "warmup": args.warmup,
         "cases": rows,

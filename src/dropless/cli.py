@@ -69,6 +69,10 @@ def _cpu_devices(cfg) -> int:
 
 
 def cmd_train(args: list[str]) -> int:
+    if "--dry-run" in args:  # check the config and estimate memory; train nothing
+        from dropless.perf import dry_run
+
+        return dry_run.main([a for a in args if a != "--dry-run"], "train")
     resolved = resolve_args(args)
     cfg = resolved.config
     applied, _ = start_runtime(cfg)  # also checks the mesh against the devices
@@ -133,7 +137,7 @@ def _delegate(module: str, args: list[str]) -> int:
 
 
 COMMANDS = {
-    "train": (cmd_train, "train a model: dropless train [config.yml] key=value ..."),
+    "train": (cmd_train, "train a model: dropless train [--dry-run] [config.yml] key=value ..."),
     "config": (cmd_config, "print the resolved config and each value's source (--changed, --keys)"),
     "bench": (lambda a: _delegate("dropless.perf.bench", a), "run the benchmark matrix on this machine's GPU"),
     "profile": (lambda a: _delegate("dropless.perf.profile", a), "capture a profiler trace and break down kernel time"),

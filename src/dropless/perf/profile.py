@@ -1,5 +1,7 @@
 """``dropless profile [config.yml] key=value ... [--steps N] [--warmup W]``: where time goes.
 
+``--dry-run`` checks the config, data and memory estimate instead (``perf.dry_run``).
+
 Resolves the config exactly as ``dropless train`` does (same precedence, XLA
 flags and environment applied before JAX starts), builds the trainer's state,
 jitted step and batches without training, runs ``W`` warm-up steps (compile,
@@ -155,6 +157,10 @@ def main(args: list[str]) -> int:
     Raises:
       dropless.config.loader.ConfigError: a bad config (the CLI prints it).
     """
+    if "--dry-run" in args:  # the config, data and memory estimate only (perf.dry_run)
+        from dropless.perf import dry_run
+
+        return dry_run.main([a for a in args if a != "--dry-run"], "profile")
     ns, rest = parse_args(args)
     from dropless.cli import resolve_args, start_runtime
 

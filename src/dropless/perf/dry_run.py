@@ -1,0 +1,209 @@
+"""``dropless train --dry-run`` (and ``profile --dry-run``): check a job without running it.
+
+    python -m dropless train --dry-run [--device h200] [--devices N] [--memory-gib G] [--compile] \\
+        [config.yml] key=value ...
+
+Resolves the config as ``train`` does, builds the data source and this
+device's part of the first batch, builds the model and train state
+abstractly (``eval_shape``) and prints a per-device memory estimate for the
+target hardware (``perf.memory``): parameters, gradients, optimizer state,
+activations under the remat/offload policy, and the checkpoint size. Nothing
+is trained and no run directory is written.
+
+The target is ``--device`` (h100, h200, b200, cpu), by default h200 for
+``hardware=gpu``/``gpu_multiprocess`` (or ``auto`` with a GPU present) and
+this machine's memory for CPU; ``--devices`` is the device count the mesh
+fills (default: the product of the fixed ``ici_*`` axes, at least 1). It runs
+on CPU whatever ``hardware`` says. ``--compile`` instead starts the real
+runtime, compiles the train step for the devices present and prints XLA's
+memory analysis next to the estimate (use it on the target GPU).
+
+Exit codes: 0 fits; 2 a config, data or model problem, or an estimate over
+the usable memory, stated in one line that names the keys to lower.
+"""
+
+import argparse
+import math
+import os
+import sys
+
+EXIT_CONFIG = 2
+GiB = 2**30
+PROFILE_FLAGS = {"--steps": int, "--warmup": int, "--top": int}
+
+
+def parse_args(args: list[str], command: str):
+    """(namespace, config file and key=value args); profile's own flags are accepted and unused.
+
+    Raises:
+      SystemExit: a bad or unknown flag (argparse, exit 2).
+    """
+    p = argparse.ArgumentParser(prog=f"dropless {command} --dry-run", description=__doc__.splitlines()[0])
+    p.add_argument("--device", default=None, help="target GPU: h100 | h200 | b200 | cpu")
+    p.add_argument("--devices", type=int, default=None, help="devices the mesh spans (default: "
+                   "the product of the fixed ici_* axes)")
+    p.add_argument("--memory-gib", type=float, default=None, help="device memory, for a GPU not listed")
+    p.add_argument("--compile", action="store_true", help="compile the step on the devices present "
+                   "and print XLA's memory analysis too")
+    if command == "profile":
+        for flag, kind in PROFILE_FLAGS.items():
+            p.add_argument(flag, type=kind, default=None, help=argparse.SUPPRESS)
+        p.add_argument("--python-trace", action="store_true", help=argparse.SUPPRESS)
+    ns, rest = p.parse_known_args(args)
+    unknown = [a for a in rest if a.startswith("--")]
+    if unknown:
+        p.error(f"unrecognized arguments: {' '.join(unknown)}")
+    if ns.devices is not None and ns.devices < 1:
+        p.error(f"--devices must be >= 1, got {ns.devices}")
+    return ns, rest
+
+
+def _default_device(cfg) -> str:
+    if cfg.hardware in ("gpu", "gpu_multiprocess"):
+        return "h200"
+    if cfg.hardware == "auto":
+        from dropless.config.xla_flags import gpu_present
+
+        return "h200" if gpu_present() else "cpu"
+    return "cpu"
+
+
+def _default_devices(cfg) -> int:
+    ways = [getattr(cfg, f"{k}_{a}_parallelism") for k in ("ici", "dcn")
+            for a in ("data", "fsdp", "expert", "tensor")]
+    return max(1, math.prod(w for w in ways if w > 0))
+
+
+def _fail(message: str) -> int:
+    print(f"dropless: {message}", file=sys.stderr)
+    return EXIT_CONFIG
+
+
+def check_data(cfg, num_devices: int, batch_shards: int):
+    """(source, batch) of this device's sequences of step 0; raises ValueError/OSError on bad data."""
+    import numpy as np
+
+    from dropless.train import data as data_lib
+
+    exact = cfg.per_device_batch_size * num_devices
+    global_batch = int(round(exact))
+    if global_batch < 1 or abs(global_batch - exact) > 1e-9:
+        raise ValueError(f"per_device_batch_size={cfg.per_device_batch_size} x {num_devices} devices "
+                         f"= {exact:g} is not a whole number of sequences")
+    if global_batch % batch_shards:
+        raise ValueError(f"global batch {global_batch} does not split over {batch_shards} batch shards")
+    source = data_lib.make_source(cfg.data(), cfg.vocab_size, batch=global_batch,
+                                  seq=cfg.max_target_length, accum=cfg.gradient_accumulation_steps)
+    batch = source.batch_at(0, np.arange(global_batch // batch_shards))
+    top = int(np.max(batch.inputs)) if batch.inputs.size else 0
+    if top >= cfg.vocab_size:
+        raise ValueError(f"token id {top} >= vocab_size={cfg.vocab_size}")
+    return source, batch, global_batch
+
+
+def compile_step(cfg) -> tuple[dict, int | None]:
+    """XLA's memory analysis of the real train step on this machine's devices, and the usable bytes."""
+    import jax
+
+    from dropless.perf import memory
+    from dropless.train import loop
+
+    s = loop._setup(cfg.model(), cfg.train(), cfg.mesh())
+    state = jax.tree.map(lambda a, sh: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sh),
+                         s.abstract, s.shardings)
+    batch = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s.feed.sharding),
+                         s.feed.local(0))
+    compiled = loop._jit_step(s).lower(state, batch).compile()
+    stats = jax.devices()[0].memory_stats() or {}
+    return memory.compiled_bytes(compiled), stats.get("bytes_limit")
+
+
+def print_report(console, cfg, target, est, source, batch, global_batch, compiled=None):
+    from rich.table import Table
+
+    mesh = " x ".join(f"{a} {n}" for a, n in est.mesh.items() if n > 1) or "1 device"
+    table = Table("part", "GiB / device", title=f"{cfg.model_name} on {target.name}: {mesh}")
+    for name, nbytes in est.rows():
+        table.add_row(name, f"{nbytes / GiB:.2f}")
+    table.add_row("estimated peak", f"{est.total / GiB:.2f}", style="bold")
+    if est.offloaded_activations:
+        table.add_row("offloaded to host (not counted)", f"{est.offloaded_activations / GiB:.2f}")
+    if compiled:
+        table.add_row("XLA compiled peak (argument + output - alias + temp)",
+                      f"{compiled['peak'] / GiB:.2f}", style="bold")
+    table.add_row(f"usable ({target.memory_bytes / GiB:.1f} GiB x {target.mem_fraction:g})",
+                  f"{target.usable_bytes / GiB:.2f}")
+    table.caption = ("peak = state + saved activations + max(layer working set, loss-head "
+                     "gradient); XLA's temporaries are not modelled (perf/memory.py)")
+    console.print(f"data: {source.description}; batch {tuple(batch.inputs.shape)} on this device "
+                  f"(global {global_batch} x {cfg.max_target_length} x "
+                  f"{cfg.gradient_accumulation_steps} accum)")
+    console.print(f"model: {est.num_params / 1e9:.3f}B parameters, {cfg.remat_policy} remat, "
+                  f"{est.per_device_batch} sequences per device")
+    console.print(table)
+    keep = getattr(cfg, "max_num_checkpoints_to_keep", 0)
+    console.print(f"checkpoint: {est.checkpoint_bytes / GiB:.2f} GiB per save (all devices), every "
+                  f"{cfg.checkpoint_period} steps" + (f", {keep} kept" if keep else "")
+                  + ("" if cfg.enable_checkpointing else " (enable_checkpointing=false: none)"))
+
+
+def main(args: list[str], command: str = "train") -> int:
+    """Entry point of ``dropless {train,profile} --dry-run``; returns the exit code.
+
+    Raises:
+      dropless.config.loader.ConfigError: a bad config (the CLI prints it, exit 2).
+    """
+    ns, rest = parse_args(args, command)
+    if not ns.compile:
+        os.environ["JAX_PLATFORMS"] = "cpu"  # the estimate needs no accelerator
+    from dropless.cli import resolve_args, start_runtime
+    from dropless.config.loader import ConfigError
+    from dropless.config.schema import ContradictionError, resolve_mesh_shape
+
+    cfg = resolve_args(rest).config
+    if ns.compile:
+        _, mesh_shape = start_runtime(cfg)
+        import jax
+
+        num_devices = jax.device_count()
+    else:
+        num_devices = ns.devices or _default_devices(cfg)
+        try:
+            mesh_shape = resolve_mesh_shape(cfg, num_devices, 1)
+        except ContradictionError as e:
+            raise ConfigError(f"{e.key}={e.value!r}: {e} (--devices {num_devices})") from None
+    from rich.console import Console
+
+    from dropless.perf import memory
+
+    try:
+        target = memory.target(ns.device or _default_device(cfg), cfg.env, ns.memory_gib)
+    except ValueError as e:
+        return _fail(str(e))
+    shards = math.prod(mesh_shape[a] for a in ("data", "fsdp", "expert"))
+    try:
+        source, batch, global_batch = check_data(cfg, num_devices, shards)
+    except (ValueError, OSError) as e:
+        return _fail(f"data: {e}")
+    try:
+        est = memory.estimate(cfg.model(), per_device_batch=global_batch // shards,
+                              seq=cfg.max_target_length, accum=cfg.gradient_accumulation_steps,
+                              mesh_shape=mesh_shape, optimizer=cfg.optimizer())
+    except ValueError as e:
+        return _fail(f"model: {e}")
+    compiled = None
+    if ns.compile:
+        compiled, limit = compile_step(cfg)
+        if limit:
+            target = memory.Target(target.name, int(limit), 1.0)
+    console = Console() if sys.stdout.isatty() else Console(width=120)
+    print_report(console, cfg, target, est, source, batch, global_batch, compiled)
+    peak = compiled["peak"] if compiled else est.total
+    if peak > target.usable_bytes:
+        keys = memory.keys_to_lower(cfg.model(), est, target.usable_bytes)
+        return _fail(f"estimated {peak / GiB:.1f} GiB per device exceeds the "
+                     f"{target.usable_bytes / GiB:.1f} GiB usable on {target.name}; lower or change: "
+                     + "; ".join(keys))
+    console.print(f"fits: {peak / GiB:.1f} of {target.usable_bytes / GiB:.1f} GiB usable "
+                  f"({command} --dry-run: nothing was run)")
+    return 0

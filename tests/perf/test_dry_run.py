@@ -1,0 +1,122 @@
+"""``dropless train --dry-run`` and the memory estimate behind it (``perf.memory``), on CPU.
+
+Every preset is dry-run on its target hardware (eval_shape and tracing only,
+a few seconds each). The estimate's parts are checked against counts made by
+hand: sharded state divides by the mesh, the float32 gradient accumulator,
+and the residuals a remat policy keeps or offloads.
+"""
+
+import dataclasses
+
+import jax
+import numpy as np
+import pytest
+
+from dropless import cli
+from dropless.config.loader import available_models, load_config
+from dropless.perf import memory
+
+# Each preset's hardware: tiny trains on this CPU; the proxy on one H200;
+# 671b on 256 H200s (32 nodes of 8).
+PRESET_TARGETS = {
+    "deepseek3-tiny": [],
+    "deepseek3-proxy": ["--device", "h200"],
+    "deepseek3-671b": ["--device", "h200", "--devices", "256"],
+}
+ONE = {"data": 1, "fsdp": 1, "expert": 1, "tensor": 1}
+
+
+@pytest.fixture(autouse=True)
+def _cpu(monkeypatch):
+    monkeypatch.setenv("JAX_PLATFORMS", "cpu")  # dry_run sets it; restore it after
+
+
+@pytest.mark.parametrize("name", available_models())
+def test_every_preset_dry_runs_on_its_hardware(name, capsys):
+    assert name in PRESET_TARGETS, f"give preset {name} its target hardware here"
+    code = cli.main(["train", "--dry-run", *PRESET_TARGETS[name], f"model_name={name}"])
+    out, err = capsys.readouterr()
+    assert code == 0, err
+    assert "estimated peak" in out and "checkpoint:" in out and "fits:" in out
+
+
+def test_profile_dry_run_accepts_profile_flags(capsys):
+    code = cli.main(["profile", "--dry-run", "--steps", "3", "--warmup", "1",
+                     "model_name=deepseek3-tiny"])
+    assert code == 0, capsys.readouterr().err
+
+
+def _one_line_error(capsys) -> str:
+    err = capsys.readouterr().err.strip()
+    assert "\n" not in err and "Traceback" not in err, err
+    return err
+
+
+def test_over_memory_exits_2_naming_keys(capsys):
+    code = cli.main(["train", "--dry-run", "--device", "h100", "--memory-gib", "0.001",
+                     "model_name=deepseek3-tiny", "remat_policy=minimal"])
+    assert code == 2
+    err = _one_line_error(capsys)
+    assert "exceeds" in err and "per_device_batch_size" in err and "remat_policy=full" in err
+
+
+@pytest.mark.parametrize("args, words", [
+    (["--device", "tpu9"], "unknown device"),
+    (["dataset_type=text"], "data:"),
+    (["--devices", "3", "ici_expert_parallelism=2"], "ici_"),
+])
+def test_bad_input_exits_2_in_one_line(args, words, capsys):
+    assert cli.main(["train", "--dry-run", *args, "model_name=deepseek3-tiny"]) == 2
+    assert words in _one_line_error(capsys)
+
+
+def _tiny(*overrides):
+    cfg = load_config(None, ["model_name=deepseek3-tiny", *overrides]).config
+    return cfg, cfg.model()
+
+
+def test_state_divides_over_fsdp_and_accumulator_is_float32():
+    cfg, model = _tiny()
+    kw = dict(per_device_batch=2, seq=16, optimizer=cfg.optimizer())
+    one = memory.estimate(model, accum=1, mesh_shape=ONE, **kw)
+    leaves = jax.tree.leaves(jax.eval_shape(
+        lambda: __import__("dropless.train.step", fromlist=["x"]).build_model(model, 0)))
+    # Reference: every parameter once, in float32 (the tiny preset's weight_dtype).
+    assert one.params == one.num_params * 4
+    assert one.optimizer >= 2 * one.params  # AdamW's two moments, float32
+    assert len(leaves) > 0
+    four = memory.estimate(model, accum=2, mesh_shape={**ONE, "fsdp": 4}, **kw)
+    # Sharded leaves hold a quarter; small ones that do not divide stay whole.
+    assert one.params / 4 <= four.params < one.params / 2
+    assert four.grads == 2 * four.params  # float32 gradients + float32 accumulator
+
+
+def test_remat_policies_keep_and_offload_the_named_residuals():
+    cfg, _ = _tiny("remat_policy=custom", "decoder_layer_input=offload")
+    model = cfg.model()
+    b, s = 2, 16
+    device, host = memory.saved_activation_bytes(model, b, s)
+    # decoder_layer_input of each of the 4 layers goes to the host: L x B x S x D float32.
+    assert host == model.num_decoder_layers * b * s * model.emb_dim * 4
+    full, _ = memory.saved_activation_bytes(dataclasses.replace(model, remat_policy="full",
+                                                                remat_custom=()), b, s)
+    none, _ = memory.saved_activation_bytes(dataclasses.replace(model, remat_policy="none",
+                                                                remat_custom=()), b, s)
+    assert device < full < none
+    assert full - device == host  # full keeps exactly what custom offloads, on the device
+
+
+def test_cudnn_attention_traces_on_cpu_with_flash_residuals():
+    _, model = _tiny("dtype=bfloat16", "attention=cudnn_flash_te", "remat_policy=none")
+    b, s, h = 2, 16, model.mla.num_heads
+    shapes = [tuple(aval.shape) for aval, _ in memory._residuals(model, b, s)]
+    assert (model.num_decoder_layers - model.first_num_dense_layers, b, h, s) in shapes  # f32 LSE
+    assert not any(sh[-2:] == (s, s) for sh in shapes)  # no [.., S, S] scores kept
+    _, dot = _tiny("dtype=bfloat16", "remat_policy=none")
+    assert any(tuple(a.shape)[-2:] == (s, s) for a, _ in memory._residuals(dot, b, s))
+
+
+def test_shard_bytes_rounds_up_uneven_shards():
+    x = jax.ShapeDtypeStruct((10, 3), np.float32)
+    spec = jax.sharding.PartitionSpec(("fsdp", "expert"), None)
+    assert memory._shard_bytes(x, spec, {"fsdp": 2, "expert": 2}) == 3 * 3 * 4
