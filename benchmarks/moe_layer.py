@@ -1,6 +1,7 @@
 """MoE layer benchmark: one DeepSeek-V3 MoE layer on one GPU, ours vs the baselines.
 
     PYTHONPATH=src python3 benchmarks/moe_layer.py [--quick] [--out DIR]    # GPU, ~3-5 min
+    PYTHONPATH=src python3 benchmarks/moe_layer.py --shape qwen3-30b        # Qwen3-30B-A3B's layer
     JAX_PLATFORMS=cpu PYTHONPATH=src python3 benchmarks/moe_layer.py --tiny # CPU smoke run
 
 Shape (DeepSeek-V3 with 8-way expert parallelism, the local half of one layer):
@@ -10,6 +11,11 @@ activations; sigmoid routing with the balancing bias and the sequence aux
 loss, as in V3 (no group limit: V3 limits groups over all 256 experts, before
 the exchange). Random data, router weights random, so the load is roughly
 balanced.
+
+``--shape qwen3-30b``: Qwen3-30B-A3B's whole layer (``QWEN3_30B``: T = 16384,
+D = 2048, F = 768, E = 128, K = 8, no shared expert, softmax routing; its
+expert GEMMs have K or N = 768). The torchtitan comparison is for the
+DeepSeek shape only.
 
 Cases: ``ours`` (dropless, ``gmm_backend=auto``: our Mosaic kernels on
 Hopper), ``xla`` (dropless through ``lax.ragged_dot``), and MaxText's
@@ -53,6 +59,16 @@ from dropless.perf import measure
 
 FULL = {"batch": 2, "seq": 4096, "emb_dim": 7168, "moe_mlp_dim": 2048, "num_experts": 32,
         "top_k": 8, "shared_experts": 1}
+# Qwen3-30B-A3B's layer whole on one GPU (no expert parallelism): T = 16384
+# tokens (qwen3-moe-proxy's 4 x 4096 per device), D = 2048, F = 768, all 128
+# experts top-8, no shared expert, softmax routing renormalised over the top 8.
+QWEN3_30B = {"batch": 4, "seq": 4096, "emb_dim": 2048, "moe_mlp_dim": 768, "num_experts": 128,
+             "top_k": 8, "shared_experts": 0}
+SHAPES = {"deepseek3": FULL, "qwen3-30b": QWEN3_30B}
+# Routing per shape: DeepSeek-V3's (the default) or Qwen3-MoE's.
+QWEN3_ROUTING = dict(routed_score_func="softmax", norm_topk_prob=True, routed_scaling_factor=1.0,
+                     routed_bias=False, routed_bias_update_rate=0.0, seq_aux_loss_weight=0.0,
+                     load_balance_loss_weight=0.008)
 TINY = {"batch": 2, "seq": 32, "emb_dim": 64, "moe_mlp_dim": 32, "num_experts": 8,
         "top_k": 2, "shared_experts": 1}
 CASES = {
@@ -67,13 +83,16 @@ ROUTING_PIECES = ("router", "permute", "combine")
 
 
 def moe_config(shape: dict, **overrides) -> MoEConfig:
-    """DeepSeek-V3's MoE settings at ``shape``, with ``overrides`` (a case)."""
+    """The MoE settings at ``shape`` (DeepSeek-V3's routing; Qwen3-MoE's for
+    ``QWEN3_30B``), with ``overrides`` (a case)."""
+    routing = dict(routed_score_func="sigmoid", norm_topk_prob=True, routed_scaling_factor=2.5,
+                   routed_bias=True, routed_bias_update_rate=1e-3, seq_aux_loss_weight=1e-4)
+    if shape is QWEN3_30B:
+        routing = QWEN3_ROUTING
     return MoEConfig(
         num_experts=shape["num_experts"], num_experts_per_tok=shape["top_k"],
         moe_mlp_dim=shape["moe_mlp_dim"], shared_experts=shape["shared_experts"],
-        routed_score_func="sigmoid", norm_topk_prob=True, routed_scaling_factor=2.5,
-        routed_bias=True, routed_bias_update_rate=1e-3, seq_aux_loss_weight=1e-4,
-        prefuse_moe_weights=True, **overrides)
+        prefuse_moe_weights=True, **routing, **overrides)
 
 
 def expert_flops(shape: dict) -> dict:
@@ -164,7 +183,7 @@ def split_pieces(layer: Layer) -> dict:
     def rand(like):
         return jax.random.normal(next(key), like.shape, jnp.float32).astype(like.dtype)
 
-    return {
+    pieces = {
         "router": _pair(router, (p["router"], x_TD), (), (rand(weights_TK), jnp.ones(())),
                         has_aux=True),
         "permute": _pair(lambda x, ex: moe.dispatch(x, ex, e, align), (x_TD,), (experts_TK,),
@@ -172,9 +191,11 @@ def split_pieces(layer: Layer) -> dict:
         "gmm": _pair(experts, (p["experts"], x_PD), (plan.group_sizes_E,), rand(y_PD)),
         "combine": _pair(lambda y, w, plan: moe.combine(y, w, plan), (y_PD, weights_TK), (plan,),
                          rand(x_TD)),
-        "shared": _pair(lambda sp, x: layer.block({**p, "shared": sp}, rest).shared_experts(x),
-                        (p["shared"], x_TD), (), rand(x_TD)),
     }
+    if layer.cfg.shared_experts:  # Qwen3-MoE has none
+        pieces["shared"] = _pair(lambda sp, x: layer.block({**p, "shared": sp}, rest).shared_experts(x),
+                                 (p["shared"], x_TD), (), rand(x_TD))
+    return pieces
 
 
 def compose_forward(layer: Layer, pieces: dict):
@@ -187,8 +208,10 @@ def compose_forward(layer: Layer, pieces: dict):
     gmm_fwd, (gmm_diff, _) = pieces["gmm"][0]
     y_PD = gmm_fwd((gmm_diff[0], x_PD), (plan.group_sizes_E,))
     out_TD = pieces["combine"][0][0]((y_PD, weights_TK), (plan,))
-    shared_fwd, (shared_args, _) = pieces["shared"][0]
-    return (out_TD + shared_fwd(shared_args, ())).reshape(b, s, d)
+    if "shared" in pieces:
+        shared_fwd, (shared_args, _) = pieces["shared"][0]
+        out_TD = out_TD + shared_fwd(shared_args, ())
+    return out_TD.reshape(b, s, d)
 
 
 def _timing(fn, args, quick: bool) -> float:
@@ -256,22 +279,24 @@ def trace_breakdown(layer: Layer) -> dict:
 
 
 def run(quick: bool = False, out_dir=measure.DEFAULT_RESULTS_DIR, tiny: bool = False,
-        cases=None, trace: bool = True) -> dict:
+        cases=None, trace: bool = True, shape_name: str = "deepseek3") -> dict:
     """Run the benchmark, write its record to ``out_dir`` and return the record.
 
     Args:
       quick: fewer timing samples and only the ours / xla / capacity-1.0 cases.
-      tiny: the small CPU-friendly shape instead of DeepSeek-V3's.
+      tiny: the small CPU-friendly shape instead of ``shape_name``'s.
+      shape_name: a key of ``SHAPES`` (deepseek3 | qwen3-30b).
       cases: names from ``CASES`` (default: all, or the quick subset).
       trace: also profile ours' fwd+bwd and break its kernel time down.
     """
-    shape = TINY if tiny else FULL
+    shape = TINY if tiny else SHAPES[shape_name]
     names = list(cases or (["ours", "xla", "capacity-1.0"] if quick else CASES))
     unknown = set(names) - set(CASES)
     if unknown:
         raise ValueError(f"unknown cases {sorted(unknown)}; choose from {list(CASES)}")
     record = measure.new_record("moe_layer", {**shape, "tokens": shape["batch"] * shape["seq"],
                                               "dtype": "bfloat16", "tiny": tiny, "quick": quick,
+                                              "shape": "tiny" if tiny else shape_name,
                                               "moe": vars(moe_config(shape))})
     record.update(flops=expert_flops(shape), targets=TARGETS, split=None, kernel_breakdown=None,
                   flops_formula="fwd = 6*T*(K+S)*D*F (K routed + S shared SwiGLU experts); "
@@ -350,7 +375,7 @@ def print_tables(record: dict, console=None) -> None:
                       _fmt(ms) if ms else f"[red]{r.get('fwd_bwd_error', '-')[:40]}[/]",
                       _fmt(r.get("fwd_bwd_tflops"), ".0f"), f"{100 * r['dropped_fraction']:.1f}%",
                       # torchtitan's time is for the full shape only.
-                      "-" if cfg["tiny"] or not ms
+                      "-" if cfg["tiny"] or cfg.get("shape", "deepseek3") != "deepseek3" or not ms
                       else f"{TARGETS['torchtitan_fwd_bwd_ms'] / ms:.2f}x")
     table.caption = (f"TF/s count expert FLOPs ({record['flops_formula']}). Target: fwd+bwd < "
                      f"{TARGETS['fwd_bwd_ms']:.0f} ms; torchtitan "
@@ -364,6 +389,8 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="fewer samples and cases")
     parser.add_argument("--tiny", action="store_true", help="small shape (CPU smoke run)")
+    parser.add_argument("--shape", default="deepseek3", choices=list(SHAPES),
+                        help="layer shape: deepseek3 (V3 with 8-way EP, the default) or qwen3-30b")
     parser.add_argument("--out", type=Path, default=measure.DEFAULT_RESULTS_DIR,
                         help="results directory (default benchmarks/results)")
     parser.add_argument("--cases", default=None,
@@ -371,7 +398,8 @@ def main(argv=None) -> int:
     parser.add_argument("--no-trace", action="store_true", help="skip the profiler breakdown")
     args = parser.parse_args(argv)
     record = run(quick=args.quick, out_dir=args.out, tiny=args.tiny,
-                 cases=args.cases.split(",") if args.cases else None, trace=not args.no_trace)
+                 cases=args.cases.split(",") if args.cases else None, trace=not args.no_trace,
+                 shape_name=args.shape)
     print_tables(record)
     print(f"wrote {record['path']}")
     return 0
