@@ -25,6 +25,9 @@ only that attempt):
             FP8 numerics, bf16 grouped-GEMM speed)
   ours_fp8_blockwise  the same with ``te_fp8_blockwise`` grouped GEMMs
             (emulated: quantize -> dequantize -> bf16 kernel)
+  qwen3-moe-proxy  ``ours`` on ``qwen3-moe-proxy`` (Qwen3-30B-A3B's layer
+            shapes, 12 layers, batch 4 x 4096; ``qwen3_proxy_sections``), for its
+            TFLOP/s/device next to the DeepSeek proxy's (not in the default list)
   ours_fp8k ``ours_fp8_blockwise`` through the FP8 Mosaic kernels
             (``gmm_fp8_impl=kernel``; Hopper only; not in the default list
             until the kernels have passed their GPU tests)
@@ -55,7 +58,8 @@ import time
 os.environ.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.92")
 
 CASES = ("xla", "capacity", "ours", "ours_fp8", "ours_fp8_blockwise")
-EXTRA_CASES = ("ours_fp8k",)
+QWEN3_CASE = "qwen3-moe-proxy"  # ``ours`` on the Qwen3-MoE proxy instead of the DeepSeek one
+EXTRA_CASES = ("ours_fp8k", QWEN3_CASE)
 QUICK_CASES = ("xla", "capacity", "ours")
 FP8_DENSE = "te_fp8_currentscaling"
 RESULT_PREFIX = "STEP_RESULT "
@@ -95,6 +99,37 @@ def proxy_sections(tiny: bool):
     return model, train
 
 
+def qwen3_proxy_sections(tiny: bool):
+    """(ModelConfig, TrainConfig) of the ``qwen3-moe-proxy`` case; mirrors
+    ``config/models/qwen3-moe-proxy.yml`` (Qwen3-30B-A3B's layers: D = 2048, GQA
+    32 / 4 heads of 128 with q/k norm, 128 experts top-8 of F = 768, softmax
+    routing, no shared expert, V = 151936; 12 layers), cuDNN attention."""
+    from dropless.config.sections import (DataConfig, GQAConfig, ModelConfig, MoEConfig,
+                                          OptimizerConfig, TrainConfig)
+
+    data = DataConfig(dataset_type="synthetic", data_seed=0)
+    opt = OptimizerConfig(learning_rate=1e-4, mu_dtype="bfloat16")
+    moe_common = dict(routed_score_func="softmax", norm_topk_prob=True, shared_experts=0,
+                      load_balance_loss_weight=0.008)
+    if tiny:
+        model = ModelConfig(
+            vocab_size=256, emb_dim=64, num_decoder_layers=2, first_num_dense_layers=0,
+            remat_policy="full", attention_type="gqa",
+            gqa=GQAConfig(num_heads=4, num_kv_heads=2, head_dim=16, use_qk_norm=True, rope_theta=1e6),
+            moe=MoEConfig(num_experts=8, num_experts_per_tok=2, moe_mlp_dim=64, **moe_common),
+        )
+        return model, TrainConfig(per_device_batch_size=4, max_target_length=64, data=data, optimizer=opt)
+    model = ModelConfig(
+        vocab_size=151936, emb_dim=2048, num_decoder_layers=12, first_num_dense_layers=0,
+        mlp_dim=6144, dtype="bfloat16", weight_dtype="bfloat16", remat_policy="full",
+        attention_type="gqa",
+        gqa=GQAConfig(num_heads=32, num_kv_heads=4, head_dim=128, use_qk_norm=True, rope_theta=1e6,
+                      attention="cudnn_flash_te"),
+        moe=MoEConfig(num_experts=128, num_experts_per_tok=8, moe_mlp_dim=768, **moe_common),
+    )
+    return model, TrainConfig(per_device_batch_size=4, max_target_length=4096, data=data, optimizer=opt)
+
+
 def parse_custom(text: str) -> tuple[tuple[str, str], ...]:
     """``--custom "decoder_layer_input=offload,mlpwo=device"`` -> ``remat_custom`` pairs.
 
@@ -114,10 +149,11 @@ def parse_custom(text: str) -> tuple[tuple[str, str], ...]:
 def case_sections(case: str, tiny: bool, batch: float | None, remat: str | None,
                   custom: str = ""):
     """The sections of one case (``--batch`` / ``--remat`` / ``--custom`` override the defaults)."""
-    model, train = proxy_sections(tiny)
+    model, train = (qwen3_proxy_sections if case == QWEN3_CASE else proxy_sections)(tiny)
     moe = {"xla": dict(gmm_backend="xla"),
            "capacity": dict(sparse_matmul=False, capacity_factor=1.0),
            "ours": dict(gmm_backend="auto"),
+           QWEN3_CASE: dict(gmm_backend="auto"),
            "ours_fp8": dict(gmm_backend="auto", gmm_quantization="te_mxfp8"),
            "ours_fp8_blockwise": dict(gmm_backend="auto", gmm_quantization="te_fp8_blockwise"),
            "ours_fp8k": dict(gmm_backend="auto", gmm_quantization="te_fp8_blockwise",
@@ -174,6 +210,7 @@ def run_case(case: str, tiny: bool, batch, remat, steps: int, warmup: int, custo
     tflops = built.tflops_per_step / step_time
     return {
         "case": case,
+        "model": "qwen3-moe-proxy" if case == QWEN3_CASE else "deepseek3-proxy",
         "gmm_backend": resolve_backend(model.moe.gmm_backend) if model.moe.sparse_matmul else "capacity",
         "quantization": model.quantization,
         "gmm_quantization": model.moe.gmm_quantization,
@@ -253,7 +290,8 @@ def print_table(rows, tiny: bool = False) -> None:
 
     table = Table("case", "backend", "batch/dev", "step (ms)", "tokens/s", "TFLOP/s/dev", "MFU",
                   "peak mem (GiB)", "dropped", "note",
-                  title="training step, " + ("tiny CPU model" if tiny else "deepseek3-proxy"))
+                  title="training step, " + ("tiny CPU model" if tiny else "deepseek3-proxy")
+                  + f" (case {QWEN3_CASE}: that model)")
     for r in rows:
         if "step_time_s" not in r:
             table.add_row(r["case"], "", "", "", "", "", "", "", "", r.get("error", "")[:80])
