@@ -179,3 +179,37 @@ def test_qwen3_moe_shaped_model_has_qwen_parameters():
     graphdef, state = nnx.split(model)
     out = jax.eval_shape(lambda s: nnx.merge(graphdef, s)(jnp.zeros((1, 4), jnp.int32)), state)
     assert out.logits_BSV.shape == (1, 4, 32)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(jax.default_backend() != "gpu", reason="needs a CUDA GPU (cuDNN)")
+def test_cudnn_gqa_matches_the_grouped_dot_product_on_gpu():
+    """cuDNN flash attention with 4 kv heads for 32 query heads (Qwen3-30B's
+    shape, head dim 128), bf16, values and gradients against the XLA grouped
+    path. Only a GPU has cuDNN; the CPU tests cover the grouping through
+    ``implementation="xla"``.
+
+    Tolerance: both compute bf16 products with float32 accumulation and round
+    the result to bf16 (relative 2**-8 = 0.4%); the softmax and blocking
+    orders differ, so results may differ by a few bf16 ulps of the largest
+    value: 2% of max(1, max |reference|) (outputs are of order 1; the k and v
+    gradients sum 8 query heads x 512 positions and are larger). A wrong
+    kv-head mapping differs by O(1) of that scale.
+    """
+    kq, kk, kv, kg = jax.random.split(jax.random.key(8), 4)
+    q = jax.random.normal(kq, (2, 512, 32, 128), jnp.bfloat16)
+    k = jax.random.normal(kk, (2, 512, 4, 128), jnp.bfloat16)
+    v = jax.random.normal(kv, (2, 512, 4, 128), jnp.bfloat16)
+    dy = jax.random.normal(kg, q.shape, jnp.bfloat16)
+    scale = 128**-0.5
+
+    def run(fn):
+        out, vjp = jax.vjp(lambda q, k, v: fn(q, k, v, scale=scale), q, k, v)
+        return out, vjp(dy)
+
+    want, want_grads = jax.jit(lambda: run(attention.dot_product_attention))()
+    got, got_grads = jax.jit(lambda: run(attention.fused_attention))()
+    f32 = lambda a: np.asarray(a, np.float32)
+    for g, w in zip((got, *got_grads), (want, *want_grads)):
+        g, w = f32(g), f32(w)
+        np.testing.assert_allclose(g, w, atol=2e-2 * max(1.0, float(np.abs(w).max())))
