@@ -20,7 +20,8 @@ Activations carry ``checkpoint_name`` tags for remat/offload policies:
 ``mla_q`` (q latent), ``mla_kv`` (kv latent + k_pe), ``query_proj``,
 ``key_proj``, ``value_proj``, ``context`` (attention output), ``out_proj``.
 
-Backends (``MLAConfig.attention``):
+Backends (``MLAConfig.attention``; ``nn.gqa`` uses the same two, with k and v
+of fewer heads than q):
   * ``dot_product``: two einsums and a float32 softmax, any platform.
   * ``cudnn_flash_te``: cuDNN fused flash attention through
     ``jax.nn.dot_product_attention(implementation="cudnn")``. cuDNN wants one
