@@ -33,8 +33,10 @@ runs after a warm-up; torch uses ``triton.testing.do_bench`` (median).
 
 Run on the GPU machine (one command):
   PYTHONPATH=src python3 benchmarks/gmm.py [--quick] [--tune] [--out DIR] [--commit SHA]
-``--tune`` first sweeps tile configs on the G=32 shapes, writes
-``tuning_<gpu>.json`` (to --out and into the package) and benchmarks with it;
+  PYTHONPATH=src python3 benchmarks/gmm.py --shape-set qwen3-30b   # Qwen3-30B-A3B's expert GEMMs
+``--tune`` first sweeps tile configs on the G=32 shapes (or on all of a
+``--shape-set`` without any), writes ``tuning_<gpu>.json`` (to --out and into
+the package; entries of other shapes are kept) and benchmarks with it;
 a normal run only reads the checked-in table. ``--smoke`` runs tiny shapes in
 Pallas GPU interpret mode on CPU, to check this script without a GPU.
 """
@@ -68,6 +70,15 @@ FULL_SHAPES = [  # (M, G, K, N); most important first, in case a run is cut shor
     (65536, 256, 2048, 7168),
 ]
 QUICK_SHAPES = FULL_SHAPES[:3]
+# Expert GEMMs of Qwen3-MoE (128 experts top-8, no shared expert) at M = 8192
+# tokens x top-8 rows (512 per expert when balanced), G = 128: gate|up fused
+# [D, 2F] and down [F, D]. Their dgrads are the transposed problems, so K or
+# N = F (768, 1536) appears in every direction.
+SHAPE_SETS = {
+    "deepseek": FULL_SHAPES,
+    "qwen3-30b": [(65536, 128, 2048, 1536), (65536, 128, 768, 2048)],  # D=2048, F=768
+    "qwen3-235b": [(65536, 128, 4096, 3072), (65536, 128, 1536, 4096)],  # D=4096, F=1536
+}
 SMOKE_SHAPES = [(300, 5, 128, 256)]
 SMOKE_SHAPES_FP8 = [(300, 3, 256, 256)]  # the FP8 kernels need K and N multiples of 256
 LAYOUTS = ["balanced", "dirichlet1.0", "dirichlet0.3", "empty"]
@@ -533,10 +544,17 @@ def tune(shapes, args, record):
                                 "tiling": dataclasses.asdict(best[0]), "tflops": round(best[1], 1),
                                 "measured": f"M={m} G={g} balanced"})
         del x, w, dy
+    pkg_path = pathlib.Path(tuning.__file__).parent / f"tuning_{gpu}.json"
+    # Entries of shapes not swept now are kept: tuning one shape set (e.g.
+    # --shape-set qwen3-30b) must not drop the tiles measured for another.
+    key = lambda e: (e["dtype"], e["kind"], e["k"], e["n"])
+    swept = {key(e) for e in entries}
+    if pkg_path.exists():
+        kept = [e for e in json.loads(pkg_path.read_text())["entries"] if key(e) not in swept]
+        entries = kept + entries
     table = {"gpu": gpu, "written_by": "benchmarks/gmm.py --tune",
              "date": datetime.date.today().isoformat(), "entries": entries}
     text = json.dumps(table, indent=1) + "\n"
-    pkg_path = pathlib.Path(tuning.__file__).parent / f"tuning_{gpu}.json"
     pkg_path.write_text(text)
     pathlib.Path(args.out, f"tuning_{gpu}.json").write_text(text)
     tuning.load_table.cache_clear()
@@ -551,7 +569,9 @@ def main():
     p.add_argument("--impls", default=",".join(IMPLS))
     p.add_argument("--quant", default="none", choices=["none", *QUANT_RECIPES],
                    help="also time an FP8 recipe (ours_q) and the dense FP8 GEMM (dense8)")
-    p.add_argument("--shapes", default="", help="comma list of indices into FULL_SHAPES")
+    p.add_argument("--shapes", default="", help="comma list of indices into the shape set (FULL_SHAPES unless --shape-set)")
+    p.add_argument("--shape-set", default="", choices=["", *SHAPE_SETS],
+                   help="a named set of shapes instead of FULL_SHAPES (qwen3-30b: the 30B's expert GEMMs)")
     p.add_argument("--shape", action="append", default=[], help="M,G,K,N (repeatable)")
     p.add_argument("--out", default=os.environ.get("OUT", "benchmarks/results"))
     p.add_argument("--commit", default="unknown")
@@ -561,8 +581,10 @@ def main():
     args = p.parse_args()
     impls = args.impls.split(",")
     shapes = QUICK_SHAPES if args.quick else FULL_SHAPES
+    if args.shape_set:
+        shapes = SHAPE_SETS[args.shape_set]
     if args.shapes:
-        shapes = [FULL_SHAPES[int(i)] for i in args.shapes.split(",")]
+        shapes = [shapes[int(i)] for i in args.shapes.split(",")]
     if args.shape:
         shapes = [tuple(int(v) for v in spec.split(",")) for spec in args.shape]
     layouts = ["balanced", "dirichlet0.3"] if args.quick else LAYOUTS
@@ -624,7 +646,8 @@ def run_children(args, shapes, record):
     spec = lambda s: ["--shape", ",".join(map(str, s))]
     jobs = []
     if args.tune and not args.smoke:
-        jobs.append(["--tune", "--tune-only"] + sum((spec(s) for s in shapes if s[1] == 32), []))
+        tuned = [s for s in shapes if s[1] == 32] or shapes  # as in main()
+        jobs.append(["--tune", "--tune-only"] + sum((spec(s) for s in tuned), []))
     jobs += [spec(s) for s in shapes]
     path = pathlib.Path(args.out, _result_name(args.quant))
     deadline = time.monotonic() + args.budget_s if args.budget_s else None

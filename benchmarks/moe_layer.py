@@ -1,6 +1,7 @@
 """MoE layer benchmark: one DeepSeek-V3 MoE layer on one GPU, ours vs the baselines.
 
     PYTHONPATH=src python3 benchmarks/moe_layer.py [--quick] [--out DIR]    # GPU, ~3-5 min
+    PYTHONPATH=src python3 benchmarks/moe_layer.py --shape qwen3-30b        # Qwen3-30B-A3B's layer
     JAX_PLATFORMS=cpu PYTHONPATH=src python3 benchmarks/moe_layer.py --tiny # CPU smoke run
 
 Shape (DeepSeek-V3 with 8-way expert parallelism, the local half of one layer):
@@ -15,6 +16,11 @@ The layer's config comes from the loader ``dropless train`` uses:
 ``model_name=deepseek3-proxy`` plus overrides (``BASE``; ``--tiny``:
 ``deepseek3-tiny``, ``TINY_BASE``), each case adding its own; every row
 records its overrides.
+
+``--shape qwen3-30b``: Qwen3-30B-A3B's whole layer (``model_name=qwen3-moe-proxy``, ``QWEN3_BASE``: T = 16384,
+D = 2048, F = 768, E = 128, K = 8, no shared expert, softmax routing; its
+expert GEMMs have K or N = 768). The torchtitan comparison is for the
+DeepSeek shape only.
 
 Cases: ``ours`` (dropless, ``gmm_backend=auto``: our Mosaic kernels on
 Hopper), ``xla`` (dropless through ``lax.ragged_dot``), and MaxText's
@@ -64,6 +70,12 @@ BASE = ["model_name=deepseek3-proxy", "n_routing_groups=-1", "topk_routing_group
 TINY_BASE = ["model_name=deepseek3-tiny", "n_routing_groups=-1", "topk_routing_group=-1",
              "seq_aux_loss_weight=1e-4", "per_device_batch_size=2", "max_target_length=32",
              "moe_mlp_dim=32", "routed_scaling_factor=2.5"]
+# Qwen3-30B-A3B's layer whole on one GPU (no expert parallelism): the
+# qwen3-moe-proxy preset's MoE (T = 4 x 4096 tokens, D = 2048, F = 768, all
+# 128 experts top-8, no shared expert, softmax routing renormalised over the
+# top 8).
+QWEN3_BASE = ["model_name=qwen3-moe-proxy", "per_device_batch_size=4", "max_target_length=4096"]
+BASES = {"deepseek3": BASE, "qwen3-30b": QWEN3_BASE, "tiny": TINY_BASE}
 CASES = {
     "ours": {"gmm_backend": "auto"},
     "xla": {"gmm_backend": "xla"},
@@ -72,17 +84,17 @@ CASES = {
 }
 
 
-def overrides_of(tiny: bool, **case) -> list[str]:
-    """The key=value list of a case (``dropless train`` takes the same)."""
-    return (TINY_BASE if tiny else BASE) + [f"{k}={str(v).lower() if isinstance(v, bool) else v}"
-                                            for k, v in case.items()]
+def overrides_of(base: str, **case) -> list[str]:
+    """The key=value list of a case on ``BASES[base]`` (``dropless train`` takes the same)."""
+    return BASES[base] + [f"{k}={str(v).lower() if isinstance(v, bool) else v}"
+                          for k, v in case.items()]
 
 
-def resolve(tiny: bool, **case):
+def resolve(base: str, **case):
     """The validated ``Config`` of a case. Raises ConfigError on a bad override."""
     from dropless.config.loader import load_config
 
-    return load_config(None, overrides_of(tiny, **case), environ={}).config
+    return load_config(None, overrides_of(base, **case), environ={}).config
 
 
 def shape_of(cfg) -> dict:
@@ -91,22 +103,32 @@ def shape_of(cfg) -> dict:
             "top_k": cfg.num_experts_per_tok, "shared_experts": cfg.shared_experts}
 
 
-FULL = shape_of(resolve(False))
-TINY = shape_of(resolve(True))
+SHAPES = {name: shape_of(resolve(name)) for name in BASES}
+FULL, TINY, QWEN3_30B = SHAPES["deepseek3"], SHAPES["tiny"], SHAPES["qwen3-30b"]
+
+
+def base_of(shape: dict) -> str:
+    """The ``BASES`` key whose preset gives ``shape`` (one of the ``SHAPES`` dicts).
+
+    Raises:
+      ValueError: ``shape`` is none of them.
+    """
+    for name, known in SHAPES.items():
+        if shape is known:
+            return name
+    raise ValueError(f"shape {shape} is none of the presets' {list(SHAPES)}")
 TARGETS = {"fwd_bwd_ms": 36.0, "routing_share_pct": 15.0, "torchtitan_fwd_bwd_ms": 43.6,
            "torchtitan_tflops": 447.0, "torchtitan_gemm_ms": 31.7}
 ROUTING_PIECES = ("router", "permute", "combine")
 
 
 def moe_config(shape: dict, **overrides) -> MoEConfig:
-    """The MoE section of the preset at ``shape`` (FULL or TINY), with a case's ``overrides``.
+    """The MoE section of the preset that gives ``shape``, with a case's ``overrides``.
 
     Raises:
-      ValueError: ``shape`` is neither FULL nor TINY.
+      ValueError: ``shape`` is none of ``SHAPES``.
     """
-    if shape not in (FULL, TINY):
-        raise ValueError(f"shape {shape} is not the preset's FULL or TINY")
-    return resolve(shape == TINY and shape != FULL, **overrides).moe()
+    return resolve(base_of(shape), **overrides).moe()
 
 
 def expert_flops(shape: dict) -> dict:
@@ -197,7 +219,7 @@ def split_pieces(layer: Layer) -> dict:
     def rand(like):
         return jax.random.normal(next(key), like.shape, jnp.float32).astype(like.dtype)
 
-    return {
+    pieces = {
         "router": _pair(router, (p["router"], x_TD), (), (rand(weights_TK), jnp.ones(())),
                         has_aux=True),
         "permute": _pair(lambda x, ex: moe.dispatch(x, ex, e, align), (x_TD,), (experts_TK,),
@@ -205,9 +227,11 @@ def split_pieces(layer: Layer) -> dict:
         "gmm": _pair(experts, (p["experts"], x_PD), (plan.group_sizes_E,), rand(y_PD)),
         "combine": _pair(lambda y, w, plan: moe.combine(y, w, plan), (y_PD, weights_TK), (plan,),
                          rand(x_TD)),
-        "shared": _pair(lambda sp, x: layer.block({**p, "shared": sp}, rest).shared_experts(x),
-                        (p["shared"], x_TD), (), rand(x_TD)),
     }
+    if layer.cfg.shared_experts:  # Qwen3-MoE has none
+        pieces["shared"] = _pair(lambda sp, x: layer.block({**p, "shared": sp}, rest).shared_experts(x),
+                                 (p["shared"], x_TD), (), rand(x_TD))
+    return pieces
 
 
 def compose_forward(layer: Layer, pieces: dict):
@@ -220,8 +244,10 @@ def compose_forward(layer: Layer, pieces: dict):
     gmm_fwd, (gmm_diff, _) = pieces["gmm"][0]
     y_PD = gmm_fwd((gmm_diff[0], x_PD), (plan.group_sizes_E,))
     out_TD = pieces["combine"][0][0]((y_PD, weights_TK), (plan,))
-    shared_fwd, (shared_args, _) = pieces["shared"][0]
-    return (out_TD + shared_fwd(shared_args, ())).reshape(b, s, d)
+    if "shared" in pieces:
+        shared_fwd, (shared_args, _) = pieces["shared"][0]
+        out_TD = out_TD + shared_fwd(shared_args, ())
+    return out_TD.reshape(b, s, d)
 
 
 def _timing(fn, args, quick: bool) -> float:
@@ -244,7 +270,7 @@ def time_case(name: str, shape: dict, quick: bool) -> tuple[dict, Layer]:
     t, d = shape["batch"] * shape["seq"], shape["emb_dim"]
     backend = resolve_backend(layer.cfg.gmm_backend, (t * shape["top_k"], d),
                               (shape["num_experts"], d, 2 * shape["moe_mlp_dim"]), jnp.bfloat16)
-    row = {"case": name, "overrides": overrides_of(shape == TINY and shape != FULL, **CASES[name]),
+    row = {"case": name, "overrides": overrides_of(base_of(shape), **CASES[name]),
            "backend": backend if layer.cfg.sparse_matmul else "dense_matmul",
            "sparse_matmul": layer.cfg.sparse_matmul, "capacity_factor":
            None if layer.cfg.sparse_matmul else layer.cfg.capacity_factor}
@@ -290,24 +316,26 @@ def trace_breakdown(layer: Layer) -> dict:
 
 
 def run(quick: bool = False, out_dir=measure.DEFAULT_RESULTS_DIR, tiny: bool = False,
-        cases=None, trace: bool = True) -> dict:
+        cases=None, trace: bool = True, shape_name: str = "deepseek3") -> dict:
     """Run the benchmark, write its record to ``out_dir`` and return the record.
 
     Args:
       quick: fewer timing samples and only the ours / xla / capacity-1.0 cases.
-      tiny: the small CPU-friendly shape instead of DeepSeek-V3's.
+      tiny: the small CPU-friendly shape instead of ``shape_name``'s.
+      shape_name: a key of ``SHAPES`` (deepseek3 | qwen3-30b).
       cases: names from ``CASES`` (default: all, or the quick subset).
       trace: also profile ours' fwd+bwd and break its kernel time down.
     """
-    shape = TINY if tiny else FULL
+    shape = TINY if tiny else SHAPES[shape_name]
     names = list(cases or (["ours", "xla", "capacity-1.0"] if quick else CASES))
     unknown = set(names) - set(CASES)
     if unknown:
         raise ValueError(f"unknown cases {sorted(unknown)}; choose from {list(CASES)}")
     record = measure.new_record("moe_layer", {**shape, "tokens": shape["batch"] * shape["seq"],
                                               "dtype": "bfloat16", "tiny": tiny, "quick": quick,
+                                              "shape": "tiny" if tiny else shape_name,
                                               "moe": vars(moe_config(shape)),
-                                              "base_overrides": TINY_BASE if tiny else BASE})
+                                              "base_overrides": BASES[base_of(shape)]})
     record.update(flops=expert_flops(shape), targets=TARGETS, split=None, kernel_breakdown=None,
                   flops_formula="fwd = 6*T*(K+S)*D*F (K routed + S shared SwiGLU experts); "
                                 "fwd+bwd = 3*fwd; router excluded")
@@ -385,7 +413,7 @@ def print_tables(record: dict, console=None) -> None:
                       _fmt(ms) if ms else f"[red]{r.get('fwd_bwd_error', '-')[:40]}[/]",
                       _fmt(r.get("fwd_bwd_tflops"), ".0f"), f"{100 * r['dropped_fraction']:.1f}%",
                       # torchtitan's time is for the full shape only.
-                      "-" if cfg["tiny"] or not ms
+                      "-" if cfg["tiny"] or cfg.get("shape", "deepseek3") != "deepseek3" or not ms
                       else f"{TARGETS['torchtitan_fwd_bwd_ms'] / ms:.2f}x")
     table.caption = (f"TF/s count expert FLOPs ({record['flops_formula']}). Target: fwd+bwd < "
                      f"{TARGETS['fwd_bwd_ms']:.0f} ms; torchtitan "
@@ -399,6 +427,8 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="fewer samples and cases")
     parser.add_argument("--tiny", action="store_true", help="small shape (CPU smoke run)")
+    parser.add_argument("--shape", default="deepseek3", choices=list(SHAPES),
+                        help="layer shape: deepseek3 (V3 with 8-way EP, the default) or qwen3-30b")
     parser.add_argument("--out", type=Path, default=measure.DEFAULT_RESULTS_DIR,
                         help="results directory (default benchmarks/results)")
     parser.add_argument("--cases", default=None,
@@ -406,7 +436,8 @@ def main(argv=None) -> int:
     parser.add_argument("--no-trace", action="store_true", help="skip the profiler breakdown")
     args = parser.parse_args(argv)
     record = run(quick=args.quick, out_dir=args.out, tiny=args.tiny,
-                 cases=args.cases.split(",") if args.cases else None, trace=not args.no_trace)
+                 cases=args.cases.split(",") if args.cases else None, trace=not args.no_trace,
+                 shape_name=args.shape)
     print_tables(record)
     print(f"wrote {record['path']}")
     return 0

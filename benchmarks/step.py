@@ -57,7 +57,8 @@ import sys
 import time
 
 CASES = ("xla", "capacity", "ours", "ours_fp8", "ours_fp8_blockwise")
-EXTRA_CASES = ("ours_fp8k",)
+QWEN3_CASE = "qwen3-moe-proxy"  # ``ours`` on the Qwen3-MoE proxy instead of the DeepSeek one
+EXTRA_CASES = ("ours_fp8k", QWEN3_CASE)
 QUICK_CASES = ("xla", "capacity", "ours")
 FP8_DENSE = "te_fp8_currentscaling"
 RESULT_PREFIX = "STEP_RESULT "
@@ -78,7 +79,10 @@ CASE_OVERRIDES = {
                            f"quantization={FP8_DENSE}"],
     "ours_fp8k": ["gmm_backend=auto", "te_gmm_quantization=te_fp8_blockwise",
                   f"quantization={FP8_DENSE}", "gmm_fp8_impl=kernel"],
+    QWEN3_CASE: ["gmm_backend=auto"],
 }
+# Cases on another preset than the base's: (full-size, tiny) model_name.
+CASE_MODEL = {QWEN3_CASE: ("qwen3-moe-proxy", "qwen3-moe-tiny")}
 
 
 def parse_custom(text: str) -> list[str]:
@@ -101,6 +105,9 @@ def case_overrides(case: str, tiny: bool, batch: float | None = None, remat: str
                    custom: str = "", extra=()) -> list[str]:
     """The key=value list of one case, as ``dropless train`` would take it."""
     out = list(TINY_BASE if tiny else BASE) + CASE_OVERRIDES[case]
+    if case in CASE_MODEL:
+        name = CASE_MODEL[case][tiny]
+        out = [f"model_name={name}" if o.startswith("model_name=") else o for o in out]
     out += [f"per_device_batch_size={batch:g}"] if batch else []
     out += [f"remat_policy={remat}"] if remat else []
     if custom:
@@ -266,7 +273,8 @@ def print_table(rows, tiny: bool = False) -> None:
 
     table = Table("case", "backend", "batch/dev", "step (ms)", "tokens/s", "TFLOP/s/dev", "MFU",
                   "peak mem (GiB)", "est. (GiB)", "dropped", "note",
-                  title="training step, " + ("tiny CPU model" if tiny else "deepseek3-proxy"))
+                  title="training step, " + ("tiny CPU model" if tiny else "deepseek3-proxy")
+                  + f" (case {QWEN3_CASE}: that model)")
     for r in rows:
         if "step_time_s" not in r:
             table.add_row(r["case"], "", "", "", "", "", "", "", "", "", r.get("error", "")[:80])

@@ -22,6 +22,10 @@ PRESET_TARGETS = {
     "deepseek3-tiny": [],
     "deepseek3-proxy": ["--device", "h200"],
     "deepseek3-671b": ["--device", "h200", "--devices", "256"],
+    "qwen3-moe-tiny": [],
+    "qwen3-moe-proxy": ["--device", "h200"],
+    "qwen3-30b-a3b": ["--device", "h200", "--devices", "8"],
+    "qwen3-235b-a22b": ["--device", "h200", "--devices", "64"],
 }
 ONE = {"data": 1, "fsdp": 1, "expert": 1, "tensor": 1}
 

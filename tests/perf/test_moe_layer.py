@@ -67,3 +67,18 @@ def test_run_writes_a_record(bench, tmp_path):
     assert bd["steps"] == 3 and math.isclose(sum(c["pct_kernel"] for c in bd["categories"]), 100)
     with pytest.raises(ValueError, match="unknown cases"):
         bench.run(tiny=True, out_dir=tmp_path, cases=["nope"])
+
+
+def test_qwen3_30b_shape_has_softmax_routing_and_no_shared_piece(bench):
+    """--shape qwen3-30b: Qwen3-30B-A3B's layer; without a shared expert the split has
+    no shared piece and the pieces still compose to the block (same bf16 tolerance)."""
+    assert bench.SHAPES["qwen3-30b"]["num_experts"] == 128 and bench.SHAPES["qwen3-30b"]["moe_mlp_dim"] == 768
+    cfg = bench.moe_config(bench.QWEN3_30B)
+    assert cfg.routed_score_func == "softmax" and not cfg.routed_bias and cfg.shared_experts == 0
+    tiny = {**bench.TINY, "shared_experts": 0}
+    layer = bench.Layer(tiny, bench.moe_config(bench.TINY, gmm_backend="xla", shared_experts=0))
+    pieces = bench.split_pieces(layer)
+    assert "shared" not in pieces
+    y_block, _ = layer.fwd(layer.params, layer.rest, layer.x)
+    np.testing.assert_allclose(np.asarray(bench.compose_forward(layer, pieces), np.float32),
+                               np.asarray(y_block, np.float32), rtol=2e-2, atol=2e-2)

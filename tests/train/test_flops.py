@@ -79,3 +79,34 @@ def test_peak_table():
     assert flops.peak_tflops("NVIDIA A100-SXM4-80GB", "fp8") is None
     assert flops.precision_of(CFG) == "bf16"
     assert flops.precision_of(dataclasses.replace(CFG, quantization="te_fp8_currentscaling")) == "fp8"
+
+
+def test_gqa_weight_flops_are_six_per_active_parameter():
+    """Weight FLOPs of a Qwen3-MoE-style model = 6 x tokens x the matmul parameters a
+    token meets, counted from the built model (attention, router, head, and the
+    experts' parameters times top-k / E); attention = q.k and p.v over all H
+    query heads, causal half."""
+    import jax
+    from flax import nnx
+
+    from dropless.config.sections import GQAConfig
+    from dropless.nn.model import Transformer
+    from dropless.parallel.sharding import path_names
+
+    cfg = ModelConfig(
+        vocab_size=100, emb_dim=8, num_decoder_layers=2, first_num_dense_layers=0, mlp_dim=20,
+        attention_type="gqa", gqa=GQAConfig(num_heads=6, num_kv_heads=2, head_dim=4),
+        moe=MoEConfig(num_experts=4, num_experts_per_tok=2, moe_mlp_dim=7),
+    )
+    model = nnx.eval_shape(lambda: Transformer(cfg, rngs=nnx.Rngs(0)))
+    sizes = {"/".join(n for n in path_names(path) if n != "value"): x.size
+             for path, x in jax.tree_util.tree_leaves_with_path(nnx.state(model, nnx.Param))}
+    attn = sum(v for k, v in sizes.items() if "attention" in k and "kernel" in k)
+    experts = sum(v for k, v in sizes.items() if k.endswith(("wi", "wo")) and "moe" in k)
+    router = sum(v for k, v in sizes.items() if "router" in k)
+    head = sizes["head/kernel"]
+    assert attn == 2 * 8 * 4 * (6 + 2 + 2 + 6)  # q, k, v, o over two layers
+    active = attn + router + head + experts * 2 / 4
+    got = flops.training_tflops_per_device(cfg, BATCH, SEQ)
+    assert got.learnable_weight == pytest.approx(6 * TOKENS * active / 1e12, rel=1e-12)
+    assert got.attention == pytest.approx(_tflops(2 * SEQ * 6 * (4 + 4) / 2), rel=1e-12)

@@ -74,6 +74,12 @@ class Config(BaseModel):
     mtp_loss_scaling_factor: float = _f(0.1, "Weight of the MTP loss.", ge=0)
     scan_layers: bool = _f(True, "Stack layers with scan (compile time independent of depth).")
     attention: Literal["dot_product", "cudnn_flash_te"] = _f("dot_product", "Attention kernel: XLA dot-product or cuDNN flash attention.")
+    decoder_block: Literal["custom", "deepseek", "qwen3_moe"] = _f("custom", "Layer structure the other keys must describe: deepseek (MLA attention), qwen3_moe (transformers' Qwen3MoeForCausalLM: GQA with q/k RMSNorm, softmax top-k routing over all experts, no shared expert, no routing bias or scaling, no MTP), custom (any combination). Checked only; layers read the keys themselves.")
+    attention_type: Literal["mla", "gqa"] = _f("mla", "Attention module: mla (DeepSeek latent attention; the MLA keys) or gqa (grouped-query attention; num_kv_heads, head_dim, use_qk_norm).")
+    # GQA
+    num_kv_heads: int = _f(-1, "GQA: key/value heads, dividing num_query_heads (-1: num_query_heads, plain multi-head attention).", ge=-1)
+    head_dim: int = _f(-1, "GQA: per-head q/k/v dim, even (-1: emb_dim // num_query_heads).", ge=-1)
+    use_qk_norm: bool = _f(False, "GQA: RMSNorm over each query and key head before RoPE (Qwen3).")
     # MLA
     q_lora_rank: int = _f(0, "Low-rank query compression (0: full-rank query projection).", ge=0)
     kv_lora_rank: int = _f(32, "Compressed KV rank.", ge=1)
@@ -175,9 +181,14 @@ class Config(BaseModel):
         return _section(sections.MLAConfig, self, rename={
             "num_heads": "num_query_heads", "rope_theta": "rope_max_timescale"})
 
+    def gqa(self) -> sections.GQAConfig:
+        return _section(sections.GQAConfig, self, num_kv_heads=_kv_heads(self), head_dim=_head_dim(self),
+                        rename={"num_heads": "num_query_heads", "rope_theta": "rope_max_timescale"})
+
     def model(self) -> sections.ModelConfig:
         custom = tuple((n, getattr(self, n)) for n in REMAT_TENSORS if getattr(self, n) is not None)
-        return _section(sections.ModelConfig, self, mla=self.mla(), moe=self.moe(), remat_custom=custom)
+        return _section(sections.ModelConfig, self, mla=self.mla(), gqa=self.gqa(), moe=self.moe(),
+                        remat_custom=custom)
 
     def optimizer(self) -> sections.OptimizerConfig:
         return _section(sections.OptimizerConfig, self)
@@ -208,6 +219,32 @@ def _section(cls, cfg, rename=None, **given):
     return cls(**kwargs)
 
 
+def _kv_heads(c) -> int:
+    return c.num_query_heads if c.num_kv_heads == -1 else c.num_kv_heads
+
+
+def _head_dim(c) -> int:
+    return c.emb_dim // c.num_query_heads if c.head_dim == -1 else c.head_dim
+
+
+# What each decoder_block fixes: key -> (required value, why). qwen3_moe is the
+# structure of transformers' Qwen3MoeForCausalLM, so a model of that block can
+# be written as one; n_routing_groups has its own message (see below).
+DECODER_BLOCKS = {
+    "custom": {},
+    "deepseek": {"attention_type": ("mla", "DeepSeek-V3 uses MLA attention")},
+    "qwen3_moe": {
+        "attention_type": ("gqa", "Qwen3-MoE uses grouped-query attention"),
+        "use_qk_norm": (True, "Qwen3-MoE normalises each q and k head"),
+        "shared_experts": (0, "Qwen3-MoE has no shared expert"),
+        "routed_score_func": ("softmax", "Qwen3-MoE routes with a softmax"),
+        "routed_bias": (False, "Qwen3-MoE has no selection bias"),
+        "routed_scaling_factor": (1.0, "Qwen3-MoE does not scale routing weights"),
+        "mtp_num_layers": (0, "Qwen3-MoE has no multi-token prediction"),
+    },
+}
+
+
 class ContradictionError(ValueError):
     """Two or more keys are individually valid but together impossible."""
 
@@ -220,6 +257,22 @@ def _check_contradictions(c: Config):
     def bad(key, message):
         raise ContradictionError(key, getattr(c, key), message)
 
+    for key, (want, why) in DECODER_BLOCKS[c.decoder_block].items():
+        if getattr(c, key) != want:
+            shown = str(want).lower() if isinstance(want, bool) else want
+            bad(key, f"must be {shown} with decoder_block={c.decoder_block} ({why}; decoder_block=custom allows any)")
+    if c.decoder_block == "qwen3_moe" and c.n_routing_groups != -1:
+        bad("n_routing_groups", "group-limited routing is DeepSeek's; Qwen3-MoE (decoder_block=qwen3_moe) routes over all experts, so set n_routing_groups=-1 and topk_routing_group=-1")
+    if c.attention_type == "gqa":
+        kv, hd = _kv_heads(c), _head_dim(c)
+        if kv < 1 or c.num_query_heads % kv:
+            bad("num_kv_heads", f"must divide num_query_heads={c.num_query_heads} (or be -1)")
+        if hd < 2 or hd % 2:
+            bad("head_dim", f"is {hd}; GQA needs a positive even head dim (rotate-half RoPE)")
+        if c.rope_factor != 1:
+            bad("rope_factor", "YaRN scaling is implemented for attention_type=mla only; GQA takes rope_factor=1")
+    elif c.use_qk_norm:
+        bad("use_qk_norm", "applies to attention_type=gqa (MLA has its own latent norms)")
     if c.num_experts_per_tok > c.num_experts:
         bad("num_experts_per_tok", f"must be <= num_experts={c.num_experts}")
     if (c.n_routing_groups == -1) != (c.topk_routing_group == -1):

@@ -60,8 +60,21 @@ class MLAConfig:
 
 
 @dataclasses.dataclass(frozen=True)
+class GQAConfig:
+    """Grouped-query attention (Llama/Qwen3): full-rank q, k, v; kv heads shared by groups of q heads."""
+
+    num_heads: int = 4
+    num_kv_heads: int = 4  # divides num_heads; each kv head serves num_heads // num_kv_heads q heads
+    head_dim: int = 16  # q, k and v head dim (even: rotate-half RoPE)
+    use_qk_norm: bool = False  # RMSNorm over each q and k head before RoPE (Qwen3)
+    rope_theta: float = 10000.0
+    attention: str = "dot_product"  # dot_product | cudnn_flash_te
+    normalization_layer_epsilon: float = 1e-6
+
+
+@dataclasses.dataclass(frozen=True)
 class ModelConfig:
-    """The DeepSeek-V3-style decoder."""
+    """The decoder: MLA or GQA attention, dense-first then MoE layers."""
 
     vocab_size: int = 256
     emb_dim: int = 64
@@ -79,7 +92,9 @@ class ModelConfig:
     remat_custom: tuple[tuple[str, str], ...] = ()
     quantization: str = ""  # "" (bf16) | te_fp8_currentscaling
     quantize_output_head: bool = False  # the output head in FP8 too (with te_fp8_currentscaling)
+    attention_type: str = "mla"  # mla (reads ``mla``) | gqa (reads ``gqa``)
     mla: MLAConfig = dataclasses.field(default_factory=MLAConfig)
+    gqa: GQAConfig = dataclasses.field(default_factory=GQAConfig)
     moe: MoEConfig = dataclasses.field(default_factory=MoEConfig)
 
 

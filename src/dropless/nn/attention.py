@@ -20,7 +20,8 @@ Activations carry ``checkpoint_name`` tags for remat/offload policies:
 ``mla_q`` (q latent), ``mla_kv`` (kv latent + k_pe), ``query_proj``,
 ``key_proj``, ``value_proj``, ``context`` (attention output), ``out_proj``.
 
-Backends (``MLAConfig.attention``):
+Backends (``MLAConfig.attention``; ``nn.gqa`` uses the same two, with k and v
+of fewer heads than q):
   * ``dot_product``: two einsums and a float32 softmax, any platform.
   * ``cudnn_flash_te``: cuDNN fused flash attention through
     ``jax.nn.dot_product_attention(implementation="cudnn")``. cuDNN wants one
@@ -41,28 +42,51 @@ ATTENTION_BACKENDS = ("dot_product", "cudnn_flash_te")
 default_kernel_init = nnx.initializers.variance_scaling(1.0, "fan_in", "truncated_normal")
 
 
-def dot_product_attention(q_BSHQ, k_BTHQ, v_BTHV, *, scale: float) -> jax.Array:
+def dot_product_attention(q_BSHQ, k_BTKQ, v_BTKV, *, scale: float) -> jax.Array:
     """Causal softmax attention in XLA; logits and softmax in float32.
 
     Args:
-      q_BSHQ, k_BTHQ: queries and keys; v_BTHV: values (V may differ from Q).
+      q_BSHQ: queries, H heads.
+      k_BTKQ, v_BTKV: keys and values with K heads, K dividing H: query head h
+        reads kv head ``h // (H // K)`` (grouped-query attention; K = H is
+        plain multi-head attention). V may differ from Q.
       scale: multiplier of q.k before the softmax.
 
     Returns:
       [B, S, H, V] in v's dtype. Query i attends to keys 0..i (S == T).
+
+    Raises:
+      ValueError: K does not divide H.
     """
-    logits_BHST = jnp.einsum(
-        "bshq,bthq->bhst", q_BSHQ, k_BTHQ, preferred_element_type=jnp.float32
-    ) * scale
-    s, t = q_BSHQ.shape[1], k_BTHQ.shape[1]
+    b, s, h, q_dim = q_BSHQ.shape
+    t, kv = k_BTKQ.shape[1], k_BTKQ.shape[2]
+    if h % kv:
+        raise ValueError(f"{kv} kv heads must divide {h} query heads")
     causal_ST = jnp.arange(s)[:, None] >= jnp.arange(t)[None, :]
-    logits_BHST = jnp.where(causal_ST, logits_BHST, jnp.finfo(jnp.float32).min)
-    probs_BHST = jax.nn.softmax(logits_BHST, axis=-1)
-    return jnp.einsum("bhst,bthv->bshv", probs_BHST.astype(v_BTHV.dtype), v_BTHV)
+    if kv == h:  # the MHA program, written without the unit group axis
+        logits_BHST = jnp.einsum(
+            "bshq,bthq->bhst", q_BSHQ, k_BTKQ, preferred_element_type=jnp.float32
+        ) * scale
+        logits_BHST = jnp.where(causal_ST, logits_BHST, jnp.finfo(jnp.float32).min)
+        probs_BHST = jax.nn.softmax(logits_BHST, axis=-1)
+        return jnp.einsum("bhst,bthv->bshv", probs_BHST.astype(v_BTKV.dtype), v_BTKV)
+    # G = H // K query heads per kv head, contracted against their kv head
+    # without materialising K x G copies of k and v.
+    q_BSKGQ = q_BSHQ.reshape(b, s, kv, h // kv, q_dim)
+    logits_BKGST = jnp.einsum(
+        "bskgq,btkq->bkgst", q_BSKGQ, k_BTKQ, preferred_element_type=jnp.float32
+    ) * scale
+    logits_BKGST = jnp.where(causal_ST, logits_BKGST, jnp.finfo(jnp.float32).min)
+    probs_BKGST = jax.nn.softmax(logits_BKGST, axis=-1)
+    out_BSKGV = jnp.einsum("bkgst,btkv->bskgv", probs_BKGST.astype(v_BTKV.dtype), v_BTKV)
+    return out_BSKGV.reshape(b, s, h, v_BTKV.shape[-1])
 
 
 def fused_attention(q_BSHQ, k_BTHQ, v_BTHV, *, scale: float, implementation="cudnn"):
     """Causal attention through ``jax.nn.dot_product_attention``, v padded to Q.
+
+    k and v may have fewer heads than q (a divisor of H: grouped-query
+    attention, which ``jax.nn.dot_product_attention`` and cuDNN take natively).
 
     Args:
       implementation: ``"cudnn"`` (GPU flash attention) or ``"xla"`` / None;

@@ -1,4 +1,4 @@
-"""The DeepSeek-V3-style decoder: embedding, MLA + (dense | MoE) layers, head, MTP.
+"""The decoder: embedding, attention + (dense | MoE) layers, head, MTP.
 
 Legend: B batch, S sequence, D model dim (``emb_dim``), V vocabulary, L layers
 of one stack, E routed experts.
@@ -8,7 +8,11 @@ of one stack, E routed experts.
     h = moe_layers(h)        the rest, ``MoEBlock``
     logits = head(final_norm(h))                       untied output head
 
-Each decoder layer is pre-norm: ``h += MLA(norm(h)); h += FFN(norm(h))``.
+Each decoder layer is pre-norm: ``h += attention(norm(h)); h += FFN(norm(h))``,
+the attention MLA (DeepSeek-V3) or GQA (Qwen3) by ``attention_type``. The two
+shapes the configs describe come from the same blocks: DeepSeek-V3 is MLA,
+dense-first, MoE with a shared expert and sigmoid group-limited routing, MTP;
+Qwen3-MoE is GQA with q/k norm, all MoE layers, softmax top-k routing.
 Layers of one kind are built once with ``nnx.vmap`` (parameters stacked on a
 leading [L] axis) and applied with ``jax.lax.scan``, so the traced and compiled
 program holds one layer per stack whatever the depth.
@@ -25,7 +29,7 @@ Rematerialisation is chosen by the trainer (``dropless.train.remat``) and
 passed in as a function wrapper, because ``nn`` does not import ``train``.
 
 ``quantization: te_fp8_currentscaling`` computes the dense projections (MLA's
-six, the dense MLP, the shared experts) with ``ops.fp8_dot.fp8_dot_general``;
+six or GQA's four, the dense MLP, the shared experts) with ``ops.fp8_dot.fp8_dot_general``;
 the output head too when ``quantize_output_head`` is set. The router, the
 embedding, the attention scores and MTP's ``eh_proj`` stay in ``dtype``. The
 routed experts follow ``moe.gmm_quantization`` instead.
@@ -40,6 +44,7 @@ from jax.ad_checkpoint import checkpoint_name
 
 from dropless.config.sections import ModelConfig
 from dropless.nn.attention import MLA, default_kernel_init
+from dropless.nn.gqa import GQA
 from dropless.nn.mlp import MLP
 from dropless.nn.moe import MoEBlock, MoEStats, RouterBias
 from dropless.ops.fp8_dot import fp8_dot_general
@@ -47,6 +52,7 @@ from dropless.parallel.ep import ExpertParallel
 
 Remat = Callable[[Callable], Callable]
 SUPPORTED_QUANTIZATION = ("", "te_fp8_currentscaling")
+ATTENTION_TYPES = ("mla", "gqa")
 
 
 def dense_dot_general(quantization: str):
@@ -58,6 +64,21 @@ def dense_dot_general(quantization: str):
     if quantization not in SUPPORTED_QUANTIZATION:
         raise ValueError(f"quantization={quantization!r} is not one of {SUPPORTED_QUANTIZATION}")
     return fp8_dot_general if quantization == "te_fp8_currentscaling" else None
+
+
+def make_attention(cfg: ModelConfig, *, rngs: nnx.Rngs, dot_general=None) -> nnx.Module:
+    """The attention module ``cfg.attention_type`` names, built from its own section.
+
+    Raises:
+      ValueError: an unknown ``attention_type`` or an invalid section.
+    """
+    kw = dict(emb_dim=cfg.emb_dim, dtype=jnp.dtype(cfg.dtype), param_dtype=jnp.dtype(cfg.weight_dtype),
+              rngs=rngs, dot_general=dot_general)
+    if cfg.attention_type == "mla":
+        return MLA(cfg.mla, **kw)
+    if cfg.attention_type == "gqa":
+        return GQA(cfg.gqa, **kw)
+    raise ValueError(f"attention_type={cfg.attention_type!r} is not one of {ATTENTION_TYPES}")
 
 
 def _identity(fn):
@@ -88,7 +109,7 @@ def _norm(cfg: ModelConfig, rngs):
 
 
 class DecoderLayer(nnx.Module):
-    """Pre-norm MLA + FFN block ``[B, S, D] -> [B, S, D]``; FFN dense or MoE."""
+    """Pre-norm attention (MLA | GQA) + FFN block ``[B, S, D] -> [B, S, D]``; FFN dense or MoE."""
 
     def __init__(self, cfg: ModelConfig, *, moe: bool, rngs: nnx.Rngs,
                  ep: ExpertParallel | None = None):
@@ -96,10 +117,7 @@ class DecoderLayer(nnx.Module):
         dot_general = dense_dot_general(cfg.quantization)
         self.is_moe = moe
         self.pre_attention_norm = _norm(cfg, rngs)
-        self.attention = MLA(
-            cfg.mla, emb_dim=cfg.emb_dim, dtype=dtype, param_dtype=param_dtype, rngs=rngs,
-            dot_general=dot_general,
-        )
+        self.attention = make_attention(cfg, rngs=rngs, dot_general=dot_general)
         self.pre_ffn_norm = _norm(cfg, rngs)
         if moe:
             self.moe = MoEBlock(
@@ -176,7 +194,7 @@ class MTPModule(nnx.Module):
 
 
 class Transformer(nnx.Module):
-    """DeepSeek-V3-style decoder-only language model.
+    """Decoder-only MoE language model (DeepSeek-V3- or Qwen3-MoE-style by its config).
 
     Args:
       cfg: the model section; parameters in ``weight_dtype``, activations in ``dtype``.

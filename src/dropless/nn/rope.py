@@ -1,4 +1,4 @@
-"""Rotary position embeddings with YaRN context extension (DeepSeek-V2/V3).
+"""Rotary position embeddings: YaRN-extended interleaved (DeepSeek-V2/V3) and plain rotate-half (Qwen3).
 
 Legend: B batch, S sequence, H heads, R rotary head dim (``qk_rope_head_dim``,
 even), R2 = R // 2 frequency pairs.
@@ -93,3 +93,37 @@ def apply_rope(x_BSHR: jax.Array, cos_BSR2: jax.Array, sin_BSR2: jax.Array) -> j
     sin = sin_BSR2[:, :, None, :]
     out = jnp.stack([x_even * cos - x_odd * sin, x_even * sin + x_odd * cos], axis=-1)
     return out.reshape(x_BSHR.shape).astype(dtype)
+
+
+# --- Plain RoPE, "rotate-half" pair layout (Llama, Qwen3 in transformers) -----
+# Feature j is paired with feature j + R/2 (not 2j with 2j+1 as above); the two
+# layouts are the same rotation applied to permuted features, so a checkpoint
+# fixes which one its q/k projections expect.
+
+
+def half_cos_sin(positions_BS: jax.Array, head_dim: int, theta: float) -> tuple[jax.Array, jax.Array]:
+    """cos and sin tables ``[B, S, R2]`` float32 of plain RoPE over ``head_dim`` = R features.
+
+    Frequencies ``theta**(-2j/R)``, j < R/2, as transformers' default rope.
+
+    Raises:
+      ValueError: ``head_dim`` is not a positive even number.
+    """
+    if head_dim <= 0 or head_dim % 2:
+        raise ValueError(f"head_dim={head_dim} must be a positive even number")
+    freqs_R2 = 1.0 / (theta ** (jnp.arange(0, head_dim, 2, dtype=jnp.float32) / head_dim))
+    angles_BSR2 = positions_BS.astype(jnp.float32)[..., None] * freqs_R2
+    return jnp.cos(angles_BSR2), jnp.sin(angles_BSR2)
+
+
+def apply_rope_half(x_BSHR: jax.Array, cos_BSR2: jax.Array, sin_BSR2: jax.Array) -> jax.Array:
+    """Rotate the pairs (j, j + R/2) of ``x [B, S, H, R]``: ``x cos + rotate_half(x) sin``.
+
+    Computed in float32 and returned in x's dtype, as ``apply_rope``.
+    """
+    dtype = x_BSHR.dtype
+    x = x_BSHR.astype(jnp.float32)
+    x1, x2 = jnp.split(x, 2, axis=-1)
+    cos = cos_BSR2[:, :, None, :]
+    sin = sin_BSR2[:, :, None, :]
+    return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1).astype(dtype)

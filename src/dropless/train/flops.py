@@ -1,7 +1,8 @@
 """Analytic training FLOPs per device (MaxText's convention) and MFU.
 
 Follows MaxText's ``calculate_tflops_training_per_device`` for DeepSeek-style
-models (MLA attention, dense-first then MoE layers), so TFLOPS/device figures
+models (MLA attention, dense-first then MoE layers) and for grouped-query
+attention (Qwen3-MoE: q H heads, k and v K heads), so TFLOPS/device figures
 compare one-to-one with MaxText's logs:
 
 * every matmul with a weight counts 2 * tokens * in * out FLOPs;
@@ -9,8 +10,8 @@ compare one-to-one with MaxText's logs:
   experts plus ``shared_experts``, plus the router ``2 * tokens * D * E``
   (no capacity padding, no dropped tokens);
 * SwiGLU has two input matrices (gate, up) and one output matrix;
-* attention scores and the weighted sum (``2 * tokens * S * H * (Q + V)``)
-  are halved for the causal mask;
+* attention scores and the weighted sum (``2 * tokens * S * H * (Q + V)``,
+  H query heads whatever the kv heads) are halved for the causal mask;
 * the output head counts once (``2 * tokens * D * V``), the embedding lookup 0;
 * forward + backward = 3x forward; gradient accumulation multiplies it all.
 
@@ -74,6 +75,26 @@ def _mla_flops(cfg: ModelConfig, tokens: float, seq: int):
     return q + kv, attention, projection
 
 
+def _gqa_flops(cfg: ModelConfig, tokens: float, seq: int):
+    """(qkv projections, non-causal attention, output projection) FLOPs of one GQA layer.
+
+    MaxText's count for grouped-query attention: q is H heads, k and v K heads
+    each; the scores and the weighted sum run over all H query heads.
+    """
+    gqa, d = cfg.gqa, cfg.emb_dim
+    h, kv, hd = gqa.num_heads, gqa.num_kv_heads, gqa.head_dim
+    qkv = 2 * tokens * d * (h + 2 * kv) * hd
+    attention = 2 * tokens * seq * h * (hd + hd)
+    projection = 2 * tokens * h * hd * d
+    return qkv, attention, projection
+
+
+def _attention_flops(cfg: ModelConfig, tokens: float, seq: int):
+    if cfg.attention_type == "gqa":
+        return _gqa_flops(cfg, tokens, seq)
+    return _mla_flops(cfg, tokens, seq)
+
+
 def _moe_layer_ffn_flops(cfg: ModelConfig, tokens: float) -> float:
     moe = cfg.moe
     router = 2 * tokens * cfg.emb_dim * moe.num_experts
@@ -97,7 +118,7 @@ def training_tflops_per_device(
     n_moe = cfg.num_decoder_layers - n_dense
     ffn = _ffn_flops(tokens, cfg.emb_dim, cfg.mlp_dim) * n_dense
     ffn += _moe_layer_ffn_flops(cfg, tokens) * n_moe
-    qkv, attention, projection = _mla_flops(cfg, tokens, seq)
+    qkv, attention, projection = _attention_flops(cfg, tokens, seq)
     head = 2 * tokens * cfg.emb_dim * cfg.vocab_size
     layers = cfg.num_decoder_layers
     weights = ffn + (qkv + projection) * layers + head
