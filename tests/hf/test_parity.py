@@ -35,7 +35,8 @@ def rel_fro(a, b):
     return float(np.linalg.norm(a - b) / np.linalg.norm(b))
 
 
-@pytest.mark.parametrize("layout, suffix", LAYOUTS)
+# The FP8 + MTP directory's logits are checked by the routed-experts test below.
+@pytest.mark.parametrize("layout, suffix", LAYOUTS[:2])
 def test_forward_command_matches_transformers_logits(fixtures, tmp_path, layout, suffix):
     out = tmp_path / "logits.npy"
     code = cli.main(["forward", f"hf_model_path={os.path.join(fixtures, layout)}", "hardware=cpu",

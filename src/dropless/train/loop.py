@@ -157,6 +157,10 @@ def _setup(model: ModelConfig, train: TrainConfig, mesh_cfg: MeshConfig) -> _Set
         raise ValueError(f"steps={train.steps} must be >= 1")
     if train.gradient_accumulation_steps < 1:
         raise ValueError(f"gradient_accumulation_steps={train.gradient_accumulation_steps} must be >= 1")
+    if train.hf_model_path:  # a broken directory fails before anything compiles
+        from dropless.hf.load import check
+
+        check(train.hf_model_path, model)
     mesh = mesh_lib.make_mesh(mesh_cfg)
     global_batch = _global_batch(train, mesh)
     source = data_lib.make_source(
