@@ -206,10 +206,14 @@ def _initial_state(s: _Setup, train: TrainConfig, ckpt, console):
 
 def _with_given_parameters(s: _Setup, train: TrainConfig, state: dict) -> dict:
     """``state`` with params and router bias from load_parameters_path / hf_model_path, if set."""
+    if not (train.load_parameters_path or train.hf_model_path):
+        return state
     keys = ("params", "router_bias")
+    for x in jax.tree.leaves({k: state[k] for k in keys}):
+        x.delete()  # the initialised values: their device memory is free for the loaded ones
     loaded = ckpt_lib.initial_parameters(
         s.model, train, {k: s.abstract[k] for k in keys}, {k: s.shardings[k] for k in keys})
-    return state if loaded is None else {**state, **loaded}
+    return {**state, **loaded}
 
 
 def _describe(console, model: ModelConfig, train: TrainConfig, s: _Setup, run_dir: str):
