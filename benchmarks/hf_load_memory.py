@@ -1,21 +1,23 @@
 """Peak host memory of loading a Hugging Face DeepSeek-V3 directory (``hf_model_path``).
 
     JAX_PLATFORMS=cpu PYTHONPATH=src python3 benchmarks/hf_load_memory.py [--dir DIR] [--out DIR]
+    PYTHONPATH=src python3 benchmarks/hf_load_memory.py      # on a GPU: parameters in device memory
 
 Writes (once; reused when ``DIR/config.json`` exists) a random DeepSeek-V3
 directory in the published layout, bf16, sharded at 256 MiB: by default
 D=1024, 6 layers (1 dense), 64 experts of width 512, vocabulary 32000,
 about 0.6 B parameters = 1.2 GB. Then, in a fresh process, loads it with
 ``hf.load.load_hf`` into bf16 parameters on one device while a thread
-samples ``/proc/self/status`` every 5 ms, and records:
+samples ``/proc/self/status`` every 5 ms (on the first device: CPU, or a GPU
+where there is one), and records:
 
 * ``rss_before`` (JAX started, model built abstractly), ``peak_rss``
   (VmHWM) and the sampled peaks of anonymous and file-backed resident memory;
 * ``params_bytes``: what the loaded parameters occupy. On CPU the device
   *is* host memory, so the loaded parameters are part of the resident set;
   ``overhead = peak_rss - rss_before - params_bytes`` is what loading needed
-  beyond them. On a GPU the parameters live in device memory and the host
-  needs only ``overhead`` (plus the process itself);
+  beyond them. On a GPU the parameters live in device memory and
+  ``overhead = peak_rss - rss_before``;
 * ``largest_tensor_bytes`` (in the files) and ``largest_cell_f32_bytes``:
   the biggest region read at once, as float32 (the loader reads a cell as
   float32, then casts it), to compare with the overhead.
@@ -131,7 +133,9 @@ def measure(path: str) -> dict:
         "largest_cell_f32_bytes": cell, "load_seconds": seconds,
         "rss_before": before["VmRSS"], "peak_rss": after["VmHWM"], "rss_after": after["VmRSS"],
         "peak_rss_anon_sampled": peaks["RssAnon"], "peak_rss_file_sampled": peaks["RssFile"],
-        "overhead": after["VmHWM"] - before["VmRSS"] - params_bytes,
+        "platform": jax.devices()[0].platform,
+        # On CPU the parameters are host memory too; on a GPU they are not.
+        "overhead": after["VmHWM"] - before["VmRSS"] - (params_bytes if jax.devices()[0].platform == "cpu" else 0),
     }
 
 
@@ -149,7 +153,7 @@ def main(argv=None) -> int:
         write_model(ns.dir)
         print(f"wrote {ns.dir} in {time.perf_counter() - t0:.1f} s")
     proc = subprocess.run([sys.executable, __file__, "--dir", ns.dir, "--child"], check=True,
-                          capture_output=True, text=True, env={**os.environ, "JAX_PLATFORMS": "cpu"})
+                          capture_output=True, text=True)
     row = json.loads(proc.stdout.strip().splitlines()[-1])
     from dropless.perf import measure as measure_lib
 
