@@ -1,4 +1,4 @@
-"""Command line: ``dropless train | config | bench | profile | tokenize``.
+"""Command line: ``dropless train | config | bench | profile | forward | export-hf | tokenize``.
 
 ``python -m dropless train [config.yml] key=value ...`` resolves the config
 (base.yml < models/<model_name>.yml < config.yml < key=value < DROPLESS_<KEY>),
@@ -141,6 +141,11 @@ COMMANDS = {
     "config": (cmd_config, "print the resolved config and each value's source (--changed, --keys)"),
     "bench": (lambda a: _delegate("dropless.perf.bench", a), "run the benchmark matrix on this machine's GPU"),
     "profile": (lambda a: _delegate("dropless.perf.profile", a), "capture a profiler trace and break down kernel time"),
+    "forward": (lambda a: _delegate("dropless.train.forward", a),
+                "logits of a checkpoint or Hugging Face model: forward [config.yml] key=value ... "
+                "--tokens T.npy --out L.npy"),
+    "export-hf": (lambda a: _delegate("dropless.train.export_hf", a),
+                  "write a checkpoint as a Hugging Face directory: export-hf CKPT --out DIR"),
     "tokenize": (lambda a: _delegate("dropless.train.tokenize", a),
                  "text files -> one .npy token file (dataset_path for multi-host training)"),
 }

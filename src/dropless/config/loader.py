@@ -161,9 +161,21 @@ def load_config(config_file: str | None = None, overrides: list[str] | dict | No
             sources[k] = label
         flags.update(layer_flags)
         env.update(layer_env)
+    if values.get("hf_model_path"):
+        _apply_hf_config(values, sources, {config_file, "command line", "environment"})
     values["xla_flags"] = flags
     values["env"] = {k: str(v) for k, v in env.items()}
     return ResolvedConfig(_validate(values, sources), sources)
+
+
+def _apply_hf_config(values: dict, sources: dict, explicit: set) -> None:
+    """Model keys from hf_model_path's config.json (``hf_config``)."""
+    from dropless.config import hf_config
+
+    try:
+        hf_config.apply_hf_config(values, sources, explicit)
+    except hf_config.HFConfigError as e:
+        raise ConfigError(str(e)) from None
 
 
 def _validate(values: dict, sources: dict) -> Config:

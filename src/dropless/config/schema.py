@@ -49,6 +49,7 @@ class Config(BaseModel):
     async_checkpointing: bool = _f(True, "Save checkpoints in the background.")
     checkpoint_period: int = _f(50, "Steps between checkpoints (the last step is always saved).", ge=1)
     load_parameters_path: str = _f("", "Initialise parameters from this checkpoint directory.")
+    hf_model_path: str = _f("", "A local Hugging Face model directory (config.json + *.safetensors, single or sharded with an index): the model keys come from its config.json (a key also given must agree) and the parameters from its tensors (train fine-tunes from them; forward and profile run them).")
 
     # --- Batch and data --------------------------------------------------------
     per_device_batch_size: float = _f(2, "Sequences per device per step (fractions allowed if the global batch is whole).", gt=0)
@@ -257,6 +258,8 @@ def _check_contradictions(c: Config):
     def bad(key, message):
         raise ContradictionError(key, getattr(c, key), message)
 
+    if c.hf_model_path and c.load_parameters_path:
+        bad("hf_model_path", f"and load_parameters_path={c.load_parameters_path!r} both give the parameters; set one")
     for key, (want, why) in DECODER_BLOCKS[c.decoder_block].items():
         if getattr(c, key) != want:
             shown = str(want).lower() if isinstance(want, bool) else want

@@ -154,6 +154,7 @@ class TrainConfig:
     async_checkpointing: bool = True
     max_num_checkpoints_to_keep: int = 0  # 0: keep all
     load_parameters_path: str = ""
+    hf_model_path: str = ""  # Hugging Face directory to load parameters from
     log_period: int = 1
     enable_tensorboard: bool = True
     hardware: str = "gpu"

@@ -340,3 +340,20 @@ def load_parameters(path: str, abstract_model: dict, shardings: dict) -> dict:
             return ckptr.restore(item_dir, _abstract(abstract_model, shardings))
     except Exception as e:  # see Checkpointer.restore
         raise _restore_error(step_dir, e) from e
+
+
+def initial_parameters(model_cfg, train_cfg, abstract_model: dict, shardings: dict) -> dict | None:
+    """``{"params", "router_bias"}`` from ``load_parameters_path`` or ``hf_model_path``; None if neither.
+
+    Raises:
+      CheckpointError: as ``load_parameters``.
+      dropless.hf.load.HFCheckpointError: the Hugging Face directory does not
+        hold the model (a ``ConfigError``: one line, exit code 2 from the CLI).
+    """
+    if train_cfg.load_parameters_path:
+        return load_parameters(train_cfg.load_parameters_path, abstract_model, shardings)
+    if train_cfg.hf_model_path:
+        from dropless.hf.load import load_hf
+
+        return load_hf(train_cfg.hf_model_path, model_cfg, abstract_model, shardings)
+    return None

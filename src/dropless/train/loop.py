@@ -5,8 +5,9 @@ What one call does, in order:
 1. builds the mesh, the data source (printing its entropy floor when known),
    the optimizer and the abstract train state;
 2. resumes from ``<base_output_directory>/<run_name>/checkpoints``' latest
-   complete checkpoint if there is one, else loads ``load_parameters_path`` if
-   set, else initialises from ``seed``;
+   complete checkpoint if there is one, else loads ``load_parameters_path`` or
+   ``hf_model_path`` (a Hugging Face directory) if set, else initialises from
+   ``seed``;
 3. runs the jitted step until ``steps``, with the next batch prepared on a
    host thread and each step's metrics read one step late (so the host never
    waits for the device it just fed); saves every ``checkpoint_period`` steps
@@ -156,6 +157,10 @@ def _setup(model: ModelConfig, train: TrainConfig, mesh_cfg: MeshConfig) -> _Set
         raise ValueError(f"steps={train.steps} must be >= 1")
     if train.gradient_accumulation_steps < 1:
         raise ValueError(f"gradient_accumulation_steps={train.gradient_accumulation_steps} must be >= 1")
+    if train.hf_model_path:  # a broken directory fails before anything compiles
+        from dropless.hf.load import check
+
+        check(train.hf_model_path, model)
     mesh = mesh_lib.make_mesh(mesh_cfg)
     global_batch = _global_batch(train, mesh)
     source = data_lib.make_source(
@@ -193,15 +198,22 @@ def _initial_state(s: _Setup, train: TrainConfig, ckpt, console):
         if latest is not None:
             console.print(f"resuming from {ckpt.step_dir(latest)}")
             return ckpt.restore(latest, s.abstract, s.shardings), latest
-    state = jax.jit(s.init, out_shardings=s.shardings)()
-    if train.load_parameters_path:
-        keys = ("params", "router_bias")
-        loaded = ckpt_lib.load_parameters(
-            train.load_parameters_path, {k: s.abstract[k] for k in keys}, {k: s.shardings[k] for k in keys}
-        )
-        state = {**state, **loaded}
-        console.print(f"loaded parameters from {train.load_parameters_path}")
+    state = _with_given_parameters(s, train, jax.jit(s.init, out_shardings=s.shardings)())
+    if train.load_parameters_path or train.hf_model_path:
+        console.print(f"loaded parameters from {train.load_parameters_path or train.hf_model_path}")
     return state, None
+
+
+def _with_given_parameters(s: _Setup, train: TrainConfig, state: dict) -> dict:
+    """``state`` with params and router bias from load_parameters_path / hf_model_path, if set."""
+    if not (train.load_parameters_path or train.hf_model_path):
+        return state
+    keys = ("params", "router_bias")
+    for x in jax.tree.leaves({k: state[k] for k in keys}):
+        x.delete()  # the initialised values: their device memory is free for the loaded ones
+    loaded = ckpt_lib.initial_parameters(
+        s.model, train, {k: s.abstract[k] for k in keys}, {k: s.shardings[k] for k in keys})
+    return {**state, **loaded}
 
 
 def _describe(console, model: ModelConfig, train: TrainConfig, s: _Setup, run_dir: str):
@@ -254,6 +266,8 @@ class Built(NamedTuple):
 def build(model: ModelConfig, train: TrainConfig, mesh: MeshConfig) -> Built:
     """The trainer's state, jitted step and batch stream, without running or checkpointing.
 
+    The parameters come from ``load_parameters_path`` or ``hf_model_path`` when set.
+
     For benchmarks and profiling; ``run_training`` uses the same parts.
 
     Raises:
@@ -261,7 +275,7 @@ def build(model: ModelConfig, train: TrainConfig, mesh: MeshConfig) -> Built:
     """
     s = _setup(model, train, mesh)
     batches = (s.feed(i) for i in itertools.count())
-    state = jax.jit(s.init, out_shardings=s.shardings)()
+    state = _with_given_parameters(s, train, jax.jit(s.init, out_shardings=s.shardings)())
     return Built(state, _jit_step(s), batches, s.flops.total, s.global_batch, s.source.entropy_floor)
 
 
