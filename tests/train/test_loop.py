@@ -16,6 +16,7 @@ import time
 import pytest
 from rich.console import Console
 
+from dropless.config.loader import ConfigError
 from dropless.config.sections import DataConfig, MeshConfig
 from dropless.train import checkpoint as ckpt_lib
 from dropless.train import metrics as metrics_lib
@@ -145,7 +146,7 @@ def test_load_parameters_path_starts_from_trained_weights(reference, small_model
 
 def test_setup_errors_come_before_any_work(small_model, make_train, tmp_path):
     bad_data = make_train(tmp_path, data=DataConfig(dataset_type="text", dataset_path=str(tmp_path / "nope")))
-    with pytest.raises(FileNotFoundError, match="no such file or directory"):
+    with pytest.raises(ConfigError, match="data: dataset_path=.*no such file or directory"):
         run_training(small_model, bad_data, MeshConfig(), console=_quiet())
     with pytest.raises(ValueError, match="whole number"):
         run_training(small_model, make_train(tmp_path, per_device_batch_size=0.5), MeshConfig(),

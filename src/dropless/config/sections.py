@@ -148,6 +148,7 @@ class TrainConfig:
     checkpoint_period: int = _d("checkpoint_period")
     async_checkpointing: bool = _d("async_checkpointing")
     max_num_checkpoints_to_keep: int = _d("max_num_checkpoints_to_keep")  # 0: keep all
+    allow_config_change_on_resume: bool = _d("allow_config_change_on_resume")
     load_parameters_path: str = _d("load_parameters_path")
     log_period: int = _d("log_period")
     enable_tensorboard: bool = _d("enable_tensorboard")
