@@ -69,6 +69,20 @@ def test_run_outputs(reference):
     assert result.tflops_per_device > 0 and result.mfu is None  # CPU: no peak, no MFU
 
 
+def test_checkpoint_saves_report_their_blocking_time(reference):
+    """Each save's time holding the loop is on the next step's row (that step's time
+    includes it) and summed in the result; the last save has no next row."""
+    _, result, text = reference
+    rows = metrics_lib.read_jsonl(result.metrics_path)
+    reported = [r for r in rows if "checkpoint_blocked_s" in r]
+    assert [r["step"] for r in reported] == list(range(PERIOD + 1, STEPS, PERIOD))
+    for r in reported:
+        assert 0 <= r["checkpoint_wait_s"] <= r["checkpoint_blocked_s"] <= r["step_time_s"]
+    assert result.checkpoint_saves == STEPS // PERIOD
+    assert result.checkpoint_blocked_s >= sum(r["checkpoint_blocked_s"] for r in reported)
+    assert "checkpoint saves" in text
+
+
 _CHILD = """
 import json, pickle, sys
 from dropless.config.sections import MeshConfig

@@ -486,9 +486,11 @@ def run_training(model: ModelConfig, train: TrainConfig, mesh: MeshConfig, *,
                                            enabled=primary)
         if start >= train.steps:
             console.print(f"run already complete at step {start} (steps={train.steps})")
-        with user_errors.memory_errors(model, train):
-            ran = _train_steps(s, train, state, start, ckpt, writer, console, tokens)
-        writer.close()
+        try:
+            with user_errors.memory_errors(model, train):
+                ran = _train_steps(s, train, state, start, ckpt, writer, console, tokens)
+        finally:
+            writer.close()
     finally:
         if ckpt is not None:
             ckpt.close()
