@@ -167,7 +167,6 @@ def _setup(model: ModelConfig, train: TrainConfig, mesh_cfg: MeshConfig) -> _Set
         raise ValueError(f"steps={train.steps} must be >= 1")
     if train.gradient_accumulation_steps < 1:
         raise ValueError(f"gradient_accumulation_steps={train.gradient_accumulation_steps} must be >= 1")
-    user_errors.check_platform(model)
     mesh = mesh_lib.make_mesh(mesh_cfg)
     global_batch = _global_batch(train, mesh)
     with user_errors.data_errors():
@@ -272,6 +271,7 @@ def build(model: ModelConfig, train: TrainConfig, mesh: MeshConfig) -> Built:
     Raises:
       ValueError / FileNotFoundError: as ``run_training``.
     """
+    user_errors.check_platform(model)
     s = _setup(model, train, mesh)
     batches = (s.feed(i) for i in itertools.count())
     state = jax.jit(s.init, out_shardings=s.shardings)()
@@ -461,6 +461,7 @@ def run_training(model: ModelConfig, train: TrainConfig, mesh: MeshConfig, *,
     t0 = time.perf_counter()
     console = console or Console()
     primary = jax.process_index() == 0
+    user_errors.check_platform(model)  # not in _setup: a dry run sets up for another machine
     s = _setup(model, train, mesh)
     if not train.run_name and jax.process_count() > 1:
         raise ConfigError("run_name is empty: a multi-process run needs one, so every process uses one directory")
