@@ -1,9 +1,11 @@
 # Two commands do all set-up on a fresh machine:
-#   make train   bootstrap .venv (Python >= 3.12), install, run the main job
-#   make test    bootstrap .venv, install, run the CPU test suite
+#   make train   bootstrap .venv (Python >= 3.12), install, run the main job; with
+#                an NVIDIA GPU (nvidia-smi found) also jax's CUDA build (extra "cuda")
+#   make test    bootstrap .venv, install, run the CPU test suite (never CUDA)
 VENV   ?= .venv
 PY      = $(VENV)/bin/python
 STAMP   = $(VENV)/.installed
+CUDA_STAMP = $(VENV)/.installed-cuda
 ARGS   ?=
 PYTEST_ARGS ?=
 
@@ -22,7 +24,16 @@ $(STAMP): pyproject.toml
 	"$(PY)" -m pip install -q -e ".[test]"; \
 	touch "$(STAMP)"
 
-train: $(STAMP)
+# The CUDA build only where a GPU is: on a machine without one, train runs on CPU.
+$(CUDA_STAMP): $(STAMP)
+	@set -e; \
+	if command -v nvidia-smi >/dev/null 2>&1; then \
+	  echo "NVIDIA GPU found: installing jax's CUDA build (extra 'cuda' of pyproject.toml)"; \
+	  "$(PY)" -m pip install -q -e ".[test,cuda]"; \
+	  touch "$(CUDA_STAMP)"; \
+	fi
+
+train: $(CUDA_STAMP)
 	$(PY) -m dropless train $(ARGS)
 
 test: $(STAMP)

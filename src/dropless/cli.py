@@ -3,7 +3,9 @@
 ``python -m dropless train [config.yml] key=value ...`` resolves the config
 (base.yml < models/<model_name>.yml < config.yml < key=value < DROPLESS_<KEY>),
 applies XLA flags and environment variables before JAX starts, then trains.
-A config problem prints one line and exits with code 2; nothing else runs.
+A problem the user can fix (config, data, tokenizer, hardware, memory, the
+run directory, a checkpoint) prints one line and exits with code 2;
+``--debug`` anywhere on the command line shows the traceback instead.
 """
 
 import argparse
@@ -156,11 +158,26 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="dropless", description=__doc__.splitlines()[0])
     parser.add_argument("command", choices=COMMANDS, help=" | ".join(f"{k}: {v[1]}" for k, v in COMMANDS.items()))
     parser.add_argument("args", nargs=argparse.REMAINDER)
-    ns = parser.parse_args(argv)
+    debug = "--debug" in argv
+    ns = parser.parse_args([a for a in argv if a != "--debug"])
     from dropless.config.loader import ConfigError
 
     try:
         return COMMANDS[ns.command][0](ns.args)
     except ConfigError as e:
-        print(f"dropless: config error: {e}", file=sys.stderr)
+        if debug:
+            raise
+        print(f"dropless: error: {_one_line(e)}", file=sys.stderr)
         return EXIT_CONFIG
+    except Exception as e:
+        # CheckpointError says which checkpoint is bad and how to fall back. Its module
+        # is loaded only if a checkpoint was touched (it imports JAX and Orbax).
+        ckpt = sys.modules.get("dropless.train.checkpoint")
+        if debug or ckpt is None or not isinstance(e, ckpt.CheckpointError):
+            raise
+        print(f"dropless: checkpoint error: {_one_line(e)}", file=sys.stderr)
+        return EXIT_CONFIG
+
+
+def _one_line(e: BaseException) -> str:
+    return " ".join(str(e).split())

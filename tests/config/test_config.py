@@ -55,7 +55,8 @@ def test_precedence_base_model_file_cli_env(tmp_path):
 
 
 def test_seed_recipe_loads_verbatim_with_tiny_model():
-    r = resolve("model_name=deepseek3-tiny", config_file=SEED)
+    # The recipe's cuDNN attention needs bf16 activations; the tiny preset's are float32.
+    r = resolve("model_name=deepseek3-tiny", "dtype=bfloat16", config_file=SEED)
     cfg = r.config
     assert cfg.model_name == "deepseek3-tiny" and cfg.emb_dim == 64
     assert cfg.te_gmm_quantization == "te_mxfp8" and cfg.quantization == "te_fp8_currentscaling"
@@ -147,6 +148,17 @@ BAD = [
     (["te_gmm_quantization=te_mxfp8", "gmm_fp8_impl=kernel"], "got te_gmm_quantization=te_mxfp8; allowed with it: emulate"),
     (["te_gmm_quantization=te_fp8_blockwise", "gmm_fp8_impl=kernel", "hardware=cpu"], "with hardware=cpu only emulate is allowed"),
     (["gmm_fp8_impl=native"], "'emulate' or 'kernel'"),
+    (["te_gmm_quantization=te_fp8_blockwise", "gmm_fp8_impl=kernel", "emb_dim=256", "moe_mlp_dim=200"],
+     "kernels need emb_dim and moe_mlp_dim multiples of 256, got moe_mlp_dim=200"),
+    (["attention=cudnn_flash_te", "dtype=float32"], "got dtype=float32; set dtype=bfloat16 or attention=dot_product"),
+    (["attention=cudnn_flash_te", "dtype=bfloat16", "hardware=cpu"], "needs an NVIDIA GPU, got hardware=cpu"),
+    (["gmm_backend=mosaic", "hardware=cpu"], "gmm_backend='mosaic' (from command line): runs Mosaic GPU kernels"),
+    (["gmm_backend=mosaic", "dtype=float32"], "set dtype=bfloat16 or gmm_backend=auto"),
+    (["te_moe_block=false"], "te_moe_block=False (from command line): dropless has one MoE block"),
+    (["ici_tensor_parallelism=2"], "ici_tensor_parallelism=2 (from command line): must be 1"),
+    (["ici_tensor_parallelism=-1", "ici_fsdp_parallelism=1"], "ici_tensor_parallelism=-1"),
+    (["dcn_tensor_parallelism=2"], "dcn_tensor_parallelism=2"),
+    (["markov_successors=0"], "markov_successors=0"),
     (["learning_rate=-1"], "learning_rate=-1"),
     (["adam_b2=1.5"], "adam_b2=1.5"),
     (["steps"], "is not key=value"),
@@ -179,8 +191,9 @@ def test_gmm_fp8_impl_reaches_the_grouped_gemms(monkeypatch):
     from dropless.ops.gmm import quantized
 
     assert resolve("te_gmm_quantization=te_fp8_blockwise").config.moe().gmm_fp8_impl == "emulate"
-    section = resolve("te_gmm_quantization=te_fp8_blockwise", "gmm_fp8_impl=kernel",
-                      "num_experts=4", "num_experts_per_tok=2", "gmm_backend=xla").config.moe()
+    section = resolve("te_gmm_quantization=te_fp8_blockwise", "gmm_fp8_impl=kernel", "emb_dim=256",
+                      "moe_mlp_dim=256", "num_experts=4", "num_experts_per_tok=2",
+                      "gmm_backend=xla").config.moe()
     assert section.gmm_fp8_impl == "kernel"
     seen, real_gmm = [], quantized.gmm
 
@@ -219,6 +232,27 @@ def test_bad_env_var():
         resolve(environ={"DROPLESS_STEPZ": "3"})
 
 
+def test_test_and_benchmark_variables_are_not_config_keys():
+    environ = {"DROPLESS_SLOW": "1", "DROPLESS_CPU_DEVICES": "8", "DROPLESS_COMMIT": "abc123"}
+    assert resolve(environ=environ).config == resolve(environ={}).config
+
+
+def test_numeric_names_are_text():
+    cfg = resolve("run_name=123", "base_output_directory=2026").config
+    assert cfg.run_name == "123" and cfg.base_output_directory == "2026"
+    with pytest.raises(ConfigError, match="steps='ten'"):  # numbers stay numbers where they must be
+        resolve("steps=ten")
+
+
+def test_section_defaults_are_the_schema_defaults():
+    """Sections built directly (tests, benchmarks) mean what the default config means."""
+    from dropless.config import sections
+
+    cfg = Config()
+    assert cfg.model() == sections.ModelConfig() and cfg.train() == sections.TrainConfig()
+    assert cfg.mesh() == sections.MeshConfig()
+
+
 def test_mesh_product_mismatch():
     cfg = resolve("ici_fsdp_parallelism=2", "ici_expert_parallelism=2").config
     with pytest.raises(ValueError, match="has 4 devices but 8 are present"):
@@ -237,7 +271,8 @@ def test_cli_bad_input_exits_2_and_runs_nothing(tmp_path):
 
 def test_cli_config_prints_sources():
     env = dict(os.environ, JAX_PLATFORMS="cpu", COLUMNS="200")
-    proc = subprocess.run([sys.executable, "-m", "dropless", "config", str(SEED), "model_name=deepseek3-tiny"],
+    proc = subprocess.run([sys.executable, "-m", "dropless", "config", str(SEED), "model_name=deepseek3-tiny",
+                           "dtype=bfloat16"],
                           capture_output=True, text=True, env=env, timeout=120)
     assert proc.returncode == 0, proc.stderr
     assert "command line" in proc.stdout and "XLA flag" in proc.stdout and "seed_recipe.yml" in proc.stdout

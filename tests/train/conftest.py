@@ -47,6 +47,7 @@ def small_train(tmp_path, **overrides) -> TrainConfig:
         run_name="run",
         base_output_directory=str(tmp_path),
         checkpoint_period=10,
+        max_num_checkpoints_to_keep=0,
         enable_tensorboard=True,
         optimizer=OptimizerConfig(learning_rate=1e-2, warmup_steps_fraction=0.1),
         data=DataConfig(dataset_type="markov", markov_concentration=0.1, data_seed=3),

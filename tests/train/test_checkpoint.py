@@ -50,6 +50,20 @@ def _copy(saved, tmp_path):
     return ckpt_lib.Checkpointer(str(tmp_path / "checkpoints"), period=2)
 
 
+def test_max_to_keep_keeps_the_newest(saved, tmp_path):
+    """max_num_checkpoints_to_keep=2 over saves 2, 4, 6: step 2 is deleted."""
+    _, state4, _, _ = saved
+    ckpt = ckpt_lib.Checkpointer(str(tmp_path / "checkpoints"), period=2, max_to_keep=2)
+    for step in (2, 4, 6):
+        assert ckpt.save(step, state4)
+        timing = ckpt.last_timing
+        assert timing.step == step and 0 <= timing.wait_s <= timing.blocked_s
+    ckpt.close()
+    ckpt = ckpt_lib.Checkpointer(str(tmp_path / "checkpoints"), period=2)
+    assert ckpt.complete_steps() == [4, 6] and not ckpt.incomplete_steps()
+    ckpt.close()
+
+
 def test_round_trip(saved, tmp_path):
     _, state4, abstract, shardings = saved
     ckpt = _copy(saved, tmp_path)

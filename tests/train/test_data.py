@@ -18,7 +18,7 @@ def test_markov_entropy_matches_the_empirical_log_loss():
     assert b.inputs.shape == (1, 256, 128) and b.inputs.dtype == np.int32
     np.testing.assert_array_equal(b.inputs[..., 1:], b.targets[..., :-1])
     # The true model's log loss on a fresh sample estimates the entropy rate.
-    nll = -np.log(src.transitions[b.inputs, b.targets])
+    nll = -np.log(src.prob(b.inputs, b.targets))
     stderr = nll.std() / math.sqrt(nll.size) * 3  # tokens are correlated: generous band
     assert abs(nll.mean() - src.entropy_floor) < max(6 * stderr, 0.02)
     assert 0 < src.entropy_floor < math.log(64)
@@ -28,8 +28,32 @@ def test_markov_higher_order_entropy():
     src = data_lib.MarkovSource(8, 2, 0.3, seed=1, batch=512, seq=256)
     b = src.batch_at(0)
     state = b.inputs[..., :-1] * 8 + b.inputs[..., 1:]  # (t_{-1}, t_0) as s = t_{-1} V + t_0
-    nll = -np.log(src.transitions[state, b.targets[..., 1:]])
+    nll = -np.log(src.prob(state, b.targets[..., 1:]))
     assert abs(nll.mean() - src.entropy_floor) < 0.02
+
+
+def test_sparse_markov_entropy_and_successors():
+    """M=8 successors of V=3000: every target is a successor, and the true model's
+    log loss estimates the entropy rate (same band as the dense test)."""
+    src = data_lib.MarkovSource(3000, 1, 0.5, seed=2, batch=256, seq=128, successors=8)
+    assert src.successors.shape == src.probs.shape == (3000, 8)
+    assert np.all(np.diff(src.successors, axis=1) > 0) and src.successors.max() < 3000
+    np.testing.assert_allclose(src.probs.sum(axis=1), 1.0, rtol=1e-12)
+    b = src.batch_at(0)
+    p = src.prob(b.inputs, b.targets)
+    assert np.all(p > 0)  # no token outside its state's successors
+    nll = -np.log(p)
+    stderr = nll.std() / math.sqrt(nll.size) * 3
+    assert abs(nll.mean() - src.entropy_floor) < max(6 * stderr, 0.02)
+    assert src.entropy_floor < math.log(8)  # at most uniform over the 8 successors
+    assert "8 successors per state" in src.description
+
+
+def test_markov_default_fits_any_vocabulary():
+    """The DeepSeek-V3 vocabulary: the default table is [V, 64], not [V, V] (16.7G entries)."""
+    src = data_lib.make_source(DataConfig(dataset_type="markov"), 129_280, batch=1, seq=8)
+    assert src.successors.shape == (129_280, DataConfig().markov_successors) == (129_280, 64)
+    assert src.batch_at(0).inputs.max() < 129_280
 
 
 def test_stationary_distribution_of_a_known_chain():
@@ -149,5 +173,5 @@ def test_config_errors():
         data_lib.make_source(DataConfig(dataset_type="grain"), 16, batch=1, seq=4)
     with pytest.raises(ValueError, match="markov_order=0"):
         data_lib.make_source(DataConfig(markov_order=0), 16, batch=1, seq=4)
-    with pytest.raises(ValueError, match="lower the order"):
+    with pytest.raises(ValueError, match="lower markov_order or markov_successors"):
         data_lib.make_source(DataConfig(markov_order=3), 1024, batch=1, seq=4)

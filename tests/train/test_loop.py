@@ -16,6 +16,7 @@ import time
 import pytest
 from rich.console import Console
 
+from dropless.config.loader import ConfigError
 from dropless.config.sections import DataConfig, MeshConfig
 from dropless.train import checkpoint as ckpt_lib
 from dropless.train import metrics as metrics_lib
@@ -66,6 +67,20 @@ def test_run_outputs(reference):
         assert key in row, key
     assert row["dropped_tokens"] == 0  # dropless
     assert result.tflops_per_device > 0 and result.mfu is None  # CPU: no peak, no MFU
+
+
+def test_checkpoint_saves_report_their_blocking_time(reference):
+    """Each save's time holding the loop is on the next step's row (that step's time
+    includes it) and summed in the result; the last save has no next row."""
+    _, result, text = reference
+    rows = metrics_lib.read_jsonl(result.metrics_path)
+    reported = [r for r in rows if "checkpoint_blocked_s" in r]
+    assert [r["step"] for r in reported] == list(range(PERIOD + 1, STEPS, PERIOD))
+    for r in reported:
+        assert 0 <= r["checkpoint_wait_s"] <= r["checkpoint_blocked_s"] <= r["step_time_s"]
+    assert result.checkpoint_saves == STEPS // PERIOD
+    assert result.checkpoint_blocked_s >= sum(r["checkpoint_blocked_s"] for r in reported)
+    assert "checkpoint saves" in text
 
 
 _CHILD = """
@@ -145,7 +160,7 @@ def test_load_parameters_path_starts_from_trained_weights(reference, small_model
 
 def test_setup_errors_come_before_any_work(small_model, make_train, tmp_path):
     bad_data = make_train(tmp_path, data=DataConfig(dataset_type="text", dataset_path=str(tmp_path / "nope")))
-    with pytest.raises(FileNotFoundError, match="no such file or directory"):
+    with pytest.raises(ConfigError, match="data: dataset_path=.*no such file or directory"):
         run_training(small_model, bad_data, MeshConfig(), console=_quiet())
     with pytest.raises(ValueError, match="whole number"):
         run_training(small_model, make_train(tmp_path, per_device_batch_size=0.5), MeshConfig(),

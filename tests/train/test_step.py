@@ -4,11 +4,13 @@ bias moves by exactly the MoE block's ``bias_update``.
 """
 
 import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from flax import nnx
 
 from dropless.config.sections import DataConfig, OptimizerConfig
 from dropless.nn.model import moe_stats_concat
@@ -47,6 +49,7 @@ def _tree_equal(a, b):
     return all(jax.tree.leaves(jax.tree.map(lambda x, y: bool(np.array_equal(x, y)), a, b)))
 
 
+@functools.cache  # one compile per (graphdef, cfg, shapes) for the whole module
 def _grads_fn(graphdef, cfg):
     return jax.jit(lambda s, b: step_lib._grads(s, b, graphdef, cfg))
 
@@ -87,6 +90,36 @@ def test_router_bias_moves_by_bias_update(model_cfg, trainer):
     ):
         (before,), (after,) = jax.tree.leaves(bias_before), jax.tree.leaves(bias_after)
         np.testing.assert_array_equal(np.asarray(after - before), expected[path])
+
+
+def test_router_bias_steps_once_from_the_summed_load_under_accumulation(small_model):
+    """Two microbatches: the bias moves by rate * sign(mean - load1 - load2).
+
+    The per-microbatch signs disagree for some expert in this batch, so the
+    mean of per-microbatch steps (0 there, not +-rate) would fail this test.
+    One MoE layer, so it compiles in seconds.
+    """
+    cfg = dataclasses.replace(small_model, num_decoder_layers=1, first_num_dense_layers=0)
+    opt = OptimizerConfig(learning_rate=1e-2, warmup_steps_fraction=0.0)
+    tx = opt_lib.make_optimizer(opt, STEPS)
+    graphdef, init = step_lib.init_state_fn(cfg, tx, 0)
+    state = jax.jit(init)()
+    batch = _batch(cfg, 5, batch=2, accum=2)  # loads [25 25 7 7] and [15 15 17 17]
+
+    def load(inputs_BS):
+        out = nnx.merge(graphdef, state["params"], state["router_bias"], {})(inputs_BS)
+        return moe_stats_concat(out.moe_stats).tokens_per_expert
+
+    load = jax.jit(load)
+    loads = [np.asarray(load(batch.inputs[i]), np.float32) for i in range(2)]
+    total = loads[0] + loads[1]
+    expected = cfg.moe.routed_bias_update_rate * np.sign(total.mean(axis=-1, keepdims=True) - total)
+    signs = [np.sign(np.mean(x, axis=-1, keepdims=True) - x) for x in loads]
+    assert np.any(signs[0] != signs[1])
+    step = jax.jit(step_lib.make_train_step(graphdef, cfg, tx, opt_lib.learning_rate_schedule(opt, STEPS)))
+    new_state, _ = step(state, batch)
+    (before,), (after,) = jax.tree.leaves(state["router_bias"]), jax.tree.leaves(new_state["router_bias"])
+    np.testing.assert_allclose(np.asarray(after - before).reshape(expected.shape), expected, rtol=1e-6)
 
 
 def test_gradient_accumulation_matches_one_big_batch(model_cfg, trainer):

@@ -24,6 +24,9 @@ from dropless.config.schema import Config, ContradictionError
 CONFIG_DIR = Path(__file__).parent
 ENV_PREFIX = "DROPLESS_"
 _ENV_KEY = re.compile(r"^[A-Z][A-Z0-9_]*$")
+# DROPLESS_ variables that are not config keys: test and benchmark switches
+# (tests' slow set, CPU device count, the commit a GPU copy without .git records).
+NON_CONFIG_ENV = ("DROPLESS_SLOW", "DROPLESS_CPU_DEVICES", "DROPLESS_COMMIT")
 
 
 class ConfigError(ValueError):
@@ -87,7 +90,7 @@ def _env_overrides(environ) -> dict[str, Any]:
     fields = {k.upper(): k for k in Config.model_fields}
     out = {}
     for name, value in environ.items():
-        if not name.startswith(ENV_PREFIX):
+        if not name.startswith(ENV_PREFIX) or name in NON_CONFIG_ENV:
             continue
         short = name[len(ENV_PREFIX):]
         key = fields.get(short)

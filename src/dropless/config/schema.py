@@ -10,11 +10,12 @@ of ``sections.py`` that modules receive.
 """
 
 import math
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from dropless.config import sections
+if TYPE_CHECKING:  # sections.py reads its defaults from Config: imported lazily below
+    from dropless.config import sections
 
 DType = Literal["float32", "bfloat16", "float16"]
 RematChoice = Literal["remat", "device", "offload"]
@@ -47,7 +48,9 @@ class Config(BaseModel):
     enable_tensorboard: bool = _f(True, "Write TensorBoard event files in the run directory.")
     enable_checkpointing: bool = _f(True, "Save Orbax checkpoints.")
     async_checkpointing: bool = _f(True, "Save checkpoints in the background.")
-    checkpoint_period: int = _f(50, "Steps between checkpoints (the last step is always saved).", ge=1)
+    checkpoint_period: int = _f(1000, "Steps between checkpoints (the last step is always saved).", ge=1)
+    max_num_checkpoints_to_keep: int = _f(3, "Keep the newest this many checkpoints, deleting older ones (0: keep all).", ge=0)
+    allow_config_change_on_resume: bool = _f(False, "Resume a run whose config.json differs from this config (the differences are printed and logged to config_changes.jsonl); false: refuse.")
     load_parameters_path: str = _f("", "Initialise parameters from this checkpoint directory.")
     hf_model_path: str = _f("", "A local Hugging Face model directory (config.json + *.safetensors, single or sharded with an index): the model keys come from its config.json (a key also given must agree) and the parameters from its tensors (train fine-tunes from them; forward and profile run them).")
 
@@ -58,6 +61,8 @@ class Config(BaseModel):
     dataset_type: Literal["synthetic", "markov", "text"] = _f("markov", "synthetic: random tokens; markov: seeded Markov source with known entropy; text: local files.")
     dataset_path: str = _f("", "Text data: a .txt/.jsonl/.parquet file or a directory of them (tokenized whole by every process), or one .npy file of token ids (1-D, memory-mapped; each process reads only its windows; `dropless tokenize` writes one).")
     tokenizer_path: str = _f("", "tokenizer.json for text data (default: bytes).")
+    markov_order: int = _f(1, "Order of the Markov source (the state is the last markov_order tokens).", ge=1)
+    markov_successors: int = _f(64, "Possible next tokens per Markov state (all V if fewer): the table is V**markov_order x markov_successors, so any vocabulary works.", ge=1)
     markov_concentration: float = _f(0.1, "Dirichlet alpha of each Markov transition row (lower: more predictable).", gt=0)
     data_seed: int = _f(0, "Seed of the data stream.")
 
@@ -114,7 +119,7 @@ class Config(BaseModel):
     capacity_factor: float = _f(1.0, "Expert capacity factor of the dense_matmul baseline (tokens past it are dropped).", gt=0)
     prefuse_moe_weights: bool = _f(True, "Store gate and up projections as one [E, D, 2F] weight; one grouped GEMM instead of two.")
     gmm_backend: Literal["reference", "xla", "mosaic", "auto"] = _f("auto", "Grouped matmul backend.")
-    te_moe_block: bool = _f(True, "Use the fused MoE block (dropless's MoEBlock; accepted for MaxText recipes).")
+    te_moe_block: bool = _f(True, "Accepted for MaxText recipes: dropless's MoE block is always the fused one, so only true is allowed.")
     te_gmm_quantization: Literal["te_no_quant", "te_fp8_blockwise", "te_mxfp8"] = _f("te_no_quant", "Expert grouped-GEMM quantization recipe.")
     gmm_fp8_impl: Literal["emulate", "kernel"] = _f("emulate", "How te_fp8_blockwise grouped GEMMs run: emulate = quantize -> dequantize -> the bf16 grouped GEMM (exact FP8 numerics, bf16 speed); kernel = the FP8 Mosaic GPU kernels on E4M3 codes (Hopper only; K and N multiples of 256; tested on an H200, where the three kernels alone run at 1.3x our bf16 kernels but the whole path, quantization included, is not yet faster).")
     quantization: Literal["", "te_fp8_currentscaling"] = _f("", "Dense-matmul quantization ('' = bf16/fp32 as dtype; te_fp8_currentscaling: attention projections, dense MLP and shared experts in FP8 with per-tensor current scaling).")
@@ -154,11 +159,11 @@ class Config(BaseModel):
     ici_data_parallelism: int = _f(1, "Data-parallel ways within a host (-1: fill).")
     ici_fsdp_parallelism: int = _f(-1, "FSDP ways within a host (-1: fill).")
     ici_expert_parallelism: int = _f(1, "Expert-parallel ways within a host (-1: fill).")
-    ici_tensor_parallelism: int = _f(1, "Tensor-parallel ways within a host (-1: fill).")
+    ici_tensor_parallelism: int = _f(1, "Tensor-parallel ways within a host: only 1 (dropless shards by data, FSDP and experts; no layer is split over a tensor axis).")
     dcn_data_parallelism: int = _f(-1, "Data-parallel ways across hosts (-1: fill).")
     dcn_fsdp_parallelism: int = _f(1, "FSDP ways across hosts.")
     dcn_expert_parallelism: int = _f(1, "Expert-parallel ways across hosts.")
-    dcn_tensor_parallelism: int = _f(1, "Tensor-parallel ways across hosts.")
+    dcn_tensor_parallelism: int = _f(1, "Tensor-parallel ways across hosts: only 1 (as ici_tensor_parallelism).")
     ragged_buffer_factor: float = _f(2.0, "Expert-parallel receive buffer as a multiple of the balanced load (-1: exact worst case; must be -1 or >= 1).")
     te_ep_overflow_check_every_n_steps: int = _f(20, "Steps between host reads of the on-device overflow counters.", ge=1)
     ep_overflow_policy: Literal["error", "warn"] = _f("error", "On receive-buffer overflow: stop with a clear error, or warn and continue (overflowing steps are skipped either way).")
@@ -169,46 +174,56 @@ class Config(BaseModel):
     xla_flags: dict[str, Any] = _f({}, "XLA flags (keys starting with xla_), applied on GPU before the backend starts.")
     env: dict[str, str] = _f({}, "Environment variables (ALL-CAPS keys), set before the backend starts.")
 
+    @field_validator("run_name", "base_output_directory", "dataset_path", "tokenizer_path",
+                     "load_parameters_path", mode="before")
+    @classmethod
+    def _number_as_text(cls, v):
+        # YAML reads run_name=123 as an int; a name or path made of digits is still text.
+        return str(v) if isinstance(v, (int, float)) and not isinstance(v, bool) else v
+
     @model_validator(mode="after")
     def _contradictions(self):
         _check_contradictions(self)
         return self
 
     # --- Sections ----------------------------------------------------------------
-    def moe(self) -> sections.MoEConfig:
-        return _section(sections.MoEConfig, self, rename={"gmm_quantization": "te_gmm_quantization"})
+    def moe(self) -> "sections.MoEConfig":
+        return _section("MoEConfig", self, rename={"gmm_quantization": "te_gmm_quantization"})
 
-    def mla(self) -> sections.MLAConfig:
-        return _section(sections.MLAConfig, self, rename={
+    def mla(self) -> "sections.MLAConfig":
+        return _section("MLAConfig", self, rename={
             "num_heads": "num_query_heads", "rope_theta": "rope_max_timescale"})
 
-    def gqa(self) -> sections.GQAConfig:
-        return _section(sections.GQAConfig, self, num_kv_heads=_kv_heads(self), head_dim=_head_dim(self),
+    def gqa(self) -> "sections.GQAConfig":
+        return _section("GQAConfig", self, num_kv_heads=_kv_heads(self), head_dim=_head_dim(self),
                         rename={"num_heads": "num_query_heads", "rope_theta": "rope_max_timescale"})
 
-    def model(self) -> sections.ModelConfig:
+    def model(self) -> "sections.ModelConfig":
         custom = tuple((n, getattr(self, n)) for n in REMAT_TENSORS if getattr(self, n) is not None)
-        return _section(sections.ModelConfig, self, mla=self.mla(), gqa=self.gqa(), moe=self.moe(),
+        return _section("ModelConfig", self, mla=self.mla(), gqa=self.gqa(), moe=self.moe(),
                         remat_custom=custom)
 
-    def optimizer(self) -> sections.OptimizerConfig:
-        return _section(sections.OptimizerConfig, self)
+    def optimizer(self) -> "sections.OptimizerConfig":
+        return _section("OptimizerConfig", self)
 
-    def data(self) -> sections.DataConfig:
-        return _section(sections.DataConfig, self)
+    def data(self) -> "sections.DataConfig":
+        return _section("DataConfig", self)
 
-    def train(self) -> sections.TrainConfig:
-        return _section(sections.TrainConfig, self, optimizer=self.optimizer(), data=self.data())
+    def train(self) -> "sections.TrainConfig":
+        return _section("TrainConfig", self, optimizer=self.optimizer(), data=self.data())
 
-    def mesh(self) -> sections.MeshConfig:
-        return _section(sections.MeshConfig, self, rename={
+    def mesh(self) -> "sections.MeshConfig":
+        return _section("MeshConfig", self, rename={
             "ep_overflow_check_every_n_steps": "te_ep_overflow_check_every_n_steps"})
 
 
-def _section(cls, cfg, rename=None, **given):
-    """Build a section dataclass from same-named (or renamed) config fields."""
+def _section(name, cfg, rename=None, **given):
+    """Build section ``sections.<name>`` from same-named (or renamed) config fields."""
     import dataclasses
 
+    from dropless.config import sections  # not at the top: sections reads Config's defaults
+
+    cls = getattr(sections, name)
     rename = rename or {}
     kwargs = dict(given)
     for f in dataclasses.fields(cls):
@@ -300,6 +315,21 @@ def _check_contradictions(c: Config):
         bad("gmm_fp8_impl", f"has FP8 kernels for te_gmm_quantization=te_fp8_blockwise only, got te_gmm_quantization={c.te_gmm_quantization}; allowed with it: emulate")
     if c.gmm_fp8_impl == "kernel" and c.hardware in ("cpu", "tpu"):
         bad("gmm_fp8_impl", f"runs Mosaic GPU kernels on a Hopper GPU; with hardware={c.hardware} only emulate is allowed")
+    if c.gmm_fp8_impl == "kernel":
+        bad_dims = {k: getattr(c, k) for k in ("emb_dim", "moe_mlp_dim") if getattr(c, k) % 256}
+        if bad_dims:
+            dims = ", ".join(f"{k}={v}" for k, v in bad_dims.items())
+            bad("gmm_fp8_impl", f"kernels need emb_dim and moe_mlp_dim multiples of 256, got {dims}; allowed with these dims: emulate")
+    if c.attention == "cudnn_flash_te" and c.dtype == "float32":
+        bad("attention", "cuDNN flash attention takes bfloat16 or float16 activations, got dtype=float32; set dtype=bfloat16 or attention=dot_product")
+    if c.attention == "cudnn_flash_te" and c.hardware in ("cpu", "tpu"):
+        bad("attention", f"cuDNN flash attention needs an NVIDIA GPU, got hardware={c.hardware}; allowed there: dot_product")
+    if c.gmm_backend == "mosaic" and c.hardware in ("cpu", "tpu"):
+        bad("gmm_backend", f"runs Mosaic GPU kernels on a Hopper GPU, got hardware={c.hardware}; allowed there: auto, xla, reference")
+    if c.gmm_backend == "mosaic" and c.dtype == "float32":
+        bad("gmm_backend", "the Mosaic kernels take bfloat16 or float16, got dtype=float32; set dtype=bfloat16 or gmm_backend=auto")
+    if not c.te_moe_block:
+        bad("te_moe_block", "dropless has one MoE block (the fused grouped-GEMM one); only true is allowed. For the capacity-based baseline set sparse_matmul=false")
     if c.quantize_output_head and not c.quantization:
         bad("quantize_output_head", "is true but quantization is '' (set quantization=te_fp8_currentscaling)")
     for axis in ("data", "fsdp", "expert", "tensor"):
@@ -311,6 +341,9 @@ def _check_contradictions(c: Config):
         fills = [a for a in ("data", "fsdp", "expert", "tensor") if getattr(c, f"{kind}_{a}_parallelism") == -1]
         if len(fills) > 1:
             bad(f"{kind}_{fills[1]}_parallelism", f"only one {kind}_*_parallelism may be -1, got {fills}")
+    for kind in ("ici", "dcn"):
+        if getattr(c, f"{kind}_tensor_parallelism") != 1:
+            bad(f"{kind}_tensor_parallelism", "must be 1: no layer is split over a tensor axis, so more ways would only repeat the same work; use ici_fsdp_parallelism or ici_expert_parallelism")
     ep = max(c.ici_expert_parallelism, 1) * max(c.dcn_expert_parallelism, 1)
     if c.num_experts % ep:
         bad("ici_expert_parallelism", f"expert-parallel ways ({ep}) must divide num_experts={c.num_experts}")

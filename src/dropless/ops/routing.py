@@ -157,14 +157,14 @@ def tokens_per_expert(experts_TK, num_experts):
 
 
 def bias_update(tokens_per_expert_E, rate):
-    """Aux-loss-free balancing step: ``rate * sign(mean_load - load)``, [E] float32.
+    """Aux-loss-free balancing step: ``rate * sign(mean_load - load)``, [..., E] float32.
 
     Overloaded experts get their bias lowered, idle ones raised. This is a state
     update for the caller to add to the bias after the optimizer step, not a
-    gradient.
+    gradient. Leading axes (e.g. [L, E] of a layer stack) are independent rows.
     """
     load_E = tokens_per_expert_E.astype(jnp.float32)
-    return rate * jnp.sign(load_E.mean() - load_E)
+    return rate * jnp.sign(load_E.mean(axis=-1, keepdims=True) - load_E)
 
 
 def _normalized_probs(scores_TE, score_func):

@@ -33,7 +33,9 @@ import itertools
 import json
 import os
 import threading
+import time
 import zlib
+from typing import NamedTuple
 
 import jax
 import numpy as np
@@ -48,6 +50,20 @@ _SEAL_TIMEOUT_MS = 3_600_000  # waiting for other processes' CRCs of a large che
 
 class CheckpointError(RuntimeError):
     """A checkpoint is missing, incomplete, corrupt or does not fit the model."""
+
+
+class SaveTiming(NamedTuple):
+    """How long one ``Checkpointer.save`` held the training loop.
+
+    wait_s: waiting for the previous save to be written and sealed (0 when the
+      period is long enough for the background writes).
+    blocked_s: the whole call: ``wait_s`` plus the handoff to the background
+      writer (Orbax copies the arrays to host memory before returning).
+    """
+
+    step: int
+    wait_s: float
+    blocked_s: float
 
 
 def _crc32(path: str) -> int:
@@ -184,6 +200,7 @@ class Checkpointer:
         self._kv_prefix = f"dropless_checkpoint/{next(Checkpointer._instances)}"
         self._sealer = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="ckpt-manifest")
         self._sealing = None
+        self.last_timing: SaveTiming | None = None  # of the latest save that saved
         options = ocp.CheckpointManagerOptions(
             save_interval_steps=period,
             max_to_keep=max_to_keep or None,
@@ -243,9 +260,11 @@ class Checkpointer:
         # Our own schedule: Orbax's would also save the first step of a run.
         if not self.due(step, force=force):
             return False
+        t0 = time.perf_counter()
         # One save in flight at a time; the previous one gets its manifest, and
         # every process sees it before the checks below (they must all agree).
         self.wait()
+        waited = time.perf_counter() - t0
         if step in self._manager.all_steps():
             if os.path.exists(os.path.join(self.step_dir(step), MANIFEST)):
                 return False  # e.g. the last step coinciding with a periodic save
@@ -260,6 +279,8 @@ class Checkpointer:
         saved = self._manager.save(step, args=args, force=True)
         if not self._async:
             self._seal()
+        if saved:
+            self.last_timing = SaveTiming(step, waited, time.perf_counter() - t0)
         return saved
 
     def wait(self) -> None:

@@ -1,7 +1,8 @@
 """Training data: synthetic, Markov (the default) and local text; a pure function of the step.
 
 Legend: A gradient-accumulation microbatches, B global batch per microbatch,
-S sequence length (``max_target_length``), V vocabulary, N Markov states (V**order).
+S sequence length (``max_target_length``), V vocabulary, N Markov states (V**order),
+M successors per Markov state.
 
 Every source maps ``step -> Batch`` as a pure function of ``(data_seed, step)``,
 so a run resumed at step k sees exactly the batches an uninterrupted run sees,
@@ -15,7 +16,8 @@ sequence ``r % B`` of microbatch ``r // B``.
 * ``synthetic``: uniform random tokens, for throughput. Nothing to learn: the
   loss floor is ln V.
 * ``markov``: a random Markov chain of order ``markov_order`` over V tokens,
-  each transition row drawn from Dirichlet(``markov_concentration``), seeded by
+  each state followed by one of ``markov_successors`` tokens (all V if fewer)
+  with probabilities drawn from Dirichlet(``markov_concentration``), seeded by
   ``data_seed``. Sequences start in the stationary distribution, so every
   next-token target has conditional entropy equal to the chain's entropy rate
   ``H = -sum_s pi_s sum_t P[s,t] ln P[s,t]`` (nats, order 1; for higher
@@ -44,7 +46,7 @@ from dropless.config.sections import DataConfig
 
 DATASET_TYPES = ("synthetic", "markov", "text")
 TEXT_SUFFIXES = (".txt", ".jsonl", ".parquet", ".npy")
-_MAX_MARKOV_ENTRIES = 1 << 27  # N * V float64 entries (1 GiB)
+_MAX_MARKOV_ENTRIES = 1 << 27  # N * M float64 entries (1 GiB)
 
 
 class Batch(NamedTuple):
@@ -120,14 +122,21 @@ class SyntheticSource(_RowSource):
 
 
 def stationary_distribution(p_NN: np.ndarray, tol: float = 1e-13, max_iter: int = 100_000):
-    """Stationary distribution [N] of a row-stochastic matrix, by power iteration.
+    """Stationary distribution [N] of a dense row-stochastic matrix, by power iteration.
 
     Raises:
-      RuntimeError: no convergence (a periodic or reducible chain).
+      RuntimeError: no convergence (a periodic chain).
     """
-    pi = np.full(p_NN.shape[0], 1.0 / p_NN.shape[0])
+    n = p_NN.shape[0]
+    return _power_iteration(np.broadcast_to(np.arange(n), p_NN.shape), p_NN, n, tol, max_iter)
+
+
+def _power_iteration(next_NM, p_NM, n, tol=1e-13, max_iter=100_000):
+    """Stationary distribution [n] of the sparse chain ``state s -> next_NM[s, j]`` w.p. ``p_NM[s, j]``."""
+    pi = np.full(n, 1.0 / n)
+    flat = next_NM.ravel()
     for _ in range(max_iter):
-        nxt = pi @ p_NN
+        nxt = np.bincount(flat, (pi[:, None] * p_NM).ravel(), n)
         if np.abs(nxt - pi).sum() < tol:
             return nxt / nxt.sum()
         pi = nxt
@@ -137,75 +146,87 @@ def stationary_distribution(p_NN: np.ndarray, tol: float = 1e-13, max_iter: int 
 class MarkovSource(_RowSource):
     """A seeded random Markov chain of order ``order`` over ``vocab_size`` tokens.
 
+    Each state (the last ``order`` tokens, encoded s = sum_{j<order} t_{-j} V^j
+    with t_0 the latest) may be followed by M = min(``successors``, V)
+    distinct tokens, with probabilities drawn from Dirichlet(``concentration``)
+    over those M. The table is [N, M], never [N, V], so any vocabulary works
+    (V = 129,280 at M = 64: 8.3M entries).
+
     Attributes:
-      transitions: [N, V] float64, row s = distribution of the next token after
-        the last ``order`` tokens encoded as s = sum_{j<order} t_{-j} V^j
-        (t_0 the latest token).
+      successors: [N, M] int32 the possible next tokens of each state, ascending.
+      probs: [N, M] float64 their probabilities (rows sum to 1).
       entropy_floor: the entropy rate in nats per token.
 
     Raises:
-      ValueError: order < 1, concentration <= 0, or a table over 1 GiB.
+      ValueError: order < 1, successors < 1, concentration <= 0, or a table
+        of more than 2**27 entries (N x M; 1 GiB of float64).
     """
 
-    def __init__(self, vocab_size, order, concentration, seed, *, batch, seq, accum=1):
+    def __init__(self, vocab_size, order, concentration, seed, *, batch, seq, accum=1,
+                 successors=None):
         if order < 1:
             raise ValueError(f"markov_order={order} must be >= 1")
         if concentration <= 0:
             raise ValueError(f"markov_concentration={concentration} must be > 0")
+        m = vocab_size if successors is None else min(successors, vocab_size)
+        if m < 1:
+            raise ValueError(f"markov_successors={successors} must be >= 1")
         n_states = vocab_size**order
-        if n_states * vocab_size > _MAX_MARKOV_ENTRIES:
+        if n_states * m > _MAX_MARKOV_ENTRIES:
             raise ValueError(
-                f"markov_order={order} with vocab_size={vocab_size} needs a {n_states}x{vocab_size} "
-                f"table; lower the order or the vocabulary"
+                f"markov_order={order} with vocab_size={vocab_size} and markov_successors={m} needs a "
+                f"{n_states}x{m} table (limit {_MAX_MARKOV_ENTRIES:,} entries); lower markov_order "
+                f"or markov_successors"
             )
         self.vocab_size, self.order, self.seed = vocab_size, order, seed
         self.batch, self.seq, self.accum = batch, seq, accum
         rng = np.random.default_rng([seed, 0x4D41524B])
-        self.transitions = rng.dirichlet(np.full(vocab_size, concentration), size=n_states)
+        if m == vocab_size:
+            self.successors = np.broadcast_to(np.arange(m, dtype=np.int32), (n_states, m))
+        else:
+            # Sorted draws with replacement + 0..M-1: M distinct ascending tokens per state.
+            draws = np.sort(rng.integers(0, vocab_size - m + 1, (n_states, m)), axis=1)
+            self.successors = (draws + np.arange(m)).astype(np.int32)
+        self.probs = rng.dirichlet(np.full(m, concentration), size=n_states)
         # Dirichlet rows with small alpha underflow to exact zeros; 0 ln 0 = 0.
-        p = self.transitions
+        p = self.probs
         row_entropy_N = -np.sum(np.where(p > 0, p * np.log(np.where(p > 0, p, 1.0)), 0.0), axis=1)
-        self.stationary = self._state_distribution()
+        # State s -> (s mod V^(k-1)) V + t: drop the oldest token, append t.
+        keep_N = np.arange(n_states, dtype=np.int64) % vocab_size ** (order - 1)
+        self.stationary = _power_iteration(keep_N[:, None] * vocab_size + self.successors, p, n_states)
         self.entropy_floor = float(self.stationary @ row_entropy_N)
         self._cdf = np.cumsum(p, axis=1)
         self._start_cdf = np.cumsum(self.stationary)
+        sparse = "" if m == vocab_size else f", {m} successors per state"
         self.description = (
-            f"markov order {order} over V={vocab_size}, Dirichlet({concentration}) rows, seed {seed}"
+            f"markov order {order} over V={vocab_size}{sparse}, Dirichlet({concentration}) rows, seed {seed}"
         )
 
-    def _state_distribution(self):
-        """Stationary distribution of the order-k state (last k tokens)."""
-        v, k = self.vocab_size, self.order
-        if k == 1:
-            return stationary_distribution(self.transitions)
-        # State s = (t_{-k+1}, ..., t_0) -> s' = (t_{-k+2}, ..., t_0, t_new).
-        states = np.arange(v**k)
-        nxt = (states[:, None] % v ** (k - 1)) * v + np.arange(v)[None, :]
-        pi = np.full(v**k, 1.0 / v**k)
-        for _ in range(100_000):
-            new = np.bincount(nxt.ravel(), (pi[:, None] * self.transitions).ravel(), v**k)
-            if np.abs(new - pi).sum() < 1e-13:
-                return new / new.sum()
-            pi = new
-        raise RuntimeError("Markov chain: power iteration did not converge")
+    def prob(self, state, token) -> np.ndarray:
+        """P[next = token | state], float64, elementwise over broadcast ``state`` and ``token``."""
+        state, token = np.broadcast_arrays(np.asarray(state), np.asarray(token))
+        hit = self.successors[state] == token[..., None]
+        return np.sum(np.where(hit, self.probs[state], 0.0), axis=-1)
 
     def sample(self, u_RL: np.ndarray, length: int) -> np.ndarray:
         """[R, length] int64 tokens, one row per row of uniforms ``u_RL`` in [0, 1).
 
         ``u_RL[:, 0]`` picks the start state from the stationary distribution
         (its digits are the first ``order`` tokens, oldest first); ``u_RL[:, j]``
-        for j >= 1 picks token ``order - 1 + j`` from its row of ``transitions``.
+        for j >= 1 picks token ``order - 1 + j`` from its state's successors.
         Needs ``L >= 1 + max(length - order, 0)`` uniforms per row.
         """
         v, k = self.vocab_size, self.order
         rows = u_RL.shape[0]
+        m = self.successors.shape[1]
         state = np.minimum(np.searchsorted(self._start_cdf, u_RL[:, 0], side="right"), v**k - 1)
         out = np.empty((rows, length), np.int64)
         first = [(state // v**j) % v for j in reversed(range(k))]
         out[:, : min(k, length)] = np.stack(first, axis=1)[:, :length]
         for i in range(k, length):
-            tok = (self._cdf[state] < u_RL[:, i - k + 1, None]).sum(axis=1)
-            tok = np.minimum(tok, v - 1)  # rounding in the cdf's last entry
+            j = (self._cdf[state] < u_RL[:, i - k + 1, None]).sum(axis=1)
+            j = np.minimum(j, m - 1)  # rounding in the cdf's last entry
+            tok = self.successors[state, j].astype(np.int64)
             out[:, i] = tok
             state = (state % v ** (k - 1)) * v + tok if k > 1 else tok
         return out
@@ -444,6 +465,6 @@ def make_source(cfg: DataConfig, vocab_size: int, *, batch: int, seq: int, accum
     if cfg.dataset_type == "markov":
         return MarkovSource(
             vocab_size, cfg.markov_order, cfg.markov_concentration, cfg.data_seed,
-            batch=batch, seq=seq, accum=accum,
+            batch=batch, seq=seq, accum=accum, successors=cfg.markov_successors,
         )
     return TextSource(cfg, vocab_size, batch=batch, seq=seq, accum=accum)

@@ -17,7 +17,11 @@ What one call does, in order:
    ``summary.png`` into the run directory.
 
 A run without ``run_name`` gets a fresh timestamped one, so it never resumes
-by accident; give ``run_name`` to make a run resumable.
+by accident; give ``run_name`` to make a run resumable. The run directory's
+``config.json`` is written once; a resume with another config is refused
+unless ``allow_config_change_on_resume`` (``train.run_dir``). Each save's
+time holding the loop is reported on the next metrics row
+(``checkpoint_wait_s``, ``checkpoint_blocked_s``) and summed in the summary.
 
 Each process makes only the batch rows its devices hold (``BatchFeed``): the
 data source generates or reads just those sequences, and
@@ -29,7 +33,6 @@ number of processes.
 import concurrent.futures
 import dataclasses
 import itertools
-import json
 import math
 import os
 import time
@@ -39,6 +42,7 @@ import jax
 import numpy as np
 from rich.console import Console
 
+from dropless.config.loader import ConfigError
 from dropless.config.sections import MeshConfig, ModelConfig, TrainConfig
 from dropless.nn.model import moe_layer_names
 from dropless.parallel import ep as ep_lib
@@ -51,7 +55,9 @@ from dropless.train import metrics as metrics_lib
 from dropless.train import optimizer as opt_lib
 from dropless.train import plots
 from dropless.train import remat as remat_lib
+from dropless.train import run_dir as run_dir_lib
 from dropless.train import step as step_lib
+from dropless.train import user_errors
 
 
 @dataclasses.dataclass
@@ -62,6 +68,9 @@ class TrainResult:
     LM loss over the last tenth of the steps (what to compare with
     ``entropy_floor``). Throughput figures are medians over this invocation's
     steps after the first (which compiles); None if fewer than two steps ran.
+    ``checkpoint_blocked_s`` is the time saves held the loop (waiting for the
+    previous save plus the handoff to the background writer), summed over
+    this invocation's ``checkpoint_saves``.
     """
 
     ok: bool
@@ -83,6 +92,8 @@ class TrainResult:
     wall_s: float
     metrics_path: str
     plot_path: str | None
+    checkpoint_saves: int = 0
+    checkpoint_blocked_s: float = 0.0
 
 
 class BatchFeed:
@@ -163,10 +174,11 @@ def _setup(model: ModelConfig, train: TrainConfig, mesh_cfg: MeshConfig) -> _Set
         check(train.hf_model_path, model)
     mesh = mesh_lib.make_mesh(mesh_cfg)
     global_batch = _global_batch(train, mesh)
-    source = data_lib.make_source(
-        train.data, model.vocab_size, batch=global_batch, seq=train.max_target_length,
-        accum=train.gradient_accumulation_steps,
-    )
+    with user_errors.data_errors():
+        source = data_lib.make_source(
+            train.data, model.vocab_size, batch=global_batch, seq=train.max_target_length,
+            accum=train.gradient_accumulation_steps,
+        )
     tx = opt_lib.make_optimizer(train.optimizer, train.steps)
     schedule = opt_lib.learning_rate_schedule(train.optimizer, train.steps)
     # Always through parallel.ep: with an expert axis of 1 each device routes its own
@@ -273,17 +285,45 @@ def build(model: ModelConfig, train: TrainConfig, mesh: MeshConfig) -> Built:
     Raises:
       ValueError / FileNotFoundError: as ``run_training``.
     """
+    user_errors.check_platform(model)
     s = _setup(model, train, mesh)
     batches = (s.feed(i) for i in itertools.count())
     state = _with_given_parameters(s, train, jax.jit(s.init, out_shardings=s.shardings)())
     return Built(state, _jit_step(s), batches, s.flops.total, s.global_batch, s.source.entropy_floor)
 
 
-def _train_steps(s: _Setup, train: TrainConfig, state, start, ckpt, writer, console, tokens):
-    """Run steps start..steps-1. Returns (state, rows, step_times, load_LE, compile_s)."""
+class _Ran(NamedTuple):
+    """What ``_train_steps`` ran: final state, metrics rows, timings, summed expert load."""
+
+    state: dict
+    rows: list
+    step_times: list
+    load_LE: np.ndarray | None
+    compile_s: float | None
+    saves: list  # checkpoint.SaveTiming of each save this invocation made
+
+
+def _save(ckpt, step_no, state, force, console):
+    """Save if due; returns the save's timing (None if not due), warning when it waited."""
+    if not ckpt.save(step_no, state, force=force):
+        return None
+    timing = ckpt.last_timing
+    if timing.wait_s > 1.0:
+        console.print(f"checkpoint at step {step_no} waited {timing.wait_s:.1f} s for the previous "
+                      "save to finish writing: raise checkpoint_period or use faster storage",
+                      style="yellow", markup=False)
+    return timing
+
+
+def _train_steps(s: _Setup, train: TrainConfig, state, start, ckpt, writer, console, tokens) -> _Ran:
+    """Run steps start..steps-1.
+
+    A save's blocking time is reported on the next step's row
+    (``checkpoint_wait_s``, ``checkpoint_blocked_s``): that step's time includes it.
+    """
     step_fn = _jit_step(s)
-    rows, step_times, load_LE, compile_s = [], [], None, None
-    pending, last_done = None, None
+    rows, step_times, saves, load_LE, compile_s = [], [], [], None, None
+    pending, last_done, unreported = None, None, None
     monitor = _overflow_monitor(s, console)
     with concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="data") as pool, \
             metrics_lib.ProgressDisplay(console, train.steps, start) as progress:
@@ -291,7 +331,7 @@ def _train_steps(s: _Setup, train: TrainConfig, state, start, ckpt, writer, cons
         t_start = time.perf_counter()
 
         def finish(step_no, raw_device):
-            nonlocal last_done, load_LE, compile_s
+            nonlocal last_done, load_LE, compile_s, unreported
             raw = jax.device_get(raw_device)
             now = time.perf_counter()
             step_time = None if last_done is None else now - last_done
@@ -304,6 +344,9 @@ def _train_steps(s: _Setup, train: TrainConfig, state, start, ckpt, writer, cons
                 step_no, raw, step_time=step_time, tokens_per_step=tokens, num_devices=s.mesh.size,
                 tflops_per_step=s.flops.total, peak_tflops=s.peak,
             )
+            if unreported is not None and unreported.step < step_no:
+                row.update(checkpoint_wait_s=unreported.wait_s, checkpoint_blocked_s=unreported.blocked_s)
+                unreported = None
             if "tokens_per_expert" in raw:
                 tpe = np.asarray(raw["tokens_per_expert"], np.int64)
                 load_LE = tpe if load_LE is None else load_LE + tpe
@@ -326,13 +369,16 @@ def _train_steps(s: _Setup, train: TrainConfig, state, start, ckpt, writer, cons
                 if ckpt.due(step + 1, force=force):
                     finish(*pending)  # the saved step's row, before anything can kill the run
                     pending = None
-                ckpt.save(step + 1, state, force=force)
+                timing = _save(ckpt, step + 1, state, force, console)
+                if timing is not None:
+                    saves.append(timing)
+                    unreported = timing
                 ckpt.poll()
         if pending is not None:
             finish(*pending)
     if monitor is not None and rows:
         monitor.check(rows[-1]["step"])  # what the last periodic check did not cover
-    return state, rows, step_times, load_LE, compile_s
+    return _Ran(state, rows, step_times, load_LE, compile_s, saves)
 
 
 def _overflow_monitor(s: _Setup, console):
@@ -353,15 +399,15 @@ def _median(xs):
     return float(np.median(xs)) if xs else None
 
 
-def _result(s: _Setup, run_dir, writer, rows_all, steps_run, times, resumed_from, num_params,
-            tokens, compile_s, t0, plot_path) -> TrainResult:
+def _result(s: _Setup, run_dir, writer, rows_all, ran: _Ran, resumed_from, num_params,
+            tokens, t0, plot_path) -> TrainResult:
     last = rows_all[-1] if rows_all else None
     tail = rows_all[-max(1, len(rows_all) // 10):]
-    step_time = _median(times)
+    step_time = _median(ran.step_times)
     return TrainResult(
         ok=bool(last) and math.isfinite(last["loss"]) and last["skipped_steps"] < last["step"],
         run_dir=run_dir,
-        steps_run=steps_run,
+        steps_run=len(ran.rows),
         final_step=last["step"] if last else (resumed_from or 0),
         resumed_from=resumed_from,
         initial_loss=rows_all[0]["loss"] if rows_all else None,
@@ -374,10 +420,12 @@ def _result(s: _Setup, run_dir, writer, rows_all, steps_run, times, resumed_from
         tokens_per_s=tokens / step_time if step_time else None,
         tflops_per_device=s.flops.total / step_time if step_time else None,
         mfu=s.flops.total / step_time / s.peak if step_time and s.peak else None,
-        compile_s=compile_s,
+        compile_s=ran.compile_s,
         wall_s=time.perf_counter() - t0,
         metrics_path=writer.jsonl_path,
         plot_path=plot_path,
+        checkpoint_saves=len(ran.saves),
+        checkpoint_blocked_s=sum(t.blocked_s for t in ran.saves),
     )
 
 
@@ -399,6 +447,9 @@ def _print_summary(console, r: TrainResult):
         "TFLOP/s per device": r.tflops_per_device,
         "MFU": r.mfu,
         "wall time (s)": r.wall_s,
+        "checkpoint saves (count; s blocking the loop, % of wall)":
+            f"{r.checkpoint_saves}; {r.checkpoint_blocked_s:.2f} s, {100 * r.checkpoint_blocked_s / r.wall_s:.1f}%"
+            if r.checkpoint_saves else None,
         "run directory": r.run_dir,
         "plot": r.plot_path,
     }
@@ -413,7 +464,10 @@ def run_training(model: ModelConfig, train: TrainConfig, mesh: MeshConfig, *,
       TrainResult (also printed as a table).
 
     Raises:
-      ValueError / FileNotFoundError: bad configuration or data paths.
+      ConfigError (a ValueError, one line): data or tokenizer problems, kernels
+        the device cannot run, an unwritable run directory, a resume with a
+        changed config, device memory exhausted (naming the keys to lower).
+      ValueError: other bad configuration.
       CheckpointError: the checkpoint to resume or load is corrupt or does not fit.
       parallel.overflow.EPOverflowError: an expert-parallel buffer overflowed
         under ``ep_overflow_policy="error"`` (checkpoints so far are kept).
@@ -421,16 +475,17 @@ def run_training(model: ModelConfig, train: TrainConfig, mesh: MeshConfig, *,
     t0 = time.perf_counter()
     console = console or Console()
     primary = jax.process_index() == 0
+    user_errors.check_platform(model)  # not in _setup: a dry run sets up for another machine
     s = _setup(model, train, mesh)
     if not train.run_name and jax.process_count() > 1:
-        raise ValueError("a multi-process run needs run_name: every process must use one directory")
+        raise ConfigError("run_name is empty: a multi-process run needs one, so every process uses one directory")
     run_name = train.run_name or time.strftime("run-%Y%m%d-%H%M%S")
-    run_dir = os.path.abspath(os.path.join(train.base_output_directory, run_name))
-    os.makedirs(run_dir, exist_ok=True)
-    if primary:
-        with open(os.path.join(run_dir, "config.json"), "w") as f:
-            json.dump({"model": dataclasses.asdict(model), "train": dataclasses.asdict(train),
-                       "mesh": dataclasses.asdict(mesh)}, f, indent=1)
+    run_dir = run_dir_lib.make_run_dir(train.base_output_directory, run_name)
+    run_dir_lib.record_config(
+        run_dir, run_dir_lib.sections_dict(model, train, mesh), primary=primary,
+        allow_change=train.allow_config_change_on_resume,
+        say=lambda msg: console.print(msg, style="yellow", markup=False),
+    )
     num_params, tokens = _describe(console, model, train, s, run_dir)
     ckpt = None
     if train.enable_checkpointing:
@@ -446,22 +501,23 @@ def run_training(model: ModelConfig, train: TrainConfig, mesh: MeshConfig, *,
                                            enabled=primary)
         if start >= train.steps:
             console.print(f"run already complete at step {start} (steps={train.steps})")
-        state, rows, times, load_LE, compile_s = _train_steps(
-            s, train, state, start, ckpt, writer, console, tokens
-        )
-        writer.close()
+        try:
+            with user_errors.memory_errors(model, train):
+                ran = _train_steps(s, train, state, start, ckpt, writer, console, tokens)
+        finally:
+            writer.close()
     finally:
         if ckpt is not None:
             ckpt.close()
     # Process 0 writes the run's files; the others report what they ran.
-    rows_all = metrics_lib.read_jsonl(writer.jsonl_path) if primary else rows
+    rows_all = metrics_lib.read_jsonl(writer.jsonl_path) if primary else ran.rows
     plot_path = None
     if rows_all and primary:
         plot_path = plots.plot_run(
             rows_all, os.path.join(run_dir, "summary.png"), entropy_floor=s.source.entropy_floor,
-            load_LE=load_LE, title=f"{run_name}: {s.source.description}",
+            load_LE=ran.load_LE, title=f"{run_name}: {s.source.description}",
         )
-    result = _result(s, run_dir, writer, rows_all, len(rows), times, resumed_from, num_params,
-                     tokens, compile_s, t0, plot_path)
+    result = _result(s, run_dir, writer, rows_all, ran, resumed_from, num_params, tokens, t0,
+                     plot_path)
     _print_summary(console, result)
     return result

@@ -46,6 +46,8 @@ TENSORBOARD_TAGS = {
     "ep_rows_saved": "moe/ep_rows_saved",
     "ep_extra_rounds": "moe/ep_extra_rounds",
     "skipped_steps": "learning/skipped_steps",
+    "checkpoint_wait_s": "checkpoint/wait_for_previous_save_seconds",
+    "checkpoint_blocked_s": "checkpoint/blocked_seconds",
 }
 
 

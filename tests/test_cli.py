@@ -1,0 +1,121 @@
+"""The command line: every runtime problem a user can cause exits 2 with one
+line on stderr naming the key and what is allowed; ``--debug`` shows the
+traceback instead. Each case stops before anything compiles, so the CLI runs
+in this process (``cli.main`` returns the exit code).
+"""
+
+import jax
+import pytest
+
+from dropless import cli
+from dropless.config.loader import ConfigError, load_config
+from dropless.train import loop
+from dropless.train import run_dir as run_dir_lib
+
+
+def _train(capsys, tmp_path, *overrides):
+    """(exit code, stderr lines) of ``dropless train`` on the tiny preset writing under tmp_path."""
+    code = cli.main(["train", "model_name=deepseek3-tiny", "hardware=auto", "steps=2",
+                     f"base_output_directory={tmp_path / 'runs'}", "run_name=r", *overrides])
+    return code, capsys.readouterr().err.strip().splitlines()
+
+
+def _one_line_exit_2(code, lines, *needles):
+    assert code == 2 and len(lines) == 1, lines
+    for needle in needles:
+        assert needle in lines[0], (needle, lines[0])
+
+
+def test_text_data_without_a_path(capsys, tmp_path):
+    _one_line_exit_2(*_train(capsys, tmp_path, "dataset_type=text"), "dataset_type=text needs dataset_path")
+
+
+def test_missing_dataset_path(capsys, tmp_path):
+    _one_line_exit_2(*_train(capsys, tmp_path, "dataset_type=text", f"dataset_path={tmp_path}/nope.txt"),
+                     "dataset_path=", "no such file or directory")
+
+
+def test_missing_tokenizer(capsys, tmp_path):
+    (tmp_path / "a.txt").write_text("some text " * 50)
+    _one_line_exit_2(*_train(capsys, tmp_path, "dataset_type=text", f"dataset_path={tmp_path}/a.txt",
+                             f"tokenizer_path={tmp_path}/tok.json"), "tokenizer_path=", "no such file")
+
+
+def test_tokenizer_that_is_not_one(capsys, tmp_path):
+    (tmp_path / "a.txt").write_text("some text " * 50)
+    (tmp_path / "tok.json").write_text("{not a tokenizer")
+    try:
+        import tokenizers  # noqa: F401
+
+        needle = "is not a tokenizer.json"
+    except ImportError:
+        needle = "needs the 'tokenizers' package"
+    _one_line_exit_2(*_train(capsys, tmp_path, "dataset_type=text", f"dataset_path={tmp_path}/a.txt",
+                             f"tokenizer_path={tmp_path}/tok.json"), "tokenizer_path", needle)
+
+
+@pytest.mark.skipif(jax.devices()[0].platform == "gpu", reason="checks a machine without a GPU")
+@pytest.mark.parametrize("overrides,needle", [
+    (["gmm_backend=mosaic", "dtype=bfloat16"], "gmm_backend='mosaic' runs Mosaic GPU kernels"),
+    (["attention=cudnn_flash_te", "dtype=bfloat16"], "attention='cudnn_flash_te' needs an NVIDIA GPU"),
+])
+def test_gpu_kernels_on_a_cpu_machine(capsys, tmp_path, overrides, needle):
+    """hardware=auto on a machine without a GPU: refused at start, not in a traceback."""
+    _one_line_exit_2(*_train(capsys, tmp_path, *overrides), needle, "allowed here")
+
+
+@pytest.mark.parametrize("overrides,needle", [
+    (["attention=cudnn_flash_te", "dtype=float32"], "set dtype=bfloat16 or attention=dot_product"),
+    (["te_gmm_quantization=te_fp8_blockwise", "gmm_fp8_impl=kernel"], "multiples of 256"),
+    (["te_moe_block=false"], "only true is allowed"),
+    (["ici_tensor_parallelism=2"], "must be 1"),
+])
+def test_contradictions_in_the_keys(capsys, tmp_path, overrides, needle):
+    _one_line_exit_2(*_train(capsys, tmp_path, *overrides), needle)
+    assert not (tmp_path / "runs").exists()
+
+
+def test_unwritable_output_directory(capsys, tmp_path):
+    (tmp_path / "file").write_text("a file where a directory should be")
+    code = cli.main(["train", "model_name=deepseek3-tiny", "steps=1", f"base_output_directory={tmp_path}/file"])
+    _one_line_exit_2(code, capsys.readouterr().err.strip().splitlines(),
+                     "base_output_directory=", "cannot write the run directory")
+
+
+def test_out_of_memory_names_the_keys_to_lower(capsys, tmp_path, monkeypatch):
+    """XLA's RESOURCE_EXHAUSTED (at compile or run time) becomes one line with the keys."""
+    def oom(*args, **kwargs):
+        raise jax.errors.JaxRuntimeError(
+            "RESOURCE_EXHAUSTED: Out of memory while trying to allocate 81.27GiB.\nmore detail")
+
+    monkeypatch.setattr(loop, "_train_steps", oom)
+    _one_line_exit_2(*_train(capsys, tmp_path, "remat_policy=minimal"), "out of device memory",
+                     "allocate 81.27GiB", "per_device_batch_size=16", "max_target_length=64",
+                     "remat_policy=minimal (full keeps the least)", "attention=dot_product")
+
+
+def test_resume_with_another_config_is_refused(capsys, tmp_path):
+    def recorded(*overrides):
+        cfg = load_config(None, ["model_name=deepseek3-tiny", f"base_output_directory={tmp_path / 'runs'}",
+                                 "run_name=r", *overrides], environ={}).config
+        return run_dir_lib.sections_dict(cfg.model(), cfg.train(), cfg.mesh())
+
+    run_dir = run_dir_lib.make_run_dir(str(tmp_path / "runs"), "r")
+    run_dir_lib.record_config(run_dir, recorded("steps=2"), allow_change=False, primary=True)
+    before = (tmp_path / "runs" / "r" / "config.json").read_text()
+    _one_line_exit_2(*_train(capsys, tmp_path, "steps=3", "learning_rate=0.5"),
+                     "holds a run with another config", "steps 2 -> 3", "learning_rate 0.01 -> 0.5",
+                     "allow_config_change_on_resume=true")
+    assert (tmp_path / "runs" / "r" / "config.json").read_text() == before
+
+
+def test_debug_shows_the_traceback(tmp_path):
+    with pytest.raises(ConfigError, match="needs dataset_path"):
+        cli.main(["train", "--debug", "dataset_type=text", f"base_output_directory={tmp_path}"])
+
+
+def test_test_variables_do_not_stop_the_cli(capsys, monkeypatch):
+    for name in ("DROPLESS_SLOW", "DROPLESS_CPU_DEVICES", "DROPLESS_COMMIT"):
+        monkeypatch.setenv(name, "1")
+    assert cli.main(["config", "run_name=123"]) == 0
+    assert "'123'" in capsys.readouterr().out
