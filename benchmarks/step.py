@@ -29,8 +29,11 @@ only that attempt):
   ours_fp8_blockwise  the same with ``te_fp8_blockwise`` grouped GEMMs
             (emulated: quantize -> dequantize -> bf16 kernel)
   ours_fp8k ``ours_fp8_blockwise`` through the FP8 Mosaic kernels
-            (``gmm_fp8_impl=kernel``; Hopper only; not in the default list
-            until the kernels have passed their GPU tests)
+            (``gmm_fp8_impl=kernel``; Hopper only; not in the default list:
+            with XLA's quantization passes the kernel path is slower than
+            bf16, ``benchmarks/notes/fp8.md``)
+  ours_fp8kp ``ours_fp8k`` with the single-pass Pallas quantizers
+            (``gmm_fp8_quantizer=pallas``)
 
 A case that runs out of memory is retried with half the batch, down to 1 per
 device; the JSON says which batch each case ran at. Figures: median step time
@@ -58,7 +61,7 @@ import time
 
 CASES = ("xla", "capacity", "ours", "ours_fp8", "ours_fp8_blockwise")
 QWEN3_CASE = "qwen3-moe-proxy"  # ``ours`` on the Qwen3-MoE proxy instead of the DeepSeek one
-EXTRA_CASES = ("ours_fp8k", QWEN3_CASE)
+EXTRA_CASES = ("ours_fp8k", "ours_fp8kp", QWEN3_CASE)
 QUICK_CASES = ("xla", "capacity", "ours")
 FP8_DENSE = "te_fp8_currentscaling"
 RESULT_PREFIX = "STEP_RESULT "
@@ -79,6 +82,8 @@ CASE_OVERRIDES = {
                            f"quantization={FP8_DENSE}"],
     "ours_fp8k": ["gmm_backend=auto", "te_gmm_quantization=te_fp8_blockwise",
                   f"quantization={FP8_DENSE}", "gmm_fp8_impl=kernel"],
+    "ours_fp8kp": ["gmm_backend=auto", "te_gmm_quantization=te_fp8_blockwise",
+                   f"quantization={FP8_DENSE}", "gmm_fp8_impl=kernel", "gmm_fp8_quantizer=pallas"],
     QWEN3_CASE: ["gmm_backend=auto"],
 }
 # Cases on another preset than the base's: (full-size, tiny) model_name.
@@ -301,7 +306,7 @@ def speedups(rows) -> dict:
     baselines = [by[c] for c in ("xla", "capacity") if by.get(c)]
     if ours and baselines:
         out["ours_over_best_baseline"] = ours / max(baselines)
-    for c in ("ours_fp8", "ours_fp8_blockwise", "ours_fp8k"):
+    for c in ("ours_fp8", "ours_fp8_blockwise", "ours_fp8k", "ours_fp8kp"):
         if ours and by.get(c):
             out[f"{c}_over_ours"] = by[c] / ours
     return out

@@ -148,6 +148,7 @@ BAD = [
     (["te_gmm_quantization=te_mxfp8", "gmm_fp8_impl=kernel"], "got te_gmm_quantization=te_mxfp8; allowed with it: emulate"),
     (["te_gmm_quantization=te_fp8_blockwise", "gmm_fp8_impl=kernel", "hardware=cpu"], "with hardware=cpu only emulate is allowed"),
     (["gmm_fp8_impl=native"], "'emulate' or 'kernel'"),
+    (["te_gmm_quantization=te_fp8_blockwise", "gmm_fp8_quantizer=pallas"], "with gmm_fp8_impl=emulate only xla is allowed"),
     (["te_gmm_quantization=te_fp8_blockwise", "gmm_fp8_impl=kernel", "emb_dim=256", "moe_mlp_dim=200"],
      "kernels need emb_dim and moe_mlp_dim multiples of 256, got moe_mlp_dim=200"),
     (["attention=cudnn_flash_te", "dtype=float32"], "got dtype=float32; set dtype=bfloat16 or attention=dot_product"),
@@ -179,7 +180,7 @@ def test_bad_input_gives_one_clear_line(overrides, message):
     assert "\n" not in text
 
 
-def test_gmm_fp8_impl_reaches_the_grouped_gemms(monkeypatch):
+def test_gmm_fp8_impl_and_quantizer_reach_the_grouped_gemms(monkeypatch):
     """The key goes config -> MoEConfig -> MoEBlock -> both quantized.gmm calls."""
     import dataclasses
 
@@ -193,18 +194,18 @@ def test_gmm_fp8_impl_reaches_the_grouped_gemms(monkeypatch):
     assert resolve("te_gmm_quantization=te_fp8_blockwise").config.moe().gmm_fp8_impl == "emulate"
     section = resolve("te_gmm_quantization=te_fp8_blockwise", "gmm_fp8_impl=kernel", "emb_dim=256",
                       "moe_mlp_dim=256", "num_experts=4", "num_experts_per_tok=2",
-                      "gmm_backend=xla").config.moe()
-    assert section.gmm_fp8_impl == "kernel"
+                      "gmm_backend=xla", "gmm_fp8_quantizer=pallas").config.moe()
+    assert section.gmm_fp8_impl == "kernel" and section.gmm_fp8_quantizer == "pallas"
     seen, real_gmm = [], quantized.gmm
 
     def recording_gmm(x, w, group_sizes, **kw):  # records, then runs the emulation (CPU)
-        seen.append(kw["impl"])
+        seen.append((kw["impl"], kw["quant_impl"]))
         return real_gmm(x, w, group_sizes, **dict(kw, impl="emulate"))
 
     monkeypatch.setattr(quantized, "gmm", recording_gmm)
     block = moe.MoEBlock(section, emb_dim=32, rngs=nnx.Rngs(0))
     jax.eval_shape(lambda x: block(x)[0], jax.ShapeDtypeStruct((1, 8, 32), jnp.float32))
-    assert seen == ["kernel", "kernel"]
+    assert seen == [("kernel", "pallas")] * 2
     with pytest.raises(ValueError, match="gmm_fp8_impl"):
         moe.MoEBlock(dataclasses.replace(section, gmm_quantization="te_mxfp8"), emb_dim=32,
                      rngs=nnx.Rngs(0))

@@ -122,6 +122,7 @@ class Config(BaseModel):
     te_moe_block: bool = _f(True, "Accepted for MaxText recipes: dropless's MoE block is always the fused one, so only true is allowed.")
     te_gmm_quantization: Literal["te_no_quant", "te_fp8_blockwise", "te_mxfp8"] = _f("te_no_quant", "Expert grouped-GEMM quantization recipe.")
     gmm_fp8_impl: Literal["emulate", "kernel"] = _f("emulate", "How te_fp8_blockwise grouped GEMMs run: emulate = quantize -> dequantize -> the bf16 grouped GEMM (exact FP8 numerics, bf16 speed); kernel = the FP8 Mosaic GPU kernels on E4M3 codes (Hopper only; K and N multiples of 256; tested on an H200, where the three kernels alone run at 1.3x our bf16 kernels but the whole path, quantization included, is not yet faster).")
+    gmm_fp8_quantizer: Literal["xla", "pallas"] = _f("xla", "How gmm_fp8_impl=kernel quantizes its operands: xla = ops.quant fused by XLA (measured at 32-52% of HBM bandwidth on an H200); pallas = single-pass quantization kernels, same codes and scales bit for bit (tested on CPU, not yet timed on a GPU).")
     quantization: Literal["", "te_fp8_currentscaling"] = _f("", "Dense-matmul quantization ('' = bf16/fp32 as dtype; te_fp8_currentscaling: attention projections, dense MLP and shared experts in FP8 with per-tensor current scaling).")
     quantize_output_head: bool = _f(False, "With quantization=te_fp8_currentscaling, compute the output head in FP8 too.")
 
@@ -313,6 +314,8 @@ def _check_contradictions(c: Config):
         bad("te_gmm_quantization", "quantizes grouped GEMMs; sparse_matmul=false (the capacity baseline) has none")
     if c.gmm_fp8_impl == "kernel" and c.te_gmm_quantization != "te_fp8_blockwise":
         bad("gmm_fp8_impl", f"has FP8 kernels for te_gmm_quantization=te_fp8_blockwise only, got te_gmm_quantization={c.te_gmm_quantization}; allowed with it: emulate")
+    if c.gmm_fp8_quantizer != "xla" and c.gmm_fp8_impl != "kernel":
+        bad("gmm_fp8_quantizer", f"chooses how gmm_fp8_impl=kernel quantizes; with gmm_fp8_impl={c.gmm_fp8_impl} only xla is allowed")
     if c.gmm_fp8_impl == "kernel" and c.hardware in ("cpu", "tpu"):
         bad("gmm_fp8_impl", f"runs Mosaic GPU kernels on a Hopper GPU; with hardware={c.hardware} only emulate is allowed")
     if c.gmm_fp8_impl == "kernel":

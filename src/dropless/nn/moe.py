@@ -124,7 +124,7 @@ def combine(y_PD, weights_TK, plan):
 
 
 def grouped_swiglu(x_PD, group_sizes_G, weights, *, backend, quantization="te_no_quant",
-                   fp8_impl="emulate"):
+                   fp8_impl="emulate", fp8_quantizer="xla"):
     """SwiGLU experts over an expert-sorted buffer: [P, D] -> [P, D].
 
     Args:
@@ -136,11 +136,13 @@ def grouped_swiglu(x_PD, group_sizes_G, weights, *, backend, quantization="te_no
       backend: the gmm backend.
       quantization: the grouped-GEMM recipe (``quantized.RECIPES``).
       fp8_impl: ``quantized.IMPLS``: emulate, or the FP8 kernels (te_fp8_blockwise).
+      fp8_quantizer: ``quantized.QUANT_IMPLS``: how the FP8 kernels' operands are quantized.
     """
 
     def grouped(x, w, name):
         y = quantized.gmm(x, w, group_sizes_G, recipe=quantization, backend=backend,
-                          impl=fp8_impl, groups_aligned=True)  # the contract above
+                          impl=fp8_impl, groups_aligned=True,  # the contract above
+                          quant_impl=fp8_quantizer)
         return checkpoint_name(y, name)
 
     *gate_up, w_out = weights
@@ -204,6 +206,8 @@ def _check_config(cfg: MoEConfig):
                          "path; the capacity baseline (sparse_matmul=False) has none")
     if cfg.gmm_fp8_impl not in quantized.IMPLS:
         raise ValueError(f"{cfg.gmm_fp8_impl=} is not one of {quantized.IMPLS}")
+    if cfg.gmm_fp8_quantizer not in quantized.QUANT_IMPLS:
+        raise ValueError(f"{cfg.gmm_fp8_quantizer=} is not one of {quantized.QUANT_IMPLS}")
     if cfg.gmm_fp8_impl == "kernel" and cfg.gmm_quantization != quantized.KERNEL_RECIPE:
         raise ValueError(f"{cfg.gmm_fp8_impl=} has kernels for gmm_quantization="
                          f"{quantized.KERNEL_RECIPE} only, got {cfg.gmm_quantization=}")
@@ -314,7 +318,8 @@ class MoEBlock(nnx.Module):
         return grouped_swiglu(x_PD, group_sizes_E, self._expert_weights(),
                               backend=self.cfg.gmm_backend,
                               quantization=self.cfg.gmm_quantization,
-                              fp8_impl=self.cfg.gmm_fp8_impl)
+                              fp8_impl=self.cfg.gmm_fp8_impl,
+                              fp8_quantizer=self.cfg.gmm_fp8_quantizer)
 
     def _experts_dense(self, x_ECD):
         """Batched SwiGLU over per-expert capacity buffers: [E, C, D] -> [E, C, D]."""
@@ -338,7 +343,8 @@ class MoEBlock(nnx.Module):
             x_TD, decision.experts_TK, decision.weights_TK, self._expert_weights(),
             functools.partial(grouped_swiglu, backend=self.cfg.gmm_backend,
                               quantization=self.cfg.gmm_quantization,
-                              fp8_impl=self.cfg.gmm_fp8_impl),
+                              fp8_impl=self.cfg.gmm_fp8_impl,
+                              fp8_quantizer=self.cfg.gmm_fp8_quantizer),
             num_experts=e, alignment=group_alignment(self.cfg), ep=self.ep,
         )
         tokens_E = routing.tokens_per_expert(decision.experts_TK, e)
