@@ -143,6 +143,7 @@ def deepseek_v3_keys(hf: dict) -> dict[str, Any]:
     keys = {ours: hf[theirs] for ours, theirs in DEEPSEEK_V3_KEYS.items()}
     keys["q_lora_rank"] = hf.get("q_lora_rank") or 0
     keys["mtp_num_layers"] = int(hf.get("num_nextn_predict_layers") or 0)
+    keys.update(decoder_block="deepseek", attention_type="mla", use_qk_norm=False)
     keys["routed_score_func"] = "sigmoid"
     keys["routed_bias"] = True  # e_score_correction_bias: selection bias of every MoE layer
     keys.update(_rope_keys(hf))
@@ -233,7 +234,8 @@ QWEN3_MOE_KEYS = {
 _QWEN3_MOE_FIXED = {
     "decoder_block": "qwen3_moe", "attention_type": "gqa", "use_qk_norm": True, "shared_experts": 0,
     "routed_score_func": "softmax", "routed_bias": False, "routed_scaling_factor": 1.0,
-    "mtp_num_layers": 0, "n_routing_groups": -1, "topk_routing_group": -1, "rope_factor": 1.0,
+    "routed_bias_update_rate": 0.0, "mtp_num_layers": 0, "n_routing_groups": -1, "topk_routing_group": -1,
+    "rope_factor": 1.0,
 }
 
 
@@ -249,14 +251,19 @@ def _dense_prefix(hf: dict) -> int:
 def qwen3_moe_keys(hf: dict) -> dict[str, Any]:
     """dropless keys of a Qwen3-MoE config.json (published or transformers 5).
 
-    Absent optional keys take transformers' ``Qwen3MoeConfig`` defaults
-    (``norm_topk_prob`` false, ``head_dim`` hidden_size // num_attention_heads,
+    transformers 5 writes ``num_experts`` as ``num_local_experts``. Absent
+    optional keys take transformers' ``Qwen3MoeConfig`` defaults (``norm_topk_prob`` false, ``head_dim`` hidden_size // num_attention_heads,
     no ``mlp_only_layers``, ``decoder_sparse_step`` 1).
 
     Raises:
       HFConfigError: a missing key or a feature dropless's model does not
         compute the same way (named, with its value).
     """
+    if "num_local_experts" in hf:  # transformers 5's name for num_experts
+        if hf.get("num_experts", hf["num_local_experts"]) != hf["num_local_experts"]:
+            raise HFConfigError(f"config.json num_experts={hf['num_experts']} and "
+                                f"num_local_experts={hf['num_local_experts']} differ")
+        hf = {**hf, "num_experts": hf["num_local_experts"]}
     checks = (
         ("hidden_act", "silu"), ("tie_word_embeddings", False), ("attention_bias", False),
         ("use_sliding_window", False), ("decoder_sparse_step", 1),
