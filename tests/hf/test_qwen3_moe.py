@@ -75,6 +75,14 @@ def test_what_dropless_cannot_compute_is_refused_naming_the_key(tmp_path, change
     assert "\n" not in msg and words in msg and "not supported" in msg, msg
 
 
+@pytest.mark.parametrize("preset", ["qwen3-30b-a3b", "qwen3-235b-a22b"])
+def test_written_config_json_reads_back_as_the_preset(preset):
+    """qwen3_moe_config is the inverse of qwen3_moe_keys on the published shapes."""
+    cfg = load_config(None, [f"model_name={preset}"]).config
+    keys = hf_config.model_keys(hf_config.qwen3_moe_config(cfg.model(), torch_dtype="bfloat16"))
+    assert keys == {k: getattr(cfg, k) for k in keys}
+
+
 def test_a_key_given_against_the_directory_is_a_contradiction():
     with pytest.raises(ConfigError) as e:
         load_config(None, [f"hf_model_path={os.path.join(QWEN3, 'published')}", "num_kv_heads=4"])
