@@ -252,7 +252,8 @@ def qwen3_moe_keys(hf: dict) -> dict[str, Any]:
     """dropless keys of a Qwen3-MoE config.json (published or transformers 5).
 
     transformers 5 writes ``num_experts`` as ``num_local_experts``. Absent
-    optional keys take transformers' ``Qwen3MoeConfig`` defaults (``norm_topk_prob`` false, ``head_dim`` hidden_size // num_attention_heads,
+    optional keys take transformers' ``Qwen3MoeConfig`` defaults
+    (``norm_topk_prob`` false, ``head_dim`` hidden_size // num_attention_heads,
     no ``mlp_only_layers``, ``decoder_sparse_step`` 1).
 
     Raises:
