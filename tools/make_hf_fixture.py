@@ -118,15 +118,18 @@ def build_model() -> DeepseekV3ForCausalLM:
     return model
 
 
-def run(model, tokens):
-    """(logits [B, S, V] float32, experts [L_moe, B*S, K] int32 sorted per token)."""
+def run(model, tokens, router: str = "DeepseekV3TopkRouter"):
+    """(logits [B, S, V] float32, experts [L_moe, B*S, K] int32 sorted per token).
+
+    ``router``: the class name of the model's router module, whose output
+    ``[2]`` is the chosen experts [B*S, K].
+    """
     experts = []
 
     def hook(_module, _inputs, outputs):
         experts.append(torch.sort(outputs[2], dim=-1).values.to(torch.int32).numpy())
 
-    handles = [m.register_forward_hook(hook) for m in model.modules()
-               if type(m).__name__ == "DeepseekV3TopkRouter"]
+    handles = [m.register_forward_hook(hook) for m in model.modules() if type(m).__name__ == router]
     with torch.no_grad():
         logits = model(torch.from_numpy(tokens).long()).logits.float().numpy()
     for h in handles:
@@ -144,10 +147,9 @@ def to_file_dtype(name: str, t: torch.Tensor) -> torch.Tensor:
 def published_tensors(state: dict) -> dict:
     """transformers' state_dict -> published names (per-expert weights split out)."""
     out = {}
-    f = HF_CONFIG["moe_intermediate_size"]
     for name, t in state.items():
         if name.endswith("mlp.experts.gate_up_proj"):
-            base = name[: -len("gate_up_proj")]
+            base, f = name[: -len("gate_up_proj")], t.shape[1] // 2
             for e in range(t.shape[0]):
                 out[f"{base}{e}.gate_proj.weight"] = t[e, :f]
                 out[f"{base}{e}.up_proj.weight"] = t[e, f:]

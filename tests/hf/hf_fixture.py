@@ -1,16 +1,83 @@
-"""Helpers of the Hugging Face tests: read the committed tiny DeepSeek-V3 (see
-``tools/make_hf_fixture.py``) and write altered copies of it."""
+"""Helpers of the Hugging Face tests: read the committed tiny DeepSeek-V3 and
+Qwen3-MoE (see ``tools/make_hf_fixture.py``, ``tools/make_hf_fixture_qwen3.py``),
+write altered copies, load them into dropless's parameters."""
 
 import json
 import os
 import shutil
 
+import jax
+import jax.numpy as jnp
 import numpy as np
+from flax import nnx
 from safetensors.numpy import save_file
 
+from dropless.config.loader import load_config
+from dropless.hf.load import load_hf
 from dropless.hf.safetensors_io import TensorDir
+from dropless.nn.moe import MoEBlock, RouterBias
+from dropless.train import step as step_lib
 
 FIXTURES = os.path.join(os.path.dirname(__file__), "fixtures")
+QWEN3 = os.path.join(FIXTURES, "qwen3_moe")
+
+
+def rel_fro(a, b) -> float:
+    """Relative Frobenius error of ``a`` against the reference ``b``."""
+    return float(np.linalg.norm(a - b) / np.linalg.norm(b))
+
+
+def model_cfg(path, *overrides):
+    """The model section of ``hf_model_path=path`` (plus overrides)."""
+    return load_config(None, [f"hf_model_path={path}", *overrides]).config.model()
+
+
+def load_params(path, cfg) -> dict:
+    """``{"params", "router_bias"}`` of the directory ``path``, on one device."""
+    abstract_model = nnx.eval_shape(lambda: step_lib.build_model(cfg, 0))
+    _, params, bias, _ = step_lib.split_model(abstract_model)
+    abstract = {"params": params, "router_bias": bias}
+    one = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+    return load_hf(path, cfg, abstract, jax.tree.map(lambda _: one, abstract))
+
+
+def load_model(path, *overrides):
+    """(the concrete model with ``path``'s parameters, layers unrolled; the parameters)."""
+    cfg = model_cfg(path, "scan_layers=false", *overrides)
+    loaded = load_params(path, cfg)
+    graphdef = nnx.split(nnx.eval_shape(lambda: step_lib.build_model(cfg, 0)), nnx.Param, RouterBias, ...)[0]
+    return nnx.merge(graphdef, loaded["params"], loaded["router_bias"], {}), loaded
+
+
+def logits_and_experts(model, tokens_BS, monkeypatch):
+    """(float32 logits [B, S, V], routed experts [L_moe, B*S, K] sorted per token)
+    of ``model`` (layers unrolled), the experts recorded in each MoE layer's router."""
+    recorded = []
+    route = MoEBlock._route
+
+    def spy(self, x_TD):
+        logits, decision = route(self, x_TD)
+        recorded.append(decision.experts_TK)
+        return logits, decision
+
+    monkeypatch.setattr(MoEBlock, "_route", spy)
+
+    @jax.jit
+    def run(tokens):  # layers unrolled: each layer's experts are a value of this trace
+        return model(tokens).logits_BSV, [jnp.sort(e, axis=-1) for e in recorded]
+
+    logits, experts = run(jnp.asarray(tokens_BS))
+    return np.asarray(logits), np.stack(experts)
+
+
+def assert_bitwise_equal(a, b) -> None:
+    """Two parameter trees with the same paths, dtypes, shapes and bits."""
+    flat_a, flat_b = jax.tree_util.tree_leaves_with_path(a), jax.tree_util.tree_leaves_with_path(b)
+    assert [p for p, _ in flat_a] == [p for p, _ in flat_b]
+    for (path, x), (_, y) in zip(flat_a, flat_b):
+        x, y = np.asarray(x), np.asarray(y)
+        assert x.dtype == y.dtype and x.shape == y.shape, path
+        assert np.array_equal(x.view(np.uint8), y.view(np.uint8)), jax.tree_util.keystr(path)
 
 
 def read_all(path: str) -> dict[str, np.ndarray]:

@@ -16,23 +16,13 @@ exactly (their margins are far above 1e-6 on this fixture).
 
 import os
 
-import jax
-import jax.numpy as jnp
 import numpy as np
 import pytest
-from flax import nnx
+from hf_fixture import load_model, logits_and_experts, rel_fro
 
 from dropless import cli
-from dropless.config.loader import load_config
-from dropless.hf.load import load_hf
-from dropless.nn.moe import MoEBlock, RouterBias
-from dropless.train import step as step_lib
 
 LAYOUTS = [("published", ""), ("fused", ""), ("fp8_mtp", "_fp8")]
-
-
-def rel_fro(a, b):
-    return float(np.linalg.norm(a - b) / np.linalg.norm(b))
 
 
 # The FP8 + MTP directory's logits are checked by the routed-experts test below.
@@ -48,39 +38,12 @@ def test_forward_command_matches_transformers_logits(fixtures, tmp_path, layout,
     np.testing.assert_array_equal(logits.argmax(-1), ref.argmax(-1))
 
 
-def load_model(path, *overrides):
-    """The concrete model with ``path``'s parameters, layers unrolled."""
-    cfg = load_config(None, [f"hf_model_path={path}", "scan_layers=false", *overrides]).config.model()
-    abstract_model = nnx.eval_shape(lambda: step_lib.build_model(cfg, 0))
-    graphdef, params, bias, _ = step_lib.split_model(abstract_model)
-    abstract = {"params": params, "router_bias": bias}
-    one = jax.sharding.SingleDeviceSharding(jax.devices()[0])
-    loaded = load_hf(path, cfg, abstract, jax.tree.map(lambda _: one, abstract))
-    graphdef = nnx.split(abstract_model, nnx.Param, RouterBias, ...)[0]
-    return nnx.merge(graphdef, loaded["params"], loaded["router_bias"], {}), loaded
-
-
 @pytest.mark.parametrize("layout, suffix", LAYOUTS)
 def test_routed_experts_match_transformers(fixtures, monkeypatch, layout, suffix):
     """Each MoE layer sends each token to the experts transformers' router picked."""
-    recorded = []
-    route = MoEBlock._route
-
-    def spy(self, x_TD):
-        logits, decision = route(self, x_TD)
-        recorded.append(decision.experts_TK)
-        return logits, decision
-
-    monkeypatch.setattr(MoEBlock, "_route", spy)
     model, _ = load_model(os.path.join(fixtures, layout))
-
-    @jax.jit
-    def run(tokens):  # layers unrolled: each layer's experts are a value of this trace
-        logits = model(tokens).logits_BSV
-        return logits, [jnp.sort(e, axis=-1) for e in recorded]
-
-    logits, experts = run(jnp.asarray(np.load(os.path.join(fixtures, "tokens.npy"))))
+    logits, experts = logits_and_experts(model, np.load(os.path.join(fixtures, "tokens.npy")), monkeypatch)
     ref = np.load(os.path.join(fixtures, f"experts{suffix}.npy"))
     # Decoder MoE layers first; an MTP layer (fp8_mtp) routes after them.
-    np.testing.assert_array_equal(np.stack(experts[: len(ref)]), ref)
-    assert rel_fro(np.asarray(logits), np.load(os.path.join(fixtures, f"logits{suffix}.npy"))) < 1e-4
+    np.testing.assert_array_equal(experts[: len(ref)], ref)
+    assert rel_fro(logits, np.load(os.path.join(fixtures, f"logits{suffix}.npy"))) < 1e-4

@@ -5,48 +5,22 @@ import dataclasses
 import json
 import os
 
-import jax
 import numpy as np
 import orbax.checkpoint as ocp
 import pytest
-from flax import nnx
-from hf_fixture import read_all
+from hf_fixture import assert_bitwise_equal, load_params, model_cfg, read_all
 
 from dropless import cli
-from dropless.config.loader import load_config
 from dropless.hf.export import write_hf
-from dropless.hf.load import load_hf
-from dropless.train import step as step_lib
 from dropless.train.checkpoint import write_manifest
-
-
-def _load(path, cfg):
-    abstract_model = nnx.eval_shape(lambda: step_lib.build_model(cfg, 0))
-    _, params, bias, _ = step_lib.split_model(abstract_model)
-    abstract = {"params": params, "router_bias": bias}
-    one = jax.sharding.SingleDeviceSharding(jax.devices()[0])
-    return load_hf(path, cfg, abstract, jax.tree.map(lambda _: one, abstract))
-
-
-def _model_cfg(path):
-    return load_config(None, [f"hf_model_path={path}"]).config.model()
-
-
-def _assert_bitwise_equal(a, b):
-    flat_a, flat_b = jax.tree_util.tree_leaves_with_path(a), jax.tree_util.tree_leaves_with_path(b)
-    assert [p for p, _ in flat_a] == [p for p, _ in flat_b]
-    for (path, x), (_, y) in zip(flat_a, flat_b):
-        x, y = np.asarray(x), np.asarray(y)
-        assert x.dtype == y.dtype and x.shape == y.shape, path
-        assert np.array_equal(x.view(np.uint8), y.view(np.uint8)), jax.tree_util.keystr(path)
 
 
 def test_bf16_export_is_the_published_directory(fixtures, tmp_path):
     """Export of the imported published fixture writes transformers' own tensors
     back: same names, shapes, dtypes (router float32) and bytes."""
     src = os.path.join(fixtures, "published")
-    cfg = _model_cfg(src)
-    write_hf(_load(src, cfg), cfg, str(tmp_path), dtype="bfloat16", max_shard_bytes=40_000)
+    cfg = model_cfg(src)
+    write_hf(load_params(src, cfg), cfg, str(tmp_path), dtype="bfloat16", max_shard_bytes=40_000)
     got, want = read_all(str(tmp_path)), read_all(src)
     assert sorted(got) == sorted(want)
     for name in want:
@@ -58,18 +32,18 @@ def test_bf16_export_is_the_published_directory(fixtures, tmp_path):
 @pytest.mark.parametrize("layout", ["fused", "fp8_mtp"])
 def test_import_export_import_is_bitwise(fixtures, tmp_path, layout):
     src = os.path.join(fixtures, layout)
-    cfg = _model_cfg(src)
-    first = _load(src, cfg)
+    cfg = model_cfg(src)
+    first = load_params(src, cfg)
     write_hf(first, cfg, str(tmp_path), dtype="float32")
-    _assert_bitwise_equal(_load(str(tmp_path), _model_cfg(str(tmp_path))), first)
+    assert_bitwise_equal(load_params(str(tmp_path), model_cfg(str(tmp_path))), first)
 
 
 @pytest.fixture
 def checkpoint(fixtures, tmp_path):
     """A dropless checkpoint step holding the published fixture's parameters."""
     src = os.path.join(fixtures, "published")
-    cfg = _model_cfg(src)
-    state = _load(src, cfg)
+    cfg = model_cfg(src)
+    state = load_params(src, cfg)
     run = tmp_path / "run"
     step = run / "checkpoints" / "0"
     with ocp.StandardCheckpointer() as ckptr:
@@ -85,7 +59,7 @@ def test_export_hf_command_round_trips(checkpoint, tmp_path):
     assert cli.main(["export-hf", step, "--out", str(out), "--dtype", "float32"]) == 0
     config = json.load(open(out / "config.json"))
     assert config["model_type"] == "deepseek_v3" and config["rope_scaling"]["type"] == "yarn"
-    _assert_bitwise_equal(_load(str(out), _model_cfg(str(out))), state)
+    assert_bitwise_equal(load_params(str(out), model_cfg(str(out))), state)
 
 
 def test_transformers_loads_the_export(fixtures, checkpoint, tmp_path):

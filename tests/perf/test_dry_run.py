@@ -120,6 +120,17 @@ def test_cudnn_attention_traces_on_cpu_with_flash_residuals():
     assert any(tuple(a.shape)[-2:] == (s, s) for a, _ in memory._residuals(dot, b, s))
 
 
+def test_cudnn_gqa_attention_traces_on_cpu_with_flash_residuals():
+    """GQA (4 query / 2 kv heads): the stand-in replaces the attention GQA calls,
+    keeps a float32 LSE per query head and no scores."""
+    _, model = _tiny("model_name=qwen3-moe-tiny", "dtype=bfloat16", "attention=cudnn_flash_te",
+                     "remat_policy=none")
+    b, s, h = 2, 16, model.gqa.num_heads
+    shapes = [tuple(aval.shape) for aval, _ in memory._residuals(model, b, s)]
+    assert (model.num_decoder_layers, b, h, s) in shapes
+    assert not any(sh[-2:] == (s, s) for sh in shapes)
+
+
 def test_shard_bytes_rounds_up_uneven_shards():
     x = jax.ShapeDtypeStruct((10, 3), np.float32)
     spec = jax.sharding.PartitionSpec(("fsdp", "expert"), None)

@@ -9,9 +9,10 @@ be given lower than the directory's MTP depth (its extra MTP layers are then
 not loaded), never higher.
 
 One reader per ``model_type`` (``READERS``), each a function
-``config.json dict -> {key: value}``; a second architecture adds its own
-pair of functions beside DeepSeek-V3's. Anything of the file that dropless's
-model cannot compute the same way is a ``HFConfigError`` naming it, never a
+``config.json dict -> {key: value}``, and one writer (``WRITERS``, a model
+section -> the published config.json) for ``export-hf``: DeepSeek-V3's and
+Qwen3-MoE's. Anything of the file that dropless's model cannot compute the
+same way is a ``HFConfigError`` naming it, never a
 silently different model.
 """
 
@@ -142,6 +143,7 @@ def deepseek_v3_keys(hf: dict) -> dict[str, Any]:
     keys = {ours: hf[theirs] for ours, theirs in DEEPSEEK_V3_KEYS.items()}
     keys["q_lora_rank"] = hf.get("q_lora_rank") or 0
     keys["mtp_num_layers"] = int(hf.get("num_nextn_predict_layers") or 0)
+    keys.update(decoder_block="deepseek", attention_type="mla", use_qk_norm=False)
     keys["routed_score_func"] = "sigmoid"
     keys["routed_bias"] = True  # e_score_correction_bias: selection bias of every MoE layer
     keys.update(_rope_keys(hf))
@@ -212,7 +214,136 @@ def deepseek_v3_config(model, *, torch_dtype: str) -> dict:
     }
 
 
-READERS: dict[str, Callable[[dict], dict]] = {"deepseek_v3": deepseek_v3_keys}
+# --- Qwen3-MoE --------------------------------------------------------------------
+
+# dropless key <- config.json key, for values copied as they are.
+QWEN3_MOE_KEYS = {
+    "vocab_size": "vocab_size",
+    "emb_dim": "hidden_size",
+    "num_decoder_layers": "num_hidden_layers",
+    "mlp_dim": "intermediate_size",
+    "num_query_heads": "num_attention_heads",
+    "num_kv_heads": "num_key_value_heads",
+    "normalization_layer_epsilon": "rms_norm_eps",
+    "num_experts": "num_experts",
+    "num_experts_per_tok": "num_experts_per_tok",
+    "moe_mlp_dim": "moe_intermediate_size",
+}
+# What decoder_block=qwen3_moe fixes (config.schema.DECODER_BLOCKS), set so that a
+# preset's other values give way to the directory's model.
+_QWEN3_MOE_FIXED = {
+    "decoder_block": "qwen3_moe", "attention_type": "gqa", "use_qk_norm": True, "shared_experts": 0,
+    "routed_score_func": "softmax", "routed_bias": False, "routed_scaling_factor": 1.0,
+    "routed_bias_update_rate": 0.0, "mtp_num_layers": 0, "n_routing_groups": -1, "topk_routing_group": -1,
+    "rope_factor": 1.0,
+}
+
+
+def _dense_prefix(hf: dict) -> int:
+    """``first_num_dense_layers`` of ``mlp_only_layers``, which must be ``[0, n)``."""
+    dense = sorted(set(hf.get("mlp_only_layers") or []))
+    if dense != list(range(len(dense))):
+        raise HFConfigError(f"config.json mlp_only_layers={hf['mlp_only_layers']} is not supported "
+                            "(only a prefix [0, 1, ..., n-1]: dropless's dense layers come first)")
+    return len(dense)
+
+
+def qwen3_moe_keys(hf: dict) -> dict[str, Any]:
+    """dropless keys of a Qwen3-MoE config.json (published or transformers 5).
+
+    transformers 5 writes ``num_experts`` as ``num_local_experts``. Absent
+    optional keys take transformers' ``Qwen3MoeConfig`` defaults
+    (``norm_topk_prob`` false, ``head_dim`` hidden_size // num_attention_heads,
+    no ``mlp_only_layers``, ``decoder_sparse_step`` 1).
+
+    Raises:
+      HFConfigError: a missing key or a feature dropless's model does not
+        compute the same way (named, with its value).
+    """
+    if "num_local_experts" in hf:  # transformers 5's name for num_experts
+        if hf.get("num_experts", hf["num_local_experts"]) != hf["num_local_experts"]:
+            raise HFConfigError(f"config.json num_experts={hf['num_experts']} and "
+                                f"num_local_experts={hf['num_local_experts']} differ")
+        hf = {**hf, "num_experts": hf["num_local_experts"]}
+    checks = (
+        ("hidden_act", "silu"), ("tie_word_embeddings", False), ("attention_bias", False),
+        ("use_sliding_window", False), ("decoder_sparse_step", 1),
+    )
+    for key, want in checks:
+        if key in hf and hf[key] != want:
+            raise HFConfigError(f"config.json {key}={hf[key]!r} is not supported (only {want!r})")
+    missing = [k for k in QWEN3_MOE_KEYS.values() if k not in hf]
+    if missing:
+        raise HFConfigError(f"config.json has no {missing[0]!r} (model_type qwen3_moe)")
+    if hf["num_experts"] < 1:
+        raise HFConfigError(f"config.json num_experts={hf['num_experts']} is not supported "
+                            "(a Qwen3-MoE with experts; dense Qwen3 is model_type qwen3)")
+    rope = _rope(hf)
+    if rope["rope_type"] != "default":
+        raise HFConfigError(f"config.json rope type {rope['rope_type']!r} (rope_scaling / rope_parameters) "
+                            "is not supported for qwen3_moe (only default RoPE)")
+    if rope.get("partial_rotary_factor", 1.0) != 1.0:
+        raise HFConfigError(f"config.json partial_rotary_factor={rope['partial_rotary_factor']} is not supported")
+    keys = {ours: hf[theirs] for ours, theirs in QWEN3_MOE_KEYS.items()}
+    keys.update(_QWEN3_MOE_FIXED)
+    keys["head_dim"] = hf.get("head_dim") or hf["hidden_size"] // hf["num_attention_heads"]
+    keys["norm_topk_prob"] = bool(hf.get("norm_topk_prob", False))
+    keys["first_num_dense_layers"] = _dense_prefix(hf)
+    keys["rope_max_timescale"] = float(rope["rope_theta"])
+    return keys
+
+
+def qwen3_moe_config(model, *, torch_dtype: str) -> dict:
+    """The published Qwen3-MoE config.json of a ``sections.ModelConfig``.
+
+    Raises:
+      HFConfigError: a model the Qwen3-MoE layout cannot describe (named key).
+    """
+    moe, gqa = model.moe, model.gqa
+    needs = (
+        ("attention_type", model.attention_type, "gqa"), ("use_qk_norm", gqa.use_qk_norm, True),
+        ("shared_experts", moe.shared_experts, 0), ("routed_score_func", moe.routed_score_func, "softmax"),
+        ("routed_bias", moe.routed_bias, False), ("routed_scaling_factor", moe.routed_scaling_factor, 1.0),
+        ("n_routing_groups", moe.n_routing_groups, -1), ("mtp_num_layers", model.mtp_num_layers, 0),
+    )
+    for key, value, want in needs:
+        if value != want:
+            raise HFConfigError(f"export to qwen3_moe needs {key}={want!r}, got {value!r}")
+    return {
+        "architectures": ["Qwen3MoeForCausalLM"],
+        "model_type": "qwen3_moe",
+        "vocab_size": model.vocab_size,
+        "hidden_size": model.emb_dim,
+        "intermediate_size": model.mlp_dim,
+        "moe_intermediate_size": moe.moe_mlp_dim,
+        "num_hidden_layers": model.num_decoder_layers,
+        "mlp_only_layers": list(range(model.first_num_dense_layers)),
+        "decoder_sparse_step": 1,
+        "num_attention_heads": gqa.num_heads,
+        "num_key_value_heads": gqa.num_kv_heads,
+        "head_dim": gqa.head_dim,
+        "num_experts": moe.num_experts,
+        "num_experts_per_tok": moe.num_experts_per_tok,
+        "norm_topk_prob": moe.norm_topk_prob,
+        # transformers' balancing loss sums over the k slots: k times dropless's.
+        "router_aux_loss_coef": moe.load_balance_loss_weight / moe.num_experts_per_tok,
+        "output_router_logits": False,
+        "hidden_act": "silu",
+        "rms_norm_eps": model.normalization_layer_epsilon,
+        "tie_word_embeddings": False,
+        "rope_theta": gqa.rope_theta,
+        "rope_scaling": None,
+        "attention_bias": False,
+        "attention_dropout": 0.0,
+        "use_sliding_window": False,
+        "sliding_window": None,
+        "torch_dtype": torch_dtype,
+    }
+
+
+READERS: dict[str, Callable[[dict], dict]] = {"deepseek_v3": deepseek_v3_keys, "qwen3_moe": qwen3_moe_keys}
+# The published config.json of a model section, by model_type (``hf.export``).
+WRITERS: dict[str, Callable[..., dict]] = {"deepseek_v3": deepseek_v3_config, "qwen3_moe": qwen3_moe_config}
 
 
 def model_keys(hf: dict) -> dict[str, Any]:

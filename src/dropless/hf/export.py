@@ -1,13 +1,16 @@
 """Write dropless parameters as a Hugging Face directory (published layout).
 
-``write_hf(state, cfg, out, dtype)`` writes ``config.json`` (the published
-DeepSeek-V3 keys: ``rope_scaling`` + ``rope_theta``, ``num_nextn_predict_layers``)
+``write_hf(state, cfg, out, dtype)`` writes the model as the architecture of
+its attention type (``hf.architecture_of``: MLA as DeepSeek-V3, GQA as
+Qwen3-MoE): ``config.json`` in the published keys (``config.hf_config.WRITERS``)
 and the tensors as sharded safetensors with ``model.safetensors.index.json``,
 the directory transformers loads. The inverse of ``load.load_hf`` through the
 same ``Mapping``: each leaf cell is cut back into its HF tensors, transposed
-to ``[out, in]``. The router weight and balancing bias stay float32 (as
-DeepSeek-V3 ships them); everything else takes ``dtype``. The MTP layers get
-copies of the embedding and head, as the published checkpoint has.
+to ``[out, in]``. Leaves marked float32 (DeepSeek-V3's router weight and
+balancing bias, as it ships them) stay float32; everything else takes
+``dtype``. Aliases (DeepSeek-V3's MTP copies of the embedding and head) are
+written as the published checkpoint has them. State with no HF tensor (a
+routing bias Qwen3-MoE does not have) must be zero.
 
 A float32 export of float32 parameters is exact, so import -> export ->
 import gives the same bits.
@@ -21,7 +24,7 @@ import numpy as np
 
 from dropless.config import hf_config
 from dropless.config.sections import ModelConfig
-from dropless.hf import deepseek_v3
+from dropless.hf import architecture_of
 from dropless.hf.safetensors_io import write_sharded
 
 EXPORT_DTYPES = {"bfloat16": ml_dtypes.bfloat16, "float32": np.float32}
@@ -36,11 +39,17 @@ def _leaf_value(state: dict, path: tuple):
 
 def _tensors(state: dict, cfg: ModelConfig, dtype):
     """(HF name, array) pairs in layer order."""
-    mapping = deepseek_v3.mapping(cfg, "published")
+    arch = architecture_of(cfg)
+    mapping = arch.mapping(cfg, "published")
     for leaf in mapping.leaves:
         value = _leaf_value(state, leaf.path)
         if tuple(value.shape) != leaf.shape:
             raise ValueError(f"parameter {leaf.path} has shape {tuple(value.shape)}, the config {leaf.shape}")
+        if leaf.absent:
+            if np.any(np.asarray(value)):
+                raise ValueError(f"{'/'.join(map(str, leaf.path))} is nonzero but {arch.MODEL_TYPE} "
+                                 "has no tensor for it")
+            continue
         out_dtype = np.float32 if leaf.float32 else dtype
         for pos in np.ndindex(*leaf.grid.shape):
             cell = np.asarray(value[pos] if pos else value, np.float32)
@@ -66,12 +75,17 @@ def write_hf(state: dict, cfg: ModelConfig, out: str, *, dtype: str = "bfloat16"
       the index dict.
 
     Raises:
-      ValueError: an unknown dtype, or parameters that do not fit ``cfg``.
-      config.hf_config.HFConfigError: a model the DeepSeek-V3 layout cannot describe.
+      ValueError: an unknown dtype, or parameters that do not fit ``cfg``
+        (a nonzero state the architecture has no tensor for).
+      config.hf_config.HFConfigError: a model its architecture's layout cannot describe.
     """
     if dtype not in EXPORT_DTYPES:
         raise ValueError(f"dtype={dtype!r} is not one of {tuple(EXPORT_DTYPES)}")
-    config = hf_config.deepseek_v3_config(cfg, torch_dtype=dtype)
+    try:
+        writer = hf_config.WRITERS[architecture_of(cfg).MODEL_TYPE]
+    except ValueError as e:
+        raise hf_config.HFConfigError(f"export: {e}") from None
+    config = writer(cfg, torch_dtype=dtype)
     os.makedirs(out, exist_ok=True)
     index = write_sharded(_tensors(state, cfg, EXPORT_DTYPES[dtype]), out, max_shard_bytes=max_shard_bytes)
     with open(os.path.join(out, "config.json"), "w") as f:

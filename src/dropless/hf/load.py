@@ -179,7 +179,9 @@ def _span(s: slice, n: int) -> slice:
 
 
 def _read_cell(plan: _Plan, leaf, cell, body: tuple[slice, ...]) -> np.ndarray:
-    """float32 ``cell``'s values over the body region ``body``."""
+    """float32 ``cell``'s values over the body region ``body`` (zeros for an empty cell)."""
+    if not cell:
+        return np.zeros(tuple(s.stop - s.start for s in body), np.float32)
     if not leaf.transpose:
         return plan.read(cell[0].name, body)
     lo, hi = body[-1].start, body[-1].stop

@@ -185,6 +185,8 @@ def state_bytes(abstract: dict, mesh_shape: dict) -> dict[str, int]:
 
 @jax.custom_vjp
 def _flash_standin(q_BSHQ, k_BTHQ, v_BTHQ):
+    # GQA: k and v have K <= H heads; kv head j serves query heads j*H/K .. (j+1)*H/K - 1.
+    v_BTHQ = jnp.repeat(v_BTHQ, q_BSHQ.shape[2] // v_BTHQ.shape[2], axis=2)
     return v_BTHQ * jnp.ones((), v_BTHQ.dtype)
 
 
@@ -197,7 +199,8 @@ def _flash_standin_fwd(q_BSHQ, k_BTHQ, v_BTHQ):
 
 def _flash_standin_bwd(res, g):
     q, k, v, _, _ = res
-    return jnp.zeros_like(q), jnp.zeros_like(k), jnp.zeros_like(v) + g
+    b, t, kv, d = v.shape
+    return jnp.zeros_like(q), jnp.zeros_like(k), g.reshape(b, t, kv, -1, d).sum(3).astype(v.dtype)
 
 
 _flash_standin.defvjp(_flash_standin_fwd, _flash_standin_bwd)
@@ -212,18 +215,19 @@ def _standin_attention(q_BSHQ, k_BTHQ, v_BTHV, *, scale: float, implementation="
 
 @contextlib.contextmanager
 def _traceable_attention(model: ModelConfig):
-    """Swap cuDNN attention for the stand-in while tracing, unless cuDNN attention can trace here."""
-    from dropless.nn import attention
+    """Swap cuDNN attention for the stand-in while tracing, unless cuDNN attention can trace here
+    (in both attention modules: MLA's and GQA's, which imports it by name)."""
+    from dropless.nn import attention, gqa
 
     if model.mla.attention != "cudnn_flash_te" or jax.devices()[0].platform == "gpu":
         yield
         return
     saved = attention.fused_attention
-    attention.fused_attention = _standin_attention
+    attention.fused_attention = gqa.fused_attention = _standin_attention
     try:
         yield
     finally:
-        attention.fused_attention = saved
+        attention.fused_attention = gqa.fused_attention = saved
 
 
 # --- activations -------------------------------------------------------------------------------

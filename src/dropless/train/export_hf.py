@@ -6,7 +6,8 @@
 CKPT is a checkpoint step directory (``<run>/checkpoints/<step>``). The model
 config is the run's ``config.json`` (written by ``dropless train``), or the
 given config file and keys when there are any. DIR receives the published
-DeepSeek-V3 layout (``hf.export``): config.json and sharded safetensors with
+layout of the model's architecture (``hf.export``: MLA models as DeepSeek-V3,
+GQA models as Qwen3-MoE): config.json and sharded safetensors with
 an index, loadable by transformers and by ``hf_model_path``. Runs on the
 host's CPU (the checkpoint is restored into host memory, so the host needs
 the model's size in memory).
@@ -54,6 +55,7 @@ def model_config_of_run(checkpoint: str):
             with open(file) as f:
                 model = dict(json.load(f)["model"])
             model["mla"] = sections.MLAConfig(**model["mla"])
+            model["gqa"] = sections.GQAConfig(**model.get("gqa", {}))
             model["moe"] = sections.MoEConfig(**model["moe"])
             model["remat_custom"] = tuple(tuple(x) for x in model.get("remat_custom", ()))
             return sections.ModelConfig(**model)

@@ -10,6 +10,7 @@ import os
 
 import jax
 import numpy as np
+import pytest
 from flax import nnx
 
 from dropless.config.loader import load_config
@@ -51,12 +52,13 @@ def test_sharded_load_equals_single_device_load():
     assert split >= 10  # the expert weights and the larger kernels are split over devices
 
 
-def test_expert_parallel_forward_matches_transformers():
-    cfg = _config("published")
-    tokens = np.load(os.path.join(FIXTURES, "tokens.npy"))
+@pytest.mark.parametrize("fixture", [".", "qwen3_moe"])  # DeepSeek-V3, Qwen3-MoE
+def test_expert_parallel_forward_matches_transformers(fixture):
+    cfg = _config(os.path.join(fixture, "published"))
+    tokens = np.load(os.path.join(FIXTURES, fixture, "tokens.npy"))
     batch = np.tile(tokens, (4, 1))  # 8 sequences: one per batch shard
     logits = forward_logits(cfg.model(), cfg.train(), cfg.mesh(), batch)
-    ref = np.tile(np.load(os.path.join(FIXTURES, "logits.npy")), (4, 1, 1))
+    ref = np.tile(np.load(os.path.join(FIXTURES, fixture, "logits.npy")), (4, 1, 1))
     assert np.linalg.norm(logits - ref) / np.linalg.norm(ref) < 1e-4  # as tests/hf/test_parity.py
     np.testing.assert_array_equal(logits.argmax(-1), ref.argmax(-1))
 

@@ -1,0 +1,81 @@
+"""Qwen3-MoE's Hugging Face tensor names (transformers' ``Qwen3MoeForCausalLM``).
+
+The leaves, layouts and shared pieces are ``hf.leaves``'s; this module adds
+GQA attention with its per-head q/k norms and the MoE layer's router. Two
+layouts of the same model (``leaves.LAYOUTS``):
+
+* ``published`` (Qwen3-30B-A3B, Qwen3-235B-A22B as released): per-expert
+  ``model.layers.i.mlp.experts.j.{gate,up,down}_proj.weight``;
+* ``fused`` (transformers 5): ``mlp.experts.gate_up_proj [E, 2F, D]`` (gate
+  rows first) and ``mlp.experts.down_proj [E, D, F]`` per layer.
+
+Layers listed in config.json's ``mlp_only_layers`` (a prefix ``[0, n)``, as
+``config.hf_config`` checks) are dropless's dense-first layers: a SwiGLU
+``mlp.{gate,up,down}_proj`` of width ``intermediate_size``.
+
+There is no routing bias: each MoE layer's ``router_bias`` state is zeros on
+load (``leaves.zeros``) and must be zero on export. Everything is exported in
+the export dtype, the router included (Qwen3 ships it in bf16). Both sides use
+rotate-half RoPE on the projections as stored, so q and k need no feature
+permutation.
+"""
+
+from dropless.config.sections import ModelConfig
+from dropless.hf import leaves as L
+from dropless.hf.leaves import Entry, Mapping, detect_layout, linear, vector
+
+MODEL_TYPE = "qwen3_moe"
+ATTENTION_TYPE = "gqa"  # export writes models of this attention type as this architecture
+__all__ = ["MODEL_TYPE", "ATTENTION_TYPE", "mapping", "detect_layout"]
+
+
+def _attention(cfg: ModelConfig, p: str) -> list[Entry]:
+    gqa, d = cfg.gqa, cfg.emb_dim
+    q, kv, hd = gqa.num_heads * gqa.head_dim, gqa.num_kv_heads * gqa.head_dim, gqa.head_dim
+    a = p + "self_attn."
+    out = [
+        linear(("attention", "wq", "kernel"), a + "q_proj.weight", d, q),
+        linear(("attention", "wk", "kernel"), a + "k_proj.weight", d, kv),
+        linear(("attention", "wv", "kernel"), a + "v_proj.weight", d, kv),
+        linear(("attention", "wo", "kernel"), a + "o_proj.weight", q, d),
+    ]
+    if gqa.use_qk_norm:
+        out += [vector(("attention", "q_norm", "scale"), a + "q_norm.weight", hd),
+                vector(("attention", "k_norm", "scale"), a + "k_norm.weight", hd)]
+    return out
+
+
+def _decoder_layer(cfg: ModelConfig, p: str, moe: bool, layout: str) -> list[Entry]:
+    """The entries of ``model.layers.i`` (``p``), dense (``mlp_only_layers``) or MoE."""
+    d = cfg.emb_dim
+    out = [
+        vector(("pre_attention_norm", "scale"), p + "input_layernorm.weight", d),
+        vector(("pre_ffn_norm", "scale"), p + "post_attention_layernorm.weight", d),
+        *_attention(cfg, p),
+    ]
+    if not moe:
+        return out + L.mlp(("mlp",), p + "mlp.", d, cfg.mlp_dim)
+    e = cfg.moe.num_experts
+    return out + [
+        linear(("moe", "router", "kernel"), p + "mlp.gate.weight", d, e),
+        L.zeros((None, "moe", "router_bias"), (e,)),
+        *L.experts(cfg, p, layout),
+    ]
+
+
+def mapping(cfg: ModelConfig, layout: str, hf_mtp_layers: int = 0) -> Mapping:
+    """The ``Mapping`` of ``cfg``'s model onto ``layout``'s tensor names.
+
+    Args:
+      hf_mtp_layers: unused (Qwen3-MoE has no MTP layers); the loader's
+        signature for every architecture.
+
+    Raises:
+      ValueError: an unknown layout, or a model with shared experts or MTP
+        layers (which Qwen3-MoE has no tensors for).
+    """
+    del hf_mtp_layers
+    if cfg.moe.shared_experts or cfg.mtp_num_layers:
+        raise ValueError("Qwen3-MoE has no shared experts and no MTP layers; "
+                         f"got shared_experts={cfg.moe.shared_experts}, mtp_num_layers={cfg.mtp_num_layers}")
+    return Mapping(L.decoder(cfg, layout, _decoder_layer), aliases={})
