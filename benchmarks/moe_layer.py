@@ -107,28 +107,49 @@ SHAPES = {name: shape_of(resolve(name)) for name in BASES}
 FULL, TINY, QWEN3_30B = SHAPES["deepseek3"], SHAPES["tiny"], SHAPES["qwen3-30b"]
 
 
+# shape field -> the config key it comes from (shape_of), for derived shapes
+SHAPE_KEYS = {"batch": "per_device_batch_size", "seq": "max_target_length",
+              "emb_dim": "emb_dim", "moe_mlp_dim": "moe_mlp_dim", "num_experts": "num_experts",
+              "top_k": "num_experts_per_tok", "shared_experts": "shared_experts"}
+
+
 def base_of(shape: dict) -> str:
-    """The ``BASES`` key whose preset gives ``shape`` (one of the ``SHAPES`` dicts).
+    """The ``BASES`` key whose preset gives ``shape``: one of the ``SHAPES`` dicts, or
+    a shape derived from one (other expert counts or sizes; ``ep_overhead.py``) that
+    keeps its token and model dims.
 
     Raises:
-      ValueError: ``shape`` is none of them.
+      ValueError: no preset has ``shape``'s batch, seq and emb_dim.
     """
     for name, known in SHAPES.items():
         if shape is known:
             return name
-    raise ValueError(f"shape {shape} is none of the presets' {list(SHAPES)}")
+    for name, known in SHAPES.items():
+        if all(shape[k] == known[k] for k in ("batch", "seq", "emb_dim")):
+            return name
+    raise ValueError(f"shape {shape} has the batch, seq and emb_dim of none of the presets' "
+                     f"{list(SHAPES)}")
+
+
+def shape_overrides(shape: dict) -> dict:
+    """The config keys by which ``shape`` differs from its preset's shape."""
+    known = SHAPES[base_of(shape)]
+    return {SHAPE_KEYS[k]: v for k, v in shape.items() if k in SHAPE_KEYS and known[k] != v}
+
+
 TARGETS = {"fwd_bwd_ms": 36.0, "routing_share_pct": 15.0, "torchtitan_fwd_bwd_ms": 43.6,
            "torchtitan_tflops": 447.0, "torchtitan_gemm_ms": 31.7}
 ROUTING_PIECES = ("router", "permute", "combine")
 
 
 def moe_config(shape: dict, **overrides) -> MoEConfig:
-    """The MoE section of the preset that gives ``shape``, with a case's ``overrides``.
+    """The MoE section of the preset that gives ``shape`` (``base_of``), with the keys
+    ``shape`` changes and a case's ``overrides``.
 
     Raises:
-      ValueError: ``shape`` is none of ``SHAPES``.
+      ValueError: ``shape`` comes from none of ``SHAPES``.
     """
-    return resolve(base_of(shape), **overrides).moe()
+    return resolve(base_of(shape), **{**shape_overrides(shape), **overrides}).moe()
 
 
 def expert_flops(shape: dict) -> dict:
@@ -270,7 +291,7 @@ def time_case(name: str, shape: dict, quick: bool) -> tuple[dict, Layer]:
     t, d = shape["batch"] * shape["seq"], shape["emb_dim"]
     backend = resolve_backend(layer.cfg.gmm_backend, (t * shape["top_k"], d),
                               (shape["num_experts"], d, 2 * shape["moe_mlp_dim"]), jnp.bfloat16)
-    row = {"case": name, "overrides": overrides_of(base_of(shape), **CASES[name]),
+    row = {"case": name, "overrides": overrides_of(base_of(shape), **shape_overrides(shape), **CASES[name]),
            "backend": backend if layer.cfg.sparse_matmul else "dense_matmul",
            "sparse_matmul": layer.cfg.sparse_matmul, "capacity_factor":
            None if layer.cfg.sparse_matmul else layer.cfg.capacity_factor}
