@@ -36,8 +36,13 @@ $(CUDA_STAMP): $(STAMP)
 train: $(CUDA_STAMP)
 	$(PY) -m dropless train $(ARGS)
 
+# Two pytest workers (pytest-xdist, work stealing): the suite is mostly XLA
+# compiles of small programs, one core each; on two cores this took the suite
+# from 7.8 to 5.4 minutes.
+PYTEST_WORKERS ?= 2
+
 test: $(STAMP)
-	JAX_PLATFORMS=cpu $(PY) -m pytest -q $(PYTEST_ARGS)
+	JAX_PLATFORMS=cpu $(PY) -m pytest -q -n $(PYTEST_WORKERS) --dist worksteal $(PYTEST_ARGS)
 
 # Wheels the GPU machine lacks (it has no internet); carried with device runs.
 wheels:

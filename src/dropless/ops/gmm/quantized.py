@@ -53,8 +53,9 @@ quantized by ``ops.quant`` in the layout its kernel reads:
   dgrad  dy 1x128 [M, N] + scales [Nb, M]; w 128x128, codes as [G, K, N]
   wgrad  x, dy 128x1, codes transposed to [K, M] and [N, M]
 
-(the weight is quantized once per product call and its codes are transposed
-for the forward, because FP8 wgmma reads both operands K-major). The
+(the weight is quantized once, in the forward, into both byte layouts,
+because FP8 wgmma reads both operands K-major; dgrad reuses the forward's
+codes, kept as the backward's residual at one byte per weight). The
 numerics are the emulation's up to float32 accumulation order and Hopper's
 FP8 accumulation (tested on an H200): the same codes, the same scales.
 ``emulate`` stays the default while the kernel path, quantization included,
@@ -218,35 +219,65 @@ def pad_kernel_rows(a):
     return a if not pad else jnp.pad(a, ((0, pad), (0, 0)))
 
 
-def kernel_fwd(x, w, group_sizes, out_dtype, quant_impl="xla"):
-    """y [M, N] of ``impl="kernel"``: x 1x128, w 128x128 (codes as [G, N, K]), FP8 kernel."""
+def kernel_weight_codes(w, quant_impl="xla"):
+    """w's 128x128 codes in both byte layouts: (wq [G, K, N], wq as [G, N, K], sw [G, Kb, Nb]).
+
+    The forward reads the transposed copy, dgrad the natural one (FP8 wgmma
+    reads both operands K-major); the same codes and scales serve both.
+    """
     from dropless.ops.gmm import fp8_quant_kernels, mosaic_fp8
 
-    m = x.shape[0]
     if quant_impl == "pallas":
-        wq, wq_t, sw = fp8_quant_kernels.quantize_weight(w)
-        xq, sx = fp8_quant_kernels.quantize_rows(pad_kernel_rows(x))
-        ops = (xq, sx, wq_t, sw)
-    else:
-        wq, sw = mosaic_fp8.quantize_weight(w)
-        ops = mosaic_fp8.fwd_operands(pad_kernel_rows(x), wq, sw)
-    return mosaic_fp8.gmm_fp8_blockwise(*ops, group_sizes, out_dtype=out_dtype)[:m]
+        return fp8_quant_kernels.quantize_weight(w)
+    wq, sw = mosaic_fp8.quantize_weight(w)
+    return wq, jnp.swapaxes(wq, 1, 2), sw
+
+
+def _rows(a, quant_impl):
+    """1x128 codes of a [M, C] (rows padded to 128) and their scales [Cb, M]."""
+    from dropless.ops.gmm import fp8_quant_kernels, mosaic_fp8
+
+    a = pad_kernel_rows(a)
+    if quant_impl == "pallas":
+        return fp8_quant_kernels.quantize_rows(a)
+    return mosaic_fp8.quantize_rows(a)
+
+
+def _fwd_from_codes(x, wq_t, sw, group_sizes, out_dtype, quant_impl):
+    from dropless.ops.gmm import mosaic_fp8
+
+    xq, sx = _rows(x, quant_impl)
+    y = mosaic_fp8.gmm_fp8_blockwise(xq, sx, wq_t, sw, group_sizes, out_dtype=out_dtype)
+    return y[:x.shape[0]]
+
+
+def _dgrad_from_codes(dy, wq, sw, group_sizes, out_dtype, quant_impl):
+    from dropless.ops.gmm import mosaic_fp8
+
+    dyq, sdy = _rows(dy, quant_impl)
+    dx = mosaic_fp8.gmm_fp8_blockwise(dyq, sdy, wq, jnp.swapaxes(sw, 1, 2), group_sizes,
+                                      out_dtype=out_dtype)
+    return dx[:dy.shape[0]]
+
+
+def kernel_fwd(x, w, group_sizes, out_dtype, quant_impl="xla"):
+    """y [M, N] of ``impl="kernel"``: x 1x128, w 128x128 (codes as [G, N, K]), FP8 kernel."""
+    _, wq_t, sw = kernel_weight_codes(w, quant_impl)
+    return _fwd_from_codes(x, wq_t, sw, group_sizes, out_dtype, quant_impl)
 
 
 def kernel_dgrad(dy, w, group_sizes, out_dtype, quant_impl="xla"):
-    """dx [M, K] of ``impl="kernel"``: dy 1x128 along N, w's 128x128 codes as stored."""
+    """dx [M, K] of ``impl="kernel"`` from w: dy 1x128 along N, w's 128x128 codes as stored.
+
+    (The custom_vjp's backward does not call this: it reuses the forward's codes.)
+    """
     from dropless.ops.gmm import fp8_quant_kernels, mosaic_fp8
 
-    m = dy.shape[0]
-    # The forward's codes, recomputed (not stored).
     if quant_impl == "pallas":
         wq, sw = fp8_quant_kernels.quantize_weight(w, transposed=False)
-        dyq, sdy = fp8_quant_kernels.quantize_rows(pad_kernel_rows(dy))
-        ops = (dyq, sdy, wq, jnp.swapaxes(sw, 1, 2))
     else:
         wq, sw = mosaic_fp8.quantize_weight(w)
-        ops = mosaic_fp8.dgrad_operands(pad_kernel_rows(dy), wq, sw)
-    return mosaic_fp8.gmm_fp8_blockwise(*ops, group_sizes, out_dtype=out_dtype)[:m]
+    return _dgrad_from_codes(dy, wq, sw, group_sizes, out_dtype, quant_impl)
 
 
 def kernel_wgrad(x, dy, group_sizes, out_dtype, aligned=False, quant_impl="xla"):
@@ -272,13 +303,18 @@ def _kgmm(x, w, group_sizes, out_dtype, aligned, quant_impl):
 
 
 def _kgmm_fwd(x, w, group_sizes, out_dtype, aligned, quant_impl):
-    return _kgmm(x, w, group_sizes, out_dtype, aligned, quant_impl), (x, w, group_sizes)
+    # The weight is quantized once: the forward's codes (natural layout, one
+    # byte per weight) are the backward's residual, so dgrad does not quantize
+    # w again. An empty array carries w's dtype for dw.
+    wq, wq_t, sw = kernel_weight_codes(w, quant_impl)
+    y = _fwd_from_codes(x, wq_t, sw, group_sizes, out_dtype, quant_impl)
+    return y, (x, wq, sw, group_sizes, jnp.zeros((0,), w.dtype))
 
 
 def _kgmm_bwd(out_dtype, aligned, quant_impl, res, dy):
-    x, w, group_sizes = res
-    dx = kernel_dgrad(dy, w, group_sizes, x.dtype, quant_impl)
-    dw = kernel_wgrad(x, dy, group_sizes, w.dtype, aligned, quant_impl)
+    x, wq, sw, group_sizes, w_dtype = res
+    dx = _dgrad_from_codes(dy, wq, sw, group_sizes, x.dtype, quant_impl)
+    dw = kernel_wgrad(x, dy, group_sizes, w_dtype.dtype, aligned, quant_impl)
     return dx, dw, jnp.zeros(group_sizes.shape, jax.dtypes.float0)
 
 
