@@ -124,3 +124,51 @@ def test_missing_target_is_flagged(tmp_path):
     (d / "m.json").write_text(json.dumps(moe_record("2026-11-29T00:00:00+00:00", 40.0)))
     text = report.render(d, tmp_path / "R.md", log=lambda _: None).read_text()
     assert "40.00 ms, **not met**" in text and "## Grouped GEMM kernels\n_no results yet_" in text
+
+
+def test_fp8_sections(tmp_path):
+    """The FP8 kernel record (fp8_kernel_probe.py's layout) against its TF/s targets, and
+    the quantization record's passes against the same-run copy and products against bf16."""
+    d = tmp_path / "r"
+    d.mkdir()
+    kernels = {"kind": "fp8_kernels", "created": "2026-12-01T19:49:27+00:00", **PROV,
+               "config": {"M": 65536, "G": 32, "K": 7168, "N": 4096, "layout": "balanced"},
+               "rows": [{"variant": "rows_gtw8", "product": "fwd", "kernel_ms": 3.0, "wall_ms": 3.2,
+                         "tflops_kernel": 1300.0, "tflops_wall": 1200.0},
+                        {"variant": "wgrad_columns", "product": "wgrad", "kernel_ms": 5.4,
+                         "wall_ms": 5.7, "tflops_kernel": 711.0, "tflops_wall": 674.0},
+                        {"variant": "wgrad_rows", "product": "wgrad",
+                         "bitwise_equal_to": "wgrad_columns", "equal": True}]}
+    quant = {"kind": "fp8_quant", "created": "2026-12-01T19:50:00+00:00", **PROV,
+             "rows": [{"section": "pass", "name": "copy", "kernel_ms": 0.5, "wall_ms": 0.6,
+                       "gbps_kernel": 3000.0},
+                      {"section": "pass", "name": "rows", "kernel_ms": 1.0, "wall_ms": 1.1,
+                       "gbps_kernel": 1500.0},
+                      {"section": "product", "name": "fwd+bwd kernel path", "kernel_ms": 20.0,
+                       "wall_ms": 21.0, "tflops_kernel": 600.0},
+                      {"section": "product", "name": "fwd+bwd FP8 kernels alone",
+                       "kernel_ms": 10.0, "wall_ms": 11.0, "tflops_kernel": 1200.0},
+                      {"section": "product", "name": "fwd+bwd bf16 kernel", "kernel_ms": 16.0,
+                       "wall_ms": 17.0, "tflops_kernel": 750.0}]}
+    (d / "k.json").write_text(json.dumps(kernels))
+    (d / "q.json").write_text(json.dumps(quant))
+    text = report.render(d, tmp_path / "R.md", log=lambda _: None).read_text()
+    assert "| rows_gtw8 | fwd | 3.000 | 3.200 | 1300 | 1200 | 1250: met |" in text
+    assert "| wgrad_columns | wgrad | 5.400 | 5.700 | 711 | 674 | 1100: **not met** |" in text
+    assert "wgrad wgrad_rows == wgrad_columns: True" in text
+    assert "| rows | 1.000 | 1.100 | 1,500 | 0.50x |" in text
+    assert "| fwd+bwd kernel path | 20.000 | 21.000 | 600 | 0.80x |" in text
+    assert ("- FP8 fwd+dgrad+wgrad with quantization 20.0 ms = 0.80x bf16's 16.0 ms "
+            "(kernels alone 10.0 ms = 1.60x)") in text
+    assert "- FP8 kernels alone (CUPTI): fwd 1300 TF/s (target 1250), wgrad 711 TF/s (target 1100)" in text
+
+
+def test_commit_prefers_dropless_commit(monkeypatch):
+    """A copy of the tree on a GPU machine may carry a stale .git: the commit the caller
+    names wins."""
+    from dropless.perf import measure
+
+    monkeypatch.setenv("DROPLESS_COMMIT", "c0ffee1")
+    assert measure.git_commit() == {"commit": "c0ffee1", "dirty": None, "source": "env"}
+    monkeypatch.delenv("DROPLESS_COMMIT")
+    assert measure.git_commit()["source"] in ("git", "unknown")

@@ -15,9 +15,9 @@ Every benchmark in ``benchmarks/`` writes one JSON *record* per run to
     }
 
 ``new_record`` fills the provenance fields; ``report.py`` renders only
-records that carry them. The commit comes from ``git`` when the checkout has
-its ``.git``, else from the ``DROPLESS_COMMIT`` environment variable (for
-copies of the tree without history, e.g. on a remote GPU machine).
+records that carry them. The commit comes from the ``DROPLESS_COMMIT``
+environment variable when it is set (copies of the tree on a remote GPU
+machine, whose ``.git`` may be absent or stale), else from ``git``.
 
 This module imports no config code (no pydantic), so benchmarks run with a
 bare ``PYTHONPATH=src python3``.
@@ -77,7 +77,10 @@ def versions() -> dict:
 
 
 def git_commit(repo: Path = REPO_ROOT) -> dict:
-    """{'commit', 'dirty', 'source'}: from git, else $DROPLESS_COMMIT, else 'unknown'."""
+    """{'commit', 'dirty', 'source'}: $DROPLESS_COMMIT if set, else git, else 'unknown'."""
+    env = os.environ.get("DROPLESS_COMMIT", "").strip()
+    if env:
+        return {"commit": env, "dirty": None, "source": "env"}
     try:
         sha = subprocess.run(["git", "rev-parse", "HEAD"], cwd=repo, capture_output=True,
                              text=True, check=True, timeout=10).stdout.strip()
@@ -87,9 +90,6 @@ def git_commit(repo: Path = REPO_ROOT) -> dict:
         return {"commit": sha, "dirty": bool(status.strip()), "source": "git"}
     except (OSError, subprocess.SubprocessError):
         pass
-    env = os.environ.get("DROPLESS_COMMIT", "").strip()
-    if env:
-        return {"commit": env, "dirty": None, "source": "env"}
     return {"commit": "unknown", "dirty": None, "source": "unknown"}
 
 

@@ -39,7 +39,8 @@ from pathlib import Path
 from dropless.perf.measure import DEFAULT_RESULTS_DIR, REPO_ROOT
 
 DEFAULT_MD = REPO_ROOT / "benchmarks" / "RESULTS.md"
-KINDS = ("gmm", "moe_layer", "step")
+KINDS = ("gmm", "moe_layer", "step", "fp8_kernels", "fp8_quant")
+FP8_TARGETS = {"fwd": 1250.0, "dgrad": 1250.0, "wgrad": 1100.0}  # TF/s, kernels alone (issue 12)
 GMM_IMPLS = {"ours": "ours", "dense": "dense cuBLAS (ceiling)", "torch": "torch._grouped_mm",
              "jaxex": "jax example kernels", "ragged": "lax.ragged_dot"}
 GMM_OPS = ("fwd", "dgrad", "wgrad", "fwd+dgrad+wgrad")
@@ -69,7 +70,7 @@ def provenance(record: dict) -> dict:
 
 
 def _created(record: dict, path: Path) -> datetime.datetime:
-    text = _get(record, "created", "date", "timestamp")
+    text = _get(record, "created", "date", "timestamp", "time")
     try:
         when = datetime.datetime.fromisoformat(str(text))
     except (TypeError, ValueError):
@@ -454,6 +455,24 @@ def headlines(kind: str, record: dict) -> list[str]:
         if tt and not record.get("config", {}).get("tiny"):
             line += f", {tt / ours['fwd_bwd_ms']:.2f}x torchtitan's {tt} ms"
         return [line + (f"; routing+permute+combine {share:.1f}%" if share is not None else "")]
+    if kind == "fp8_kernels":
+        best = {}
+        for r in fp8_kernel_rows(record):
+            best[r["product"]] = max(best.get(r["product"], 0.0), r["tflops_kernel"])
+        if not best:
+            return []
+        return ["FP8 kernels alone (CUPTI): " + ", ".join(
+            f"{p} {v:.0f} TF/s (target {FP8_TARGETS[p]:.0f})" for p, v in best.items()
+            if p in FP8_TARGETS)]
+    if kind == "fp8_quant":
+        by = {r["name"]: r for r in record.get("rows", []) if r.get("section") == "product"}
+        path, alone, bf16 = (by.get(n, {}).get("kernel_ms") for n in (
+            "fwd+bwd kernel path", "fwd+bwd FP8 kernels alone", "fwd+bwd bf16 kernel"))
+        if not (path and bf16):
+            return []
+        return [f"FP8 fwd+dgrad+wgrad with quantization {path:.1f} ms = {bf16 / path:.2f}x bf16's "
+                f"{bf16:.1f} ms" + (f" (kernels alone {alone:.1f} ms = {bf16 / alone:.2f}x)"
+                                    if alone else "")]
     if kind == "step":
         rows = step_rows(record)
         best = max((r["tflops"] for r in rows if r["role"] != "ours" and r["tflops"]), default=None)
@@ -462,8 +481,69 @@ def headlines(kind: str, record: dict) -> list[str]:
                 for r in rows if r["role"] == "ours" and r["tflops"]]
     return []
 
-SECTIONS = {"gmm": gmm_section, "moe_layer": moe_section, "step": step_section}
-TITLES = {"gmm": "Grouped GEMM kernels", "moe_layer": "MoE layer", "step": "Training step"}
+def _reached(value, target) -> str:
+    """A throughput against its target (higher is better)."""
+    if value is None or target is None:
+        return "-"
+    return f"{target:.0f}: " + ("met" if value >= target else "**not met**")
+
+
+def fp8_kernel_rows(record: dict) -> list[dict]:
+    """Timed rows of an ``fp8_kernels`` record (``benchmarks/fp8_kernel_probe.py``)."""
+    return [r for r in record.get("rows", []) if r.get("tflops_kernel")]
+
+
+def fp8_kernels_section(record: dict, path: Path, fig_dir: Path, md_dir: Path) -> str:
+    """Markdown for the FP8 kernels alone: each variant and product against the targets."""
+    cfg = record.get("config") or {}
+    rows = fp8_kernel_rows(record)
+    body = [[r["variant"], r["product"], _num(r["kernel_ms"], ".3f"), _num(r["wall_ms"], ".3f"),
+             _num(r["tflops_kernel"], ".0f"), _num(r["tflops_wall"], ".0f"),
+             _reached(r["tflops_kernel"], FP8_TARGETS.get(r["product"]))] for r in rows]
+    checks = [f"{r['product']} {r['variant']} == {r['bitwise_equal_to']}: {r['equal']}"
+              for r in record.get("rows", []) if "bitwise_equal_to" in r]
+    parts = [f"## {TITLES['fp8_kernels']}", _source_line(record, path), "",
+             "Shape: " + ", ".join(f"`{k}={cfg[k]}`" for k in ("M", "G", "K", "N", "layout")
+                                   if k in cfg), "",
+             md_table(["variant", "product", "kernel ms", "wall ms", "TF/s (CUPTI)", "TF/s (wall)",
+                       "target"], body, labels=2) if body else "_no rows in the record_"]
+    if checks:
+        parts += ["", "Bit-for-bit agreement between variants: " + "; ".join(checks) + "."]
+    return "\n".join(parts)
+
+
+def fp8_quant_section(record: dict, path: Path, fig_dir: Path, md_dir: Path) -> str:
+    """Markdown for the FP8 quantization passes and the kernel path's products."""
+    rows = record.get("rows", [])
+    passes = [r for r in rows if r.get("section") == "pass" and "error" not in r]
+    products = [r for r in rows if r.get("section") == "product" and "error" not in r]
+    copy = next((r for r in passes if r["name"] == "copy"), None)
+    body = [[r["name"], _num(r.get("kernel_ms"), ".3f"), _num(r.get("wall_ms"), ".3f"),
+             _num(r.get("gbps_kernel"), ",.0f"),
+             _ratio(r.get("gbps_kernel"), copy and copy.get("gbps_kernel"))] for r in passes]
+    bf16 = next((r for r in products if r["name"] == "fwd+bwd bf16 kernel"), None)
+    pbody = [[r["name"], _num(r.get("kernel_ms"), ".3f"), _num(r.get("wall_ms"), ".3f"),
+              _num(r.get("tflops_kernel"), ".0f"),
+              _ratio(bf16 and bf16.get("kernel_ms"), r.get("kernel_ms")) if "bwd" in r["name"]
+              else "-"] for r in products]
+    parts = [f"## {TITLES['fp8_quant']}", _source_line(record, path), ""]
+    if record.get("note"):
+        parts += [f"Note: {record['note']}", ""]
+    parts += ["Quantization passes (GB/s moved: input read once, outputs written once; "
+              "`copy` is a plain bf16 pass, the bandwidth a single pass can reach):", "",
+              md_table(["pass", "kernel ms", "wall ms", "GB/s (CUPTI)", "vs copy"], body)
+              if body else "_no passes_", "",
+              "Products (fwd+dgrad+wgrad where named `fwd+bwd`; the ratio is bf16's kernel time "
+              "over the row's):", "",
+              md_table(["product", "kernel ms", "wall ms", "TF/s (CUPTI)", "vs bf16"], pbody)
+              if pbody else "_no products (no Hopper GPU)_"]
+    return "\n".join(parts)
+
+
+SECTIONS = {"gmm": gmm_section, "moe_layer": moe_section, "step": step_section,
+            "fp8_kernels": fp8_kernels_section, "fp8_quant": fp8_quant_section}
+TITLES = {"gmm": "Grouped GEMM kernels", "moe_layer": "MoE layer", "step": "Training step",
+          "fp8_kernels": "FP8 grouped GEMM kernels", "fp8_quant": "FP8 quantization and the kernel path"}
 
 
 def render(results_dir=DEFAULT_RESULTS_DIR, md_path=DEFAULT_MD, log=print,
