@@ -82,11 +82,14 @@ def main(argv=None):
     print(f"{'variant':<12} {'product':<6} {'kernel ms':>9} {'wall ms':>8} {'TF/s kern':>9} "
           f"{'TF/s wall':>9}")
     jobs = [(v, prod) for v in a.variants.split(",") for prod in ("fwd", "dgrad")]
-    jobs += [(f"wgrad_{sp}", "wgrad") for sp in mosaic_fp8_tgmm.SPLITS]
+    # wgrad with float32 output (the probe's earlier records) and with bf16, what
+    # training writes for bf16 weights (half the output bytes).
+    jobs += [(f"wgrad_{sp}{dt}", "wgrad") for sp in mosaic_fp8_tgmm.SPLITS for dt in ("", "_bf16")]
     for v, prod in jobs:
         if prod == "wgrad":
-            f = jax.jit(lambda o, sp=v.split("_")[1]: mosaic_fp8_tgmm.tgmm_fp8_blockwise(
-                *o, gs, split=sp))
+            f = jax.jit(lambda o, sp=v.split("_")[1], dt=(jnp.bfloat16 if v.endswith("_bf16")
+                                                          else jnp.float32):
+                        mosaic_fp8_tgmm.tgmm_fp8_blockwise(*o, gs, split=sp, out_dtype=dt))
         else:
             f = jax.jit(lambda o, kw=VARIANTS[v]: mosaic_fp8.gmm_fp8_blockwise(*o, gs, **kw))
         try:
