@@ -3,6 +3,7 @@ per-token loop, in float32 on the CPU. Skipped where torch is not installed (CI)
 
 import importlib.util
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
@@ -104,6 +105,18 @@ def test_timing_returns_positive_medians():
     row = tml.time_layer(layer, x, g, quick=True)
     assert row["fwd_ms"] > 0 and row["fwd_bwd_ms"] > 0 and row["iters"] == 5
     assert layer.wi_ED2F.grad is not None  # the fwd+bwd timing ran the backward
+
+
+def test_run_case_builds_the_config_layer_and_frees_it():
+    """``moe_layer.py`` hands ``run_case`` a dropless ``MoEConfig``; these are the fields it reads."""
+    cfg = SimpleNamespace(moe_mlp_dim=8, num_experts=6, num_experts_per_tok=3, shared_experts=0,
+                          routed_score_func="softmax", norm_topk_prob=True,
+                          routed_scaling_factor=1.0, routed_bias=False, n_routing_groups=-1)
+    shape = {"batch": 1, "seq": 8, "emb_dim": 16}
+    row = tml.run_case(cfg, shape, "torchtitan", quick=True)
+    assert row["fwd_ms"] > 0 and row["fwd_bwd_ms"] > 0 and row["torch_device"] == "cpu"
+    with pytest.raises(ValueError, match="group-limited"):
+        tml.run_case(SimpleNamespace(**{**vars(cfg), "n_routing_groups": 4}), shape, "fused")
 
 
 def test_bad_layout_is_refused():
