@@ -30,7 +30,7 @@ Two weight layouts (``LAYOUTS``):
   pad is left out here (``torch._grouped_mm`` takes any bf16 group sizes), so
   this is an upper bound on its speed.
 
-Routing is the same function as dropless's (``ops.routing.route``): ties in
+Routing follows the same rule as dropless's ``ops.routing.route``: ties in
 top-k may break differently, which random data never hits. No auxiliary loss is
 computed (torchtitan computes none in the layer; dropless's timed layer adds
 DeepSeek-V3's sequence aux loss, a few [T, E] float32 passes).
