@@ -19,13 +19,22 @@ records its overrides.
 
 ``--shape qwen3-30b``: Qwen3-30B-A3B's whole layer (``model_name=qwen3-moe-proxy``, ``QWEN3_BASE``: T = 16384,
 D = 2048, F = 768, E = 128, K = 8, no shared expert, softmax routing; its
-expert GEMMs have K or N = 768). The torchtitan comparison is for the
-DeepSeek shape only.
+expert GEMMs have K or N = 768). The recorded torchtitan figure
+(``TARGETS``, from an earlier run) is for the DeepSeek shape only; the torch
+cases run at both.
 
 Cases: ``ours`` (dropless, ``gmm_backend=auto``: our Mosaic kernels on
 Hopper), ``xla`` (dropless through ``lax.ragged_dot``), and MaxText's
 capacity-limited ``dense_matmul`` baseline at capacity factors 1.0 and 1.25
-(it drops tokens; the fraction is reported).
+(it drops tokens; the fraction is reported). The torch cases (``TORCH_CASES``,
+``torch_moe_layer.py``) time a plain PyTorch layer with the same routing and
+sizes whose expert GEMMs are ``torch._grouped_mm``, in the same process on the
+same GPU, so each case's ratio to torch comes from one run:
+``torch_grouped_mm`` (gate|up fused, as ours) and ``torchtitan_ref``
+(torchtitan's grouped-mm MoE, its layout and calls, without its group padding).
+They run first, and hand their memory back before jax's cases; run as a script,
+this file turns jax's preallocation off (``XLA_PYTHON_CLIENT_PREALLOCATE=false``
+unless set) so the two share the GPU. Without torch they record an error row.
 
 Expert FLOPs (the convention of torchtitan's 447 TF/s at 43.6 ms on this
 shape): each token visits K routed + S shared SwiGLU experts of 3 matrices
@@ -50,8 +59,13 @@ Targets (issue 7): fwd+bwd < 36 ms on one H200; router + permute + combine
 
 import argparse
 import gc
+import importlib.util
+import os
 import sys
 from pathlib import Path
+
+if __name__ == "__main__":  # before jax starts: torch's cases share the GPU with jax's
+    os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
 
 import jax
 import jax.numpy as jnp
@@ -82,6 +96,10 @@ CASES = {
     "capacity-1.0": {"sparse_matmul": False, "capacity_factor": 1.0},
     "capacity-1.25": {"sparse_matmul": False, "capacity_factor": 1.25},
 }
+# torch baselines: case -> TorchMoE layout (torch_moe_layer.py); the ratio column is
+# against the first.
+TORCH_CASES = {"torch_grouped_mm": "fused", "torchtitan_ref": "torchtitan"}
+TORCH_REF = "torch_grouped_mm"
 
 
 def overrides_of(base: str, **case) -> list[str]:
@@ -309,6 +327,51 @@ def time_case(name: str, shape: dict, quick: bool) -> tuple[dict, Layer]:
     return row, layer
 
 
+def _torch_module():
+    """``torch_moe_layer.py`` beside this file, loaded on first use (it imports torch).
+
+    Raises:
+      RuntimeError: torch is not installed, or has no ``torch._grouped_mm``.
+    """
+    if importlib.util.find_spec("torch") is None:
+        raise RuntimeError("the torch cases need torch, which is not installed here")
+    spec = importlib.util.spec_from_file_location("torch_moe_layer",
+                                                  Path(__file__).with_name("torch_moe_layer.py"))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    if not hasattr(module.torch, "_grouped_mm"):
+        raise RuntimeError(f"torch {module.torch.__version__} has no torch._grouped_mm")
+    return module
+
+
+def time_torch_case(name: str, shape: dict, quick: bool) -> dict:
+    """Fwd and fwd+bwd times of a torch case (``TORCH_CASES``) on the config of ``ours``.
+
+    Raises:
+      RuntimeError: torch is missing (``_torch_module``).
+    """
+    cfg = moe_config(shape)
+    row = {"case": name, "overrides": overrides_of(base_of(shape), **shape_overrides(shape)),
+           "backend": f"torch._grouped_mm ({TORCH_CASES[name]})", "sparse_matmul": True,
+           "capacity_factor": None, "dropped_fraction": 0.0}
+    row.update(_torch_module().run_case(cfg, shape, TORCH_CASES[name], quick))
+    flops = expert_flops(shape)
+    for key in ("fwd", "fwd_bwd"):
+        row[f"{key}_tflops"] = _tflops(flops[key], row[f"{key}_ms"])
+    return row
+
+
+def torch_speedups(rows: list[dict]) -> dict:
+    """case -> {"fwd", "fwd_bwd"}: ``TORCH_REF``'s time over the case's (> 1: faster than torch),
+    for every timed non-torch row; {} when the torch reference has no time."""
+    ref = next((r for r in rows if r["case"] == TORCH_REF and "error" not in r), None)
+    if ref is None:
+        return {}
+    return {r["case"]: {k: ref[f"{k}_ms"] / r[f"{k}_ms"] if ref.get(f"{k}_ms") and r.get(f"{k}_ms")
+                        else None for k in ("fwd", "fwd_bwd")}
+            for r in rows if "error" not in r and r["case"] not in TORCH_CASES}
+
+
 def time_split(layer: Layer, layer_row: dict, quick: bool) -> dict:
     """Per-piece fwd and fwd+bwd times of the dropless layer and the routing share."""
     pieces = split_pieces(layer)
@@ -341,17 +404,21 @@ def run(quick: bool = False, out_dir=measure.DEFAULT_RESULTS_DIR, tiny: bool = F
     """Run the benchmark, write its record to ``out_dir`` and return the record.
 
     Args:
-      quick: fewer timing samples and only the ours / xla / capacity-1.0 cases.
+      quick: fewer timing samples and only the torch / ours / xla / capacity-1.0 cases.
       tiny: the small CPU-friendly shape instead of ``shape_name``'s.
       shape_name: a key of ``SHAPES`` (deepseek3 | qwen3-30b).
-      cases: names from ``CASES`` (default: all, or the quick subset).
+      cases: names from ``TORCH_CASES`` and ``CASES`` (default: all, or the quick subset);
+        the torch cases run first whatever the order given.
       trace: also profile ours' fwd+bwd and break its kernel time down.
     """
     shape = TINY if tiny else SHAPES[shape_name]
-    names = list(cases or (["ours", "xla", "capacity-1.0"] if quick else CASES))
-    unknown = set(names) - set(CASES)
+    names = list(cases or [*TORCH_CASES, *(["ours", "xla", "capacity-1.0"] if quick else CASES)])
+    unknown = set(names) - set(CASES) - set(TORCH_CASES)
     if unknown:
-        raise ValueError(f"unknown cases {sorted(unknown)}; choose from {list(CASES)}")
+        raise ValueError(f"unknown cases {sorted(unknown)}; choose from "
+                         f"{[*TORCH_CASES, *CASES]}")
+    # torch first: it gives its memory back, while jax's allocator keeps what it grew.
+    names.sort(key=lambda n: n not in TORCH_CASES)
     record = measure.new_record("moe_layer", {**shape, "tokens": shape["batch"] * shape["seq"],
                                               "dtype": "bfloat16", "tiny": tiny, "quick": quick,
                                               "shape": "tiny" if tiny else shape_name,
@@ -361,6 +428,12 @@ def run(quick: bool = False, out_dir=measure.DEFAULT_RESULTS_DIR, tiny: bool = F
                   flops_formula="fwd = 6*T*(K+S)*D*F (K routed + S shared SwiGLU experts); "
                                 "fwd+bwd = 3*fwd; router excluded")
     for name in names:
+        if name in TORCH_CASES:
+            try:
+                record["rows"].append(time_torch_case(name, shape, quick))
+            except Exception as e:  # noqa: BLE001 - no torch, out of memory: record it, go on
+                record["rows"].append({"case": name, "error": _error(e)})
+            continue
         try:
             row, layer = time_case(name, shape, quick)
         except Exception as e:  # noqa: BLE001 - one failing case must not lose the others
@@ -373,6 +446,7 @@ def run(quick: bool = False, out_dir=measure.DEFAULT_RESULTS_DIR, tiny: bool = F
                 record["kernel_breakdown"] = _guarded(trace_breakdown, layer)
         del layer
         gc.collect()
+    record["torch_speedup"] = torch_speedups(record["rows"])
     record["path"] = str(measure.write_record(record, out_dir))
     return record
 
@@ -421,12 +495,13 @@ def print_tables(record: dict, console=None) -> None:
     table = Table(title=(f"MoE layer, T={cfg['tokens']} D={cfg['emb_dim']} F={cfg['moe_mlp_dim']} "
                          f"E={cfg['num_experts']} K={cfg['top_k']} S={cfg['shared_experts']} bf16 "
                          f"on {record['device']['gpu']}"))
+    speedups = record.get("torch_speedup") or {}
     for col in ("case", "backend", "fwd ms", "fwd TF/s", "fwd+bwd ms", "fwd+bwd TF/s",
-                "dropped", "vs torchtitan"):
+                "dropped", "vs torchtitan", f"vs {TORCH_REF}"):
         table.add_column(col, justify="left" if col in ("case", "backend") else "right")
     for r in record["rows"]:
         if "error" in r:
-            table.add_row(r["case"], f"[red]{r['error'][:60]}[/]", *[""] * 6)
+            table.add_row(r["case"], f"[red]{r['error'][:60]}[/]", *[""] * 7)
             continue
         ms = r.get("fwd_bwd_ms")
         table.add_row(r["case"], r["backend"], _fmt(r.get("fwd_ms")),
@@ -435,12 +510,14 @@ def print_tables(record: dict, console=None) -> None:
                       _fmt(r.get("fwd_bwd_tflops"), ".0f"), f"{100 * r['dropped_fraction']:.1f}%",
                       # torchtitan's time is for the full shape only.
                       "-" if cfg["tiny"] or cfg.get("shape", "deepseek3") != "deepseek3" or not ms
-                      else f"{TARGETS['torchtitan_fwd_bwd_ms'] / ms:.2f}x")
+                      else f"{TARGETS['torchtitan_fwd_bwd_ms'] / ms:.2f}x",
+                      _fmt(speedups.get(r["case"], {}).get("fwd_bwd"), ".2f"))
     table.caption = (f"TF/s count expert FLOPs ({record['flops_formula']}). Target: fwd+bwd < "
                      f"{TARGETS['fwd_bwd_ms']:.0f} ms; torchtitan "
                      f"{TARGETS['torchtitan_fwd_bwd_ms']} ms "
                      f"({TARGETS['torchtitan_tflops']:.0f} TF/s), its bare grouped GEMMs "
-                     f"{TARGETS['torchtitan_gemm_ms']} ms")
+                     f"{TARGETS['torchtitan_gemm_ms']} ms (an earlier run). vs {TORCH_REF}: its "
+                     f"fwd+bwd time over the case's, this run")
     console.print(table)
 
 
@@ -453,7 +530,7 @@ def main(argv=None) -> int:
     parser.add_argument("--out", type=Path, default=measure.DEFAULT_RESULTS_DIR,
                         help="results directory (default benchmarks/results)")
     parser.add_argument("--cases", default=None,
-                        help=f"comma-separated subset of {','.join(CASES)}")
+                        help=f"comma-separated subset of {','.join([*TORCH_CASES, *CASES])}")
     parser.add_argument("--no-trace", action="store_true", help="skip the profiler breakdown")
     args = parser.parse_args(argv)
     record = run(quick=args.quick, out_dir=args.out, tiny=args.tiny,

@@ -82,3 +82,29 @@ def test_qwen3_30b_shape_has_softmax_routing_and_no_shared_piece(bench):
     y_block, _ = layer.fwd(layer.params, layer.rest, layer.x)
     np.testing.assert_allclose(np.asarray(bench.compose_forward(layer, pieces), np.float32),
                                np.asarray(y_block, np.float32), rtol=2e-2, atol=2e-2)
+
+
+def test_torch_cases_run_first_and_say_when_torch_is_missing(bench, tmp_path):
+    """A torch case without torch is an error row that names torch; with torch it is timed.
+    Either way it comes before jax's cases, whatever order they are given in."""
+    record = bench.run(quick=True, out_dir=tmp_path, tiny=True, trace=False,
+                       cases=["capacity-1.0", "torch_grouped_mm"])
+    torch_row, capacity = record["rows"]
+    assert torch_row["case"] == "torch_grouped_mm" and capacity["case"] == "capacity-1.0"
+    if importlib.util.find_spec("torch") is None:
+        assert "torch" in torch_row["error"] and record["torch_speedup"] == {}
+    else:
+        assert torch_row["fwd_bwd_ms"] > 0
+        speedup = record["torch_speedup"]["capacity-1.0"]["fwd_bwd"]
+        assert math.isclose(speedup, torch_row["fwd_bwd_ms"] / capacity["fwd_bwd_ms"])
+
+
+def test_torch_speedups_are_the_torch_time_over_the_case_time(bench):
+    rows = [{"case": "torch_grouped_mm", "fwd_ms": 4.0, "fwd_bwd_ms": 12.0},
+            {"case": "torchtitan_ref", "fwd_ms": 5.0, "fwd_bwd_ms": 15.0},
+            {"case": "ours", "fwd_ms": 2.0, "fwd_bwd_ms": 8.0},
+            {"case": "xla", "error": "boom"},
+            {"case": "capacity-1.0", "fwd_ms": 8.0, "fwd_bwd_ms": None}]
+    assert bench.torch_speedups(rows) == {"ours": {"fwd": 2.0, "fwd_bwd": 1.5},
+                                          "capacity-1.0": {"fwd": 0.5, "fwd_bwd": None}}
+    assert bench.torch_speedups(rows[2:]) == {}

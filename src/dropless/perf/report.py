@@ -267,10 +267,11 @@ def moe_section(record: dict, path: Path, fig_dir: Path, md_dir: Path) -> str:
     """Markdown for the MoE layer benchmark: cases, time split, targets, plot."""
     cfg, targets = record.get("config", {}), record.get("targets", {})
     tt = targets.get("torchtitan_fwd_bwd_ms")
+    vs_torch = record.get("torch_speedup") or {}  # torch_grouped_mm's time over the case's
     body = []
     for r in record.get("rows", []):
         if "error" in r:
-            body.append([r["case"], f"error: {r['error'][:80]}", *["-"] * 6])
+            body.append([r["case"], f"error: {r['error'][:80]}", *["-"] * 7])
             continue
         ms = r.get("fwd_bwd_ms")
         body.append([r["case"], r.get("backend", "-"), _num(r.get("fwd_ms"), ".2f"),
@@ -278,7 +279,8 @@ def moe_section(record: dict, path: Path, fig_dir: Path, md_dir: Path) -> str:
                      _num(ms, ".2f") if ms else f"- ({r.get('fwd_bwd_error', 'not run')[:60]})",
                      _num(r.get("fwd_bwd_tflops"), ".0f"),
                      f"{100 * r.get('dropped_fraction', 0):.1f}%",
-                     f"{tt / ms:.2f}x" if tt and ms and not cfg.get("tiny") else "-"])
+                     f"{tt / ms:.2f}x" if tt and ms and not cfg.get("tiny") else "-",
+                     _num(vs_torch.get(r["case"], {}).get("fwd_bwd"), ".2f")])
     shape = (f"T={cfg.get('tokens')} tokens, D={cfg.get('emb_dim')}, F={cfg.get('moe_mlp_dim')}, "
              f"E={cfg.get('num_experts')} experts, top-{cfg.get('top_k')}, "
              f"{cfg.get('shared_experts')} shared, {cfg.get('dtype')}")
@@ -291,7 +293,8 @@ def moe_section(record: dict, path: Path, fig_dir: Path, md_dir: Path) -> str:
         fig = _moe_plot(record, fig_dir / "moe_layer.png")
         parts += [f"![MoE layer time]({os.path.relpath(fig, md_dir)})", ""]
     parts += [md_table(["case", "backend", "fwd ms", "fwd TF/s", "fwd+bwd ms", "fwd+bwd TF/s",
-                        "tokens dropped", f"speed-up vs torchtitan ({tt} ms)"], body, labels=2), ""]
+                        "tokens dropped", f"speed-up vs torchtitan ({tt} ms)",
+                        "speed-up vs torch_grouped_mm (same run)"], body, labels=2), ""]
     if targets and not cfg.get("tiny"):
         parts.append(f"- fwd+bwd < {targets.get('fwd_bwd_ms')} ms on one H200: "
                      f"{_num(ours.get('fwd_bwd_ms'), '.2f')} ms, "
