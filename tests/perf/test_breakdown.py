@@ -50,6 +50,8 @@ CASES = [
     ("input_reduce_fusion_2", "command_buffer_2 jit(step)/jvp(gmm)/fp8_quantize/reduce_max",
      QUANTIZATION),
     ("loop_multiply_convert_fusion", "fusion.9 f8_result", QUANTIZATION),
+    ("triton_kernel_call_3", "custom-call.3 jit(step)/jvp(gmm)/jit(quantize_columns)/pallas_call",
+     QUANTIZATION),
     # grouped GEMM: our kernels by name, XLA's ragged_dot by op
     ("gmm_mosaic_gpu_kernel", "custom-call.4", GROUPED_GEMM),
     ("body_mosaic_gpu_kernel", "command_buffer_25", GROUPED_GEMM),  # bf16 and FP8 Mosaic kernels

@@ -24,9 +24,11 @@ Why this order:
    ``fp8_quantize`` name scope of ``ops.quant``'s quantizers, or an ``f8``
    result that ``hlo.kernel_ops`` read from the optimized HLO (kernels in
    CUDA graphs carry no op name in the trace; the HLO dump still names
-   them). A quantization inside the gmm's scope is quantization, so this
-   precedes the grouped GEMM op rule; GEMM kernels are never claimed by it
-   because ``hlo.kernel_ops`` tags only non-GEMM instructions.
+   them), or the jitted Pallas quantizers (``jit(quantize_rows)``, ...) in
+   the op, whatever name the kernel gets. A quantization inside the gmm's
+   scope is quantization, so this precedes the grouped GEMM op rule; GEMMs
+   are not claimed by it: the quantizers hold no dot, and ``hlo.kernel_ops``
+   tags only non-GEMM instructions.
 5. Grouped GEMM: our Mosaic GPU kernels (bf16 and FP8), anything named gmm/tgmm (never the
    "gmma" of Hopper's ``wgmma`` instruction), and by op name XLA's
    ragged_dot, before the dense rules that would claim its cuBLAS kernels.
@@ -121,9 +123,10 @@ RULES: tuple[Rule, ...] = (
     _rule(GROUPED_GEMM, "kernel",
           rf"mosaic_gpu|ragged[-_]?dot|grouped[-_]?(gemm|mm|matmul)|{_GMM}",
           "our Mosaic GPU grouped matmul kernels, XLA ragged_dot fusions"),
-    _rule(QUANTIZATION, "op", rf"{QUANT_SCOPE}|{F8_RESULT_TAG}",
+    _rule(QUANTIZATION, "op",
+          rf"{QUANT_SCOPE}|{F8_RESULT_TAG}|jit\(quantize_(rows|columns|weight)\)",
           "XLA fusions of ops.quant's quantizers (amax, scale, convert to f8), by name scope "
-          "or by their f8 result in the optimized HLO"),
+          "or by their f8 result in the optimized HLO; the jitted Pallas quantizers by op"),
     _rule(GROUPED_GEMM, "op", rf"ragged[-_]?dot|{_GMM}",
           "kernels XLA launches for lax.ragged_dot (cuBLAS on a masked dense dot)"),
     _rule(DENSE_GEMM, "kernel",
