@@ -72,3 +72,16 @@ def test_precision_from_quantization_keys():
     assert profile.precision({"quantization": "te_fp8_currentscaling",
                               "te_gmm_quantization": "te_no_quant"}) == "fp8"
     assert profile.precision({"quantization": "", "te_gmm_quantization": "te_fp8_blockwise"}) == "fp8"
+
+
+def test_unwritable_out_is_one_line(tmp_path):
+    """--out under a file: exit 2 with one line, before JAX compiles anything."""
+    blocker = tmp_path / "file"
+    blocker.write_text("")
+    proc = subprocess.run([sys.executable, "-m", "dropless", "profile", "model_name=deepseek3-tiny",
+                           "hardware=cpu", "--out", str(blocker / "results")], cwd=REPO,
+                          env={**os.environ, "JAX_PLATFORMS": "cpu"}, capture_output=True,
+                          text=True, timeout=120)
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert proc.stderr.strip().startswith("dropless profile: --out ")
+    assert len(proc.stderr.strip().splitlines()) == 1 and "Traceback" not in proc.stderr

@@ -214,6 +214,16 @@ def main(args: list[str]) -> int:
 
     resolved = resolve_args(rest)
     cfg = resolved.config
+    from dropless.perf import measure
+
+    results_dir = Path(ns.out or measure.DEFAULT_RESULTS_DIR)
+    try:  # before minutes of compiling: the record must have somewhere to go
+        results_dir.mkdir(parents=True, exist_ok=True)
+        if not os.access(results_dir, os.W_OK):
+            raise PermissionError("not writable")
+    except OSError as e:
+        print(f"dropless profile: --out {results_dir}: cannot write there ({e})", file=sys.stderr)
+        return 2
     out = run_dir(cfg) / "profile"
     # Before JAX starts: XLA reads its flags once.
     os.environ["XLA_FLAGS"] = " ".join(filter(None, [
@@ -221,7 +231,7 @@ def main(args: list[str]) -> int:
     applied, mesh_shape = start_runtime(cfg)
     from rich.console import Console
 
-    from dropless.perf import breakdown, hlo, measure, trace
+    from dropless.perf import breakdown, hlo, trace
 
     console = Console() if sys.stdout.isatty() else Console(width=160)
     try:
@@ -246,7 +256,7 @@ def main(args: list[str]) -> int:
     breakdown.plot(bd, out / "breakdown.png", title=f"{cfg.model_name}: where the time goes")
     facts = {k: getattr(cfg, k) for k in RECORD_KEYS}
     record = profile_record(bd, facts, {**extra, "warmup": ns.warmup})
-    record_path = measure.write_record(record, ns.out or measure.DEFAULT_RESULTS_DIR)
+    record_path = measure.write_record(record, results_dir)
     breakdown.print_breakdown(bd, console)
     if extra.get("tflops_per_device") is not None:
         mfu = extra.get("mfu_pct")
