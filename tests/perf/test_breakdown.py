@@ -11,7 +11,7 @@ import pytest
 
 from dropless.perf import breakdown
 from dropless.perf.breakdown import (ATTENTION, CATEGORIES, COMMUNICATION, COPY, DENSE_GEMM,
-                                     GROUPED_GEMM, OTHER, RULES, categorise)
+                                     GROUPED_GEMM, OTHER, QUANTIZATION, RULES, categorise)
 from dropless.perf.trace import parse_events
 
 CUTLASS_SM90 = ("void cutlass::device_kernel<cutlass::gemm::kernel::GemmUniversal<cute::tuple<int,"
@@ -40,8 +40,21 @@ CASES = [
     ("fmha_cutlassF_bf16_aligned_64x64_rf_sm80", "", ATTENTION),
     ("flash_attention_fwd_mosaic_gpu_kernel", "", ATTENTION),
     ("triton_softmax_fusion_3", "", ATTENTION),
+    # FP8 quantization: our Pallas (Triton) kernels by name; XLA's quantize/amax fusions
+    # by ops.quant's name scope or the f8-result tag of perf.hlo, also inside the gmm's scope
+    ("_rows_kernel", "custom-call.7", QUANTIZATION),
+    ("_columns_kernel", "", QUANTIZATION),
+    ("_weight_kernel", "", QUANTIZATION),
+    ("loop_convert_fusion_3", "command_buffer_2 jit(step)/jvp(mlp)/fp8_quantize/convert_element_type",
+     QUANTIZATION),
+    ("input_reduce_fusion_2", "command_buffer_2 jit(step)/jvp(gmm)/fp8_quantize/reduce_max",
+     QUANTIZATION),
+    ("loop_multiply_convert_fusion", "fusion.9 f8_result", QUANTIZATION),
+    ("triton_kernel_call_3", "custom-call.3 jit(step)/jvp(gmm)/jit(quantize_columns)/pallas_call",
+     QUANTIZATION),
     # grouped GEMM: our kernels by name, XLA's ragged_dot by op
     ("gmm_mosaic_gpu_kernel", "custom-call.4", GROUPED_GEMM),
+    ("body_mosaic_gpu_kernel", "command_buffer_25", GROUPED_GEMM),  # bf16 and FP8 Mosaic kernels
     ("main_kernel_mosaic_gpu", "", GROUPED_GEMM),
     ("tgmm_kernel", "", GROUPED_GEMM),
     ("ragged_dot_fusion", "", GROUPED_GEMM),
@@ -53,6 +66,12 @@ CASES = [
     ("sm90_xmma_gemm_bf16bf16_bf16f32_f32_tn_n_tilesize128x128x64_warpgroupsize1x1x1_execute_"
      "segment_k_off_kernel__5x_cublas", "", DENSE_GEMM),
     ("nvjet_tst_128x256_64x4_2x1_v_bz_coopB_TNN", "dot.3 jvp(router)/dot_general", DENSE_GEMM),
+    # FP8 dense GEMMs (cuBLASLt): never quantization, though their operands are FP8
+    ("sm90_xmma_gemm_e4m3e4m3_e4m3f32_f32_tn_n_tilesize128x128x128_warpgroupsize1x1x1_execute_"
+     "segment_k_off_kernel__5x_cublas", "", DENSE_GEMM),
+    ("__cublas$lt$matmul$f8", "", DENSE_GEMM),
+    ("nvjet_qqtst_128x256_128x4_2x1_v_bz_coopB_TNT", "cublas-gemm.2 jit(step)/jvp(mlp)/dot_general",
+     DENSE_GEMM),
     (CUTLASS_SM90, "", DENSE_GEMM),  # "TmaGmma" is not "gmm"
     ("ampere_bf16_s16816gemm_bf16_128x128_ldg8_f2f_stages_64x3_tn", "", DENSE_GEMM),
     ("gemm_fusion_dot_12", "", DENSE_GEMM),
@@ -65,6 +84,7 @@ CASES = [
     ("input_reduce_fusion_3", "", OTHER),
     ("reduce_scatter_fusion", "", OTHER),  # XLA fusion name, not a collective
     ("convert_power_fusion", "", OTHER),  # "conv" of "convert"
+    ("loop_convert_fusion", "convert.3 jit(step)/jvp(mlp)/convert_element_type", OTHER),  # bf16 cast
     ("MemcpyD2D", "", OTHER),
     ("Memset", "", OTHER),
     ("sort.3", "sort.3", OTHER),
@@ -136,7 +156,8 @@ def test_parse_gpu_layout():
 def test_breakdown_arithmetic():
     bd = breakdown.compute(parse_events(gpu_events()), top=2)
     times = {c["category"]: c["time_us"] for c in bd.categories}
-    assert times == {GROUPED_GEMM: 60.0, DENSE_GEMM: 10.0, ATTENTION: 0.0, COMMUNICATION: 0.0,
+    assert times == {GROUPED_GEMM: 60.0, DENSE_GEMM: 10.0, ATTENTION: 0.0, QUANTIZATION: 0.0,
+                     COMMUNICATION: 0.0,
                      COPY: 5.0, OTHER: 5.0}
     assert bd.kernel_us == 80.0
     # Wall: first step start (0) to the last kernel end (100), which is after the last step (80).

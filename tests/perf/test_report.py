@@ -172,3 +172,63 @@ def test_commit_prefers_dropless_commit(monkeypatch):
     assert measure.git_commit() == {"commit": "c0ffee1", "dirty": None, "source": "env"}
     monkeypatch.delenv("DROPLESS_COMMIT")
     assert measure.git_commit()["source"] in ("git", "unknown")
+
+
+def profile_record(precision, created, grouped_ms, quant_ms, step_ms=500.0, **cfg):
+    """A ``dropless profile`` record; kernel time = grouped + 100 dense + 80 attention +
+    quantization + 20 other ms per step."""
+    ms = {"grouped_gemm": grouped_ms, "dense_gemm": 100.0, "attention": 80.0,
+          "quantization": quant_ms, "communication": 0.0, "host_device_copy": 0.0, "other": 20.0}
+    total = sum(ms.values())
+    rows = [{"category": c, "label": c.replace("_", " "), "ms_per_step": v,
+             "pct_kernel": 100 * v / total, "pct_wall": 100 * v / step_ms, "count": 3}
+            for c, v in ms.items()]
+    config = {"model_name": "deepseek3-proxy", "quantization": "", "remat_policy": "full",
+              "te_gmm_quantization": "te_no_quant", "gmm_fp8_impl": "emulate", **cfg}
+    if precision is not None:
+        config["precision"] = precision
+    return {"kind": "profile", "created": created, **PROV, "config": config, "rows": rows,
+            "step_ms": step_ms, "kernel_ms_per_step": total, "tflops_per_device": 400.0}
+
+
+def test_profile_bf16_and_fp8_side_by_side(tmp_path):
+    """The newest record of each precision renders; an older bf16 one is not used; a record
+    without 'precision' is placed by its quantization keys."""
+    d = tmp_path / "r"
+    d.mkdir()
+    (d / "p-old.json").write_text(json.dumps(profile_record("bf16", "2026-12-01T00:00:00+00:00",
+                                                            999.0, 0.0)))
+    (d / "p-bf16.json").write_text(json.dumps(profile_record("bf16", "2026-12-02T00:00:00+00:00",
+                                                             200.0, 0.0)))
+    fp8 = profile_record(None, "2026-12-02T01:00:00+00:00", 150.0, 50.0, step_ms=450.0,
+                         quantization="te_fp8_currentscaling",
+                         te_gmm_quantization="te_fp8_blockwise")
+    (d / "p-fp8.json").write_text(json.dumps(fp8))
+    records = report.newest_records(d, log=lambda _: None)
+    assert set(records) == {"profile:bf16", "profile:fp8"}
+    assert records["profile:bf16"][1].name == "p-bf16.json"
+    text = report.render(d, tmp_path / "R.md", log=lambda _: None).read_text()
+    assert "## Step profile" in text and "_no profile yet_" not in text
+    assert "| category | bf16 ms/step | bf16 % kernel | bf16 % wall | fp8 ms/step |" in text
+    # grouped 200 of 400 ms kernel time, 40% of the 500 ms step; FP8: 150 of 400, 33.3% of 450.
+    assert "| grouped gemm | 200.00 | 50.0 | 40.0 | 150.00 | 37.5 | 33.3 |" in text
+    assert "| quantization | 0.00 | 0.0 | 0.0 | 50.00 | 12.5 | 11.1 |" in text
+    assert "| **step (wall)** | 500.00 | - | - | 450.00 | - | - |" in text
+    assert "`te_gmm_quantization=te_fp8_blockwise`" in text and "`p-fp8.json`" in text
+    assert ("- step profile (fp8): 450 ms/step, 400 TFLOPS/device; kernel time: grouped gemm 38%, "
+            "dense gemm 25%, attention 20%, quantization 12%, other 5%") in text
+    assert "- step profile (bf16): 500 ms/step" in text
+    assert (tmp_path / "figures" / "profile_categories.png").read_bytes()[:4] == b"\x89PNG"
+    assert "](figures/profile_categories.png)" in text
+
+
+def test_profile_bf16_only(tmp_path):
+    d = tmp_path / "r"
+    d.mkdir()
+    (d / "p.json").write_text(json.dumps(profile_record("bf16", "2026-12-02T00:00:00+00:00",
+                                                        200.0, 0.0)))
+    text = report.render(d, tmp_path / "R.md", log=lambda _: None).read_text()
+    assert "- fp8: _no profile yet_" in text
+    assert "| category | bf16 ms/step | bf16 % kernel | bf16 % wall |\n" in text
+    assert "fp8 ms/step" not in text and "- step profile (bf16): 500 ms/step" in text
+    assert (tmp_path / "figures" / "profile_categories.png").exists()

@@ -15,7 +15,7 @@ import pytest
 
 from dropless.perf import breakdown
 from dropless.perf.breakdown import (ATTENTION, COMMUNICATION, COPY, DENSE_GEMM, GROUPED_GEMM,
-                                     OTHER)
+                                     OTHER, QUANTIZATION)
 from dropless.perf.trace import load_trace, read_events
 
 FIXTURES = Path(__file__).parent / "fixtures"
@@ -46,6 +46,8 @@ def _check_common(trace, meta):
     assert (bd.pct(COMMUNICATION) > 0) == meta["communication"]
     assert (bd.pct(DENSE_GEMM) > 0) == meta["dense_matmul"]
     assert (bd.pct(COPY) > 0) == meta["host_device_copies"]
+    # Both fixtures are bf16 runs: nothing in them is FP8 quantization.
+    assert (bd.pct(QUANTIZATION) > 0) == meta.get("fp8", False)
     return bd
 
 

@@ -69,6 +69,10 @@ E8M0 = jnp.dtype(jnp.float8_e8m0fnu)
 FP8_DTYPES = (E4M3, E5M2)
 MX_BLOCK = 32  # elements per E8M0 scale (OCP MX)
 BLOCKWISE_TILE = 128  # DeepSeek-V3: activations 1x128, weights 128x128
+# The quantizers run under this jax name scope, so their fusions (amax, scale,
+# convert) carry it in XLA's op metadata and a profile counts them as
+# quantization (perf.breakdown.QUANT_SCOPE).
+QUANT_SCOPE = "fp8_quantize"
 _F32_TINY = float(jnp.finfo(jnp.float32).tiny)  # 2^-126
 _MAX_INV = 2.0**126
 _E4M3_EMAX = 8
@@ -127,6 +131,7 @@ def _mantissa(a):
 # Per-tensor current scaling.
 
 
+@jax.named_scope(QUANT_SCOPE)
 def quantize_tensor(x, dtype=E4M3):
     """Per-tensor current scaling: ``(q, scale)`` with ``x ~= q * scale``.
 
@@ -216,6 +221,7 @@ def _pow2_exponent(amax, dtype):
     return jnp.clip(k, -126, 127)
 
 
+@jax.named_scope(QUANT_SCOPE)
 def quantize_blocks(x, block, dtype=E4M3):
     """Blockwise scaling with power-of-two float32 scales: ``(q, scales)``.
 
@@ -275,6 +281,7 @@ def mx_exponent(amax):
     return jnp.clip(_floor_log2(safe) - _E4M3_EMAX, -127, 127)
 
 
+@jax.named_scope(QUANT_SCOPE)
 def quantize_mx(x, axis=-1, block=MX_BLOCK):
     """MXFP8: E4M3 codes and one E8M0 scale per ``block`` elements along ``axis``.
 

@@ -1,7 +1,7 @@
 """Where the kernel time goes: categorise kernels by name, sum, and report.
 
-Categories (``CATEGORIES``): grouped GEMM, dense GEMM, attention,
-communication, host<->device copies, other. A kernel's category is decided by
+Categories (``CATEGORIES``): grouped GEMM, dense GEMM, attention, FP8
+quantization, communication, host<->device copies, other. A kernel's category is decided by
 ``RULES``, an ordered table of regular expressions: the first rule that
 matches wins. A rule looks either at the kernel name (``field="kernel"``) or at
 the XLA op the kernel was launched for (``field="op"``: HLO instruction and jax
@@ -18,13 +18,25 @@ Why this order:
    names can contain "gemm"-like words and Mosaic attention kernels would
    otherwise look like our grouped GEMMs. Softmax fusions count as attention
    (the router's softmax, if any, is counted there too: it is tiny).
-4. Grouped GEMM: our Mosaic GPU kernels, anything named gmm/tgmm (never the
+4. FP8 quantization before the GEMMs: our Pallas quantization kernels
+   (``ops/gmm/fp8_quant_kernels.py``: ``_rows_kernel``, ``_columns_kernel``,
+   ``_weight_kernel``) by name, and XLA's quantize / amax fusions by op: the
+   ``fp8_quantize`` name scope of ``ops.quant``'s quantizers, or an ``f8``
+   result that ``hlo.kernel_ops`` read from the optimized HLO (kernels in
+   CUDA graphs carry no op name in the trace; the HLO dump still names
+   them), or the jitted Pallas quantizers (``jit(quantize_rows)``, ...) in
+   the op, whatever name the kernel gets. A quantization inside the gmm's
+   scope is quantization, so this precedes the grouped GEMM op rule; GEMMs
+   are not claimed by it: the quantizers hold no dot, and ``hlo.kernel_ops``
+   tags only non-GEMM instructions.
+5. Grouped GEMM: our Mosaic GPU kernels (bf16 and FP8), anything named gmm/tgmm (never the
    "gmma" of Hopper's ``wgmma`` instruction), and by op name XLA's
    ragged_dot, before the dense rules that would claim its cuBLAS kernels.
-5. Dense GEMM: cuBLAS / cuBLASLt (``sm90_xmma_*``, ``nvjet_*``), CUTLASS,
+6. Dense GEMM: cuBLAS / cuBLASLt (``sm90_xmma_*``, ``nvjet_*``, FP8 ones
+   such as ``sm90_xmma_gemm_e4m3e4m3_*`` and ``__cublas$lt$matmul$f8``), CUTLASS,
    Triton GEMM fusions, XLA:CPU dots (``dot``, YNNPACK ``ynn_fusion``) and
    convolutions.
-6. Everything else: elementwise and reduction fusions, sorts, gathers,
+7. Everything else: elementwise and reduction fusions, sorts, gathers,
    scatters, D2D copies, memsets.
 
 Percentages: ``pct_kernel`` is a category's share of the summed kernel time;
@@ -43,14 +55,16 @@ from dropless.perf.trace import KernelEvent, Trace
 GROUPED_GEMM = "grouped_gemm"
 DENSE_GEMM = "dense_gemm"
 ATTENTION = "attention"
+QUANTIZATION = "quantization"
 COMMUNICATION = "communication"
 COPY = "host_device_copy"
 OTHER = "other"
-CATEGORIES = (GROUPED_GEMM, DENSE_GEMM, ATTENTION, COMMUNICATION, COPY, OTHER)
+CATEGORIES = (GROUPED_GEMM, DENSE_GEMM, ATTENTION, QUANTIZATION, COMMUNICATION, COPY, OTHER)
 LABELS = {
     GROUPED_GEMM: "grouped GEMM",
     DENSE_GEMM: "dense GEMM",
     ATTENTION: "attention",
+    QUANTIZATION: "FP8 quantization",
     COMMUNICATION: "communication",
     COPY: "host<->device copy",
     OTHER: "other",
@@ -59,6 +73,7 @@ COLORS = {
     GROUPED_GEMM: "#1f77b4",
     DENSE_GEMM: "#17becf",
     ATTENTION: "#9467bd",
+    QUANTIZATION: "#bcbd22",
     COMMUNICATION: "#d62728",
     COPY: "#ff7f0e",
     OTHER: "#7f7f7f",
@@ -82,6 +97,11 @@ def _rule(category, field, pattern, why):
     return Rule(category, field, re.compile(pattern, re.IGNORECASE), why)
 
 
+# The op-text marker of FP8 quantization: ops.quant's name scope, or the tag
+# hlo.kernel_ops gives a non-GEMM HLO instruction with an f8 result.
+QUANT_SCOPE = "fp8_quantize"
+F8_RESULT_TAG = "f8_result"
+
 # "gmm" as a word-ish token: not the "gmma" of wgmma / CUTLASS's TmaGmma names.
 _GMM = r"(?<![a-z])t?gmm(?!a)"
 
@@ -97,9 +117,16 @@ RULES: tuple[Rule, ...] = (
     _rule(ATTENTION, "kernel", r"flash|fmha|sdpa|attention|attn|(^|[_:\s])mha",
           "cuDNN / flash / fused multi-head attention kernels"),
     _rule(ATTENTION, "kernel", r"softmax", "softmax fusions"),
+    _rule(QUANTIZATION, "kernel",
+          r"(?<![a-z])_?(rows|columns|weight)_kernel|quantiz|amax",
+          "our Pallas FP8 quantization kernels (fp8_quant_kernels.py), quantize/amax kernels"),
     _rule(GROUPED_GEMM, "kernel",
           rf"mosaic_gpu|ragged[-_]?dot|grouped[-_]?(gemm|mm|matmul)|{_GMM}",
           "our Mosaic GPU grouped matmul kernels, XLA ragged_dot fusions"),
+    _rule(QUANTIZATION, "op",
+          rf"{QUANT_SCOPE}|{F8_RESULT_TAG}|jit\(quantize_(rows|columns|weight)\)",
+          "XLA fusions of ops.quant's quantizers (amax, scale, convert to f8), by name scope "
+          "or by their f8 result in the optimized HLO; the jitted Pallas quantizers by op"),
     _rule(GROUPED_GEMM, "op", rf"ragged[-_]?dot|{_GMM}",
           "kernels XLA launches for lax.ragged_dot (cuBLAS on a masked dense dot)"),
     _rule(DENSE_GEMM, "kernel",
@@ -191,12 +218,14 @@ def _pct(part, whole):
     return 100.0 * part / whole if whole > 0 else 0.0
 
 
-def compute(trace: Trace, top: int = 15) -> Breakdown:
+def compute(trace: Trace, top: int = 15, hlo_ops: dict | None = None) -> Breakdown:
     """Categorise and sum the kernels of ``trace``.
 
     Args:
       trace: from ``trace.load_trace``.
       top: how many kernels (aggregated by name) to list.
+      hlo_ops: HLO module -> kernel name -> extra op text (``hlo.kernel_ops``),
+        appended to each kernel's op before it is categorised.
 
     Returns:
       A ``Breakdown``; ``pct_kernel`` over categories sums to 100 when any
@@ -207,8 +236,10 @@ def compute(trace: Trace, top: int = 15) -> Breakdown:
     ndev = max(1, len(trace.devices))
     per_cat = {c: [0.0, 0] for c in CATEGORIES}
     per_name = defaultdict(lambda: [0.0, 0, OTHER])
+    hlo_ops = hlo_ops or {}
     for k in trace.kernels:
-        cat = categorise(k.name, k.op)
+        extra = hlo_ops.get(k.module, {}).get(k.name, "")
+        cat = categorise(k.name, f"{k.op} {extra}" if extra else k.op)
         per_cat[cat][0] += k.dur_us
         per_cat[cat][1] += 1
         agg = per_name[k.name]

@@ -1,4 +1,4 @@
-"""``dropless profile [config.yml] key=value ... [--steps N] [--warmup W]``: where time goes.
+"""``dropless profile [config.yml] key=value ... [--steps N] [--warmup W] [--out DIR]``: where time goes.
 
 ``--dry-run`` checks the config, data and memory estimate instead (``perf.dry_run``).
 
@@ -14,7 +14,17 @@ steps, each under a ``StepTraceAnnotation``. Written to
   TensorBoard/XProf);
 - ``breakdown.json``: kernel time by category (% of kernel time and of wall
   time), the top kernels, the run's config and step time;
-- ``breakdown.png``: the categories as a bar chart.
+- ``breakdown.png``: the categories as a bar chart;
+- ``hlo/``: XLA's optimized HLO (``--xla_dump_to``), which names each
+  kernel's op and result type even inside CUDA graphs, so that XLA's FP8
+  quantize fusions count as quantization (``perf.hlo``).
+
+and a results record (``kind: profile``, ``perf.measure`` provenance) to
+``--out DIR`` (default ``benchmarks/results``): the config's key facts
+(``precision`` "bf16" or "fp8" from the quantization keys), one row per
+kernel category (ms per step per device, % of kernel time, % of wall time),
+the step time and TFLOPS/device. ``python -m dropless.perf.report`` renders
+the newest bf16 and FP8 records side by side.
 
 The trainer is reached through one function, ``dropless.train.loop.build(
 model_cfg, train_cfg, mesh_cfg)``, which must return an object with
@@ -24,11 +34,16 @@ model_cfg, train_cfg, mesh_cfg)``, which must return an object with
 
 import argparse
 import datetime
+import os
 import sys
 import time
 from pathlib import Path
 
 EXIT_UNAVAILABLE = 1
+# The config facts a profile record keeps (what distinguishes one profile from another).
+RECORD_KEYS = ("model_name", "quantization", "te_gmm_quantization", "gmm_fp8_impl",
+               "gmm_fp8_quantizer", "gmm_backend", "attention", "remat_policy", "dtype",
+               "per_device_batch_size", "max_target_length", "gradient_accumulation_steps")
 
 
 def parse_args(args: list[str]):
@@ -46,6 +61,8 @@ def parse_args(args: list[str]):
     parser.add_argument("--top", type=int, default=15, help="kernels to list (default 15)")
     parser.add_argument("--python-trace", action="store_true",
                         help="also trace Python calls (large traces)")
+    parser.add_argument("--out", type=Path, default=None,
+                        help="where the results record goes (default benchmarks/results)")
     ns, rest = parser.parse_known_args(args)
     unknown = [a for a in rest if a.startswith("--")]
     if unknown:
@@ -151,6 +168,37 @@ def throughput(cfg, step_ms: float, per_step: float | None = None) -> dict:
             "mfu_pct": 100 * achieved / peak if peak else None}
 
 
+def precision(config: dict) -> str:
+    """The record's precision: fp8 when any matmul is quantized (dense
+    ``quantization`` or the experts' ``te_gmm_quantization``), else bf16."""
+    dense = config.get("quantization") or ""
+    experts = config.get("te_gmm_quantization") or "te_no_quant"
+    return "fp8" if dense or experts != "te_no_quant" else "bf16"
+
+
+def profile_record(bd, cfg_facts: dict, extra: dict) -> dict:
+    """The ``kind: profile`` results record of a breakdown (provenance from ``perf.measure``).
+
+    Rows, one per category in ``breakdown.CATEGORIES`` order: category, label,
+    ms_per_step (kernel time per step per device), pct_kernel, pct_wall, count.
+    """
+    from dropless.perf import measure
+
+    steps, ndev = max(bd.steps, 1), max(len(bd.devices), 1)
+    record = measure.new_record("profile", {**cfg_facts, "precision": precision(cfg_facts)})
+    record["rows"] = [{"category": c["category"], "label": c["label"],
+                       "ms_per_step": c["time_us"] / steps / ndev / 1e3,
+                       "pct_kernel": c["pct_kernel"], "pct_wall": c["pct_wall"],
+                       "count": c["count"]} for c in bd.categories]
+    record.update({"steps": bd.steps, "devices_traced": bd.devices, "platform": bd.platform,
+                   "step_ms": bd.wall_us / steps / 1e3,
+                   "kernel_ms_per_step": bd.kernel_us / steps / ndev / 1e3,
+                   "busy_pct": bd.busy_pct, "top_kernels": bd.top_kernels, "notes": bd.notes})
+    record.update({k: extra.get(k) for k in ("tflops_per_device", "tflops_per_device_per_step",
+                                             "mfu_pct", "mesh", "changed", "xla_flags", "warmup")})
+    return record
+
+
 def main(args: list[str]) -> int:
     """Entry point of ``dropless profile``; returns the exit code.
 
@@ -166,10 +214,24 @@ def main(args: list[str]) -> int:
 
     resolved = resolve_args(rest)
     cfg = resolved.config
+    from dropless.perf import measure
+
+    results_dir = Path(ns.out or measure.DEFAULT_RESULTS_DIR)
+    try:  # before minutes of compiling: the record must have somewhere to go
+        results_dir.mkdir(parents=True, exist_ok=True)
+        if not os.access(results_dir, os.W_OK):
+            raise PermissionError("not writable")
+    except OSError as e:
+        print(f"dropless profile: --out {results_dir}: cannot write there ({e})", file=sys.stderr)
+        return 2
+    out = run_dir(cfg) / "profile"
+    # Before JAX starts: XLA reads its flags once.
+    os.environ["XLA_FLAGS"] = " ".join(filter(None, [
+        os.environ.get("XLA_FLAGS", ""), f"--xla_dump_to={out / 'hlo'}", "--xla_dump_hlo_as_text"]))
     applied, mesh_shape = start_runtime(cfg)
     from rich.console import Console
 
-    from dropless.perf import breakdown, measure, trace
+    from dropless.perf import breakdown, hlo, trace
 
     console = Console() if sys.stdout.isatty() else Console(width=160)
     try:
@@ -177,13 +239,13 @@ def main(args: list[str]) -> int:
     except TrainerUnavailable as e:
         print(f"dropless profile: {e}", file=sys.stderr)
         return EXIT_UNAVAILABLE
-    out = run_dir(cfg) / "profile"
     out.mkdir(parents=True, exist_ok=True)
     console.print(f"profiling {ns.steps} steps after {ns.warmup} warm-up steps -> {out}")
     capture(state, step_fn, batches, out, steps=ns.steps, warmup=ns.warmup,
             python_trace=ns.python_trace)
     path = trace.find_trace_file(out)
-    bd = breakdown.compute(trace.load_trace(path), top=ns.top)
+    bd = breakdown.compute(trace.load_trace(path), top=ns.top,
+                           hlo_ops=hlo.kernel_ops(out / "hlo", breakdown.F8_RESULT_TAG))
     step_ms = bd.wall_us / max(bd.steps, 1) / 1e3
     extra = {"model_name": cfg.model_name, "config": cfg.model_dump(mode="json"),
              "changed": {k: resolved.source(k) for k in resolved.sources}, "mesh": mesh_shape,
@@ -192,12 +254,16 @@ def main(args: list[str]) -> int:
              "commit": measure.git_commit(), **throughput(cfg, step_ms, per_step)}
     breakdown.save(bd, out / "breakdown.json", extra=extra)
     breakdown.plot(bd, out / "breakdown.png", title=f"{cfg.model_name}: where the time goes")
+    facts = {k: getattr(cfg, k) for k in RECORD_KEYS}
+    record = profile_record(bd, facts, {**extra, "warmup": ns.warmup})
+    record_path = measure.write_record(record, results_dir)
     breakdown.print_breakdown(bd, console)
     if extra.get("tflops_per_device") is not None:
         mfu = extra.get("mfu_pct")
         console.print(f"{step_ms:.2f} ms/step, {extra['tflops_per_device']:.4g} TFLOPS/device"
                       + (f", MFU {mfu:.1f}%" if mfu is not None else ""))
-    console.print(f"wrote {out / 'breakdown.json'}, {out / 'breakdown.png'}; trace {path} "
+    console.print(f"wrote {record_path}, {out / 'breakdown.json'}, {out / 'breakdown.png'}; "
+                  f"trace {path} "
                   f"(Perfetto: {path.parent / 'perfetto_trace.json.gz'})")
     return 0
 

@@ -22,6 +22,13 @@ Record fields read (aliases accepted, so the benchmarks' own formats work):
 - **moe_layer** (``benchmarks/moe_layer.py``): ``rows`` per case with
   ``fwd_ms``, ``fwd_bwd_ms``, ``*_tflops``, ``dropped_fraction``; ``split``
   with per-piece times; ``targets``.
+- **profile** (``dropless profile --out``): ``config`` with ``precision``
+  ("bf16" | "fp8"; derived from ``quantization`` / ``te_gmm_quantization``
+  when absent), ``rows`` per kernel category (``category``, ``label``,
+  ``ms_per_step``, ``pct_kernel``, ``pct_wall``), ``step_ms``,
+  ``kernel_ms_per_step``, ``tflops_per_device``. The newest record of each
+  precision is kept (keys ``profile:bf16``, ``profile:fp8``) and the two
+  render side by side.
 - **step** (``benchmarks/step.py``): ``rows`` (or ``results``/``cases``), one per
   variant: ``name`` (or ``case``/``variant``), ``tflops_per_device`` (or
   ``tflops``), optional ``tokens_per_s``, ``step_ms``, ``peak_memory_gib``,
@@ -39,7 +46,9 @@ from pathlib import Path
 from dropless.perf.measure import DEFAULT_RESULTS_DIR, REPO_ROOT
 
 DEFAULT_MD = REPO_ROOT / "benchmarks" / "RESULTS.md"
-KINDS = ("gmm", "moe_layer", "step", "fp8_kernels", "fp8_quant")
+KINDS = ("gmm", "moe_layer", "step", "fp8_kernels", "fp8_quant", "profile")
+# Kinds whose newest record is kept per variant (key "<kind>:<variant>"), rendered together.
+VARIANTS = {"profile": lambda record: profile_precision(record)}
 FP8_TARGETS = {"fwd": 1250.0, "dgrad": 1250.0, "wgrad": 1100.0}  # TF/s, kernels alone (issue 12)
 GMM_IMPLS = {"ours": "ours", "dense": "dense cuBLAS (ceiling)", "torch": "torch._grouped_mm",
              "jaxex": "jax example kernels", "ragged": "lax.ragged_dot"}
@@ -98,7 +107,8 @@ def _records_in(path: Path):
 
 
 def newest_records(results_dir: str | os.PathLike, log=print, include_cpu: bool = False) -> dict:
-    """kind -> (record, source path) of the newest valid record of each kind in ``KINDS``.
+    """kind -> (record, source path) of the newest valid record of each kind in ``KINDS``
+    (of each "kind:variant" for the kinds in ``VARIANTS``).
 
     Valid: names its GPU, jax version and commit. CPU runs (smoke tests) are
     skipped unless ``include_cpu``.
@@ -119,8 +129,9 @@ def newest_records(results_dir: str | os.PathLike, log=print, include_cpu: bool 
                 log(f"skipped {path.name} ({kind}): a CPU run")
                 continue
             when = _created(record, path)
-            if kind not in best or when > best[kind][2]:
-                best[kind] = (record, path, when)
+            key = f"{kind}:{VARIANTS[kind](record)}" if kind in VARIANTS else kind
+            if key not in best or when > best[key][2]:
+                best[key] = (record, path, when)
     return {kind: (rec, path) for kind, (rec, path, _) in best.items()}
 
 
@@ -476,6 +487,8 @@ def headlines(kind: str, record: dict) -> list[str]:
         return [f"FP8 fwd+dgrad+wgrad with quantization {path:.1f} ms = {bf16 / path:.2f}x bf16's "
                 f"{bf16:.1f} ms" + (f" (kernels alone {alone:.1f} ms = {bf16 / alone:.2f}x)"
                                     if alone else "")]
+    if kind.split(":")[0] == "profile":
+        return profile_headline(kind.partition(":")[2] or profile_precision(record), record)
     if kind == "step":
         rows = step_rows(record)
         best = max((r["tflops"] for r in rows if r["role"] != "ours" and r["tflops"]), default=None)
@@ -483,6 +496,130 @@ def headlines(kind: str, record: dict) -> list[str]:
                 + (f" = {r['tflops'] / best:.1f}x the best baseline" if best else "")
                 for r in rows if r["role"] == "ours" and r["tflops"]]
     return []
+
+# ----------------------------------------------------------------------------
+# Step profile: kernel time by category, bf16 and FP8 side by side.
+
+
+def profile_precision(record: dict) -> str:
+    """The precision of a profile record, bf16 or fp8: its ``config.precision``, else
+    derived from its quantization keys."""
+    cfg = record.get("config") or {}
+    if cfg.get("precision") in ("bf16", "fp8"):
+        return cfg["precision"]
+    quantized = cfg.get("quantization") or cfg.get("te_gmm_quantization") not in (
+        None, "", "te_no_quant")
+    return "fp8" if quantized else "bf16"
+
+
+def _profile_rows(record: dict) -> dict:
+    """category -> row of a profile record, in ``breakdown.CATEGORIES`` order first."""
+    from dropless.perf.breakdown import CATEGORIES
+
+    rows = {r["category"]: r for r in record.get("rows", []) if "category" in r}
+    order = [c for c in CATEGORIES if c in rows] + [c for c in rows if c not in CATEGORIES]
+    return {c: rows[c] for c in order}
+
+
+def _profile_facts(record: dict) -> str:
+    cfg = record.get("config") or {}
+    keys = ("model_name", "quantization", "te_gmm_quantization", "gmm_fp8_impl", "remat_policy",
+            "attention", "per_device_batch_size", "max_target_length")
+    return ", ".join(f"`{k}={cfg[k]}`" for k in keys if k in cfg and cfg[k] not in (None, ""))
+
+
+def profile_section(variants: dict, fig_dir: Path, md_dir: Path) -> str:
+    """Markdown for the newest bf16 and FP8 profiles: a table of categories and a stacked bar.
+
+    Args:
+      variants: precision ("bf16" / "fp8") -> (record, path); either may be missing.
+    """
+    names = [v for v in ("bf16", "fp8") if v in variants]
+    names += sorted(set(variants) - set(names))
+    parts = [f"## {TITLES['profile']}", ""]
+    for v in names:
+        record, path = variants[v]
+        parts.append(f"- **{v}**: {_profile_facts(record)}. {_source_line(record, path)}")
+    missing = [v for v in ("bf16", "fp8") if v not in variants]
+    if missing:
+        parts.append(f"- {', '.join(missing)}: _no profile yet_")
+    parts += ["", "Kernel time per step and device by category (`dropless profile`, "
+              "jax.profiler trace); % of summed kernel time and of the step's wall time.", ""]
+    rows = {v: _profile_rows(variants[v][0]) for v in names}
+    cats = list(dict.fromkeys(c for v in names for c in rows[v]))
+    headers = ["category"] + [f"{v} {col}" for v in names for col in ("ms/step", "% kernel",
+                                                                      "% wall")]
+    body = []
+    for c in cats:
+        label = next(rows[v][c].get("label", c) for v in names if c in rows[v])
+        cells = [label]
+        for v in names:
+            r = rows[v].get(c, {})
+            cells += [_num(r.get("ms_per_step"), ".2f"), _num(r.get("pct_kernel")),
+                      _num(r.get("pct_wall"))]
+        body.append(cells)
+    for label, key, spec in (("kernel total", "kernel_ms_per_step", ".2f"),
+                             ("step (wall)", "step_ms", ".2f"),
+                             ("TFLOPS/device", "tflops_per_device", ".0f")):
+        body.append([f"**{label}**"] + [c for v in names for c in (
+            _num(variants[v][0].get(key), spec), "-", "-")])
+    if names:
+        fig = _profile_plot({v: variants[v][0] for v in names}, fig_dir / "profile_categories.png")
+        parts += [f"![kernel time by category]({os.path.relpath(fig, md_dir)})", ""]
+    parts.append(md_table(headers, body) if cats else "_no rows in the records_")
+    return "\n".join(parts)
+
+
+def _profile_plot(records: dict, out: Path) -> Path:
+    """One stacked horizontal bar per precision: ms/step by category, then the untimed gap
+    (step wall time not covered by kernel time) hatched."""
+    from dropless.perf.breakdown import COLORS
+
+    plt = _plt()
+    fig, ax = plt.subplots(figsize=(9, 0.9 * len(records) + 1.8), dpi=110)
+    seen = set()
+    for y, (name, record) in enumerate(reversed(list(records.items()))):
+        left = 0.0
+        for c, r in _profile_rows(record).items():
+            ms = r.get("ms_per_step") or 0.0
+            label = r.get("label", c)
+            ax.barh(y, ms, left=left, color=COLORS.get(c, "#888"),
+                    label=None if label in seen else label)
+            seen.add(label)
+            left += ms
+        step = record.get("step_ms")
+        if step and step > left:
+            ax.barh(y, step - left, left=left, color="white", edgecolor="0.5", hatch="//",
+                    label=None if "no kernel" in seen else "no kernel (gaps)")
+            seen.add("no kernel")
+        total = max(left, step or 0.0)
+        tf = record.get("tflops_per_device")
+        ax.text(total, y, f" {total:.0f} ms" + (f", {tf:.0f} TFLOPS" if tf else ""),
+                va="center", fontsize=8)
+    ax.set_yticks(range(len(records)), list(reversed(list(records))))
+    ax.set_xlabel("ms per step per device")
+    right = max((max(r.get("step_ms") or 0.0, r.get("kernel_ms_per_step") or 0.0)
+                 for r in records.values()), default=1.0)
+    ax.set_xlim(0, 1.3 * right if right > 0 else 1.0)
+    ax.set_title("Training step: kernel time by category", fontsize=10)
+    ax.legend(fontsize=7, ncol=4, loc="upper center", bbox_to_anchor=(0.5, -0.25))
+    fig.tight_layout()
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(out)
+    plt.close(fig)
+    return out
+
+
+def profile_headline(name: str, record: dict) -> list[str]:
+    rows = [r for r in _profile_rows(record).values() if (r.get("pct_kernel") or 0) >= 0.5]
+    if not rows or not record.get("step_ms"):
+        return []
+    cats = ", ".join(f"{r.get('label', r['category'])} {r['pct_kernel']:.0f}%"
+                     for r in sorted(rows, key=lambda r: -r["pct_kernel"]))
+    tf = record.get("tflops_per_device")
+    return [f"step profile ({name}): {record['step_ms']:.0f} ms/step"
+            + (f", {tf:.0f} TFLOPS/device" if tf else "") + f"; kernel time: {cats}"]
+
 
 def _reached(value, target) -> str:
     """A throughput against its target (higher is better)."""
@@ -544,9 +681,11 @@ def fp8_quant_section(record: dict, path: Path, fig_dir: Path, md_dir: Path) -> 
 
 
 SECTIONS = {"gmm": gmm_section, "moe_layer": moe_section, "step": step_section,
-            "fp8_kernels": fp8_kernels_section, "fp8_quant": fp8_quant_section}
+            "profile": profile_section, "fp8_kernels": fp8_kernels_section,
+            "fp8_quant": fp8_quant_section}
 TITLES = {"gmm": "Grouped GEMM kernels", "moe_layer": "MoE layer", "step": "Training step",
-          "fp8_kernels": "FP8 grouped GEMM kernels", "fp8_quant": "FP8 quantization and the kernel path"}
+          "fp8_kernels": "FP8 grouped GEMM kernels", "fp8_quant": "FP8 quantization and the kernel path",
+          "profile": "Step profile"}
 
 
 def render(results_dir=DEFAULT_RESULTS_DIR, md_path=DEFAULT_MD, log=print,
@@ -582,13 +721,16 @@ def render(results_dir=DEFAULT_RESULTS_DIR, md_path=DEFAULT_MD, log=print,
         parts += [md_table(["kind", "file", "GPU", "jax", "commit", "created"], sources,
                            labels=6), ""]
     for kind, section in SECTIONS.items():
-        if kind in records:
-            record, path = records[kind]
+        variants = {k.partition(":")[2]: v for k, v in records.items()
+                    if kind in VARIANTS and k.startswith(kind + ":")}
+        if kind in records or variants:
+            names = ", ".join(p.name for _, p in variants.values()) or records[kind][1].name
             try:
-                parts += [section(record, path, fig_dir, md_dir), ""]
+                parts += [section(variants, fig_dir, md_dir) if variants
+                          else section(*records[kind], fig_dir, md_dir), ""]
             except Exception as e:  # noqa: BLE001 - one malformed record must not hide the rest
-                log(f"could not render {path.name}: {type(e).__name__}: {e}")
-                parts += [f"## {TITLES[kind]}", f"_could not render `{path.name}`: {e}_", ""]
+                log(f"could not render {names}: {type(e).__name__}: {e}")
+                parts += [f"## {TITLES[kind]}", f"_could not render `{names}`: {e}_", ""]
         else:
             parts += [f"## {TITLES[kind]}", "_no results yet_", ""]
     md_dir.mkdir(parents=True, exist_ok=True)

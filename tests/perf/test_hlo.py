@@ -1,0 +1,66 @@
+"""``perf.hlo``: kernel op text from optimized HLO, on HLO that XLA:CPU compiles here.
+
+The quantizer's fusions must come out tagged (its name scope, and an f8
+result for the convert), a bf16 -> f32 cast must not, and the categoriser
+then counts the quantizer as quantization through ``breakdown.compute``.
+"""
+
+import jax
+import jax.numpy as jnp
+
+from dropless.ops import quant
+from dropless.perf import breakdown, hlo
+from dropless.perf.breakdown import F8_RESULT_TAG, QUANTIZATION
+from dropless.perf.trace import KernelEvent, Trace
+
+SAMPLE = """HloModule jit_step, entry_computation_layout={(bf16[8,8]{1,0})->f32[8,8]{1,0}}
+
+ENTRY %main.3 (p: bf16[8,8]) -> (f8e4m3fn[8,8], f32[]) {
+  %p = bf16[8,8]{1,0} parameter(0)
+  %loop_convert_fusion.1 = f8e4m3fn[8,8]{1,0} fusion(%p), kind=kLoop, calls=%fc, metadata={op_name="jit(step)/fp8_quantize/convert_element_type"}
+  %cast.2 = f32[8,8]{1,0} convert(%p), metadata={op_name="jit(step)/convert_element_type"}
+  %gemm_fusion_dot.4 = f8e4m3fn[8,8]{1,0} fusion(%p, %p), kind=kCustom, calls=%gc
+  %cublas-gemm.5 = (f8e4m3fn[8,8]{1,0}, s8[0]{0}) custom-call(%p, %p), custom_call_target="__cublas$lt$matmul$f8"
+  ROOT %tuple.6 = (f8e4m3fn[8,8]{1,0}, f32[]) tuple(%loop_convert_fusion.1, %cast.2)
+}
+"""
+
+
+def test_parse_sample():
+    ops = hlo.parse(SAMPLE, F8_RESULT_TAG)
+    assert hlo.module_name(SAMPLE) == "jit_step"
+    quant_text = "jit(step)/fp8_quantize/convert_element_type " + F8_RESULT_TAG
+    assert ops["loop_convert_fusion.1"] == ops["loop_convert_fusion_1"] == quant_text
+    assert ops["cast_2"] == "jit(step)/convert_element_type"  # f32 result: not tagged
+    # GEMMs writing FP8 are not tagged (Triton GEMM fusion, cuBLASLt custom call).
+    assert "gemm_fusion_dot_4" not in ops and "cublas_gemm_5" not in ops
+    assert "tuple_6" not in ops  # a tuple holding an f8 array is no quantization
+
+
+def test_compiled_quantizer_is_quantization(tmp_path):
+    def step(x):
+        q, scale = quant.quantize_tensor(x)
+        return q, scale, x.astype(jnp.float32) * 2
+
+    text = jax.jit(step).lower(jnp.ones((16, 16), jnp.bfloat16)).compile().as_text()
+    (tmp_path / "module_0001.jit_step.cpu_after_optimizations.txt").write_text(text)
+    by_module = hlo.kernel_ops(tmp_path, F8_RESULT_TAG)
+    ops = by_module[hlo.module_name(text)]
+    tagged = [name for name, t in ops.items() if F8_RESULT_TAG in t]
+    assert tagged, "the quantizer's convert to f8 was not found"
+    assert any(breakdown.QUANT_SCOPE in t for t in ops.values())
+    assert all(breakdown.categorise(n, ops[n]) == QUANTIZATION for n in tagged)
+    # Through compute: a kernel named after a tagged instruction (no op in the trace,
+    # as in a CUDA graph) counts as quantization.
+    module = hlo.module_name(text)
+    kernels = [KernelEvent(tagged[0], "command_buffer_1", module, 0.0, 3.0, "/device:GPU:0", "s"),
+               KernelEvent("loop_add_fusion", "command_buffer_1", module, 3.0, 1.0,
+                           "/device:GPU:0", "s")]
+    bd = breakdown.compute(Trace("t", "gpu", kernels, [], ["/device:GPU:0"]), hlo_ops=by_module)
+    assert bd.pct(QUANTIZATION) == 75.0
+    assert breakdown.compute(Trace("t", "gpu", kernels, [], ["/device:GPU:0"])).pct(
+        QUANTIZATION) == 0.0
+
+
+def test_no_dump_is_empty(tmp_path):
+    assert hlo.kernel_ops(tmp_path) == {}
