@@ -94,6 +94,21 @@ def test_out_of_memory_names_the_keys_to_lower(capsys, tmp_path, monkeypatch):
                      "remat_policy=minimal (full keeps the least)", "attention=dot_product")
 
 
+def test_profile_out_of_memory_names_the_keys_to_lower(capsys, tmp_path, monkeypatch):
+    """``dropless profile`` turns the same error into the same one line."""
+    from dropless.perf import profile
+
+    def oom(*args, **kwargs):
+        raise jax.errors.JaxRuntimeError("RESOURCE_EXHAUSTED: Out of memory while trying to "
+                                         "allocate 12.00GiB.")
+
+    monkeypatch.setattr(profile, "capture", oom)
+    code = cli.main(["profile", "model_name=deepseek3-tiny", "steps=2", "--out", str(tmp_path / "rec"),
+                     f"base_output_directory={tmp_path / 'runs'}", "run_name=p"])
+    _one_line_exit_2(code, capsys.readouterr().err.strip().splitlines(), "out of device memory",
+                     "allocate 12.00GiB", "per_device_batch_size=")
+
+
 def test_resume_with_another_config_is_refused(capsys, tmp_path):
     def recorded(*overrides):
         cfg = load_config(None, ["model_name=deepseek3-tiny", f"base_output_directory={tmp_path / 'runs'}",

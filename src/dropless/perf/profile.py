@@ -241,8 +241,11 @@ def main(args: list[str]) -> int:
         return EXIT_UNAVAILABLE
     out.mkdir(parents=True, exist_ok=True)
     console.print(f"profiling {ns.steps} steps after {ns.warmup} warm-up steps -> {out}")
-    capture(state, step_fn, batches, out, steps=ns.steps, warmup=ns.warmup,
-            python_trace=ns.python_trace)
+    from dropless.train import user_errors
+
+    with user_errors.memory_errors(cfg.model(), cfg.train()):  # one line naming the keys
+        capture(state, step_fn, batches, out, steps=ns.steps, warmup=ns.warmup,
+                python_trace=ns.python_trace)
     path = trace.find_trace_file(out)
     bd = breakdown.compute(trace.load_trace(path), top=ns.top,
                            hlo_ops=hlo.kernel_ops(out / "hlo", breakdown.F8_RESULT_TAG))
