@@ -79,7 +79,9 @@ def _call(kernel, operand, grid, in_specs, out_specs, out_shape, interpret):
 def _compiler_params():
     from jax.experimental.pallas import triton as pltriton
 
-    return pltriton.CompilerParams(num_warps=4, num_stages=1)
+    # 8 warps: a 128x128 tile held in float32 is 64 values per thread (4 warps would
+    # hold 128 and spill).
+    return pltriton.CompilerParams(num_warps=8, num_stages=1)
 
 
 def _rows_kernel(a_ref, q_ref, s_ref):
