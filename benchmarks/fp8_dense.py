@@ -189,7 +189,7 @@ def rel_err(a, b) -> float:
     return float(np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-30))
 
 
-def time_shape(b, s, k, n, cfg, iters, warmup):
+def time_shape(b, s, k, n, cfg, iters, warmup, reps=None):
     """bf16 and FP8 timings, HLO checks and FP8-vs-bf16 errors of one [B*S, K] x [K, N] shape."""
     dtype, param_dtype = jnp.dtype(cfg.dtype), jnp.dtype(cfg.weight_dtype)
     w, x, dy = inputs(b, s, k, n, dtype, param_dtype)
@@ -203,7 +203,7 @@ def time_shape(b, s, k, n, cfg, iters, warmup):
                 r.update(hlo_checks(compiled.as_text()))
                 results[variant] = jax.block_until_ready(compiled(*args))
             r[f"{key}_wall_ms"] = measure.time_fn(compiled, *args, warmup=warmup,
-                                                  iters=iters)["median_ms"]
+                                                  iters=iters, reps=reps)["median_ms"]
             r[f"{key}_kernel_ms"] = cupti_ms(jax.jit(fn), args, iters)
             r[f"{key}_ms"] = r[f"{key}_kernel_ms"] or r[f"{key}_wall_ms"]
         out[variant] = r
@@ -214,8 +214,15 @@ def time_shape(b, s, k, n, cfg, iters, warmup):
     return out
 
 
-def run(tiny=False, overrides=(), iters=10, warmup=2, out_dir=measure.DEFAULT_RESULTS_DIR):
-    """Time every dense matmul, write the record and return it. Raises ConfigError on bad overrides."""
+def run(tiny=False, overrides=(), iters=10, warmup=2, out_dir=measure.DEFAULT_RESULTS_DIR,
+        reps=None):
+    """Time every dense matmul, write the record and return it.
+
+    ``reps``: calls per timing sample (None: ``time_fn`` picks about 20 ms worth).
+
+    Raises:
+      ConfigError: a bad override; ValueError: a fractional per_device_batch_size.
+    """
     used = [*(TINY_BASE if tiny else BASE), *overrides]
     cfg = resolve(used)
     resolve([*used, f"quantization={FP8}"])  # the FP8 variant must validate too
@@ -227,7 +234,7 @@ def run(tiny=False, overrides=(), iters=10, warmup=2, out_dir=measure.DEFAULT_RE
     rows = matmuls(cfg)
     record = measure.new_record("fp8_dense", {
         "overrides": used, "tiny": tiny, "tokens": t, "batch": b, "seq": s,
-        "dtype": cfg.dtype, "weight_dtype": cfg.weight_dtype, "iters": iters,
+        "dtype": cfg.dtype, "weight_dtype": cfg.weight_dtype, "iters": iters, "reps": reps,
         "quantize_output_head": cfg.quantize_output_head, "fp8": FP8,
         "layers": {"decoder": cfg.num_decoder_layers, "dense": cfg.first_num_dense_layers,
                    "moe": cfg.num_decoder_layers - cfg.first_num_dense_layers,
@@ -237,7 +244,7 @@ def run(tiny=False, overrides=(), iters=10, warmup=2, out_dir=measure.DEFAULT_RE
         k, n = row["K"], row["N"]
         if (k, n) not in cache:
             try:
-                cache[(k, n)] = time_shape(b, s, k, n, cfg, iters, warmup)
+                cache[(k, n)] = time_shape(b, s, k, n, cfg, iters, warmup, reps)
             except Exception as e:  # noqa: BLE001 - one shape failing (memory) keeps the others
                 cache[(k, n)] = {"error": f"{type(e).__name__}: {str(e).splitlines()[0][:300]}"}
         res = cache[(k, n)]
@@ -247,7 +254,8 @@ def run(tiny=False, overrides=(), iters=10, warmup=2, out_dir=measure.DEFAULT_RE
             row["error"] = res["error"]
             record["rows"].append(row)
             continue
-        row.update(bf16=res["bf16"], fp8=res["fp8"])
+        # Copies: rows of one shape share the timings but not their per-step figures.
+        row.update(bf16=dict(res["bf16"]), fp8=dict(res["fp8"]))
         for v in ("bf16", "fp8"):
             r = row[v]
             r["fwd_tflops"] = flops / r["fwd_ms"] / 1e9
@@ -327,13 +335,16 @@ def main(argv=None) -> int:
     p.add_argument("--tiny", action="store_true", help="deepseek3-tiny in bf16 (CPU smoke run)")
     p.add_argument("--iters", type=int, default=10)
     p.add_argument("--warmup", type=int, default=2)
+    p.add_argument("--reps", type=int, default=None,
+                   help="calls per timing sample (default: about 20 ms worth)")
     p.add_argument("--out", type=Path, default=measure.DEFAULT_RESULTS_DIR)
     a = p.parse_args(argv)
-    if a.iters < 1 or a.warmup < 0:
-        print(f"error: --iters {a.iters} must be >= 1 and --warmup {a.warmup} >= 0", file=sys.stderr)
+    if a.iters < 1 or a.warmup < 0 or (a.reps is not None and a.reps < 1):
+        print(f"error: --iters {a.iters} and --reps {a.reps} must be >= 1, --warmup {a.warmup} >= 0",
+              file=sys.stderr)
         return 2
     try:
-        record = run(a.tiny, a.overrides, a.iters, a.warmup, a.out)
+        record = run(a.tiny, a.overrides, a.iters, a.warmup, a.out, a.reps)
     except (ConfigError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
