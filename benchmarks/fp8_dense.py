@@ -149,7 +149,8 @@ def inputs(b: int, s: int, k: int, n: int, dtype, param_dtype, seed: int = 0):
     return w, x, dy
 
 
-_INSTR = re.compile(r"=\s*\S+\s+(dot|custom-call)\((.*)$")
+# "%name = <type, maybe a tuple with spaces> dot(...)" or "... custom-call(...)"
+_INSTR = re.compile(r"^\s*(?:ROOT\s+)?%?\S+\s*=.*?\s(dot|custom-call)\((.*)$")
 
 
 def hlo_checks(hlo: str) -> dict:

@@ -137,3 +137,18 @@ def test_bad_override_is_one_line_exit_2(bench, capsys):
     assert bench.main(["--tiny", "no_such_key=1"]) == 2
     err = capsys.readouterr().err.strip()
     assert err.startswith("error:") and "\n" not in err
+
+
+def test_hlo_checks_count_gpu_gemms_and_their_fp8_operands(bench):
+    """GPU HLO forms: cuBLASLt FP8 and cuBLAS bf16 GEMM custom-calls (tuple results), a plain
+    dot, and a custom-call that is no GEMM."""
+    hlo = "\n".join([
+        '  %custom-call.1 = (f32[8,16]{1,0}, s8[64]{0}) custom-call(f8e4m3fn[8,32]{1,0} %x, '
+        'f8e5m2[16,32]{1,0} %w, f32[] %a), custom_call_target="__cublas$lt$matmul$f8"',
+        "  ROOT %dot.3 = bf16[8,16]{1,0} dot(bf16[8,32]{1,0} %p0, bf16[32,16]{1,0} %p1), "
+        "lhs_contracting_dims={1}, rhs_contracting_dims={0}",
+        '  %cc = (bf16[8,16]{1,0}, s8[64]{0}) custom-call(bf16[8,32]{1,0} %x, bf16[32,16]{1,0} '
+        '%w), custom_call_target="__cublas$gemm"',
+        '  %r = f32[] custom-call(f32[] %x), custom_call_target="amax"',
+    ])
+    assert bench.hlo_checks(hlo) == {"f8e4m3": True, "f8e5m2": True, "dots": 3, "f8_dots": 1}
