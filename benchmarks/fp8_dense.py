@@ -1,0 +1,358 @@
+"""Do FP8 dense layers pay? Each dense matmul of the proxy in bf16 and in FP8 (current scaling).
+
+    PYTHONPATH=src python3 benchmarks/fp8_dense.py [--iters 10] [--out DIR] [key=value ...]   # GPU
+    JAX_PLATFORMS=cpu PYTHONPATH=src python3 benchmarks/fp8_dense.py --tiny                 # CPU smoke
+
+Legend: T tokens per device (``per_device_batch_size x max_target_length``),
+K the matmul's input width, N its output width; every matmul is
+``x [B, S, K] . w [K, N]``, as ``nnx.Linear`` computes it in the model.
+
+The matmuls and their shapes come from the resolved ``deepseek3-proxy`` config
+(``--tiny``: ``deepseek3-tiny`` in bfloat16), through the loader ``dropless
+train`` uses, plus any ``key=value`` overrides on the command line:
+
+  attention   MLA ``wq_a`` [D, Lq], ``wq_b`` [Lq, H*Q] (or ``wq`` [D, H*Q] when
+              Lq = 0), ``wkv_a`` [D, Lkv+R], ``wkv_b`` [Lkv, H*(N+V)], ``wo`` [H*V, D];
+              GQA ``wq``, ``wk``, ``wv``, ``wo``. In every decoder layer and MTP module.
+  dense MLP   ``wi_0``, ``wi_1`` [D, F], ``wo`` [F, D], in the first
+              ``first_num_dense_layers`` layers (and MTP modules when no layer is MoE).
+  shared      the shared experts' MLP at width ``shared_experts x moe_mlp_dim``, in
+              every MoE layer and MTP module.
+  head        ``head`` [D, vocab], once per step plus once per MTP module.
+
+Each matmul runs through the ``dot_general`` the model picks
+(``nn.model.dense_dot_general``): ``lax.dot_general`` for ``quantization=''``
+and ``ops.fp8_dot.fp8_dot_general`` (E4M3 forward, E5M2 gradients, per-tensor
+current scaling, the amax and casts timed with the products) for
+``quantization=te_fp8_currentscaling``, inside the same ``nnx.Linear``. Timed:
+the forward, and forward + backward (``jax.vjp``: the output and the
+gradients wrt x and w, random bf16 cotangent), jitted, on random data:
+wall-clock medians after warm-up (``perf.measure.time_fn``), and on the GPU
+the summed kernel time (CUPTI, ``mosaic.gpu.profiler.measure``), which the
+table uses when present. Matmuls of one shape are timed once.
+
+Per step: ``count`` is how many times the matmul runs per training step;
+per-step ms = count x fwd+bwd ms (activation recomputation under remat is not
+counted), and share = its part of all dense matmul time. The FP8 total is
+given twice: as ``quantization=te_fp8_currentscaling`` runs it (the head in
+FP8 only with ``quantize_output_head``) and with every matmul in FP8.
+
+Checks recorded per row: the optimized HLO of each FP8 fwd+bwd holds E4M3
+and E5M2 values (``f8_types``) and how many of its dots/GEMMs take FP8
+operands (``f8_dots`` of ``dots``; 3 on the GPU, where cuBLASLt runs FP8 x FP8;
+XLA:CPU converts the codes to float before its dot, so 0 there), so a
+silent bf16 fallback shows; and the FP8 output's and gradients' relative
+error against bf16 (zero would mean no FP8 rounding happened).
+
+Writes ``<out>/fp8_dense-<time>-<gpu>.json`` (kind ``fp8_dense``) and prints the table.
+"""
+
+import argparse
+import re
+import statistics
+import sys
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from dropless.nn.model import dense_dot_general
+from dropless.perf import measure
+
+BASE = ["model_name=deepseek3-proxy"]
+# The tiny preset in the proxy's dtypes, so the CPU run exercises the same bf16 path.
+TINY_BASE = ["model_name=deepseek3-tiny", "dtype=bfloat16", "weight_dtype=bfloat16"]
+FP8 = "te_fp8_currentscaling"
+DIMS = (((2,), (0,)), ((), ()))  # nnx.Linear on [B, S, K] . [K, N]
+
+
+def resolve(overrides: list[str]):
+    """The validated ``Config``. Raises ConfigError on a bad override."""
+    from dropless.config.loader import load_config
+
+    return load_config(None, overrides, environ={}).config
+
+
+def matmuls(cfg) -> list[dict]:
+    """The model's dense matmuls: [{"name", "group", "K", "N", "count", "fp8_in_model"}].
+
+    ``count`` is the number of calls per training step (forward), ``fp8_in_model``
+    whether ``quantization=te_fp8_currentscaling`` computes it in FP8 (the head
+    only with ``quantize_output_head``).
+    """
+    d, n_dense = cfg.emb_dim, cfg.first_num_dense_layers
+    n_moe = cfg.num_decoder_layers - n_dense
+    mtp = cfg.mtp_num_layers
+    attn_count = cfg.num_decoder_layers + mtp
+    rows = []
+
+    def add(group, name, k, n, count, fp8=True):
+        if count > 0:
+            rows.append({"name": f"{group}.{name}", "group": group, "K": k, "N": n,
+                         "count": count, "fp8_in_model": fp8})
+
+    if cfg.attention_type == "mla":
+        m = cfg.mla()
+        h, q = m.num_heads, m.qk_nope_head_dim + m.qk_rope_head_dim
+        if m.q_lora_rank > 0:
+            add("mla", "wq_a", d, m.q_lora_rank, attn_count)
+            add("mla", "wq_b", m.q_lora_rank, h * q, attn_count)
+        else:
+            add("mla", "wq", d, h * q, attn_count)
+        add("mla", "wkv_a", d, m.kv_lora_rank + m.qk_rope_head_dim, attn_count)
+        add("mla", "wkv_b", m.kv_lora_rank, h * (m.qk_nope_head_dim + m.v_head_dim), attn_count)
+        add("mla", "wo", h * m.v_head_dim, d, attn_count)
+    else:
+        g = cfg.gqa()
+        h, kv, hd = g.num_heads, g.num_kv_heads, g.head_dim
+        for name, n in (("wq", h * hd), ("wk", kv * hd), ("wv", kv * hd)):
+            add("gqa", name, d, n, attn_count)
+        add("gqa", "wo", h * hd, d, attn_count)
+    dense_count = n_dense + (mtp if n_moe == 0 else 0)
+    shared_count = (n_moe + mtp) if n_moe > 0 else 0
+    for group, width, count in (("mlp", cfg.mlp_dim, dense_count),
+                                ("shared", cfg.shared_experts * cfg.moe_mlp_dim,
+                                 shared_count if cfg.shared_experts > 0 else 0)):
+        add(group, "wi_0", d, width, count)
+        add(group, "wi_1", d, width, count)
+        add(group, "wo", width, d, count)
+    add("head", "head", d, cfg.vocab_size, 1 + mtp, fp8=cfg.quantize_output_head)
+    return rows
+
+
+def linear_fns(k: int, n: int, quantization: str, dtype, param_dtype):
+    """(fwd(w, x) -> y, fwd_bwd(w, x, dy) -> (y, dx, dw)) of the model's ``nnx.Linear``."""
+    dot = dense_dot_general(quantization) or jax.lax.dot_general
+    layer = nnx.Linear(k, n, use_bias=False, dtype=dtype, param_dtype=param_dtype,
+                       dot_general=dot, rngs=nnx.Rngs(0))
+    graphdef, _ = nnx.split(layer)
+
+    def fwd(w, x):
+        return nnx.merge(graphdef, nnx.State({"kernel": nnx.Param(w)}))(x)
+
+    def fwd_bwd(w, x, dy):
+        y, pullback = jax.vjp(lambda x, w: fwd(w, x), x, w)
+        dx, dw = pullback(dy)
+        return y, dx, dw
+
+    return fwd, fwd_bwd
+
+
+def inputs(b: int, s: int, k: int, n: int, dtype, param_dtype, seed: int = 0):
+    """Random (w [K, N] fan-in scaled, x [B, S, K], dy [B, S, N]), as the model sees them."""
+    kw, kx, kg = jax.random.split(jax.random.key(seed), 3)
+    w = (jax.random.normal(kw, (k, n), jnp.float32) / np.sqrt(k)).astype(param_dtype)
+    x = jax.random.normal(kx, (b, s, k), jnp.float32).astype(dtype)
+    dy = jax.random.normal(kg, (b, s, n), jnp.float32).astype(dtype)
+    return w, x, dy
+
+
+# "%name = <type, maybe a tuple with spaces> dot(...)" or "... custom-call(...)"
+_INSTR = re.compile(r"^\s*(?:ROOT\s+)?%?\S+\s*=.*?\s(dot|custom-call)\((.*)$")
+
+
+def hlo_checks(hlo: str) -> dict:
+    """FP8 evidence in optimized HLO text: f8 types present, and dots/GEMMs with f8 operands.
+
+    A dot is an HLO ``dot(...)`` or a ``custom-call`` to a cuBLAS/cuBLASLt GEMM.
+    """
+    dots = f8_dots = 0
+    for line in hlo.splitlines():
+        m = _INSTR.search(line)
+        if not m:
+            continue
+        if m.group(1) == "custom-call" and not re.search(r"gemm|matmul", line):
+            continue
+        dots += 1
+        operands = m.group(2).split("),")[0]
+        f8_dots += "f8e" in operands
+    return {"f8e4m3": "f8e4m3fn" in hlo, "f8e5m2": "f8e5m2" in hlo, "dots": dots,
+            "f8_dots": f8_dots}
+
+
+def cupti_ms(fn, args, iters):
+    """Median summed kernel time of one call (ms), or None off the GPU / without CUPTI."""
+    if jax.default_backend() != "gpu":
+        return None
+    try:
+        from jax.experimental.mosaic.gpu import profiler
+
+        _, times = profiler.measure(fn, iterations=iters)(*args)
+        return statistics.median(times)
+    except Exception:  # noqa: BLE001 - no CUPTI: wall-clock only
+        return None
+
+
+def rel_err(a, b) -> float:
+    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+    return float(np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-30))
+
+
+def time_shape(b, s, k, n, cfg, iters, warmup, reps=None):
+    """bf16 and FP8 timings, HLO checks and FP8-vs-bf16 errors of one [B*S, K] x [K, N] shape."""
+    dtype, param_dtype = jnp.dtype(cfg.dtype), jnp.dtype(cfg.weight_dtype)
+    w, x, dy = inputs(b, s, k, n, dtype, param_dtype)
+    out, results = {}, {}
+    for variant, quant in (("bf16", ""), ("fp8", FP8)):
+        fwd, fwd_bwd = linear_fns(k, n, quant, dtype, param_dtype)
+        r = {}
+        for key, fn, args in (("fwd", fwd, (w, x)), ("fwd_bwd", fwd_bwd, (w, x, dy))):
+            compiled = jax.jit(fn).lower(*args).compile()
+            if key == "fwd_bwd":
+                r.update(hlo_checks(compiled.as_text()))
+                results[variant] = jax.block_until_ready(compiled(*args))
+            r[f"{key}_wall_ms"] = measure.time_fn(compiled, *args, warmup=warmup,
+                                                  iters=iters, reps=reps)["median_ms"]
+            r[f"{key}_kernel_ms"] = cupti_ms(jax.jit(fn), args, iters)
+            r[f"{key}_ms"] = r[f"{key}_kernel_ms"] or r[f"{key}_wall_ms"]
+        out[variant] = r
+    for i, name in enumerate(("y", "dx", "dw")):
+        out["fp8"][f"rel_err_{name}"] = rel_err(results["fp8"][i], results["bf16"][i])
+        out["fp8"][f"finite_{name}"] = bool(np.all(np.isfinite(
+            np.asarray(results["fp8"][i], np.float32))))
+    return out
+
+
+def run(tiny=False, overrides=(), iters=10, warmup=2, out_dir=measure.DEFAULT_RESULTS_DIR,
+        reps=None):
+    """Time every dense matmul, write the record and return it.
+
+    ``reps``: calls per timing sample (None: ``time_fn`` picks about 20 ms worth).
+
+    Raises:
+      ConfigError: a bad override; ValueError: a fractional per_device_batch_size.
+    """
+    used = [*(TINY_BASE if tiny else BASE), *overrides]
+    cfg = resolve(used)
+    resolve([*used, f"quantization={FP8}"])  # the FP8 variant must validate too
+    b, s = cfg.per_device_batch_size, cfg.max_target_length
+    if b != int(b):
+        raise ValueError(f"per_device_batch_size={b} must be whole for this benchmark")
+    b = int(b)
+    t = b * s
+    rows = matmuls(cfg)
+    record = measure.new_record("fp8_dense", {
+        "overrides": used, "tiny": tiny, "tokens": t, "batch": b, "seq": s,
+        "dtype": cfg.dtype, "weight_dtype": cfg.weight_dtype, "iters": iters, "reps": reps,
+        "quantize_output_head": cfg.quantize_output_head, "fp8": FP8,
+        "layers": {"decoder": cfg.num_decoder_layers, "dense": cfg.first_num_dense_layers,
+                   "moe": cfg.num_decoder_layers - cfg.first_num_dense_layers,
+                   "mtp": cfg.mtp_num_layers}})
+    cache = {}
+    for row in rows:
+        k, n = row["K"], row["N"]
+        if (k, n) not in cache:
+            try:
+                cache[(k, n)] = time_shape(b, s, k, n, cfg, iters, warmup, reps)
+            except Exception as e:  # noqa: BLE001 - one shape failing (memory) keeps the others
+                cache[(k, n)] = {"error": f"{type(e).__name__}: {str(e).splitlines()[0][:300]}"}
+        res = cache[(k, n)]
+        flops = 2.0 * t * k * n
+        row.update(T=t, flops_fwd=flops, flops_fwd_bwd=3 * flops)
+        if "error" in res:
+            row["error"] = res["error"]
+            record["rows"].append(row)
+            continue
+        # Copies: rows of one shape share the timings but not their per-step figures.
+        row.update(bf16=dict(res["bf16"]), fp8=dict(res["fp8"]))
+        for v in ("bf16", "fp8"):
+            r = row[v]
+            r["fwd_tflops"] = flops / r["fwd_ms"] / 1e9
+            r["fwd_bwd_tflops"] = 3 * flops / r["fwd_bwd_ms"] / 1e9
+            r["step_ms"] = row["count"] * r["fwd_bwd_ms"]
+        row["speedup_fwd"] = row["bf16"]["fwd_ms"] / row["fp8"]["fwd_ms"]
+        row["speedup_fwd_bwd"] = row["bf16"]["fwd_bwd_ms"] / row["fp8"]["fwd_bwd_ms"]
+        record["rows"].append(row)
+    record["totals"] = totals(record["rows"])
+    record["path"] = str(measure.write_record(record, out_dir))
+    return record
+
+
+def totals(rows) -> dict:
+    """Per-step dense matmul ms in bf16, in FP8 as configured and all FP8; shares per row."""
+    ok = [r for r in rows if "error" not in r]
+    bf16 = sum(r["bf16"]["step_ms"] for r in ok)
+    fp8_all = sum(r["fp8"]["step_ms"] for r in ok)
+    fp8_model = sum(r["fp8" if r["fp8_in_model"] else "bf16"]["step_ms"] for r in ok)
+    for r in ok:
+        r["share_bf16_pct"] = 100 * r["bf16"]["step_ms"] / bf16 if bf16 else None
+        r["share_fp8_pct"] = 100 * r["fp8"]["step_ms"] / fp8_all if fp8_all else None
+    return {"step_ms_bf16": bf16, "step_ms_fp8_as_configured": fp8_model,
+            "step_ms_fp8_all": fp8_all,
+            "speedup_as_configured": bf16 / fp8_model if fp8_model else None,
+            "speedup_all": bf16 / fp8_all if fp8_all else None,
+            "failed": [r["name"] for r in rows if "error" in r],
+            "time_source": "kernel (CUPTI)" if ok and ok[0]["bf16"]["fwd_kernel_ms"] else "wall"}
+
+
+def _f(x, spec=".2f"):
+    return "-" if x is None else format(x, spec)
+
+
+def print_table(record, console=None):
+    from rich.console import Console
+    from rich.table import Table
+
+    console = console or (Console() if sys.stdout.isatty() else Console(width=170))
+    c, tot = record["config"], record["totals"]
+    table = Table(title=f"Dense matmuls, bf16 vs {FP8} (scaling included), T={c['tokens']}, "
+                        f"{tot['time_source']} ms, on {record['device']['gpu']}")
+    cols = ("matmul", "K x N", "count", "bf16 fwd+bwd ms", "TF/s", "fp8 fwd+bwd ms", "TF/s ",
+            "speed-up", "fwd speed-up", "bf16 ms/step", "share", "fp8 ms/step", "f8 dots",
+            "fp8 rel err y/dx/dw")
+    for col in cols:
+        table.add_column(col, justify="left" if col in ("matmul", "K x N") else "right")
+    for r in record["rows"]:
+        if "error" in r:
+            table.add_row(r["name"], f"{r['K']} x {r['N']}", str(r["count"]),
+                          f"[red]{r['error'][:80]}[/]", *[""] * (len(cols) - 4))
+            continue
+        b, f = r["bf16"], r["fp8"]
+        name = r["name"] + ("" if r["fp8_in_model"] else " *")
+        f8 = f"{f['f8_dots']}/{f['dots']}" + ("" if f["f8e4m3"] and f["f8e5m2"] else " [red]no f8[/]")
+        table.add_row(name, f"{r['K']} x {r['N']}", str(r["count"]), _f(b["fwd_bwd_ms"], ".3f"),
+                      _f(b["fwd_bwd_tflops"], ".0f"), _f(f["fwd_bwd_ms"], ".3f"),
+                      _f(f["fwd_bwd_tflops"], ".0f"), _f(r["speedup_fwd_bwd"]) + "x",
+                      _f(r["speedup_fwd"]) + "x", _f(b["step_ms"], ".2f"),
+                      _f(r["share_bf16_pct"], ".1f") + "%", _f(f["step_ms"], ".2f"), f8,
+                      "/".join(f"{f[f'rel_err_{v}']:.1e}" for v in ("y", "dx", "dw")))
+    table.add_row("total per step", "", "", "", "", "", "", _f(tot["speedup_as_configured"]) + "x",
+                  "", _f(tot["step_ms_bf16"]), "100%", _f(tot["step_ms_fp8_as_configured"]), "", "",
+                  style="bold")
+    table.caption = (f"* not FP8 in the model unless quantize_output_head (now "
+                     f"{c['quantize_output_head']}); all matmuls in FP8: "
+                     f"{_f(tot['step_ms_fp8_all'])} ms/step, {_f(tot['speedup_all'])}x. "
+                     f"f8 dots: dots with FP8 operands / all dots in the fwd+bwd HLO.")
+    console.print(table)
+
+
+def main(argv=None) -> int:
+    from dropless.config.loader import ConfigError
+
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("overrides", nargs="*", help="config key=value overrides")
+    p.add_argument("--tiny", action="store_true", help="deepseek3-tiny in bf16 (CPU smoke run)")
+    p.add_argument("--iters", type=int, default=10)
+    p.add_argument("--warmup", type=int, default=2)
+    p.add_argument("--reps", type=int, default=None,
+                   help="calls per timing sample (default: about 20 ms worth)")
+    p.add_argument("--out", type=Path, default=measure.DEFAULT_RESULTS_DIR)
+    a = p.parse_args(argv)
+    if a.iters < 1 or a.warmup < 0 or (a.reps is not None and a.reps < 1):
+        print(f"error: --iters {a.iters} and --reps {a.reps} must be >= 1, --warmup {a.warmup} >= 0",
+              file=sys.stderr)
+        return 2
+    try:
+        record = run(a.tiny, a.overrides, a.iters, a.warmup, a.out, a.reps)
+    except (ConfigError, ValueError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    print_table(record)
+    print(f"wrote {record['path']}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
