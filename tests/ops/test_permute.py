@@ -186,3 +186,13 @@ def test_bad_args_raise():
         P.unpermute(jnp.zeros((8, 5)), jnp.zeros((4, 3)), plan)
     with pytest.raises(ValueError, match="y_PD"):
         P.unpermute(jnp.zeros((9, 5)), jnp.zeros((4, 2)), plan)
+
+
+def test_aligned_buffer_is_whole_blocks():
+    """With alignment, P is the worst-case padding rounded up to whole blocks: the FP8
+    kernels take it without padding it again (DeepSeek-V3's proxy: 8192 tokens x 8
+    copies over 32 experts at 128 -> 69600 rounded to 69632)."""
+    assert P.buffer_rows(65536, 32, 128) == 69632
+    assert P.buffer_rows(65536, 32, 1) == 65536
+    plan = P.make_plan(jnp.zeros((3, 2), jnp.int32), 4, alignment=8)
+    assert plan.copy_of_row_P.shape == (40,)  # worst case 6 + 4 * 7 = 34, in blocks of 8

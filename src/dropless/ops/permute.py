@@ -2,7 +2,8 @@
 
 Legend: T tokens, K experts per token, C = T*K token copies (copy ``c = t*K +
 j`` is token t's j-th choice), E experts, D features, P rows of the permuted
-buffer (P = C, or C + E*(alignment-1) with alignment).
+buffer (P = C, or C + E*(alignment-1) rounded up to a multiple of the
+alignment).
 
 ``make_plan`` turns the router's ``experts_TK`` into index maps; ``permute``
 gathers token rows into an expert-sorted buffer ``x_PD`` whose rows of expert
@@ -46,8 +47,11 @@ class PermutePlan(NamedTuple):
 
 
 def buffer_rows(num_copies, num_experts, alignment=1):
-    """Static size P of the permuted buffer: the worst case of the padding."""
-    return num_copies + num_experts * (alignment - 1)
+    """Static size P of the permuted buffer: the worst case of the padding, rounded up
+    to a multiple of ``alignment`` (so a kernel that works in blocks of that many rows,
+    as the FP8 kernels do in 128, takes the buffer without padding it again)."""
+    worst = num_copies + num_experts * (alignment - 1)
+    return -(-worst // alignment) * alignment
 
 
 def make_plan(experts_TK, num_experts, alignment=1):
