@@ -232,3 +232,21 @@ def test_profile_bf16_only(tmp_path):
     assert "| category | bf16 ms/step | bf16 % kernel | bf16 % wall |\n" in text
     assert "fp8 ms/step" not in text and "- step profile (bf16): 500 ms/step" in text
     assert (tmp_path / "figures" / "profile_categories.png").exists()
+
+
+def test_fp8_dense_section(tmp_path):
+    """fp8_dense.py's record: per-matmul bf16 and FP8 times, speed-up, share, FP8 dot count."""
+    d = tmp_path / "r"
+    d.mkdir()
+    row = {"name": "mla.wq_a", "K": 7168, "N": 1536, "count": 4, "fp8_in_model": True,
+           "bf16": {"fwd_bwd_ms": 2.0, "dots": 3, "f8_dots": 0},
+           "fp8": {"fwd_bwd_ms": 1.6, "dots": 3, "f8_dots": 3}, "share_bf16_pct": 12.5}
+    head = {**row, "name": "head.head", "K": 7168, "N": 129280, "count": 1, "fp8_in_model": False}
+    rec = {"kind": "fp8_dense", "created": "2026-12-02T10:00:00+00:00", **PROV, "rows": [row, head],
+           "totals": {"step_ms_bf16": 10.0, "step_ms_fp8_as_configured": 8.0, "step_ms_fp8_all": 7.5,
+                      "time_source": "cupti"}}
+    (d / "f.json").write_text(json.dumps(rec))
+    text = report.render(d, tmp_path / "R.md", log=lambda _: None).read_text()
+    assert "| mla.wq_a | 7168 x 1536 | 4 | 2.000 | 1.600 | 1.25x | 12.5 | 3/3 |" in text
+    assert "| head.head | 7168 x 129280 | 1 | 2.000 | 1.600 | 1.25x | 12.5 | 3/3 (bf16 in the model) |" in text
+    assert "FP8 as configured 8.00 ms (1.25x), every matmul in FP8 7.50 ms (1.33x); times by cupti." in text

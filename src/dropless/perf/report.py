@@ -46,7 +46,7 @@ from pathlib import Path
 from dropless.perf.measure import DEFAULT_RESULTS_DIR, REPO_ROOT
 
 DEFAULT_MD = REPO_ROOT / "benchmarks" / "RESULTS.md"
-KINDS = ("gmm", "moe_layer", "step", "fp8_kernels", "fp8_quant", "profile")
+KINDS = ("gmm", "moe_layer", "step", "fp8_kernels", "fp8_quant", "profile", "fp8_dense")
 # Kinds whose newest record is kept per variant (key "<kind>:<variant>"), rendered together.
 VARIANTS = {"profile": lambda record: profile_precision(record)}
 FP8_TARGETS = {"fwd": 1250.0, "dgrad": 1250.0, "wgrad": 1100.0}  # TF/s, kernels alone (issue 12)
@@ -680,12 +680,36 @@ def fp8_quant_section(record: dict, path: Path, fig_dir: Path, md_dir: Path) -> 
     return "\n".join(parts)
 
 
+def fp8_dense_section(record: dict, path: Path, fig_dir: Path, md_dir: Path) -> str:
+    """Markdown for the dense matmuls in bf16 against te_fp8_currentscaling (fp8_dense.py)."""
+    rows = [r for r in record.get("rows", []) if "bf16" in r and "fp8" in r]
+    body = [[r["name"], f"{r['K']} x {r['N']}", str(r["count"]),
+             _num(r["bf16"].get("fwd_bwd_ms"), ".3f"), _num(r["fp8"].get("fwd_bwd_ms"), ".3f"),
+             _ratio(r["bf16"].get("fwd_bwd_ms"), r["fp8"].get("fwd_bwd_ms")),
+             _num(r.get("share_bf16_pct"), ".1f"),
+             f"{r['fp8'].get('f8_dots', '?')}/{r['fp8'].get('dots', '?')}"
+             + ("" if r.get("fp8_in_model", True) else " (bf16 in the model)")] for r in rows]
+    t = record.get("totals") or {}
+    parts = [f"## {TITLES['fp8_dense']}", _source_line(record, path), "",
+             md_table(["matmul", "K x N", "per step", "bf16 fwd+bwd ms", "FP8 fwd+bwd ms",
+                       "FP8 speed-up", "share of bf16 time %", "FP8 dots"], body)
+             if body else "_no rows in the record_"]
+    if t:
+        parts += ["", f"Per step: bf16 {_num(t.get('step_ms_bf16'), '.2f')} ms, FP8 as configured "
+                      f"{_num(t.get('step_ms_fp8_as_configured'), '.2f')} ms "
+                      f"({_ratio(t.get('step_ms_bf16'), t.get('step_ms_fp8_as_configured'))}), every "
+                      f"matmul in FP8 {_num(t.get('step_ms_fp8_all'), '.2f')} ms "
+                      f"({_ratio(t.get('step_ms_bf16'), t.get('step_ms_fp8_all'))}); times by "
+                      f"{t.get('time_source', '?')}."]
+    return "\n".join(parts)
+
+
 SECTIONS = {"gmm": gmm_section, "moe_layer": moe_section, "step": step_section,
             "profile": profile_section, "fp8_kernels": fp8_kernels_section,
-            "fp8_quant": fp8_quant_section}
+            "fp8_quant": fp8_quant_section, "fp8_dense": fp8_dense_section}
 TITLES = {"gmm": "Grouped GEMM kernels", "moe_layer": "MoE layer", "step": "Training step",
           "fp8_kernels": "FP8 grouped GEMM kernels", "fp8_quant": "FP8 quantization and the kernel path",
-          "profile": "Step profile"}
+          "profile": "Step profile", "fp8_dense": "FP8 dense matmuls"}
 
 
 def render(results_dir=DEFAULT_RESULTS_DIR, md_path=DEFAULT_MD, log=print,
