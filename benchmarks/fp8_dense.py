@@ -339,7 +339,10 @@ def main(argv=None) -> int:
     p.add_argument("--reps", type=int, default=None,
                    help="calls per timing sample (default: about 20 ms worth)")
     p.add_argument("--out", type=Path, default=measure.DEFAULT_RESULTS_DIR)
+    p.add_argument("--quick", action="store_true", help="5 timed iterations")
     a = p.parse_args(argv)
+    if a.quick:
+        a.iters = min(a.iters, 5)
     if a.iters < 1 or a.warmup < 0 or (a.reps is not None and a.reps < 1):
         print(f"error: --iters {a.iters} and --reps {a.reps} must be >= 1, --warmup {a.warmup} >= 0",
               file=sys.stderr)

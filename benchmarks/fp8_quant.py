@@ -147,7 +147,10 @@ def main(argv=None):
     p.add_argument("--out", default=str(measure.DEFAULT_RESULTS_DIR))
     p.add_argument("--smoke", action="store_true", help="tiny shape, passes only (CPU check)")
     p.add_argument("--no-breakdown", action="store_true", help="skip the profiler breakdown")
+    p.add_argument("--quick", action="store_true", help="5 iterations, no breakdown")
     a = p.parse_args(argv)
+    if a.quick:
+        a.iters, a.no_breakdown = min(a.iters, 5), True
     m, g, k, n = (256, 2, 256, 256) if a.smoke else map(int, a.shape.split(","))
     rng = np.random.default_rng(0)
     x = jnp.asarray(rng.standard_normal((m, k)), jnp.bfloat16)

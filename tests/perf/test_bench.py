@@ -62,7 +62,8 @@ def bench_dir(tmp_path):
 def test_bench_runs_all_styles_and_reports_failures(bench_dir, tmp_path, monkeypatch, capsys):
     monkeypatch.setenv("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
     out = tmp_path / "results"
-    code = bench.main(["--quick", "--out", str(out), "--benchmarks-dir", str(bench_dir)])
+    code = bench.main(["--quick", "--out", str(out), "--benchmarks-dir", str(bench_dir),
+                       "--only", "gmm,moe_layer,step"])
     assert code == 1  # step.py is missing
     [bundle_path] = [p for p in out.glob("*.json") if p.name[0].isdigit()]
     bundle = json.loads(bundle_path.read_text())
@@ -92,17 +93,19 @@ def test_bench_rejects_unknown_benchmarks(tmp_path):
 
 
 def test_real_benchmarks_tiny_and_quick(tmp_path):
-    # The real moe_layer.py and step.py through bench with --tiny --quick: every flag bench
+    # The real moe_layer.py, step.py, fp8_quant.py and fp8_dense.py through bench with
+    # --tiny --quick: every flag bench
     # passes must be accepted and every record must come back (a --quick that step.py
     # rejected once failed the whole step benchmark). gmm.py's --smoke mode runs Pallas
     # interpret mode, too slow for the suite.
     out = tmp_path / "results"
-    code = bench.main(["--tiny", "--quick", "--only", "moe_layer,step", "--out", str(out),
-                       "--md", str(tmp_path / "RESULTS.md")])
-    bundle = json.loads(next(p for p in out.glob("*.json") if "-" in p.name
-                             and not p.name.startswith(("moe_layer", "step"))).read_text())
+    code = bench.main(["--tiny", "--quick", "--only", "moe_layer,step,fp8_quant,fp8_dense",
+                       "--out", str(out), "--md", str(tmp_path / "RESULTS.md")])
+    bundle = json.loads(next(p for p in out.glob("*.json") if p.name[0].isdigit()).read_text())
     assert code == 0, {k: r.get("error") for k, r in bundle["records"].items()}
     step = bundle["records"]["step"]
     assert [r["case"] for r in step["cases"]] == ["xla", "capacity", "ours"]
     assert all("step_time_s" in r for r in step["cases"])
     assert bundle["records"]["moe_layer"]["config"]["tiny"] is True
+    assert bundle["records"]["fp8_quant"]["kind"] == "fp8_quant"
+    assert {r["name"] for r in bundle["records"]["fp8_dense"]["rows"]} >= {"mla.wq_a", "shared.wo"}

@@ -1,9 +1,10 @@
-"""``dropless bench [--quick] [--tiny] [--out DIR] [--only gmm,moe_layer,step]``: the benchmark matrix.
+"""``dropless bench [--quick] [--tiny] [--out DIR] [--only gmm,moe_layer,...]``: the benchmark matrix.
 
 Runs, in this one process on this machine's GPU, the standard benchmarks of
 ``benchmarks/``: ``gmm.py`` (grouped GEMM kernels), ``moe_layer.py`` (one
-DeepSeek-V3 MoE layer) and ``step.py`` (training step TFLOPS/device), in that
-order (gmm first: it shares the GPU with torch, so JAX must not have
+DeepSeek-V3 MoE layer), ``step.py`` (training step TFLOPS/device),
+``fp8_quant.py`` (the FP8 grouped GEMMs' quantization passes and kernel path)
+and ``fp8_dense.py`` (the dense matmuls in bf16 and FP8), in that order (gmm first: it shares the GPU with torch, so JAX must not have
 preallocated memory). Each benchmark writes its own record to ``DIR``; this
 command also writes the bundle ``DIR/<YYYYmmdd-HHMMSS>-<gpu>.json`` holding
 every record (or the error that stopped a benchmark), then renders the
@@ -11,7 +12,7 @@ results page: ``benchmarks/RESULTS.md`` when ``DIR`` is the default
 ``benchmarks/results``, else ``DIR/RESULTS.md``.
 
 A benchmark module is called as ``run(quick=..., out_dir=...) -> record`` if
-it has ``run``, else through its ``main`` with command-line flags ``--out DIR``
+it has a ``run`` taking those, else through its ``main`` with command-line flags ``--out DIR``
 (plus ``--quick``, and ``--commit SHA`` when the commit is known; flags it
 rejects are dropped and it is called again), and its record is the newest
 ``<kind>-*.json`` it wrote. A missing or failing benchmark is reported and
@@ -34,7 +35,7 @@ import time
 import traceback
 from pathlib import Path
 
-BENCHMARKS = ("gmm", "moe_layer", "step")
+BENCHMARKS = ("gmm", "moe_layer", "step", "fp8_quant", "fp8_dense")
 
 
 def load_module(kind: str, bench_dir: Path):
@@ -82,7 +83,8 @@ def _newest_record(kind: str, out: Path, since: float) -> Path | None:
 
 
 # The CPU-sized mode of each benchmark (``--tiny``): a smoke run of the whole matrix.
-TINY_FLAGS = {"gmm": ["--smoke"], "moe_layer": ["--tiny"], "step": ["--tiny"]}
+TINY_FLAGS = {"gmm": ["--smoke"], "moe_layer": ["--tiny"], "step": ["--tiny"],
+              "fp8_quant": ["--smoke"], "fp8_dense": ["--tiny"]}
 
 
 def run_one(kind: str, bench_dir: Path, out: Path, quick: bool, commit: str | None,
@@ -90,8 +92,10 @@ def run_one(kind: str, bench_dir: Path, out: Path, quick: bool, commit: str | No
     """Run one benchmark; its record, or ``{"error": ...}``."""
     start = time.time()
     module = load_module(kind, bench_dir)
-    if hasattr(module, "run") and not tiny:
-        return module.run(quick=quick, out_dir=out)
+    run = getattr(module, "run", None)
+    if run is not None and not tiny and {"quick", "out_dir"} <= set(
+            inspect.signature(run).parameters):
+        return run(quick=quick, out_dir=out)
     if not hasattr(module, "main"):
         return {"error": f"benchmarks/{kind}.py has neither run() nor main()"}
     base = ["--out", str(out)] + (["--quick"] if quick else [])
