@@ -80,6 +80,14 @@ def assert_bitwise_equal(a, b) -> None:
         assert np.array_equal(x.view(np.uint8), y.view(np.uint8)), jax.tree_util.keystr(path)
 
 
+def assert_same_tensors(got: dict[str, np.ndarray], want: dict[str, np.ndarray]) -> None:
+    """Two tensor dicts (``read_all``) with the same names, dtypes and bytes."""
+    assert sorted(got) == sorted(want)
+    for name in want:
+        assert got[name].dtype == want[name].dtype, name
+        np.testing.assert_array_equal(got[name].view(np.uint8), want[name].view(np.uint8), err_msg=name)
+
+
 def read_all(path: str) -> dict[str, np.ndarray]:
     """Every tensor of a fixture directory, in its file dtype (FP8 as ml_dtypes)."""
     tdir = TensorDir(path)

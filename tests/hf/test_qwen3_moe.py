@@ -26,8 +26,8 @@ import jax
 import numpy as np
 import orbax.checkpoint as ocp
 import pytest
-from hf_fixture import (QWEN3, assert_bitwise_equal, load_model, load_params, logits_and_experts, model_cfg,
-                        read_all, rel_fro)
+from hf_fixture import (QWEN3, assert_bitwise_equal, assert_same_tensors, load_model, load_params,
+                        logits_and_experts, model_cfg, read_all, rel_fro)
 
 from dropless import cli
 from dropless.config import hf_config
@@ -126,11 +126,7 @@ def test_bf16_export_is_the_published_directory(tmp_path):
     src = os.path.join(QWEN3, "published")
     cfg = model_cfg(src)
     write_hf(load_params(src, cfg), cfg, str(tmp_path), dtype="bfloat16", max_shard_bytes=40_000)
-    got, want = read_all(str(tmp_path)), read_all(src)
-    assert sorted(got) == sorted(want)
-    for name in want:
-        assert got[name].dtype == want[name].dtype, name
-        np.testing.assert_array_equal(got[name].view(np.uint8), want[name].view(np.uint8), err_msg=name)
+    assert_same_tensors(read_all(str(tmp_path)), read_all(src))
     written = json.load(open(tmp_path / "config.json"))
     assert hf_config.model_keys(written) == hf_config.model_keys(_config_json())
 

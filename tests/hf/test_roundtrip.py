@@ -8,7 +8,7 @@ import os
 import numpy as np
 import orbax.checkpoint as ocp
 import pytest
-from hf_fixture import assert_bitwise_equal, load_params, model_cfg, read_all
+from hf_fixture import assert_bitwise_equal, assert_same_tensors, load_params, model_cfg, read_all
 
 from dropless import cli
 from dropless.hf.export import write_hf
@@ -21,11 +21,7 @@ def test_bf16_export_is_the_published_directory(fixtures, tmp_path):
     src = os.path.join(fixtures, "published")
     cfg = model_cfg(src)
     write_hf(load_params(src, cfg), cfg, str(tmp_path), dtype="bfloat16", max_shard_bytes=40_000)
-    got, want = read_all(str(tmp_path)), read_all(src)
-    assert sorted(got) == sorted(want)
-    for name in want:
-        assert got[name].dtype == want[name].dtype, name
-        np.testing.assert_array_equal(got[name].view(np.uint8), want[name].view(np.uint8), err_msg=name)
+    assert_same_tensors(read_all(str(tmp_path)), read_all(src))
     assert len(set(json.load(open(tmp_path / "model.safetensors.index.json"))["weight_map"].values())) > 1
 
 

@@ -1,6 +1,5 @@
 """benchmarks/fp8_dense.py on the tiny preset: the matmul list, the record, and the FP8 numerics."""
 
-import importlib.util
 import json
 from pathlib import Path
 
@@ -10,16 +9,14 @@ import numpy as np
 import pytest
 
 from dropless.ops import quant
+from dropless.perf.bench import load_module
 
 REPO = Path(__file__).parents[2]
 
 
 @pytest.fixture(scope="module")
 def bench():
-    spec = importlib.util.spec_from_file_location("fp8_dense", REPO / "benchmarks" / "fp8_dense.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_module("fp8_dense", REPO / "benchmarks")
 
 
 @pytest.fixture(scope="module")

@@ -9,15 +9,14 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from dropless.perf.bench import load_module
+
 REPO = Path(__file__).parents[2]
 
 
 @pytest.fixture(scope="module")
 def bench():
-    spec = importlib.util.spec_from_file_location("moe_layer", REPO / "benchmarks" / "moe_layer.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_module("moe_layer", REPO / "benchmarks")
 
 
 def test_expert_flops_match_torchtitans_figure(bench):

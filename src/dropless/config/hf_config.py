@@ -25,6 +25,20 @@ class HFConfigError(ValueError):
     """A Hugging Face config.json that is missing, unreadable or describes an unsupported model."""
 
 
+def _require(hf: dict, checks, keys, model_type: str) -> None:
+    """Refuse a config.json whose ``checks`` keys (key, the only value supported) differ
+    or that lacks one of ``keys``.
+
+    Raises:
+      HFConfigError: the first such key.
+    """
+    for key, want in checks:
+        if key in hf and hf[key] != want:
+            raise HFConfigError(f"config.json {key}={hf[key]!r} is not supported (only {want!r})")
+    missing = [k for k in keys if k not in hf]
+    if missing:
+        raise HFConfigError(f"config.json has no {missing[0]!r} (model_type {model_type})")
+
 def read_config_json(path: str) -> dict:
     """``DIR/config.json`` as a dict.
 
@@ -129,12 +143,7 @@ def deepseek_v3_keys(hf: dict) -> dict[str, Any]:
         ("rope_interleave", True), ("moe_layer_freq", 1), ("scoring_func", "sigmoid"),
         ("topk_method", "noaux_tc"),
     )
-    for key, want in checks:
-        if key in hf and hf[key] != want:
-            raise HFConfigError(f"config.json {key}={hf[key]!r} is not supported (only {want!r})")
-    missing = [k for k in DEEPSEEK_V3_KEYS.values() if k not in hf]
-    if missing:
-        raise HFConfigError(f"config.json has no {missing[0]!r} (model_type deepseek_v3)")
+    _require(hf, checks, DEEPSEEK_V3_KEYS.values(), "deepseek_v3")
     if hf["rms_norm_eps"] != _LATENT_NORM_EPS:
         raise HFConfigError(f"config.json rms_norm_eps={hf['rms_norm_eps']} is not supported: "
                             f"transformers' MLA latent norms use {_LATENT_NORM_EPS} whatever it says")
@@ -269,12 +278,7 @@ def qwen3_moe_keys(hf: dict) -> dict[str, Any]:
         ("hidden_act", "silu"), ("tie_word_embeddings", False), ("attention_bias", False),
         ("use_sliding_window", False), ("decoder_sparse_step", 1),
     )
-    for key, want in checks:
-        if key in hf and hf[key] != want:
-            raise HFConfigError(f"config.json {key}={hf[key]!r} is not supported (only {want!r})")
-    missing = [k for k in QWEN3_MOE_KEYS.values() if k not in hf]
-    if missing:
-        raise HFConfigError(f"config.json has no {missing[0]!r} (model_type qwen3_moe)")
+    _require(hf, checks, QWEN3_MOE_KEYS.values(), "qwen3_moe")
     if hf["num_experts"] < 1:
         raise HFConfigError(f"config.json num_experts={hf['num_experts']} is not supported "
                             "(a Qwen3-MoE with experts; dense Qwen3 is model_type qwen3)")

@@ -113,6 +113,14 @@ def fused_attention(q_BSHQ, k_BTHQ, v_BTHV, *, scale: float, implementation="cud
     return out_BSHQ[..., :v_dim]
 
 
+def attend(q, k, v, *, scale: float, attention: str) -> jax.Array:
+    """Softmax attention by the ``attention`` key: ``cudnn_flash_te`` (cuDNN flash
+    attention) or ``dot_product`` (XLA). k and v may have fewer heads than q (GQA)."""
+    if attention == "cudnn_flash_te":
+        return fused_attention(q, k, v, scale=scale, implementation="cudnn")
+    return dot_product_attention(q, k, v, scale=scale)
+
+
 class MLA(nnx.Module):
     """Multi-head Latent Attention ``[B, S, D] -> [B, S, D]``, causal.
 
@@ -196,10 +204,7 @@ class MLA(nnx.Module):
         v_BSHV = checkpoint_name(v_BSHV, "value_proj")
 
         scale = rope.yarn_softmax_scale(cfg)
-        if cfg.attention == "cudnn_flash_te":
-            out_BSHV = fused_attention(q_BSHQ, k_BSHQ, v_BSHV, scale=scale, implementation="cudnn")
-        else:
-            out_BSHV = dot_product_attention(q_BSHQ, k_BSHQ, v_BSHV, scale=scale)
-        out_BSHV = checkpoint_name(out_BSHV, "context")
+        out_BSHV = checkpoint_name(attend(q_BSHQ, k_BSHQ, v_BSHV, scale=scale,
+                                          attention=cfg.attention), "context")
         y_BSD = self.wo(out_BSHV.reshape(b, s, h * v_dim))
         return checkpoint_name(y_BSD, "out_proj")

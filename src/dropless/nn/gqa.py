@@ -25,8 +25,7 @@ from jax.ad_checkpoint import checkpoint_name
 
 from dropless.config.sections import GQAConfig
 from dropless.nn import rope
-from dropless.nn.attention import (ATTENTION_BACKENDS, default_kernel_init, dot_product_attention,
-                                   fused_attention)
+from dropless.nn.attention import ATTENTION_BACKENDS, attend, default_kernel_init
 
 
 def check_gqa_config(cfg: GQAConfig, dtype) -> None:
@@ -107,10 +106,7 @@ class GQA(nnx.Module):
         v_BSKD = checkpoint_name(v_BSKD, "value_proj")
 
         scale = hd**-0.5
-        if cfg.attention == "cudnn_flash_te":
-            out_BSHD = fused_attention(q_BSHD, k_BSKD, v_BSKD, scale=scale, implementation="cudnn")
-        else:
-            out_BSHD = dot_product_attention(q_BSHD, k_BSKD, v_BSKD, scale=scale)
-        out_BSHD = checkpoint_name(out_BSHD, "context")
+        out_BSHD = checkpoint_name(attend(q_BSHD, k_BSKD, v_BSKD, scale=scale,
+                                          attention=cfg.attention), "context")
         y_BSD = self.wo(out_BSHD.reshape(b, s, h * hd))
         return checkpoint_name(y_BSD, "out_proj")

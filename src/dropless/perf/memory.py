@@ -216,18 +216,18 @@ def _standin_attention(q_BSHQ, k_BTHQ, v_BTHV, *, scale: float, implementation="
 @contextlib.contextmanager
 def _traceable_attention(model: ModelConfig):
     """Swap cuDNN attention for the stand-in while tracing, unless cuDNN attention can trace here
-    (in both attention modules: MLA's and GQA's, which imports it by name)."""
-    from dropless.nn import attention, gqa
+    (MLA and GQA both reach it through ``attention.attend``)."""
+    from dropless.nn import attention
 
     if model.mla.attention != "cudnn_flash_te" or jax.devices()[0].platform == "gpu":
         yield
         return
     saved = attention.fused_attention
-    attention.fused_attention = gqa.fused_attention = _standin_attention
+    attention.fused_attention = _standin_attention
     try:
         yield
     finally:
-        attention.fused_attention = gqa.fused_attention = saved
+        attention.fused_attention = saved
 
 
 # --- activations -------------------------------------------------------------------------------

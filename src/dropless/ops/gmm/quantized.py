@@ -219,8 +219,9 @@ def pad_kernel_rows(a):
     return a if not pad else jnp.pad(a, ((0, pad), (0, 0)))
 
 
-def kernel_weight_codes(w, quant_impl="xla"):
-    """w's 128x128 codes in both byte layouts: (wq [G, K, N], wq as [G, N, K], sw [G, Kb, Nb]).
+def kernel_weight_codes(w, quant_impl="xla", transposed=True):
+    """w's 128x128 codes in both byte layouts: (wq [G, K, N], wq as [G, N, K], sw [G, Kb, Nb]);
+    the middle one is None unless ``transposed``.
 
     The forward reads the transposed copy, dgrad the natural one (FP8 wgmma
     reads both operands K-major); the same codes and scales serve both.
@@ -228,9 +229,12 @@ def kernel_weight_codes(w, quant_impl="xla"):
     from dropless.ops.gmm import fp8_quant_kernels, mosaic_fp8
 
     if quant_impl == "pallas":
-        return fp8_quant_kernels.quantize_weight(w)
+        if transposed:
+            return fp8_quant_kernels.quantize_weight(w)
+        wq, sw = fp8_quant_kernels.quantize_weight(w, transposed=False)
+        return wq, None, sw
     wq, sw = mosaic_fp8.quantize_weight(w)
-    return wq, jnp.swapaxes(wq, 1, 2), sw
+    return wq, jnp.swapaxes(wq, 1, 2) if transposed else None, sw
 
 
 def _rows(a, quant_impl):
@@ -271,12 +275,7 @@ def kernel_dgrad(dy, w, group_sizes, out_dtype, quant_impl="xla"):
 
     (The custom_vjp's backward does not call this: it reuses the forward's codes.)
     """
-    from dropless.ops.gmm import fp8_quant_kernels, mosaic_fp8
-
-    if quant_impl == "pallas":
-        wq, sw = fp8_quant_kernels.quantize_weight(w, transposed=False)
-    else:
-        wq, sw = mosaic_fp8.quantize_weight(w)
+    wq, _, sw = kernel_weight_codes(w, quant_impl, transposed=False)
     return _dgrad_from_codes(dy, wq, sw, group_sizes, out_dtype, quant_impl)
 
 
