@@ -34,6 +34,8 @@ only that attempt):
             bf16, ``benchmarks/notes/fp8.md``)
   ours_fp8kp ``ours_fp8k`` with the single-pass Pallas quantizers
             (``gmm_fp8_quantizer=pallas``)
+  ours_gfp8kp  ``ours_fp8kp``'s grouped GEMMs with bf16 dense projections: what
+            the FP8 grouped GEMMs alone give the step
 
 A case that runs out of memory is retried with half the batch, down to 1 per
 device; the JSON says which batch each case ran at. Figures: median step time
@@ -46,7 +48,8 @@ bf16 peak (the FP8 peak for the FP8 cases), peak device memory, and beside it
 
 Writes ``<out>/step-<time>-<gpu>.json`` with the GPU, jax version, commit,
 environment, the base and case overrides, and every case with its overrides
-and resolved config.
+and resolved config. The record is rewritten after each case (``"partial":
+true`` until the last), so a run cut short keeps the cases it finished.
 """
 
 import argparse
@@ -61,7 +64,7 @@ import time
 
 CASES = ("xla", "capacity", "ours", "ours_fp8", "ours_fp8_blockwise")
 QWEN3_CASE = "qwen3-moe-proxy"  # ``ours`` on the Qwen3-MoE proxy instead of the DeepSeek one
-EXTRA_CASES = ("ours_fp8k", "ours_fp8kp", QWEN3_CASE)
+EXTRA_CASES = ("ours_fp8k", "ours_fp8kp", "ours_gfp8kp", QWEN3_CASE)
 QUICK_CASES = ("xla", "capacity", "ours")
 FP8_DENSE = "te_fp8_currentscaling"
 RESULT_PREFIX = "STEP_RESULT "
@@ -84,6 +87,8 @@ CASE_OVERRIDES = {
                   f"quantization={FP8_DENSE}", "gmm_fp8_impl=kernel"],
     "ours_fp8kp": ["gmm_backend=auto", "te_gmm_quantization=te_fp8_blockwise",
                    f"quantization={FP8_DENSE}", "gmm_fp8_impl=kernel", "gmm_fp8_quantizer=pallas"],
+    "ours_gfp8kp": ["gmm_backend=auto", "te_gmm_quantization=te_fp8_blockwise", "gmm_fp8_impl=kernel",
+                    "gmm_fp8_quantizer=pallas"],
     QWEN3_CASE: ["gmm_backend=auto"],
 }
 # Cases on another preset than the base's: (full-size, tiny) model_name.
@@ -306,10 +311,48 @@ def speedups(rows) -> dict:
     baselines = [by[c] for c in ("xla", "capacity") if by.get(c)]
     if ours and baselines:
         out["ours_over_best_baseline"] = ours / max(baselines)
-    for c in ("ours_fp8", "ours_fp8_blockwise", "ours_fp8k", "ours_fp8kp"):
+    for c in ("ours_fp8", "ours_fp8_blockwise", "ours_fp8k", "ours_fp8kp", "ours_gfp8kp"):
         if ours and by.get(c):
             out[f"{c}_over_ours"] = by[c] / ours
     return out
+
+
+def write_record(rows, cases, args, started, partial: bool, path: str | None = None) -> str:
+    """Write (or rewrite, at ``path``) the results JSON of the cases run so far."""
+    import importlib.metadata
+
+    gpu = next((r["gpu"] for r in rows if r.get("gpu")), None)
+    if gpu is None and not partial:  # no case ran: ask JAX, now that no child needs the GPU
+        import jax
+
+        gpu = jax.devices()[0].device_kind
+    record = {
+        "benchmark": "step",
+        "time": started.isoformat(timespec="seconds"),
+        "partial": partial,
+        "gpu": gpu,
+        "platform": "cpu" if args.tiny else "gpu",
+        "device_count": 1,
+        "jax": importlib.metadata.version("jax"),
+        "commit": args.commit or _git_commit(),
+        "env": {k: v for k, v in os.environ.items() if k.startswith(("XLA_", "JAX_", "CUDA_", "NCCL_"))},
+        "base_overrides": TINY_BASE if args.tiny else BASE,
+        "case_overrides": {c: CASE_OVERRIDES[c] for c in cases},
+        "extra_overrides": args.set,
+        "steps": args.steps,
+        "warmup": args.warmup,
+        "cases": rows,
+        "speedups": speedups(rows),
+    }
+    if path is None:
+        os.makedirs(args.out, exist_ok=True)
+        kind = (gpu or "unknown").replace(" ", "_")
+        path = os.path.join(args.out, f"step-{started:%Y%m%d-%H%M%S}-{kind}.json")
+    tmp = path + ".tmp"
+    with open(tmp, "w") as f:
+        json.dump(record, f, indent=1)
+    os.replace(tmp, path)
+    return path
 
 
 def main(argv=None) -> int:
@@ -347,34 +390,13 @@ def main(argv=None) -> int:
             resolve_case(case, args.tiny, args.batch, args.remat, args.custom, args.set)
     except ValueError as e:  # ConfigError is a ValueError
         p.error(str(e))
-    rows = [run_with_backoff(case, args) for case in cases]
+    started = datetime.datetime.now()
+    rows, path = [], None
+    for i, case in enumerate(cases):
+        rows.append(run_with_backoff(case, args))
+        path = write_record(rows, cases, args, started, partial=i + 1 < len(cases), path=path)
     print_table(rows, args.tiny)
-    import jax  # after the cases: each child process needs the GPU to itself
-
-    device = jax.devices()[0]
-    record = {
-        "benchmark": "step",
-        "time": datetime.datetime.now().isoformat(timespec="seconds"),
-        "gpu": device.device_kind,
-        "platform": device.platform,
-        "device_count": jax.device_count(),
-        "jax": jax.__version__,
-        "commit": args.commit or _git_commit(),
-        "env": {k: v for k, v in os.environ.items() if k.startswith(("XLA_", "JAX_", "CUDA_", "NCCL_"))},
-        "base_overrides": TINY_BASE if args.tiny else BASE,
-        "case_overrides": {c: CASE_OVERRIDES[c] for c in cases},
-        "extra_overrides": args.set,
-        "steps": args.steps,
-        "warmup": args.warmup,
-        "cases": rows,
-        "speedups": speedups(rows),
-    }
-    os.makedirs(args.out, exist_ok=True)
-    name = f"step-{datetime.datetime.now():%Y%m%d-%H%M%S}-{device.device_kind.replace(' ', '_')}.json"
-    path = os.path.join(args.out, name)
-    with open(path, "w") as f:
-        json.dump(record, f, indent=1)
-    print(f"speedups: {record['speedups']}")
+    print(f"speedups: {speedups(rows)}")
     print(f"wrote {path}")
     return 0 if all("step_time_s" in r for r in rows) else 1
 
