@@ -105,6 +105,24 @@ def test_lowers_for_cuda(name, shape):
     assert "xla.gpu.triton" in text and "f8E4M3FN" in text
 
 
+def test_inside_shard_map_equal_outside(rng):
+    """The MoE layer runs its experts inside ``jax.shard_map`` (check_vma on),
+    where pallas_call needs each output's manual-axis type; the kernels must
+    trace there and give the same bits as outside."""
+    from jax.sharding import PartitionSpec as P
+
+    mesh = jax.make_mesh((1,), ("x",))
+    a = jnp.asarray(_data(rng, (256, 384)), jnp.bfloat16)
+    w = jnp.asarray(_data(rng, (2, 256, 384)), jnp.bfloat16)
+
+    def body(a, w):
+        return fq.quantize_rows(a), fq.quantize_columns(a), fq.quantize_weight(w)
+
+    inside = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(P(None), P(None)), out_specs=P()))(a, w)
+    for got, want in zip(jax.tree.leaves(inside), jax.tree.leaves(body(a, w)), strict=True):
+        _same(got, want)
+
+
 def test_kernel_impl_with_pallas_quantizers_equals_xla_quantizers(rng, monkeypatch):
     """``quantized.gmm(impl="kernel", quant_impl="pallas")``'s value and gradients equal
     ``quant_impl="xla"``'s bit for bit: the same codes and scales into the same

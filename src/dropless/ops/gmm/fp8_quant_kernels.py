@@ -71,6 +71,10 @@ def _check(name, shape):
 def _call(kernel, operand, grid, in_specs, out_specs, out_shape, interpret):
     if interpret is None:  # the kernels compile for NVIDIA GPUs; elsewhere (tests) interpret
         interpret = jax.devices()[0].platform != "gpu"
+    # Inside shard_map (the MoE layer's experts run there) pallas_call needs
+    # each output's manual-axis type: the codes and scales vary as the operand.
+    axis_type = getattr(jax.typeof(operand), "manual_axis_type", None)
+    out_shape = [jax.ShapeDtypeStruct(o.shape, o.dtype, manual_axis_type=axis_type) for o in out_shape]
     return pl.pallas_call(kernel, grid=grid, in_specs=in_specs, out_specs=out_specs,
                           out_shape=out_shape, interpret=interpret,
                           compiler_params=_compiler_params())(operand)
