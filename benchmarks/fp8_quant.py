@@ -109,7 +109,7 @@ def _bits(a):
 def products(x, w, gs, dy):
     """name -> (fn, args): the kernel path, the FP8 kernels alone, the bf16 kernel."""
     kpath = lambda x, w: quantized.gmm(x, w, gs, recipe="te_fp8_blockwise", impl="kernel",  # noqa: E731
-                                       groups_aligned=True)
+                                       groups_aligned=True, quant_impl="xla")
     kpath_p = lambda x, w: quantized.gmm(x, w, gs, recipe="te_fp8_blockwise", impl="kernel",  # noqa: E731
                                          groups_aligned=True, quant_impl="pallas")
     bf16 = lambda x, w: api.gmm(x, w, gs)  # noqa: E731

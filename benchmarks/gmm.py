@@ -220,13 +220,14 @@ def quant_fns(impl, g, recipe):
 
     if impl == "ours_q":
         q = functools.partial(quantized.qdq, recipe=recipe)
-        fwd = lambda x, w, dy, gs: quantized.gmm(x, w, gs, recipe=recipe, backend="mosaic")
+        fwd = lambda x, w, dy, gs: quantized.gmm(x, w, gs, recipe=recipe, backend="mosaic",
+                                                 impl="emulate")
         dgrad = lambda x, w, dy, gs: mosaic.gmm(q(dy, axis=1), q(w, axis=2), gs, transpose_rhs=True)
         wgrad = lambda x, w, dy, gs: mosaic.tgmm(q(x, axis=0), q(dy, axis=0), gs, num_groups=g)
 
         def all3(x, w, dy, gs):
-            y, vjp = jax.vjp(lambda x, w: quantized.gmm(x, w, gs, recipe=recipe, backend="mosaic"),
-                             x, w)
+            y, vjp = jax.vjp(lambda x, w: quantized.gmm(x, w, gs, recipe=recipe, backend="mosaic",
+                                                        impl="emulate"), x, w)
             return y, *vjp(dy)
     elif impl == "dense8":
         def dot(a, b, dims):

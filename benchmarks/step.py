@@ -26,14 +26,17 @@ only that attempt):
             ``quantization=te_fp8_currentscaling`` (cuBLASLt FP8 GEMMs) and
             grouped GEMMs ``te_gmm_quantization=te_mxfp8`` (emulated on Hopper:
             FP8 numerics, bf16 grouped-GEMM speed)
-  ours_fp8_blockwise  the same with ``te_fp8_blockwise`` grouped GEMMs
-            (emulated: quantize -> dequantize -> bf16 kernel)
-  ours_fp8k ``ours_fp8_blockwise`` through the FP8 Mosaic kernels
-            (``gmm_fp8_impl=kernel``; Hopper only; not in the default list:
-            with XLA's quantization passes the kernel path is slower than
-            bf16, ``benchmarks/notes/fp8.md``)
+  ours_fp8_blockwise  the same with ``te_fp8_blockwise`` grouped GEMMs as
+            users get them (``gmm_fp8_impl=auto``: on Hopper the FP8 Mosaic
+            kernels with the Pallas quantizers, elsewhere the emulation; the
+            row's ``gmm_fp8_impl_resolved`` says which)
+  ours_fp8e ``ours_fp8_blockwise`` emulated (``gmm_fp8_impl=emulate``:
+            quantize -> dequantize -> bf16 kernel)
+  ours_fp8k ``ours_fp8_blockwise`` through the FP8 Mosaic kernels with XLA's
+            quantization passes (``gmm_fp8_impl=kernel gmm_fp8_quantizer=xla``;
+            Hopper only)
   ours_fp8kp ``ours_fp8k`` with the single-pass Pallas quantizers
-            (``gmm_fp8_quantizer=pallas``)
+            (``gmm_fp8_quantizer=pallas``, what ``auto`` picks on Hopper)
   ours_gfp8kp  ``ours_fp8kp``'s grouped GEMMs with bf16 dense projections: what
             the FP8 grouped GEMMs alone give the step
 
@@ -64,7 +67,7 @@ import time
 
 CASES = ("xla", "capacity", "ours", "ours_fp8", "ours_fp8_blockwise")
 QWEN3_CASE = "qwen3-moe-proxy"  # ``ours`` on the Qwen3-MoE proxy instead of the DeepSeek one
-EXTRA_CASES = ("ours_fp8k", "ours_fp8kp", "ours_gfp8kp", QWEN3_CASE)
+EXTRA_CASES = ("ours_fp8e", "ours_fp8k", "ours_fp8kp", "ours_gfp8kp", QWEN3_CASE)
 QUICK_CASES = ("xla", "capacity", "ours")
 FP8_DENSE = "te_fp8_currentscaling"
 RESULT_PREFIX = "STEP_RESULT "
@@ -83,8 +86,10 @@ CASE_OVERRIDES = {
     "ours_fp8": ["gmm_backend=auto", "te_gmm_quantization=te_mxfp8", f"quantization={FP8_DENSE}"],
     "ours_fp8_blockwise": ["gmm_backend=auto", "te_gmm_quantization=te_fp8_blockwise",
                            f"quantization={FP8_DENSE}"],
+    "ours_fp8e": ["gmm_backend=auto", "te_gmm_quantization=te_fp8_blockwise",
+                  f"quantization={FP8_DENSE}", "gmm_fp8_impl=emulate"],
     "ours_fp8k": ["gmm_backend=auto", "te_gmm_quantization=te_fp8_blockwise",
-                  f"quantization={FP8_DENSE}", "gmm_fp8_impl=kernel"],
+                  f"quantization={FP8_DENSE}", "gmm_fp8_impl=kernel", "gmm_fp8_quantizer=xla"],
     "ours_fp8kp": ["gmm_backend=auto", "te_gmm_quantization=te_fp8_blockwise",
                    f"quantization={FP8_DENSE}", "gmm_fp8_impl=kernel", "gmm_fp8_quantizer=pallas"],
     "ours_gfp8kp": ["gmm_backend=auto", "te_gmm_quantization=te_fp8_blockwise", "gmm_fp8_impl=kernel",
@@ -150,6 +155,21 @@ def memory_estimate(cfg) -> dict | None:
     return {k: v for k, v in est.to_dict().items() if k != "mesh"}
 
 
+def fp8_impls(model, train) -> dict | None:
+    """{"wi": impl, "wo": impl}: how each grouped matmul's FP8 recipe runs here
+    (``quantized.resolve_impl``: "kernel" or "emulate"), or None without one."""
+    from dropless.ops.gmm import quantized
+
+    moe = model.moe
+    if not moe.sparse_matmul or moe.gmm_quantization == "te_no_quant":
+        return None
+    d, f, e = model.emb_dim, moe.moe_mlp_dim, moe.num_experts
+    rows = int(train.per_device_batch_size) * train.max_target_length * moe.num_experts_per_tok
+    shapes = {"wi": ((rows, d), (e, d, 2 * f)), "wo": ((rows, f), (e, f, d))}
+    return {name: quantized.resolve_impl(moe.gmm_fp8_impl, moe.gmm_quantization, moe.gmm_backend,
+                                         x, w, model.dtype)[0] for name, (x, w) in shapes.items()}
+
+
 def _is_oom(e: BaseException) -> bool:
     text = f"{type(e).__name__}: {e}"
     return "RESOURCE_EXHAUSTED" in text or "Out of memory" in text or "out of memory" in text
@@ -199,6 +219,7 @@ def run_case(case: str, tiny: bool, batch, remat, steps: int, warmup: int, custo
         "gmm_backend": resolve_backend(model.moe.gmm_backend) if model.moe.sparse_matmul else "capacity",
         "quantization": model.quantization,
         "gmm_quantization": model.moe.gmm_quantization,
+        "gmm_fp8_impl_resolved": fp8_impls(model, train),
         "mfu_peak": precision,
         "per_device_batch_size": train.per_device_batch_size,
         "remat_policy": model.remat_policy,
@@ -311,7 +332,7 @@ def speedups(rows) -> dict:
     baselines = [by[c] for c in ("xla", "capacity") if by.get(c)]
     if ours and baselines:
         out["ours_over_best_baseline"] = ours / max(baselines)
-    for c in ("ours_fp8", "ours_fp8_blockwise", "ours_fp8k", "ours_fp8kp", "ours_gfp8kp"):
+    for c in ("ours_fp8", "ours_fp8_blockwise", "ours_fp8e", "ours_fp8k", "ours_fp8kp", "ours_gfp8kp"):
         if ours and by.get(c):
             out[f"{c}_over_ours"] = by[c] / ours
     return out

@@ -145,10 +145,11 @@ BAD = [
     (["sparse_matmul=false", "te_gmm_quantization=te_mxfp8"], "capacity baseline"),
     (["quantize_output_head=true"], "quantize_output_head"),
     (["gmm_fp8_impl=kernel"], "gmm_fp8_impl='kernel' (from command line): has FP8 kernels for te_gmm_quantization=te_fp8_blockwise only"),
-    (["te_gmm_quantization=te_mxfp8", "gmm_fp8_impl=kernel"], "got te_gmm_quantization=te_mxfp8; allowed with it: emulate"),
-    (["te_gmm_quantization=te_fp8_blockwise", "gmm_fp8_impl=kernel", "hardware=cpu"], "with hardware=cpu only emulate is allowed"),
-    (["gmm_fp8_impl=native"], "'emulate' or 'kernel'"),
-    (["te_gmm_quantization=te_fp8_blockwise", "gmm_fp8_quantizer=pallas"], "with gmm_fp8_impl=emulate only xla is allowed"),
+    (["te_gmm_quantization=te_mxfp8", "gmm_fp8_impl=kernel"], "got te_gmm_quantization=te_mxfp8; allowed with it: auto or emulate"),
+    (["te_gmm_quantization=te_fp8_blockwise", "gmm_fp8_impl=kernel", "hardware=cpu"], "with hardware=cpu only auto or emulate is allowed"),
+    (["gmm_fp8_impl=native"], "'auto', 'emulate' or 'kernel'"),
+    (["te_gmm_quantization=te_fp8_blockwise", "gmm_fp8_impl=emulate", "gmm_fp8_quantizer=pallas"],
+     "with gmm_fp8_impl=emulate only auto or xla is allowed"),
     (["te_gmm_quantization=te_fp8_blockwise", "gmm_fp8_impl=kernel", "emb_dim=256", "moe_mlp_dim=200"],
      "kernels need emb_dim and moe_mlp_dim multiples of 256, got moe_mlp_dim=200"),
     (["attention=cudnn_flash_te", "dtype=float32"], "got dtype=float32; set dtype=bfloat16 or attention=dot_product"),
@@ -191,7 +192,8 @@ def test_gmm_fp8_impl_and_quantizer_reach_the_grouped_gemms(monkeypatch):
     from dropless.nn import moe
     from dropless.ops.gmm import quantized
 
-    assert resolve("te_gmm_quantization=te_fp8_blockwise").config.moe().gmm_fp8_impl == "emulate"
+    default = resolve("te_gmm_quantization=te_fp8_blockwise").config.moe()
+    assert (default.gmm_fp8_impl, default.gmm_fp8_quantizer) == ("auto", "auto")
     section = resolve("te_gmm_quantization=te_fp8_blockwise", "gmm_fp8_impl=kernel", "emb_dim=256",
                       "moe_mlp_dim=256", "num_experts=4", "num_experts_per_tok=2",
                       "gmm_backend=xla", "gmm_fp8_quantizer=pallas").config.moe()

@@ -35,7 +35,7 @@ import numpy as np
 import pytest
 
 from dropless.ops import quant
-from dropless.ops.gmm import mosaic, mosaic_fp8, mosaic_fp8_tgmm, quantized
+from dropless.ops.gmm import fp8_quant_kernels, mosaic, mosaic_fp8, mosaic_fp8_tgmm, quantized
 
 F8 = jnp.float8_e4m3fn
 S = jax.ShapeDtypeStruct
@@ -105,20 +105,30 @@ def test_lowers_for_cuda_at_deepseek_shapes(kind, shape):
     assert "mosaic_gpu" in exported.mlir_module()
 
 
-def test_kernel_impl_value_and_gradients_lower_for_cuda(monkeypatch):
-    """The whole custom_vjp (quantizers, layouts, three kernels) at a DeepSeek-V3 shape."""
+@pytest.mark.parametrize("quant_impl", ["xla", "auto"])
+def test_kernel_impl_value_and_gradients_lower_for_cuda(monkeypatch, quant_impl):
+    """The whole custom_vjp (quantizers, layouts, three kernels) at a DeepSeek-V3 shape,
+    with XLA's quantization and with the default (the Pallas quantizers: Triton calls)."""
     monkeypatch.setattr(mosaic, "is_available", lambda: True)  # export from a CPU host
+    monkeypatch.setattr(fp8_quant_kernels, "default_interpret", lambda: False)
     m, k, n, g = 65536, 7168, 2048, 32
     gs = S((g,), jnp.int32)
 
     def loss(x, w, gs):
-        y = quantized.gmm(x, w, gs, recipe="te_fp8_blockwise", impl="kernel")
+        y = quantized.gmm(x, w, gs, recipe="te_fp8_blockwise", impl="kernel", quant_impl=quant_impl)
         return jnp.sum(y.astype(jnp.float32))
 
     fn = jax.jit(jax.value_and_grad(loss, argnums=(0, 1)))
-    exported = jax.export.export(fn, platforms=["cuda"])(
-        S((m, k), jnp.bfloat16), S((g, k, n), jnp.bfloat16), gs)
-    assert exported.mlir_module().count("stablehlo.custom_call @mosaic_gpu") == 3  # fwd, dgrad, wgrad
+    checks = [jax.export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")]
+    from jax._src import mesh as mesh_lib  # Triton lowering asks the (abstract) device its kind
+
+    device = mesh_lib.AbstractDevice(device_kind="NVIDIA H200", num_cores=132, platform="gpu")
+    with jax.sharding.use_abstract_mesh(jax.sharding.AbstractMesh((1,), ("x",), abstract_device=device)):
+        exported = jax.export.export(fn, platforms=["cuda"], disabled_checks=checks)(
+            S((m, k), jnp.bfloat16), S((g, k, n), jnp.bfloat16), gs)
+    text = exported.mlir_module()
+    assert text.count("stablehlo.custom_call @mosaic_gpu") == 3  # fwd, dgrad, wgrad
+    assert ("xla.gpu.triton" in text) == (quant_impl == "auto")
 
 
 def test_shape_checks():
@@ -231,8 +241,10 @@ def test_kernel_impl_matches_emulation_in_value_and_gradients(rng):
     dy = _nan_tail(_scaled(rng, (m, n), (0, 1)), total)
 
     def value_and_grads(impl):
+        # quant_impl="xla": the Pallas quantizers do not run under the Mosaic GPU
+        # interpreter; test_fp8_quant_kernels checks they give xla's bits.
         f = lambda x, w: quantized.gmm(x, w, gs, recipe="te_fp8_blockwise", backend="xla",
-                                       impl=impl)
+                                       impl=impl, quant_impl="xla")
         y, vjp = jax.vjp(f, x, w)
         return (y, *vjp(dy))
 

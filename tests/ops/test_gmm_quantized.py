@@ -273,3 +273,28 @@ def test_gpu_emulation_is_fp8_under_jit(rng, recipe):
     fp8_acc.check_product(_fwd, y, qx, qw, sizes, k // 128, recipe)
     plain = _fwd(x64, w64, sizes)
     assert np.linalg.norm(y - plain) >= 1e-2 * np.linalg.norm(plain)
+
+
+def test_auto_impl_runs_the_kernels_only_where_they_can(monkeypatch):
+    """``impl="auto"`` (the config's default): the FP8 kernels for te_fp8_blockwise when
+    the bf16 backend resolves to mosaic and K, N are multiples of 256; else the
+    emulation, with the reason (which the log line carries)."""
+    from dropless.ops.gmm import mosaic
+
+    x, w, bad_w = (65536, 7168), (32, 7168, 4096), (32, 7168, 384)
+    resolve = lambda recipe, backend="auto", w=w: quantized.resolve_impl(  # noqa: E731
+        "auto", recipe, backend, x, w, jnp.bfloat16)
+    if not mosaic.is_available():  # this machine: no Hopper GPU
+        impl, why = resolve("te_fp8_blockwise")
+        assert impl == "emulate" and "backend is xla" in why
+    monkeypatch.setattr(mosaic, "is_available", lambda: True)
+    assert resolve("te_fp8_blockwise") == ("kernel", "")
+    assert resolve("te_fp8_blockwise", backend="mosaic") == ("kernel", "")
+    assert resolve("te_fp8_blockwise", backend="xla")[0] == "emulate"
+    assert resolve("te_mxfp8")[0] == "emulate"
+    impl, why = resolve("te_fp8_blockwise", w=bad_w)
+    assert impl == "emulate" and "multiples of 256" in why
+    for explicit in ("emulate", "kernel"):
+        assert quantized.resolve_impl(explicit, "te_fp8_blockwise", "xla", x, bad_w, jnp.bfloat16) == (explicit, "")
+    assert quantized.resolve_quant_impl("auto") == "pallas"
+    assert quantized.resolve_quant_impl("xla") == "xla"

@@ -121,8 +121,8 @@ class Config(BaseModel):
     gmm_backend: Literal["reference", "xla", "mosaic", "auto"] = _f("auto", "Grouped matmul backend.")
     te_moe_block: bool = _f(True, "Accepted for MaxText recipes: dropless's MoE block is always the fused one, so only true is allowed.")
     te_gmm_quantization: Literal["te_no_quant", "te_fp8_blockwise", "te_mxfp8"] = _f("te_no_quant", "Expert grouped-GEMM quantization recipe.")
-    gmm_fp8_impl: Literal["emulate", "kernel"] = _f("emulate", "How te_fp8_blockwise grouped GEMMs run: emulate = quantize -> dequantize -> the bf16 grouped GEMM (exact FP8 numerics, bf16 speed); kernel = the FP8 Mosaic GPU kernels on E4M3 codes (Hopper only; K and N multiples of 256; tested on an H200, where the three kernels alone run at 1.3x our bf16 kernels but the whole path, quantization included, is not yet faster).")
-    gmm_fp8_quantizer: Literal["xla", "pallas"] = _f("xla", "How gmm_fp8_impl=kernel quantizes its operands: xla = ops.quant fused by XLA (measured at 32-52% of HBM bandwidth on an H200); pallas = single-pass quantization kernels, same codes and scales bit for bit (tested on CPU, not yet timed on a GPU).")
+    gmm_fp8_impl: Literal["auto", "emulate", "kernel"] = _f("auto", "How te_fp8_blockwise grouped GEMMs run: kernel = the FP8 Mosaic GPU kernels on E4M3 codes (Hopper only; emb_dim and moe_mlp_dim multiples of 256; on an H200 the proxy's step runs at 1.06x bf16 with them); emulate = quantize -> dequantize -> the bf16 grouped GEMM (the same FP8 numerics, bf16 speed); auto = kernel where it can run (Hopper, gmm_backend auto or mosaic, dims multiples of 256), else emulate, and the log says which and why.")
+    gmm_fp8_quantizer: Literal["auto", "xla", "pallas"] = _f("auto", "How the FP8 grouped-GEMM kernels quantize their operands: pallas = single-pass quantization kernels (1.06x bf16 for fwd+dgrad+wgrad on an H200); xla = ops.quant fused by XLA (0.89x); the same codes and scales bit for bit; auto = pallas.")
     quantization: Literal["", "te_fp8_currentscaling"] = _f("", "Dense-matmul quantization ('' = bf16/fp32 as dtype; te_fp8_currentscaling: attention projections, dense MLP and shared experts in FP8 with per-tensor current scaling).")
     quantize_output_head: bool = _f(False, "With quantization=te_fp8_currentscaling, compute the output head in FP8 too.")
 
@@ -313,16 +313,16 @@ def _check_contradictions(c: Config):
     if c.te_gmm_quantization != "te_no_quant" and not c.sparse_matmul:
         bad("te_gmm_quantization", "quantizes grouped GEMMs; sparse_matmul=false (the capacity baseline) has none")
     if c.gmm_fp8_impl == "kernel" and c.te_gmm_quantization != "te_fp8_blockwise":
-        bad("gmm_fp8_impl", f"has FP8 kernels for te_gmm_quantization=te_fp8_blockwise only, got te_gmm_quantization={c.te_gmm_quantization}; allowed with it: emulate")
-    if c.gmm_fp8_quantizer != "xla" and c.gmm_fp8_impl != "kernel":
-        bad("gmm_fp8_quantizer", f"chooses how gmm_fp8_impl=kernel quantizes; with gmm_fp8_impl={c.gmm_fp8_impl} only xla is allowed")
+        bad("gmm_fp8_impl", f"has FP8 kernels for te_gmm_quantization=te_fp8_blockwise only, got te_gmm_quantization={c.te_gmm_quantization}; allowed with it: auto or emulate")
+    if c.gmm_fp8_quantizer not in ("auto", "xla") and c.gmm_fp8_impl == "emulate":
+        bad("gmm_fp8_quantizer", f"chooses how the FP8 kernels quantize; with gmm_fp8_impl=emulate only auto or xla is allowed")
     if c.gmm_fp8_impl == "kernel" and c.hardware in ("cpu", "tpu"):
-        bad("gmm_fp8_impl", f"runs Mosaic GPU kernels on a Hopper GPU; with hardware={c.hardware} only emulate is allowed")
+        bad("gmm_fp8_impl", f"runs Mosaic GPU kernels on a Hopper GPU; with hardware={c.hardware} only auto or emulate is allowed")
     if c.gmm_fp8_impl == "kernel":
         bad_dims = {k: getattr(c, k) for k in ("emb_dim", "moe_mlp_dim") if getattr(c, k) % 256}
         if bad_dims:
             dims = ", ".join(f"{k}={v}" for k, v in bad_dims.items())
-            bad("gmm_fp8_impl", f"kernels need emb_dim and moe_mlp_dim multiples of 256, got {dims}; allowed with these dims: emulate")
+            bad("gmm_fp8_impl", f"kernels need emb_dim and moe_mlp_dim multiples of 256, got {dims}; allowed with these dims: auto or emulate")
     if c.attention == "cudnn_flash_te" and c.dtype == "float32":
         bad("attention", "cuDNN flash attention takes bfloat16 or float16 activations, got dtype=float32; set dtype=bfloat16 or attention=dot_product")
     if c.attention == "cudnn_flash_te" and c.hardware in ("cpu", "tpu"):

@@ -22,8 +22,9 @@ the router through the combine weights.
 products of both grouped matmuls with that recipe's FP8 numerics
 (``ops.gmm.quantized``); the group alignment the recipe needs (32 | 128) is
 applied to the permutation automatically (the max with ``group_alignment``).
-``gmm_fp8_impl`` picks how ``te_fp8_blockwise`` runs: ``emulate`` (default) or
-``kernel``, the FP8 Mosaic GPU kernels (Hopper).
+``gmm_fp8_impl`` picks how ``te_fp8_blockwise`` runs: ``kernel``, the FP8
+Mosaic GPU kernels (Hopper), ``emulate``, or ``auto`` (the default: the
+kernels where they can run; ``quantized.resolve_impl``).
 The shared experts take the dense layers' ``dot_general`` from the model.
 
 Given an ``ExpertParallel`` (``ep``), dispatch -> experts -> combine run
@@ -124,7 +125,7 @@ def combine(y_PD, weights_TK, plan):
 
 
 def grouped_swiglu(x_PD, group_sizes_G, weights, *, backend, quantization="te_no_quant",
-                   fp8_impl="emulate", fp8_quantizer="xla"):
+                   fp8_impl="auto", fp8_quantizer="auto"):
     """SwiGLU experts over an expert-sorted buffer: [P, D] -> [P, D].
 
     Args:
@@ -135,7 +136,7 @@ def grouped_swiglu(x_PD, group_sizes_G, weights, *, backend, quantization="te_no
         ``(wi_0 [G, D, F], wi_1 [G, D, F], wo [G, F, D])``, in x's dtype.
       backend: the gmm backend.
       quantization: the grouped-GEMM recipe (``quantized.RECIPES``).
-      fp8_impl: ``quantized.IMPLS``: emulate, or the FP8 kernels (te_fp8_blockwise).
+      fp8_impl: ``quantized.IMPLS``: auto, emulate, or the FP8 kernels (te_fp8_blockwise).
       fp8_quantizer: ``quantized.QUANT_IMPLS``: how the FP8 kernels' operands are quantized.
     """
 

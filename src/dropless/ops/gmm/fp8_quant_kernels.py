@@ -68,9 +68,14 @@ def _check(name, shape):
                          f"positive multiples of {BLOCK}")
 
 
+def default_interpret() -> bool:
+    """The kernels compile for NVIDIA GPUs; elsewhere (tests) they are interpreted."""
+    return jax.devices()[0].platform != "gpu"
+
+
 def _call(kernel, operand, grid, in_specs, out_specs, out_shape, interpret):
-    if interpret is None:  # the kernels compile for NVIDIA GPUs; elsewhere (tests) interpret
-        interpret = jax.devices()[0].platform != "gpu"
+    if interpret is None:
+        interpret = default_interpret()
     # Inside shard_map (the MoE layer's experts run there) pallas_call needs
     # each output's manual-axis type: the codes and scales vary as the operand.
     axis_type = getattr(jax.typeof(operand), "manual_axis_type", None)

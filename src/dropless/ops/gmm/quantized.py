@@ -29,7 +29,13 @@ groups, fused by XLA with the quantization that reads them), so any group
 sizes get the recipe's numerics. Group sizes are traced values: a promise
 that does not hold cannot be detected under ``jit``.
 
-How it runs (``impl``). ``emulate`` (the default, both recipes): quantize ->
+How it runs (``impl``). ``auto`` (the default) is ``kernel`` for
+``te_fp8_blockwise`` where the kernels run (the bf16 backend resolves to
+``mosaic``, i.e. a Hopper GPU, and K and N are multiples of 256) and
+``emulate`` everywhere else; ``resolve_impl`` decides, and a log line says
+once per process which path runs and, when ``auto`` emulates on a GPU, why.
+
+``emulate`` (both recipes): quantize ->
 dequantize to the compute dtype -> the bf16 grouped GEMM of the chosen
 backend. This is exact, not an approximation: an E4M3 value times a power
 of two (every scale of both recipes is one) is representable in bfloat16
@@ -44,10 +50,13 @@ scales would not, and the GEMM runs at bf16, not FP8, speed. A log line
 says so once per process. Hopper has no MXFP8 tensor-core mode, so
 ``te_mxfp8`` is always emulated.
 
-``kernel`` (``te_fp8_blockwise`` only, opt-in): the three products run in
+``kernel`` (``te_fp8_blockwise`` only): the three products run in
 the FP8 Mosaic GPU kernels of ``mosaic_fp8`` (fwd, dgrad) and
 ``mosaic_fp8_tgmm`` (wgrad) on E4M3 codes and float32 scales, each operand
-quantized by ``ops.quant`` in the layout its kernel reads:
+quantized (``quant_impl``: ``pallas``, the single-pass kernels of
+``fp8_quant_kernels``, or ``xla``, ``ops.quant`` fused by XLA; the same
+codes and scales bit for bit; ``auto`` is ``pallas``) in the layout its
+kernel reads:
 
   fwd    x 1x128 [M, K] + scales [Kb, M];  w 128x128, codes as [G, N, K]
   dgrad  dy 1x128 [M, N] + scales [Nb, M]; w 128x128, codes as [G, K, N]
@@ -58,10 +67,12 @@ because FP8 wgmma reads both operands K-major; dgrad reuses the forward's
 codes, kept as the backward's residual at one byte per weight). The
 numerics are the emulation's up to float32 accumulation order and Hopper's
 FP8 accumulation (tested on an H200): the same codes, the same scales.
-``emulate`` stays the default while the kernel path, quantization included,
-is slower than bf16 (fwd+dgrad+wgrad 18.3 ms against 16.3 ms for the bf16
-kernels at M=65536 G=32 K=7168 N=4096 on an H200; the kernels alone take
-12.3 ms; ``benchmarks/notes/fp8.md``).
+Measured on an H200 (``benchmarks/notes/fp8.md``): fwd+dgrad+wgrad at
+M=65536 G=32 K=7168 N=4096 with the Pallas quantizers takes 15.3 ms of
+kernel time against 16.2 ms for the bf16 kernels (1.06x; 18.1 ms with
+XLA's quantization passes), and the DeepSeek-V3 proxy's training step runs
+at 1.06x bf16 with FP8 dense layers and these kernels, against 0.92x for
+the emulation; hence ``auto``.
 They need a Hopper GPU, or Pallas GPU interpret mode (tests), K and N
 multiples of 256, and ignore ``backend``.
 """
@@ -77,12 +88,12 @@ from dropless.ops import quant
 from dropless.ops.gmm import api
 
 RECIPES = ("te_no_quant", "te_fp8_blockwise", "te_mxfp8")
-IMPLS = ("emulate", "kernel")  # how te_fp8_blockwise runs (module docstring)
+IMPLS = ("auto", "emulate", "kernel")  # how te_fp8_blockwise runs (module docstring)
 KERNEL_RECIPE = "te_fp8_blockwise"
 # How impl="kernel" quantizes its operands: "xla", ``ops.quant`` fused by XLA;
 # "pallas", the single-pass kernels of ``fp8_quant_kernels`` (same codes and
 # scales bit for bit).
-QUANT_IMPLS = ("xla", "pallas")
+QUANT_IMPLS = ("auto", "xla", "pallas")
 _KERNEL_DIM = 256  # K and N: the kernels' CTA tiles are 256 wide along O, 128 along C
 _ALIGNMENT = {"te_no_quant": 1, "te_fp8_blockwise": quant.BLOCKWISE_TILE, "te_mxfp8": quant.MX_BLOCK}
 _log = logging.getLogger(__name__)
@@ -159,8 +170,34 @@ def qdq(a, recipe, axis, out_dtype=None):
     raise ValueError(f"qdq: recipe {recipe!r} does not quantize")
 
 
+def resolve_impl(impl: str, recipe: str, backend: str, x_shape, w_shape, dtype) -> tuple[str, str]:
+    """(``"kernel"`` | ``"emulate"``, why) for ``impl`` (one of ``IMPLS``) at these shapes.
+
+    ``auto`` runs the FP8 kernels for ``te_fp8_blockwise`` when the bf16
+    backend resolves to ``mosaic`` (a Hopper GPU; ``gmm_backend=xla`` asks
+    for ``lax.ragged_dot`` and gets the emulation over it) and K and N of w
+    are multiples of 256; ``why`` names the condition that failed, or "".
+    """
+    if impl != "auto":
+        return impl, ""
+    if recipe != KERNEL_RECIPE:
+        return "emulate", f"FP8 kernels exist for {KERNEL_RECIPE} only"
+    name = api.resolve_backend(backend, x_shape, w_shape, dtype)
+    if name != "mosaic":
+        return "emulate", f"the bf16 grouped GEMM backend is {name} (the FP8 kernels need a Hopper GPU)"
+    _, k, n = w_shape
+    if k % _KERNEL_DIM or n % _KERNEL_DIM:
+        return "emulate", f"w is {tuple(w_shape)}: the FP8 kernels need K and N multiples of {_KERNEL_DIM}"
+    return "kernel", ""
+
+
+def resolve_quant_impl(quant_impl: str) -> str:
+    """``auto`` -> ``pallas`` (measured faster on an H200, the same bits); others as given."""
+    return "pallas" if quant_impl == "auto" else quant_impl
+
+
 @functools.cache
-def _say_once(recipe: str, device_kind: str, backend: str):
+def _say_once(recipe: str, device_kind: str, backend: str, why: str = ""):
     if recipe == "te_mxfp8":
         _log.warning("te_mxfp8: MXFP8 is emulated on %s (no MXFP8 tensor-core grouped GEMM is "
                      "used): operands are quantized to E4M3 with E8M0 scales per 32, "
@@ -172,8 +209,8 @@ def _say_once(recipe: str, device_kind: str, backend: str):
                      "scales).", device_kind)
     else:
         _log.warning("te_fp8_blockwise: FP8 blockwise numerics (1x128 / 128x128 scales) through "
-                     "the %s bf16 grouped GEMM on %s (impl=emulate), so speed is bf16's.",
-                     backend, device_kind)
+                     "the %s bf16 grouped GEMM on %s (impl=emulate%s), so speed is bf16's.",
+                     backend, device_kind, f", chosen by auto: {why}" if why else "")
 
 
 def _impl(name):
@@ -346,7 +383,7 @@ def _check_kernel_args(x, w, recipe):
 
 
 def gmm(x, w, group_sizes, *, recipe="te_no_quant", backend="auto", out_dtype=None,
-        impl="emulate", groups_aligned=False, quant_impl="xla"):
+        impl="auto", groups_aligned=False, quant_impl="auto"):
     """Grouped matmul with the FP8 numerics of ``recipe`` in all three products.
 
     Args:
@@ -356,8 +393,10 @@ def gmm(x, w, group_sizes, *, recipe="te_no_quant", backend="auto", out_dtype=No
       recipe: one of ``RECIPES``; ``te_no_quant`` is ``api.gmm`` unchanged.
       backend: the bf16 gmm backend (``api.BACKENDS``) of ``impl="emulate"``.
       out_dtype: output dtype (default x.dtype); accumulation is float32.
-      impl: ``"emulate"`` or ``"kernel"`` (``IMPLS``; module docstring).
-      quant_impl: how ``impl="kernel"`` quantizes its operands (``QUANT_IMPLS``).
+      impl: ``"auto"``, ``"emulate"`` or ``"kernel"`` (``IMPLS``; module
+        docstring; ``resolve_impl``).
+      quant_impl: how the kernels quantize their operands (``QUANT_IMPLS``;
+        ``auto`` is ``pallas``).
       groups_aligned: the caller guarantees every group size is a multiple
         of ``required_alignment(recipe)``, so wgrad needs no regrouping.
 
@@ -380,10 +419,11 @@ def gmm(x, w, group_sizes, *, recipe="te_no_quant", backend="auto", out_dtype=No
         return api.gmm(x, w, group_sizes, backend=backend, out_dtype=out_dtype)
     api._check_gmm_args(x, w, group_sizes, transpose_rhs=False)
     out_dtype = jnp.dtype(out_dtype or x.dtype)
+    impl, why = resolve_impl(impl, recipe, backend, x.shape, w.shape, x.dtype)
     if impl == "kernel":
         _check_kernel_args(x, w, recipe)
         _say_once(recipe, jax.devices()[0].device_kind, "fp8_kernel")
-        return _kgmm(x, w, group_sizes, out_dtype, bool(groups_aligned), quant_impl)
+        return _kgmm(x, w, group_sizes, out_dtype, bool(groups_aligned), resolve_quant_impl(quant_impl))
     name = api.resolve_backend(backend, x.shape, w.shape, x.dtype)
-    _say_once(recipe, jax.devices()[0].device_kind, name)
+    _say_once(recipe, jax.devices()[0].device_kind, name, why)
     return _qgmm(x, w, group_sizes, recipe, name, out_dtype, bool(groups_aligned))
