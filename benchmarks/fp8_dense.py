@@ -38,11 +38,17 @@ given twice: as ``quantization=te_fp8_currentscaling`` runs it (the head in
 FP8 only with ``quantize_output_head``) and with every matmul in FP8.
 
 Checks recorded per row: the optimized HLO of each FP8 fwd+bwd holds E4M3
-and E5M2 values (``f8_types``) and how many of its dots/GEMMs take FP8
-operands (``f8_dots`` of ``dots``; 3 on the GPU, where cuBLASLt runs FP8 x FP8;
-XLA:CPU converts the codes to float before its dot, so 0 there), so a
-silent bf16 fallback shows; and the FP8 output's and gradients' relative
-error against bf16 (zero would mean no FP8 rounding happened).
+and E5M2 values (``f8e4m3``, ``f8e5m2``) and how many of its dots/GEMMs take FP8
+operands (``f8_dots`` of ``dots``): a dot is an HLO ``dot`` or a custom-call
+to a cuBLAS/cuBLASLt GEMM (by ``custom_call_target``), FP8 when its two matrix
+operands have f8 types, read from the operands' defining instructions (the
+GPU's HLO names a custom-call's operands without their types). 3 of 3 on the
+GPU, where cuBLASLt runs FP8 x FP8; 0 of 3 on XLA:CPU, which converts the
+codes to f32 before its dot. So a silent bf16 fallback shows. ``hlo_check``
+is the parser's version: records without it (version 1) counted 0 FP8 dots on
+the GPU whatever ran, as that parser read only inline operand types. Also the
+FP8 output's and gradients' relative error against bf16 (zero would mean no
+FP8 rounding happened).
 
 Writes ``<out>/fp8_dense-<time>-<gpu>.json`` (kind ``fp8_dense``) and prints the table.
 """
