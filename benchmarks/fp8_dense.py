@@ -38,11 +38,17 @@ given twice: as ``quantization=te_fp8_currentscaling`` runs it (the head in
 FP8 only with ``quantize_output_head``) and with every matmul in FP8.
 
 Checks recorded per row: the optimized HLO of each FP8 fwd+bwd holds E4M3
-and E5M2 values (``f8_types``) and how many of its dots/GEMMs take FP8
-operands (``f8_dots`` of ``dots``; 3 on the GPU, where cuBLASLt runs FP8 x FP8;
-XLA:CPU converts the codes to float before its dot, so 0 there), so a
-silent bf16 fallback shows; and the FP8 output's and gradients' relative
-error against bf16 (zero would mean no FP8 rounding happened).
+and E5M2 values (``f8e4m3``, ``f8e5m2``) and how many of its dots/GEMMs take FP8
+operands (``f8_dots`` of ``dots``): a dot is an HLO ``dot`` or a custom-call
+to a cuBLAS/cuBLASLt GEMM (by ``custom_call_target``), FP8 when its two matrix
+operands have f8 types, read from the operands' defining instructions (the
+GPU's HLO names a custom-call's operands without their types). 3 of 3 on the
+GPU, where cuBLASLt runs FP8 x FP8; 0 of 3 on XLA:CPU, which converts the
+codes to f32 before its dot. So a silent bf16 fallback shows. ``hlo_check``
+is the parser's version: records without it (version 1) counted 0 FP8 dots on
+the GPU whatever ran, as that parser read only inline operand types. Also the
+FP8 output's and gradients' relative error against bf16 (zero would mean no
+FP8 rounding happened).
 
 Writes ``<out>/fp8_dense-<time>-<gpu>.json`` (kind ``fp8_dense``) and prints the table.
 """
@@ -149,27 +155,95 @@ def inputs(b: int, s: int, k: int, n: int, dtype, param_dtype, seed: int = 0):
     return w, x, dy
 
 
-# "%name = <type, maybe a tuple with spaces> dot(...)" or "... custom-call(...)"
-_INSTR = re.compile(r"^\s*(?:ROOT\s+)?%?\S+\s*=.*?\s(dot|custom-call)\((.*)$")
+HLO_CHECK = 2  # version of hlo_checks; 1 (absent) read operand types only where printed inline
+GEMM_TARGETS = frozenset({"__cublas$gemm", "__cublas$lt$matmul", "__cublas$lt$matmul$f8",
+                          "__cublas$lt$matmul$fp8"})
+# "[ROOT] %name = " then the result type, the opcode and its operand list.
+_DEF = re.compile(r"^\s*(?:ROOT\s+)?%?([\w.\-]+)\s*=\s*")
+_OPCODE = re.compile(r"\s*([\w\-]+)\(")
+_TARGET = re.compile(r'custom_call_target="([^"]*)"')
+_COMMENT = re.compile(r"/\*.*?\*/")
+
+
+def _balanced(text: str, i: int) -> int:
+    """Index just past the bracket group that opens at ``text[i]`` (``(``, ``[`` or ``{``)."""
+    depth = 0
+    for j in range(i, len(text)):
+        if text[j] in "([{":
+            depth += 1
+        elif text[j] in ")]}":
+            depth -= 1
+            if depth == 0:
+                return j + 1
+    return len(text)
+
+
+def _split_top(text: str) -> list[str]:
+    """``text`` split at the commas outside any brackets, each part stripped."""
+    parts, depth, last = [], 0, 0
+    for j, ch in enumerate(text):
+        depth += ch in "([{"
+        depth -= ch in ")]}"
+        if ch == "," and depth == 0:
+            parts.append(text[last:j].strip())
+            last = j + 1
+    parts.append(text[last:].strip())
+    return [p for p in parts if p]
+
+
+def hlo_instructions(hlo: str):
+    """Yield ``(types, name, type, opcode, operands, rest)`` per instruction of HLO text.
+
+    ``types`` maps the names defined so far in the instruction's computation to their
+    result types (a tuple type keeps its parentheses); ``operands`` is a list of
+    ``(inline type or None, name)``: the GPU's optimized HLO prints operands by name only,
+    other printers as ``f8e4m3fn[8,16]{1,0} %a``. ``/*index=5*/`` comments are dropped.
+    """
+    types = {}
+    for line in hlo.splitlines():
+        m = _DEF.match(line)
+        if not m:
+            if line.rstrip().endswith("{"):  # a computation's header: a new name scope
+                types = {}
+            continue
+        line = _COMMENT.sub("", line)
+        m = _DEF.match(line)
+        i = m.end()
+        end = _balanced(line, i) if line[i:i + 1] == "(" else line.find(" ", i)
+        end = len(line) if end < 0 else end
+        type_ = line[i:end]
+        types[m.group(1)] = type_
+        op = _OPCODE.match(line, end)
+        if not op:
+            continue
+        close = _balanced(line, op.end() - 1)
+        operands = []
+        for part in _split_top(line[op.end():close - 1]):
+            inline, _, name = part.rpartition(" ")
+            operands.append((inline.strip() or None, name.lstrip("%")))
+        yield types, m.group(1), type_, op.group(1), operands, line[close:]
 
 
 def hlo_checks(hlo: str) -> dict:
     """FP8 evidence in optimized HLO text: f8 types present, and dots/GEMMs with f8 operands.
 
-    A dot is an HLO ``dot(...)`` or a ``custom-call`` to a cuBLAS/cuBLASLt GEMM.
+    A dot is an HLO ``dot`` or a ``custom-call`` whose target is a cuBLAS/cuBLASLt GEMM
+    (``GEMM_TARGETS``); it counts as FP8 when its first two (matrix) operands have f8 types,
+    read inline or from the operand's defining instruction in the same computation.
     """
     dots = f8_dots = 0
-    for line in hlo.splitlines():
-        m = _INSTR.search(line)
-        if not m:
-            continue
-        if m.group(1) == "custom-call" and not re.search(r"gemm|matmul", line):
+    for types, _, _, opcode, operands, rest in hlo_instructions(hlo):
+        if opcode == "custom-call":
+            target = _TARGET.search(rest)
+            if not (target and target.group(1) in GEMM_TARGETS):
+                continue
+        elif opcode != "dot":
             continue
         dots += 1
-        operands = m.group(2).split("),")[0]
-        f8_dots += "f8e" in operands
+        matrices = [inline or types.get(name, "") for inline, name in operands[:2]]
+        f8_dots += len(matrices) == 2 and all(t.startswith("f8e") for t in matrices)
     return {"f8e4m3": "f8e4m3fn" in hlo, "f8e5m2": "f8e5m2" in hlo, "dots": dots,
-            "f8_dots": f8_dots}
+            "f8_dots": f8_dots, "hlo_check": HLO_CHECK}
 
 
 def cupti_ms(fn, args, iters):

@@ -240,7 +240,8 @@ def test_fp8_dense_section(tmp_path):
     d.mkdir()
     row = {"name": "mla.wq_a", "K": 7168, "N": 1536, "count": 4, "fp8_in_model": True,
            "bf16": {"fwd_bwd_ms": 2.0, "dots": 3, "f8_dots": 0},
-           "fp8": {"fwd_bwd_ms": 1.6, "dots": 3, "f8_dots": 3}, "share_bf16_pct": 12.5}
+           "fp8": {"fwd_bwd_ms": 1.6, "dots": 3, "f8_dots": 3, "hlo_check": 2},
+           "share_bf16_pct": 12.5}
     head = {**row, "name": "head.head", "K": 7168, "N": 129280, "count": 1, "fp8_in_model": False}
     rec = {"kind": "fp8_dense", "created": "2026-12-02T10:00:00+00:00", **PROV, "rows": [row, head],
            "totals": {"step_ms_bf16": 10.0, "step_ms_fp8_as_configured": 8.0, "step_ms_fp8_all": 7.5,
@@ -250,3 +251,24 @@ def test_fp8_dense_section(tmp_path):
     assert "| mla.wq_a | 7168 x 1536 | 4 | 2.000 | 1.600 | 1.25x | 12.5 | 3/3 |" in text
     assert "| head.head | 7168 x 129280 | 1 | 2.000 | 1.600 | 1.25x | 12.5 | 3/3 (bf16 in the model) |" in text
     assert "FP8 as configured 8.00 ms (1.25x), every matmul in FP8 7.50 ms (1.33x); times by cupti." in text
+    assert "n/c" not in text
+
+
+def test_fp8_dense_section_old_hlo_parser(tmp_path):
+    """Rows checked by the parser before hlo_check 2 (no operand types seen on the GPU, so its
+    0/3 was wrong) show n/c, with the f8 types and the error against bf16 as the evidence."""
+    d = tmp_path / "r"
+    d.mkdir()
+    fp8 = {"fwd_bwd_ms": 1.6, "dots": 3, "f8_dots": 0, "f8e4m3": True, "f8e5m2": True}
+    rows = [{"name": name, "K": 7168, "N": 1536, "count": 4, "fp8_in_model": True,
+             "bf16": {"fwd_bwd_ms": 2.0, "dots": 3, "f8_dots": 0},
+             "fp8": {**fp8, "rel_err_y": err}, "share_bf16_pct": 50.0}
+            for name, err in (("mla.wq_a", 0.0371), ("mla.wo", 0.0384))]
+    rec = {"kind": "fp8_dense", "created": "2026-12-02T10:00:00+00:00", **PROV, "rows": rows}
+    (d / "f.json").write_text(json.dumps(rec))
+    text = report.render(d, tmp_path / "R.md", log=lambda _: None).read_text()
+    assert "| mla.wq_a | 7168 x 1536 | 4 | 2.000 | 1.600 | 1.25x | 50.0 | n/c |" in text
+    assert "0/3" not in text
+    assert "n/c: FP8 dots not checked." in text
+    assert "E4M3 and E5M2 in every row's HLO, and the FP8 output's relative error against " \
+           "bf16, 3.7e-02 to 3.8e-02." in text

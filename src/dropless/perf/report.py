@@ -683,11 +683,15 @@ def fp8_quant_section(record: dict, path: Path, fig_dir: Path, md_dir: Path) -> 
 def fp8_dense_section(record: dict, path: Path, fig_dir: Path, md_dir: Path) -> str:
     """Markdown for the dense matmuls in bf16 against te_fp8_currentscaling (fp8_dense.py)."""
     rows = [r for r in record.get("rows", []) if "bf16" in r and "fp8" in r]
+    # hlo_check < 2: the parser saw no operand types on the GPU and counted 0 FP8 dots.
+    unchecked = [r for r in rows if r["fp8"].get("hlo_check", 1) < 2]
+    checked = {r["name"] for r in rows} - {r["name"] for r in unchecked}
     body = [[r["name"], f"{r['K']} x {r['N']}", str(r["count"]),
              _num(r["bf16"].get("fwd_bwd_ms"), ".3f"), _num(r["fp8"].get("fwd_bwd_ms"), ".3f"),
              _ratio(r["bf16"].get("fwd_bwd_ms"), r["fp8"].get("fwd_bwd_ms")),
              _num(r.get("share_bf16_pct"), ".1f"),
-             f"{r['fp8'].get('f8_dots', '?')}/{r['fp8'].get('dots', '?')}"
+             (f"{r['fp8'].get('f8_dots', '?')}/{r['fp8'].get('dots', '?')}"
+              if r["name"] in checked else "n/c")
              + ("" if r.get("fp8_in_model", True) else " (bf16 in the model)")] for r in rows]
     t = record.get("totals") or {}
     parts = [f"## {TITLES['fp8_dense']}", _source_line(record, path), "",
@@ -701,6 +705,17 @@ def fp8_dense_section(record: dict, path: Path, fig_dir: Path, md_dir: Path) -> 
                       f"matmul in FP8 {_num(t.get('step_ms_fp8_all'), '.2f')} ms "
                       f"({_ratio(t.get('step_ms_bf16'), t.get('step_ms_fp8_all'))}); times by "
                       f"{t.get('time_source', '?')}."]
+    if unchecked:
+        errs = sorted({f"{r['fp8']['rel_err_y']:.1e}" for r in unchecked
+                       if "rel_err_y" in r["fp8"]}, key=float)
+        f8 = all(r["fp8"].get("f8e4m3") and r["fp8"].get("f8e5m2") for r in unchecked)
+        parts += ["", "n/c: FP8 dots not checked. This record's HLO parser (before `hlo_check` 2) "
+                      "could not see operand types on the GPU, where a GEMM custom-call names its "
+                      "operands without types, so it counted 0. The FP8 evidence for these rows: "
+                      + ("E4M3 and E5M2 in every row's HLO" if f8 else
+                         "E4M3 or E5M2 missing from some rows' HLO")
+                      + (", and the FP8 output's relative error against bf16, "
+                         + " to ".join(dict.fromkeys((errs[0], errs[-1]))) if errs else "") + "."]
     return "\n".join(parts)
 
 
