@@ -86,10 +86,10 @@ def results(tmp_path):
 def test_newest_valid_record_of_each_kind(results):
     logged = []
     records = report.newest_records(results, log=logged.append)
-    assert set(records) == {"gmm", "moe_layer", "step"}
+    assert set(records) == {"gmm", "moe_layer", "step:baselines"}
     assert records["moe_layer"][1].name == "20261129-090000-nvidia-h200.json"  # the bundle's is newer
     assert records["moe_layer"][0]["rows"][0]["fwd_bwd_ms"] == 34.0
-    assert records["step"][1].name == "step-1.json"  # step-2 has no commit
+    assert records["step:baselines"][1].name == "step-1.json"  # step-2 has no commit
     text = "\n".join(logged)
     assert "step-2.json (step): no commit" in text and "moe_layer-cpu.json" in text
     assert "broken.json" in text
