@@ -86,10 +86,10 @@ def results(tmp_path):
 def test_newest_valid_record_of_each_kind(results):
     logged = []
     records = report.newest_records(results, log=logged.append)
-    assert set(records) == {"gmm", "moe_layer", "step"}
+    assert set(records) == {"gmm", "moe_layer", "step:baselines"}
     assert records["moe_layer"][1].name == "20261129-090000-nvidia-h200.json"  # the bundle's is newer
     assert records["moe_layer"][0]["rows"][0]["fwd_bwd_ms"] == 34.0
-    assert records["step"][1].name == "step-1.json"  # step-2 has no commit
+    assert records["step:baselines"][1].name == "step-1.json"  # step-2 has no commit
     text = "\n".join(logged)
     assert "step-2.json (step): no commit" in text and "moe_layer-cpu.json" in text
     assert "broken.json" in text
@@ -272,3 +272,113 @@ def test_fp8_dense_section_old_hlo_parser(tmp_path):
     assert "n/c: FP8 dots not checked." in text
     assert "E4M3 and E5M2 in every row's HLO, and the FP8 output's relative error against " \
            "bf16, 3.7e-02 to 3.8e-02." in text
+
+
+def step_py_record(time, cases, **case_overrides):
+    """A ``benchmarks/step.py`` record: "time" (no "created"), top-level provenance, "cases"
+    of (name, TFLOPS or an error text, extra fields) and "case_overrides"."""
+    rows = []
+    for name, result, extra in cases:
+        row = ({"error": result} if isinstance(result, str) else
+               {"tflops_per_device": result, "step_time_s": 0.4, "tokens_per_s": 1000.0 * result,
+                "peak_memory_gb": 60.0 + result / 100, "per_device_batch_size": 2.0})
+        rows.append({"case": name, **row, **extra})
+    return {"benchmark": "step", "time": time, "gpu": "NVIDIA H200", "jax": "0.11.2",
+            "commit": "c" * 40, "cases": rows,
+            "case_overrides": {n: ["gmm_backend=auto", *o] for n, o in case_overrides.items()}}
+
+
+FP8KP = ["te_gmm_quantization=te_fp8_blockwise", "gmm_fp8_impl=kernel"]
+TRACEBACK = "exit 1: Traceback (most recent call last):\n  File | x.py, line 1\n" + "y" * 200
+
+
+def test_step_variant():
+    """Only cases with a TFLOPS result decide what a record compares."""
+    baselines = step_py_record("t", [("ours", 400.0, {}), ("xla", 50.0, {})])
+    failed_xla = step_py_record("t", [("ours", 400.0, {}), ("xla", "OOM", {})])
+    fp8 = step_py_record("t", [("ours", 400.0, {}), ("ours_fp8kp", 420.0, {})])
+    failed_fp8 = step_py_record("t", [("ours", 400.0, {}), ("ours_fp8kp", "boom", {})])
+    qwen3 = step_py_record("t", [("qwen3-moe-proxy", 300.0, {})])
+    assert [report.step_variant(r) for r in (baselines, failed_xla, fp8, failed_fp8, qwen3)] == [
+        "baselines", "models", "fp8", "models", "models"]
+    assert report.step_variant(step_record()) == "baselines"  # role "baseline" given by the row
+
+
+def test_step_variants_render(tmp_path):
+    """A newer qwen3-only record does not replace the baseline table: each kind of step
+    record renders, FP8 cases against the same run's ours, single runs newest per case."""
+    d = tmp_path / "r"
+    d.mkdir()
+    deepseek = {"overrides": ["model_name=deepseek3-proxy", "gmm_backend=auto"]}
+    records = {
+        "step-a.json": step_py_record("2026-11-29T10:33:59", [
+            ("ours", 400.0, {}), ("capacity", 250.0, {}), ("xla", 50.0, {})]),
+        "step-b.json": step_py_record("2026-12-01T22:08:13", [
+            ("ours", 380.0, {}), ("ours_gfp8kp", TRACEBACK, {}),
+            ("ours_fp8_blockwise", 342.0, {"gmm_fp8_impl_resolved": {"wi": "kernel",
+                                                                     "wo": "emulate"}})],
+            ours=[], ours_gfp8kp=FP8KP, ours_fp8_blockwise=FP8KP[:1]),
+        "step-c.json": step_py_record("2026-12-01T22:14:12", [
+            ("ours", 400.0, {}),
+            ("ours_fp8kp", 420.0, {"gmm_fp8_impl_resolved": {"wi": "kernel", "wo": "kernel"}})],
+            ours=[], ours_fp8kp=FP8KP),
+        "step-d.json": step_py_record("2026-11-29T10:31:40", [("ours", 390.0, deepseek)]),
+        "step-e.json": step_py_record("2026-12-01T22:22:27", [("ours", 401.0, deepseek)]),
+        "step-f.json": step_py_record("2026-12-01T22:23:47", [
+            ("qwen3-moe-proxy", 318.0, {"config": {"model_name": "qwen3-moe-proxy"}})]),
+    }
+    for name, record in records.items():
+        (d / name).write_text(json.dumps(record))
+    newest = report.newest_records(d, log=lambda _: None)
+    assert {k: p.name for k, (_, p) in newest.items()} == {
+        "step:baselines": "step-a.json", "step:fp8": "step-c.json", "step:models": "step-f.json"}
+    text = report.render(d, tmp_path / "R.md", log=lambda _: None).read_text()
+    section = text[text.index("## Training step"):]
+    # The baseline table, unchanged: ratios to the best baseline (capacity, 250).
+    assert "| ours | ours | 400.0 | 1.60x | 400,000 | 400.0 | 64.0 | 2 | - |" in section
+    assert "| capacity | baseline | 250.0 | 1.00x |" in section and "qwen3-moe-proxy | baseline" \
+        not in section
+    assert "](figures/step_tflops.png)" in section
+    # FP8: the newest fp8 record (c), against its own ours (400, not b's 380 or a's).
+    assert ("| ours_fp8kp | kernel | `te_gmm_quantization=te_fp8_blockwise` "
+            "`gmm_fp8_impl=kernel` | 420.0 | 1.05x | 420,000 | 400.0 | 64.2 | 2 | - |") in section
+    assert "| ours | - | - | 400.0 | 1.00x |" in section
+    # Single runs: the newest ours (e, not d) and qwen3 (f), each with its file, no ratios.
+    assert ("| ours | deepseek3-proxy | `step-e.json` | 401.0 | 401,000 | 400.0 | 64.0 | 2 | - |"
+            in section)
+    assert "| qwen3-moe-proxy | qwen3-moe-proxy | `step-f.json` | 318.0 |" in section
+    assert "step-d.json" not in text and "ratios are only given within one run" in section
+    order = [section.index(h) for h in ("### Ours against the baselines",
+                                        "### FP8 and other variants of ours",
+                                        "### Other models and single runs")]
+    assert order == sorted(order)
+    # Headlines, and the sources table's time from step.py's "time" field.
+    assert "- training step: ours 400 TFLOPS/device = 1.6x the best baseline" in text
+    assert "- training step FP8: ours_fp8kp 420 TFLOPS/device = 1.05x ours (same run)" in text
+    assert "qwen3-moe-proxy 318 TFLOPS" not in text
+    assert "| step:models | `step-f.json` | NVIDIA H200 | 0.11.2 | `cccccccccccc` | " \
+           "2026-12-01T22:23:47 |" in text
+    assert "2026-12-01T22:14:12)." in section and ", ?)" not in text
+
+
+def test_step_fp8_errors_and_resolved_impl(tmp_path):
+    """An FP8 record with a failed case: the error's first 80 characters on one line, pipes
+    escaped; a per-matmul resolved impl; the headline skips the failed case."""
+    d = tmp_path / "r"
+    d.mkdir()
+    record = step_py_record("2026-12-01T22:08:13", [
+        ("ours", 400.0, {}), ("ours_gfp8kp", TRACEBACK, {}),
+        ("ours_fp8_blockwise", 342.0,
+         {"gmm_fp8_impl_resolved": {"wi": "kernel", "wo": "emulate"}})],
+        ours=[], ours_gfp8kp=FP8KP, ours_fp8_blockwise=FP8KP[:1])
+    (d / "step-b.json").write_text(json.dumps(record))
+    text = report.render(d, tmp_path / "R.md", log=lambda _: None).read_text()
+    note = " ".join(TRACEBACK.split())[:80].replace("|", "\\|")
+    assert note.startswith("exit 1: Traceback (most recent call last): File \\| x.py")
+    assert (f"| ours_gfp8kp | - | `te_gmm_quantization=te_fp8_blockwise` `gmm_fp8_impl=kernel` "
+            f"| - | - | - | - | - | - | {note} |") in text
+    assert "| ours_fp8_blockwise | wi=kernel, wo=emulate | `te_gmm_quantization=te_fp8_blockwise` " \
+           "| 342.0 | 0.85x |" in text
+    assert report.headlines("step", record) == [
+        "training step FP8: ours_fp8_blockwise 342 TFLOPS/device = 0.85x ours (same run)"]
+    assert "### Ours against the baselines" not in text

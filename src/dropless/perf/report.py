@@ -32,8 +32,12 @@ Record fields read (aliases accepted, so the benchmarks' own formats work):
 - **step** (``benchmarks/step.py``): ``rows`` (or ``results``/``cases``), one per
   variant: ``name`` (or ``case``/``variant``), ``tflops_per_device`` (or
   ``tflops``), optional ``tokens_per_s``, ``step_ms``, ``peak_memory_gib``,
-  ``per_device_batch_size``, ``note``, and ``role`` ("baseline" | "ours";
-  without it a name containing "ours" is ours, the rest baselines).
+  ``per_device_batch_size``, ``note`` (or ``error``), ``gmm_fp8_impl_resolved``,
+  and ``role`` ("baseline" | "ours"; without it a name containing "ours" is
+  ours, the rest baselines); ``case_overrides`` per case. A record compares
+  ours with the baselines, FP8 variants of ours with ``ours``, or is a single
+  run (``step_variant``); the newest of the first two kinds renders, and the
+  newest row of each case over all single runs.
 """
 
 import argparse
@@ -48,7 +52,8 @@ from dropless.perf.measure import DEFAULT_RESULTS_DIR, REPO_ROOT
 DEFAULT_MD = REPO_ROOT / "benchmarks" / "RESULTS.md"
 KINDS = ("gmm", "moe_layer", "step", "fp8_kernels", "fp8_quant", "profile", "fp8_dense")
 # Kinds whose newest record is kept per variant (key "<kind>:<variant>"), rendered together.
-VARIANTS = {"profile": lambda record: profile_precision(record)}
+VARIANTS = {"profile": lambda record: profile_precision(record),
+            "step": lambda record: step_variant(record)}
 FP8_TARGETS = {"fwd": 1250.0, "dgrad": 1250.0, "wgrad": 1100.0}  # TF/s, kernels alone (issue 12)
 GMM_IMPLS = {"ours": "ours", "dense": "dense cuBLAS (ceiling)", "torch": "torch._grouped_mm",
              "jaxex": "jax example kernels", "ragged": "lax.ragged_dot"}
@@ -78,8 +83,11 @@ def provenance(record: dict) -> dict:
             "commit": commit}
 
 
+CREATED = ("created", "date", "timestamp", "time")  # when a record was taken (step.py: "time")
+
+
 def _created(record: dict, path: Path) -> datetime.datetime:
-    text = _get(record, "created", "date", "timestamp", "time")
+    text = _get(record, *CREATED)
     try:
         when = datetime.datetime.fromisoformat(str(text))
     except (TypeError, ValueError):
@@ -113,7 +121,20 @@ def newest_records(results_dir: str | os.PathLike, log=print, include_cpu: bool 
     Valid: names its GPU, jax version and commit. CPU runs (smoke tests) are
     skipped unless ``include_cpu``.
     """
+    return _newest(valid_records(results_dir, log, include_cpu))
+
+
+def _newest(found) -> dict:
     best = {}
+    for key, record, path, when in found:
+        if key not in best or when > best[key][2]:
+            best[key] = (record, path, when)
+    return {key: (rec, path) for key, (rec, path, _) in best.items()}
+
+
+def valid_records(results_dir: str | os.PathLike, log=print, include_cpu: bool = False):
+    """(key, record, path, created) of every valid record (see ``newest_records``); key is
+    the kind, or "kind:variant" for the kinds in ``VARIANTS``."""
     for path in sorted(Path(results_dir).glob("*.json")):
         for kind, record in _records_in(path):
             if kind not in KINDS:
@@ -130,9 +151,7 @@ def newest_records(results_dir: str | os.PathLike, log=print, include_cpu: bool 
                 continue
             when = _created(record, path)
             key = f"{kind}:{VARIANTS[kind](record)}" if kind in VARIANTS else kind
-            if key not in best or when > best[key][2]:
-                best[key] = (record, path, when)
-    return {kind: (rec, path) for kind, (rec, path, _) in best.items()}
+            yield key, record, path, when
 
 
 # ----------------------------------------------------------------------------
@@ -154,7 +173,7 @@ def md_table(headers: list[str], rows: list[list], labels: int = 1) -> str:
 
 def _source_line(record: dict, path: Path) -> str:
     prov = provenance(record)
-    created = _get(record, "created", "date", default="?")
+    created = _get(record, *CREATED, default="?")
     return (f"Source: `{path.name}` ({prov['gpu']}, jax {prov['jax']}, commit "
             f"`{_short_commit(prov['commit'])}`, {created}).")
 
@@ -381,6 +400,9 @@ def _moe_plot(record: dict, out: Path) -> Path:
 # Training step.
 
 
+STEP_BASELINES = ("xla", "capacity")  # benchmarks/step.py's baseline cases
+
+
 def step_rows(record: dict) -> list[dict]:
     """Normalised step rows: name, role, tflops, and the optional extras."""
     rows = []
@@ -389,26 +411,72 @@ def step_rows(record: dict) -> list[dict]:
             continue
         name = str(_get(r, "name", "case", "variant", default="?"))
         role = _get(r, "role") or ("ours" if "ours" in name.lower() else "baseline")
-        rows.append({"name": name, "role": role,
+        cfg = r.get("config") if isinstance(r.get("config"), dict) else {}
+        model = cfg.get("model_name") or next(
+            (o.partition("=")[2] for o in r.get("overrides") or [] if o.startswith("model_name=")),
+            None)
+        rows.append({"name": name, "role": role, "explicit_role": "role" in r,
                      "tflops": _get(r, "tflops_per_device", "tflops"),
                      "tokens_per_s": _get(r, "tokens_per_s", "tokens_per_second"),
                      "step_ms": _get(r, "step_ms", "step_time_ms")
                      or (r["step_time_s"] * 1e3 if r.get("step_time_s") else None),
                      "memory": _get(r, "peak_memory_gib", "peak_mem_gib", "peak_memory_gb"),
                      "batch": _get(r, "per_device_batch_size", "batch"),
+                     "model": model, "fp8_impl": r.get("gmm_fp8_impl_resolved"),
                      "note": _get(r, "note", "error", default="")})
     return rows
 
 
-def step_section(record: dict, path: Path, fig_dir: Path, md_dir: Path) -> str:
-    """Markdown for the training-step benchmark: TFLOPS/device, baselines vs ours, ratios."""
+def step_variant(record: dict) -> str:
+    """What a step record compares, from its cases that have a TFLOPS result:
+    "baselines" (an ``xla`` or ``capacity`` case, or a row with role baseline),
+    "fp8" (``ours`` and ``ours_*`` cases: FP8 and other variants of ours in one run),
+    else "models" (``ours`` alone, another model such as ``qwen3-moe-proxy``, ...)."""
+    rows = [r for r in step_rows(record) if r["tflops"]]
+    names = {r["name"] for r in rows}
+    if names & set(STEP_BASELINES) or any(r["explicit_role"] and r["role"] == "baseline"
+                                          for r in rows):
+        return "baselines"
+    if "ours" in names and any(n.startswith("ours_") for n in names):
+        return "fp8"
+    return "models"
+
+
+def _cell(text, width: int = 80) -> str:
+    """One table cell from free text: whitespace collapsed, pipes escaped, cut to ``width``."""
+    text = " ".join(str(text).split())[:width]
+    return text.replace("|", "\\|") or "-"
+
+
+def step_section(variants: dict, fig_dir: Path, md_dir: Path, models=None) -> str:
+    """Markdown for the training-step benchmark: each kind of record present, in turn.
+
+    Args:
+      variants: ``step_variant`` -> (record, path) of the newest record of each.
+      models: (record, path, created) of every "models" record; the table shows the
+        newest row of each case over all of them (default: the newest record alone).
+    """
+    if models is None and "models" in variants:
+        models = [(*variants["models"], 0)]
+    parts = [f"## {TITLES['step']}"]
+    if "baselines" in variants:
+        parts += ["", _step_baselines(*variants["baselines"], fig_dir, md_dir)]
+    if "fp8" in variants:
+        parts += ["", _step_fp8(*variants["fp8"])]
+    if models:
+        parts += ["", _step_models(models)]
+    return "\n".join(parts)
+
+
+def _step_baselines(record: dict, path: Path, fig_dir: Path, md_dir: Path) -> str:
+    """Ours against the baselines of one run: TFLOPS/device and the ratio to the best."""
     rows = step_rows(record)
     baselines = [r["tflops"] for r in rows if r["role"] != "ours" and r["tflops"]]
     best = max(baselines, default=None)
     body = [[r["name"], r["role"], _num(r["tflops"]), _ratio(r["tflops"], best),
              _num(r["tokens_per_s"], ",.0f"), _num(r["step_ms"], ".1f"), _num(r["memory"], ".1f"),
-             _num(r["batch"], "g"), str(r["note"])[:80] or "-"] for r in rows]
-    parts = [f"## {TITLES['step']}", _source_line(record, path), ""]
+             _num(r["batch"], "g"), _cell(r["note"])] for r in rows]
+    parts = ["### Ours against the baselines", _source_line(record, path), ""]
     cfg = record.get("config") or {}
     if cfg:
         parts += ["Config: " + ", ".join(f"`{k}={v}`" for k, v in cfg.items()
@@ -420,6 +488,59 @@ def step_section(record: dict, path: Path, fig_dir: Path, md_dir: Path) -> str:
                            "step ms", "peak memory GiB", "batch/device", "note"], body, labels=2)
                  if body else "_no rows in the record_")
     return "\n".join(parts)
+
+
+def _fp8_impl_text(impl) -> str:
+    """``gmm_fp8_impl_resolved`` ({"wi": "kernel", "wo": "kernel"}) as one word when the
+    matmuls agree, else per matmul."""
+    if not isinstance(impl, dict) or not impl:
+        return "-" if impl is None else str(impl)
+    values = set(impl.values())
+    return values.pop() if len(values) == 1 else ", ".join(f"{k}={v}" for k, v in impl.items())
+
+
+def _step_fp8(record: dict, path: Path) -> str:
+    """Variants of ours (FP8 recipes) from one run, each against that run's ``ours``."""
+    rows = step_rows(record)
+    ours = next((r["tflops"] for r in rows if r["name"] == "ours"), None)
+    overrides = record.get("case_overrides") or {}
+    base = set(overrides.get("ours") or [])
+    body = [[r["name"], _fp8_impl_text(r["fp8_impl"]),
+             _cell(" ".join(f"`{o}`" for o in overrides.get(r["name"]) or [] if o not in base),
+                   400) if r["name"] != "ours" else "-",
+             _num(r["tflops"]), _ratio(r["tflops"], ours), _num(r["tokens_per_s"], ",.0f"),
+             _num(r["step_ms"], ".1f"), _num(r["memory"], ".1f"), _num(r["batch"], "g"),
+             _cell(r["note"])] for r in rows]
+    return "\n".join([
+        "### FP8 and other variants of ours", _source_line(record, path), "",
+        "Each case against `ours` of the same run; overrides are the case's beyond `ours`'s, "
+        "FP8 impl the grouped GEMMs' resolved `gmm_fp8_impl`.", "",
+        md_table(["case", "FP8 impl", "overrides", "TFLOPS/device", "vs ours (same run)",
+                  "tokens/s", "step ms", "peak memory GiB", "batch/device", "note"], body,
+                 labels=3) if body else "_no rows in the record_"])
+
+
+def _step_models(models: list) -> str:
+    """The newest row of each case over the records of single runs; no ratios."""
+    newest = {}
+    for record, path, when in sorted(models, key=lambda m: m[2]):
+        for r in step_rows(record):
+            # A failed rerun does not hide an earlier result.
+            earlier = newest.get(r["name"])
+            if r["tflops"] or earlier is None or not earlier[0]["tflops"]:
+                newest[r["name"]] = (r, record, path)
+    body = [[r["name"], r["model"] or "-", f"`{path.name}`", _num(r["tflops"]),
+             _num(r["tokens_per_s"], ",.0f"), _num(r["step_ms"], ".1f"), _num(r["memory"], ".1f"),
+             _num(r["batch"], "g"), _cell(r["note"])] for r, _, path in newest.values()]
+    sources = {path: record for _, record, path in newest.values()}
+    return "\n".join([
+        "### Other models and single runs",
+        *[f"- {_source_line(record, path)}" for path, record in sources.items()], "",
+        "The newest row of each case; the rows come from different runs (or models), so no "
+        "ratios: ratios are only given within one run.", "",
+        md_table(["case", "model", "source", "TFLOPS/device", "tokens/s", "step ms",
+                  "peak memory GiB", "batch/device", "note"], body, labels=3)
+        if body else "_no rows in the records_"])
 
 
 def _step_plot(rows, best, out: Path) -> Path:
@@ -440,6 +561,23 @@ def _step_plot(rows, best, out: Path) -> Path:
     fig.savefig(out)
     plt.close(fig)
     return out
+
+
+def step_headline(variant: str, record: dict) -> list[str]:
+    """Baselines: ours against the best baseline; fp8: each ``ours_*`` case against the same
+    run's ``ours``; models: none (rows of different runs)."""
+    rows = step_rows(record)
+    if variant == "baselines":
+        best = max((r["tflops"] for r in rows if r["role"] != "ours" and r["tflops"]), default=None)
+        return [f"training step: {r['name']} {r['tflops']:.0f} TFLOPS/device"
+                + (f" = {r['tflops'] / best:.1f}x the best baseline" if best else "")
+                for r in rows if r["role"] == "ours" and r["tflops"]]
+    if variant == "fp8":
+        ours = next((r["tflops"] for r in rows if r["name"] == "ours"), None)
+        return [f"training step FP8: {r['name']} {r['tflops']:.0f} TFLOPS/device = "
+                f"{r['tflops'] / ours:.2f}x ours (same run)"
+                for r in rows if r["name"].startswith("ours_") and r["tflops"] and ours]
+    return []
 
 
 # ----------------------------------------------------------------------------
@@ -489,12 +627,8 @@ def headlines(kind: str, record: dict) -> list[str]:
                                     if alone else "")]
     if kind.split(":")[0] == "profile":
         return profile_headline(kind.partition(":")[2] or profile_precision(record), record)
-    if kind == "step":
-        rows = step_rows(record)
-        best = max((r["tflops"] for r in rows if r["role"] != "ours" and r["tflops"]), default=None)
-        return [f"training step: {r['name']} {r['tflops']:.0f} TFLOPS/device"
-                + (f" = {r['tflops'] / best:.1f}x the best baseline" if best else "")
-                for r in rows if r["role"] == "ours" and r["tflops"]]
+    if kind.split(":")[0] == "step":
+        return step_headline(kind.partition(":")[2] or step_variant(record), record)
     return []
 
 # ----------------------------------------------------------------------------
@@ -743,7 +877,11 @@ def render(results_dir=DEFAULT_RESULTS_DIR, md_path=DEFAULT_MD, log=print,
     md_path = Path(md_path)
     md_dir = md_path.parent
     fig_dir = md_dir / "figures"
-    records = newest_records(results_dir, log=log, include_cpu=include_cpu)
+    found = list(valid_records(results_dir, log=log, include_cpu=include_cpu))
+    records = _newest(found)
+    # The models variant shows the newest row of each case over all its records.
+    history = {"step": {"models": [(rec, path, when) for key, rec, path, when in found
+                                   if key == "step:models"]}}
     parts = ["# dropless benchmark results", "",
              "Generated by `python -m dropless.perf.report` from the newest record of each kind "
              f"in `{os.path.relpath(Path(results_dir), md_dir)}/`; do not edit by hand. "
@@ -751,7 +889,7 @@ def render(results_dir=DEFAULT_RESULTS_DIR, md_path=DEFAULT_MD, log=print,
              "dropless.perf.bench`), then rerun the report.", ""]
     sources = [[kind, f"`{path.name}`", provenance(rec)["gpu"], provenance(rec)["jax"],
                 f"`{_short_commit(provenance(rec)['commit'])}`",
-                str(_get(rec, "created", "date", default="?"))]
+                str(_get(rec, *CREATED, default="?"))]
                for kind, (rec, path) in sorted(records.items())]
     lines = [f"- {h}" for kind, (rec, _) in sorted(records.items()) for h in headlines(kind, rec)]
     if lines:
@@ -765,7 +903,7 @@ def render(results_dir=DEFAULT_RESULTS_DIR, md_path=DEFAULT_MD, log=print,
         if kind in records or variants:
             names = ", ".join(p.name for _, p in variants.values()) or records[kind][1].name
             try:
-                parts += [section(variants, fig_dir, md_dir) if variants
+                parts += [section(variants, fig_dir, md_dir, **history.get(kind, {})) if variants
                           else section(*records[kind], fig_dir, md_dir), ""]
             except Exception as e:  # noqa: BLE001 - one malformed record must not hide the rest
                 log(f"could not render {names}: {type(e).__name__}: {e}")
