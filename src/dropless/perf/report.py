@@ -48,42 +48,22 @@ import sys
 from pathlib import Path
 
 from dropless.perf.measure import DEFAULT_RESULTS_DIR, REPO_ROOT
+from dropless.perf.report_fp8 import (fp8_dense_section, fp8_kernels_headline,
+                                      fp8_kernels_section, fp8_quant_headline, fp8_quant_section)
+from dropless.perf.report_md import (CREATED, TITLES, _get, _num, _plt, _ratio, _save,
+                                     _short_commit, _source_line, md_table, provenance)
+from dropless.perf.report_profile import profile_headline, profile_precision, profile_section
+from dropless.perf.report_step import step_headline, step_section, step_variant
 
 DEFAULT_MD = REPO_ROOT / "benchmarks" / "RESULTS.md"
 KINDS = ("gmm", "moe_layer", "step", "fp8_kernels", "fp8_quant", "profile", "fp8_dense")
 # Kinds whose newest record is kept per variant (key "<kind>:<variant>"), rendered together.
-VARIANTS = {"profile": lambda record: profile_precision(record),
-            "step": lambda record: step_variant(record)}
-FP8_TARGETS = {"fwd": 1250.0, "dgrad": 1250.0, "wgrad": 1100.0}  # TF/s, kernels alone (issue 12)
+VARIANTS = {"profile": profile_precision, "step": step_variant}
 GMM_IMPLS = {"ours": "ours", "dense": "dense cuBLAS (ceiling)", "torch": "torch._grouped_mm",
              "jaxex": "jax example kernels", "ragged": "lax.ragged_dot"}
 GMM_OPS = ("fwd", "dgrad", "wgrad", "fwd+dgrad+wgrad")
 SPLIT_COLORS = {"router": "#d62728", "permute": "#ff7f0e", "gmm": "#1f77b4", "combine": "#9467bd",
                 "shared": "#17becf", "unattributed": "#c7c7c7"}
-
-
-def _get(d: dict, *names, default=None):
-    for name in names:
-        if isinstance(d, dict) and d.get(name) is not None:
-            return d[name]
-    return default
-
-
-def provenance(record: dict) -> dict:
-    """{'gpu', 'jax', 'commit'} of a record, from our fields or the benchmarks' own names."""
-    device = record.get("device") if isinstance(record.get("device"), dict) else {}
-    versions = record.get("versions") if isinstance(record.get("versions"), dict) else {}
-    commit = record.get("commit")
-    if isinstance(commit, dict):
-        # A record taken from a tree with uncommitted changes says so.
-        commit = commit.get("commit") and (commit["commit"] + ("+dirty" if commit.get("dirty")
-                                                               else ""))
-    return {"gpu": _get(device, "gpu", "device_kind") or _get(record, "gpu", "device_kind"),
-            "jax": _get(versions, "jax") or _get(record, "jax", "jax_version"),
-            "commit": commit}
-
-
-CREATED = ("created", "date", "timestamp", "time")  # when a record was taken (step.py: "time")
 
 
 def _created(record: dict, path: Path) -> datetime.datetime:
@@ -155,45 +135,6 @@ def valid_records(results_dir: str | os.PathLike, log=print, include_cpu: bool =
 
 
 # ----------------------------------------------------------------------------
-# Markdown helpers.
-
-
-def _num(x, spec=".1f") -> str:
-    return "-" if x is None else format(x, spec)
-
-
-def md_table(headers: list[str], rows: list[list], labels: int = 1) -> str:
-    """A GitHub-flavoured markdown table: ``labels`` columns left-aligned, the rest right."""
-    align = [":---" if i < labels else "---:" for i in range(len(headers))]
-    lines = ["| " + " | ".join(headers) + " |", "| " + " | ".join(align) + " |"]
-    for row in rows:
-        lines.append("| " + " | ".join(str(c) for c in row) + " |")
-    return "\n".join(lines)
-
-
-def _source_line(record: dict, path: Path) -> str:
-    prov = provenance(record)
-    created = _get(record, *CREATED, default="?")
-    return (f"Source: `{path.name}` ({prov['gpu']}, jax {prov['jax']}, commit "
-            f"`{_short_commit(prov['commit'])}`, {created}).")
-
-
-def _short_commit(commit) -> str:
-    text = str(commit)
-    base = text.removesuffix("+dirty")
-    return base[:12] + ("+dirty" if base != text else "")
-
-
-def _plt():
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    return plt
-
-
-# ----------------------------------------------------------------------------
 # Grouped GEMM kernels.
 
 
@@ -223,10 +164,6 @@ def _pivot(rows):
     for r in rows:
         table.setdefault((r["shape"], r["layout"], r["op"]), {})[r["impl"]] = r["tflops"]
     return table
-
-
-def _ratio(a, b):
-    return f"{a / b:.2f}x" if a and b else "-"
 
 
 def gmm_section(record: dict, path: Path, fig_dir: Path, md_dir: Path) -> str:
@@ -276,11 +213,7 @@ def _gmm_plot(pivot, impls, out: Path) -> Path:
     top = max((v or 0.0) for k in keys for v in pivot[k].values())
     ax.set_ylim(0, 1.3 * top if top > 0 else 1.0)  # headroom for the legend
     ax.legend(fontsize=8, ncol=3, loc="upper center")
-    fig.tight_layout()
-    out.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(out)
-    plt.close(fig)
-    return out
+    return _save(fig, out)
 
 
 # ----------------------------------------------------------------------------
@@ -389,195 +322,7 @@ def _moe_plot(record: dict, out: Path) -> Path:
     ax2.set_title(f"time split ({split.get('case', '-')})", fontsize=10)
     if pieces:
         ax2.legend(fontsize=7, ncol=6, loc="upper center", bbox_to_anchor=(0.5, -0.2))
-    fig.tight_layout()
-    out.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(out)
-    plt.close(fig)
-    return out
-
-
-# ----------------------------------------------------------------------------
-# Training step.
-
-
-STEP_BASELINES = ("xla", "capacity")  # benchmarks/step.py's baseline cases
-
-
-def step_rows(record: dict) -> list[dict]:
-    """Normalised step rows: name, role, tflops, and the optional extras."""
-    rows = []
-    for r in record.get("rows") or record.get("results") or record.get("cases") or []:
-        if not isinstance(r, dict):
-            continue
-        name = str(_get(r, "name", "case", "variant", default="?"))
-        role = _get(r, "role") or ("ours" if "ours" in name.lower() else "baseline")
-        cfg = r.get("config") if isinstance(r.get("config"), dict) else {}
-        model = cfg.get("model_name") or next(
-            (o.partition("=")[2] for o in r.get("overrides") or [] if o.startswith("model_name=")),
-            None)
-        rows.append({"name": name, "role": role, "explicit_role": "role" in r,
-                     "tflops": _get(r, "tflops_per_device", "tflops"),
-                     "tokens_per_s": _get(r, "tokens_per_s", "tokens_per_second"),
-                     "step_ms": _get(r, "step_ms", "step_time_ms")
-                     or (r["step_time_s"] * 1e3 if r.get("step_time_s") else None),
-                     "memory": _get(r, "peak_memory_gib", "peak_mem_gib", "peak_memory_gb"),
-                     "batch": _get(r, "per_device_batch_size", "batch"),
-                     "model": model, "fp8_impl": r.get("gmm_fp8_impl_resolved"),
-                     "note": _get(r, "note", "error", default="")})
-    return rows
-
-
-def step_variant(record: dict) -> str:
-    """What a step record compares, from its cases that have a TFLOPS result:
-    "baselines" (an ``xla`` or ``capacity`` case, or a row with role baseline),
-    "fp8" (``ours`` and ``ours_*`` cases: FP8 and other variants of ours in one run),
-    else "models" (``ours`` alone, another model such as ``qwen3-moe-proxy``, ...)."""
-    rows = [r for r in step_rows(record) if r["tflops"]]
-    names = {r["name"] for r in rows}
-    if names & set(STEP_BASELINES) or any(r["explicit_role"] and r["role"] == "baseline"
-                                          for r in rows):
-        return "baselines"
-    if "ours" in names and any(n.startswith("ours_") for n in names):
-        return "fp8"
-    return "models"
-
-
-def _cell(text, width: int = 80) -> str:
-    """One table cell from free text: whitespace collapsed, pipes escaped, cut to ``width``."""
-    text = " ".join(str(text).split())[:width]
-    return text.replace("|", "\\|") or "-"
-
-
-def step_section(variants: dict, fig_dir: Path, md_dir: Path, models=None) -> str:
-    """Markdown for the training-step benchmark: each kind of record present, in turn.
-
-    Args:
-      variants: ``step_variant`` -> (record, path) of the newest record of each.
-      models: (record, path, created) of every "models" record; the table shows the
-        newest row of each case over all of them (default: the newest record alone).
-    """
-    if models is None and "models" in variants:
-        models = [(*variants["models"], 0)]
-    parts = [f"## {TITLES['step']}"]
-    if "baselines" in variants:
-        parts += ["", _step_baselines(*variants["baselines"], fig_dir, md_dir)]
-    if "fp8" in variants:
-        parts += ["", _step_fp8(*variants["fp8"])]
-    if models:
-        parts += ["", _step_models(models)]
-    return "\n".join(parts)
-
-
-def _step_baselines(record: dict, path: Path, fig_dir: Path, md_dir: Path) -> str:
-    """Ours against the baselines of one run: TFLOPS/device and the ratio to the best."""
-    rows = step_rows(record)
-    baselines = [r["tflops"] for r in rows if r["role"] != "ours" and r["tflops"]]
-    best = max(baselines, default=None)
-    body = [[r["name"], r["role"], _num(r["tflops"]), _ratio(r["tflops"], best),
-             _num(r["tokens_per_s"], ",.0f"), _num(r["step_ms"], ".1f"), _num(r["memory"], ".1f"),
-             _num(r["batch"], "g"), _cell(r["note"])] for r in rows]
-    parts = ["### Ours against the baselines", _source_line(record, path), ""]
-    cfg = record.get("config") or {}
-    if cfg:
-        parts += ["Config: " + ", ".join(f"`{k}={v}`" for k, v in cfg.items()
-                                          if not isinstance(v, (dict, list)))[:600], ""]
-    if rows:
-        fig = _step_plot(rows, best, fig_dir / "step_tflops.png")
-        parts += [f"![training step TFLOPS/device]({os.path.relpath(fig, md_dir)})", ""]
-    parts.append(md_table(["variant", "role", "TFLOPS/device", "vs best baseline", "tokens/s",
-                           "step ms", "peak memory GiB", "batch/device", "note"], body, labels=2)
-                 if body else "_no rows in the record_")
-    return "\n".join(parts)
-
-
-def _fp8_impl_text(impl) -> str:
-    """``gmm_fp8_impl_resolved`` ({"wi": "kernel", "wo": "kernel"}) as one word when the
-    matmuls agree, else per matmul."""
-    if not isinstance(impl, dict) or not impl:
-        return "-" if impl is None else str(impl)
-    values = set(impl.values())
-    return values.pop() if len(values) == 1 else ", ".join(f"{k}={v}" for k, v in impl.items())
-
-
-def _step_fp8(record: dict, path: Path) -> str:
-    """Variants of ours (FP8 recipes) from one run, each against that run's ``ours``."""
-    rows = step_rows(record)
-    ours = next((r["tflops"] for r in rows if r["name"] == "ours"), None)
-    overrides = record.get("case_overrides") or {}
-    base = set(overrides.get("ours") or [])
-    body = [[r["name"], _fp8_impl_text(r["fp8_impl"]),
-             _cell(" ".join(f"`{o}`" for o in overrides.get(r["name"]) or [] if o not in base),
-                   400) if r["name"] != "ours" else "-",
-             _num(r["tflops"]), _ratio(r["tflops"], ours), _num(r["tokens_per_s"], ",.0f"),
-             _num(r["step_ms"], ".1f"), _num(r["memory"], ".1f"), _num(r["batch"], "g"),
-             _cell(r["note"])] for r in rows]
-    return "\n".join([
-        "### FP8 and other variants of ours", _source_line(record, path), "",
-        "Each case against `ours` of the same run; overrides are the case's beyond `ours`'s, "
-        "FP8 impl the grouped GEMMs' resolved `gmm_fp8_impl`.", "",
-        md_table(["case", "FP8 impl", "overrides", "TFLOPS/device", "vs ours (same run)",
-                  "tokens/s", "step ms", "peak memory GiB", "batch/device", "note"], body,
-                 labels=3) if body else "_no rows in the record_"])
-
-
-def _step_models(models: list) -> str:
-    """The newest row of each case over the records of single runs; no ratios."""
-    newest = {}
-    for record, path, when in sorted(models, key=lambda m: m[2]):
-        for r in step_rows(record):
-            # A failed rerun does not hide an earlier result.
-            earlier = newest.get(r["name"])
-            if r["tflops"] or earlier is None or not earlier[0]["tflops"]:
-                newest[r["name"]] = (r, record, path)
-    body = [[r["name"], r["model"] or "-", f"`{path.name}`", _num(r["tflops"]),
-             _num(r["tokens_per_s"], ",.0f"), _num(r["step_ms"], ".1f"), _num(r["memory"], ".1f"),
-             _num(r["batch"], "g"), _cell(r["note"])] for r, _, path in newest.values()]
-    sources = {path: record for _, record, path in newest.values()}
-    return "\n".join([
-        "### Other models and single runs",
-        *[f"- {_source_line(record, path)}" for path, record in sources.items()], "",
-        "The newest row of each case; the rows come from different runs (or models), so no "
-        "ratios: ratios are only given within one run.", "",
-        md_table(["case", "model", "source", "TFLOPS/device", "tokens/s", "step ms",
-                  "peak memory GiB", "batch/device", "note"], body, labels=3)
-        if body else "_no rows in the records_"])
-
-
-def _step_plot(rows, best, out: Path) -> Path:
-    plt = _plt()
-    fig, ax = plt.subplots(figsize=(7, 0.6 * len(rows) + 1.5), dpi=110)
-    names = [r["name"] for r in rows][::-1]
-    vals = [r["tflops"] or 0.0 for r in rows][::-1]
-    colors = ["#2ca02c" if r["role"] == "ours" else "#7f7f7f" for r in rows][::-1]
-    ax.barh(names, vals, color=colors)
-    for y, (v, r) in enumerate(zip(vals, rows[::-1])):
-        label = f"{v:.0f}" + (f" ({v / best:.1f}x)" if best and r["role"] == "ours" else "")
-        ax.text(v, y, " " + label, va="center", fontsize=8)
-    ax.set_xlabel("TFLOPS/device (model FLOPs, MaxText convention)")
-    ax.set_xlim(0, max(vals + [1.0]) * 1.25)
-    ax.set_title("Training step throughput: baselines (grey) vs ours (green)", fontsize=10)
-    fig.tight_layout()
-    out.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(out)
-    plt.close(fig)
-    return out
-
-
-def step_headline(variant: str, record: dict) -> list[str]:
-    """Baselines: ours against the best baseline; fp8: each ``ours_*`` case against the same
-    run's ``ours``; models: none (rows of different runs)."""
-    rows = step_rows(record)
-    if variant == "baselines":
-        best = max((r["tflops"] for r in rows if r["role"] != "ours" and r["tflops"]), default=None)
-        return [f"training step: {r['name']} {r['tflops']:.0f} TFLOPS/device"
-                + (f" = {r['tflops'] / best:.1f}x the best baseline" if best else "")
-                for r in rows if r["role"] == "ours" and r["tflops"]]
-    if variant == "fp8":
-        ours = next((r["tflops"] for r in rows if r["name"] == "ours"), None)
-        return [f"training step FP8: {r['name']} {r['tflops']:.0f} TFLOPS/device = "
-                f"{r['tflops'] / ours:.2f}x ours (same run)"
-                for r in rows if r["name"].startswith("ours_") and r["tflops"] and ours]
-    return []
+    return _save(fig, out)
 
 
 # ----------------------------------------------------------------------------
@@ -608,257 +353,19 @@ def headlines(kind: str, record: dict) -> list[str]:
             line += f", {tt / ours['fwd_bwd_ms']:.2f}x torchtitan's {tt} ms"
         return [line + (f"; routing+permute+combine {share:.1f}%" if share is not None else "")]
     if kind == "fp8_kernels":
-        best = {}
-        for r in fp8_kernel_rows(record):
-            best[r["product"]] = max(best.get(r["product"], 0.0), r["tflops_kernel"])
-        if not best:
-            return []
-        return ["FP8 kernels alone (CUPTI): " + ", ".join(
-            f"{p} {v:.0f} TF/s (target {FP8_TARGETS[p]:.0f})" for p, v in best.items()
-            if p in FP8_TARGETS)]
+        return fp8_kernels_headline(record)
     if kind == "fp8_quant":
-        by = {r["name"]: r for r in record.get("rows", []) if r.get("section") == "product"}
-        path, alone, bf16 = (by.get(n, {}).get("kernel_ms") for n in (
-            "fwd+bwd kernel path", "fwd+bwd FP8 kernels alone", "fwd+bwd bf16 kernel"))
-        if not (path and bf16):
-            return []
-        return [f"FP8 fwd+dgrad+wgrad with quantization {path:.1f} ms = {bf16 / path:.2f}x bf16's "
-                f"{bf16:.1f} ms" + (f" (kernels alone {alone:.1f} ms = {bf16 / alone:.2f}x)"
-                                    if alone else "")]
+        return fp8_quant_headline(record)
     if kind.split(":")[0] == "profile":
         return profile_headline(kind.partition(":")[2] or profile_precision(record), record)
     if kind.split(":")[0] == "step":
         return step_headline(kind.partition(":")[2] or step_variant(record), record)
     return []
 
-# ----------------------------------------------------------------------------
-# Step profile: kernel time by category, bf16 and FP8 side by side.
-
-
-def profile_precision(record: dict) -> str:
-    """The precision of a profile record, bf16 or fp8: its ``config.precision``, else
-    derived from its quantization keys."""
-    cfg = record.get("config") or {}
-    if cfg.get("precision") in ("bf16", "fp8"):
-        return cfg["precision"]
-    quantized = cfg.get("quantization") or cfg.get("te_gmm_quantization") not in (
-        None, "", "te_no_quant")
-    return "fp8" if quantized else "bf16"
-
-
-def _profile_rows(record: dict) -> dict:
-    """category -> row of a profile record, in ``breakdown.CATEGORIES`` order first."""
-    from dropless.perf.breakdown import CATEGORIES
-
-    rows = {r["category"]: r for r in record.get("rows", []) if "category" in r}
-    order = [c for c in CATEGORIES if c in rows] + [c for c in rows if c not in CATEGORIES]
-    return {c: rows[c] for c in order}
-
-
-def _profile_facts(record: dict) -> str:
-    cfg = record.get("config") or {}
-    keys = ("model_name", "quantization", "te_gmm_quantization", "gmm_fp8_impl", "remat_policy",
-            "attention", "per_device_batch_size", "max_target_length")
-    return ", ".join(f"`{k}={cfg[k]}`" for k in keys if k in cfg and cfg[k] not in (None, ""))
-
-
-def profile_section(variants: dict, fig_dir: Path, md_dir: Path) -> str:
-    """Markdown for the newest bf16 and FP8 profiles: a table of categories and a stacked bar.
-
-    Args:
-      variants: precision ("bf16" / "fp8") -> (record, path); either may be missing.
-    """
-    names = [v for v in ("bf16", "fp8") if v in variants]
-    names += sorted(set(variants) - set(names))
-    parts = [f"## {TITLES['profile']}", ""]
-    for v in names:
-        record, path = variants[v]
-        parts.append(f"- **{v}**: {_profile_facts(record)}. {_source_line(record, path)}")
-    missing = [v for v in ("bf16", "fp8") if v not in variants]
-    if missing:
-        parts.append(f"- {', '.join(missing)}: _no profile yet_")
-    parts += ["", "Kernel time per step and device by category (`dropless profile`, "
-              "jax.profiler trace); % of summed kernel time and of the step's wall time.", ""]
-    rows = {v: _profile_rows(variants[v][0]) for v in names}
-    cats = list(dict.fromkeys(c for v in names for c in rows[v]))
-    headers = ["category"] + [f"{v} {col}" for v in names for col in ("ms/step", "% kernel",
-                                                                      "% wall")]
-    body = []
-    for c in cats:
-        label = next(rows[v][c].get("label", c) for v in names if c in rows[v])
-        cells = [label]
-        for v in names:
-            r = rows[v].get(c, {})
-            cells += [_num(r.get("ms_per_step"), ".2f"), _num(r.get("pct_kernel")),
-                      _num(r.get("pct_wall"))]
-        body.append(cells)
-    for label, key, spec in (("kernel total", "kernel_ms_per_step", ".2f"),
-                             ("step (wall)", "step_ms", ".2f"),
-                             ("TFLOPS/device", "tflops_per_device", ".0f")):
-        body.append([f"**{label}**"] + [c for v in names for c in (
-            _num(variants[v][0].get(key), spec), "-", "-")])
-    if names:
-        fig = _profile_plot({v: variants[v][0] for v in names}, fig_dir / "profile_categories.png")
-        parts += [f"![kernel time by category]({os.path.relpath(fig, md_dir)})", ""]
-    parts.append(md_table(headers, body) if cats else "_no rows in the records_")
-    return "\n".join(parts)
-
-
-def _profile_plot(records: dict, out: Path) -> Path:
-    """One stacked horizontal bar per precision: ms/step by category, then the untimed gap
-    (step wall time not covered by kernel time) hatched."""
-    from dropless.perf.breakdown import COLORS
-
-    plt = _plt()
-    fig, ax = plt.subplots(figsize=(9, 0.9 * len(records) + 1.8), dpi=110)
-    seen = set()
-    for y, (name, record) in enumerate(reversed(list(records.items()))):
-        left = 0.0
-        for c, r in _profile_rows(record).items():
-            ms = r.get("ms_per_step") or 0.0
-            label = r.get("label", c)
-            ax.barh(y, ms, left=left, color=COLORS.get(c, "#888"),
-                    label=None if label in seen else label)
-            seen.add(label)
-            left += ms
-        step = record.get("step_ms")
-        if step and step > left:
-            ax.barh(y, step - left, left=left, color="white", edgecolor="0.5", hatch="//",
-                    label=None if "no kernel" in seen else "no kernel (gaps)")
-            seen.add("no kernel")
-        total = max(left, step or 0.0)
-        tf = record.get("tflops_per_device")
-        ax.text(total, y, f" {total:.0f} ms" + (f", {tf:.0f} TFLOPS" if tf else ""),
-                va="center", fontsize=8)
-    ax.set_yticks(range(len(records)), list(reversed(list(records))))
-    ax.set_xlabel("ms per step per device")
-    right = max((max(r.get("step_ms") or 0.0, r.get("kernel_ms_per_step") or 0.0)
-                 for r in records.values()), default=1.0)
-    ax.set_xlim(0, 1.3 * right if right > 0 else 1.0)
-    ax.set_title("Training step: kernel time by category", fontsize=10)
-    ax.legend(fontsize=7, ncol=4, loc="upper center", bbox_to_anchor=(0.5, -0.25))
-    fig.tight_layout()
-    out.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(out)
-    plt.close(fig)
-    return out
-
-
-def profile_headline(name: str, record: dict) -> list[str]:
-    rows = [r for r in _profile_rows(record).values() if (r.get("pct_kernel") or 0) >= 0.5]
-    if not rows or not record.get("step_ms"):
-        return []
-    cats = ", ".join(f"{r.get('label', r['category'])} {r['pct_kernel']:.0f}%"
-                     for r in sorted(rows, key=lambda r: -r["pct_kernel"]))
-    tf = record.get("tflops_per_device")
-    return [f"step profile ({name}): {record['step_ms']:.0f} ms/step"
-            + (f", {tf:.0f} TFLOPS/device" if tf else "") + f"; kernel time: {cats}"]
-
-
-def _reached(value, target) -> str:
-    """A throughput against its target (higher is better)."""
-    if value is None or target is None:
-        return "-"
-    return f"{target:.0f}: " + ("met" if value >= target else "**not met**")
-
-
-def fp8_kernel_rows(record: dict) -> list[dict]:
-    """Timed rows of an ``fp8_kernels`` record (``benchmarks/fp8_kernel_probe.py``)."""
-    return [r for r in record.get("rows", []) if r.get("tflops_kernel")]
-
-
-def fp8_kernels_section(record: dict, path: Path, fig_dir: Path, md_dir: Path) -> str:
-    """Markdown for the FP8 kernels alone: each variant and product against the targets."""
-    cfg = record.get("config") or {}
-    rows = fp8_kernel_rows(record)
-    body = [[r["variant"], r["product"], _num(r["kernel_ms"], ".3f"), _num(r["wall_ms"], ".3f"),
-             _num(r["tflops_kernel"], ".0f"), _num(r["tflops_wall"], ".0f"),
-             _reached(r["tflops_kernel"], FP8_TARGETS.get(r["product"]))] for r in rows]
-    checks = [f"{r['product']} {r['variant']} == {r['bitwise_equal_to']}: {r['equal']}"
-              for r in record.get("rows", []) if "bitwise_equal_to" in r]
-    parts = [f"## {TITLES['fp8_kernels']}", _source_line(record, path), "",
-             "Shape: " + ", ".join(f"`{k}={cfg[k]}`" for k in ("M", "G", "K", "N", "layout")
-                                   if k in cfg), "",
-             md_table(["variant", "product", "kernel ms", "wall ms", "TF/s (CUPTI)", "TF/s (wall)",
-                       "target"], body, labels=2) if body else "_no rows in the record_"]
-    if checks:
-        parts += ["", "Bit-for-bit agreement between variants: " + "; ".join(checks) + "."]
-    return "\n".join(parts)
-
-
-def fp8_quant_section(record: dict, path: Path, fig_dir: Path, md_dir: Path) -> str:
-    """Markdown for the FP8 quantization passes and the kernel path's products."""
-    rows = record.get("rows", [])
-    passes = [r for r in rows if r.get("section") == "pass" and "error" not in r]
-    products = [r for r in rows if r.get("section") == "product" and "error" not in r]
-    copy = next((r for r in passes if r["name"] == "copy"), None)
-    body = [[r["name"], _num(r.get("kernel_ms"), ".3f"), _num(r.get("wall_ms"), ".3f"),
-             _num(r.get("gbps_kernel"), ",.0f"),
-             _ratio(r.get("gbps_kernel"), copy and copy.get("gbps_kernel"))] for r in passes]
-    bf16 = next((r for r in products if r["name"] == "fwd+bwd bf16 kernel"), None)
-    pbody = [[r["name"], _num(r.get("kernel_ms"), ".3f"), _num(r.get("wall_ms"), ".3f"),
-              _num(r.get("tflops_kernel"), ".0f"),
-              _ratio(bf16 and bf16.get("kernel_ms"), r.get("kernel_ms")) if "bwd" in r["name"]
-              else "-"] for r in products]
-    parts = [f"## {TITLES['fp8_quant']}", _source_line(record, path), ""]
-    if record.get("note"):
-        parts += [f"Note: {record['note']}", ""]
-    parts += ["Quantization passes (GB/s moved: input read once, outputs written once; "
-              "`copy` is a plain bf16 pass, the bandwidth a single pass can reach):", "",
-              md_table(["pass", "kernel ms", "wall ms", "GB/s (CUPTI)", "vs copy"], body)
-              if body else "_no passes_", "",
-              "Products (fwd+dgrad+wgrad where named `fwd+bwd`; the ratio is bf16's kernel time "
-              "over the row's):", "",
-              md_table(["product", "kernel ms", "wall ms", "TF/s (CUPTI)", "vs bf16"], pbody)
-              if pbody else "_no products (no Hopper GPU)_"]
-    return "\n".join(parts)
-
-
-def fp8_dense_section(record: dict, path: Path, fig_dir: Path, md_dir: Path) -> str:
-    """Markdown for the dense matmuls in bf16 against te_fp8_currentscaling (fp8_dense.py)."""
-    rows = [r for r in record.get("rows", []) if "bf16" in r and "fp8" in r]
-    # hlo_check < 2: the parser saw no operand types on the GPU and counted 0 FP8 dots.
-    unchecked = [r for r in rows if r["fp8"].get("hlo_check", 1) < 2]
-    checked = {r["name"] for r in rows} - {r["name"] for r in unchecked}
-    body = [[r["name"], f"{r['K']} x {r['N']}", str(r["count"]),
-             _num(r["bf16"].get("fwd_bwd_ms"), ".3f"), _num(r["fp8"].get("fwd_bwd_ms"), ".3f"),
-             _ratio(r["bf16"].get("fwd_bwd_ms"), r["fp8"].get("fwd_bwd_ms")),
-             _num(r.get("share_bf16_pct"), ".1f"),
-             (f"{r['fp8'].get('f8_dots', '?')}/{r['fp8'].get('dots', '?')}"
-              if r["name"] in checked else "n/c")
-             + ("" if r.get("fp8_in_model", True) else " (bf16 in the model)")] for r in rows]
-    t = record.get("totals") or {}
-    parts = [f"## {TITLES['fp8_dense']}", _source_line(record, path), "",
-             md_table(["matmul", "K x N", "per step", "bf16 fwd+bwd ms", "FP8 fwd+bwd ms",
-                       "FP8 speed-up", "share of bf16 time %", "FP8 dots"], body)
-             if body else "_no rows in the record_"]
-    if t:
-        parts += ["", f"Per step: bf16 {_num(t.get('step_ms_bf16'), '.2f')} ms, FP8 as configured "
-                      f"{_num(t.get('step_ms_fp8_as_configured'), '.2f')} ms "
-                      f"({_ratio(t.get('step_ms_bf16'), t.get('step_ms_fp8_as_configured'))}), every "
-                      f"matmul in FP8 {_num(t.get('step_ms_fp8_all'), '.2f')} ms "
-                      f"({_ratio(t.get('step_ms_bf16'), t.get('step_ms_fp8_all'))}); times by "
-                      f"{t.get('time_source', '?')}."]
-    if unchecked:
-        errs = sorted({f"{r['fp8']['rel_err_y']:.1e}" for r in unchecked
-                       if "rel_err_y" in r["fp8"]}, key=float)
-        f8 = all(r["fp8"].get("f8e4m3") and r["fp8"].get("f8e5m2") for r in unchecked)
-        parts += ["", "n/c: FP8 dots not checked. This record's HLO parser (before `hlo_check` 2) "
-                      "could not see operand types on the GPU, where a GEMM custom-call names its "
-                      "operands without types, so it counted 0. The FP8 evidence for these rows: "
-                      + ("E4M3 and E5M2 in every row's HLO" if f8 else
-                         "E4M3 or E5M2 missing from some rows' HLO")
-                      + (", and the FP8 output's relative error against bf16, "
-                         + " to ".join(dict.fromkeys((errs[0], errs[-1]))) if errs else "") + "."]
-    return "\n".join(parts)
-
 
 SECTIONS = {"gmm": gmm_section, "moe_layer": moe_section, "step": step_section,
             "profile": profile_section, "fp8_kernels": fp8_kernels_section,
             "fp8_quant": fp8_quant_section, "fp8_dense": fp8_dense_section}
-TITLES = {"gmm": "Grouped GEMM kernels", "moe_layer": "MoE layer", "step": "Training step",
-          "fp8_kernels": "FP8 grouped GEMM kernels", "fp8_quant": "FP8 quantization and the kernel path",
-          "profile": "Step profile", "fp8_dense": "FP8 dense matmuls"}
 
 
 def render(results_dir=DEFAULT_RESULTS_DIR, md_path=DEFAULT_MD, log=print,
