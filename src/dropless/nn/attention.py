@@ -88,7 +88,8 @@ def dot_product_attention(q_BSHQ, k_BTKQ, v_BTKV, *, scale: float) -> jax.Array:
 
 def fused_attention(q_BSHQ, k_BTHQ, v_BTHV, *, scale: float, implementation="cudnn",
                     unpadded_v: bool = False):
-    """Causal attention through ``jax.nn.dot_product_attention``, v padded to Q.
+    """Causal attention through ``jax.nn.dot_product_attention``, v padded to Q
+    (or, with ``unpadded_v``, through jax's private cuDNN call at V).
 
     k and v may have fewer heads than q (a divisor of H: grouped-query
     attention, which ``jax.nn.dot_product_attention`` and cuDNN take natively).
