@@ -39,6 +39,9 @@ only that attempt):
             (``gmm_fp8_quantizer=pallas``, what ``auto`` picks on Hopper)
   ours_gfp8kp  ``ours_fp8kp``'s grouped GEMMs with bf16 dense projections: what
             the FP8 grouped GEMMs alone give the step
+  ours_mla_unpadded  ``ours`` with ``cudnn_mla_unpadded_v=true``: cuDNN
+            attention takes MLA's v at V=128 instead of zero-padded to
+            Q=192 (jax's private cuDNN API; cuDNN >= 9.10, Hopper)
 
 A case that runs out of memory is retried with half the batch, down to 1 per
 device; the JSON says which batch each case ran at. Figures: median step time
@@ -67,7 +70,7 @@ import time
 
 CASES = ("xla", "capacity", "ours", "ours_fp8", "ours_fp8_blockwise")
 QWEN3_CASE = "qwen3-moe-proxy"  # ``ours`` on the Qwen3-MoE proxy instead of the DeepSeek one
-EXTRA_CASES = ("ours_fp8e", "ours_fp8k", "ours_fp8kp", "ours_gfp8kp", QWEN3_CASE)
+EXTRA_CASES = ("ours_fp8e", "ours_fp8k", "ours_fp8kp", "ours_gfp8kp", "ours_mla_unpadded", QWEN3_CASE)
 QUICK_CASES = ("xla", "capacity", "ours")
 FP8_DENSE = "te_fp8_currentscaling"
 RESULT_PREFIX = "STEP_RESULT "
@@ -94,6 +97,7 @@ CASE_OVERRIDES = {
                    f"quantization={FP8_DENSE}", "gmm_fp8_impl=kernel", "gmm_fp8_quantizer=pallas"],
     "ours_gfp8kp": ["gmm_backend=auto", "te_gmm_quantization=te_fp8_blockwise", "gmm_fp8_impl=kernel",
                     "gmm_fp8_quantizer=pallas"],
+    "ours_mla_unpadded": ["gmm_backend=auto", "cudnn_mla_unpadded_v=true"],
     QWEN3_CASE: ["gmm_backend=auto"],
 }
 # Cases on another preset than the base's: (full-size, tiny) model_name.
@@ -325,14 +329,15 @@ def print_table(rows, tiny: bool = False) -> None:
 
 
 def speedups(rows) -> dict:
-    """TFLOP/s/device of ours over each baseline and over the better one; FP8 over bf16."""
+    """TFLOP/s/device of ours over each baseline and over the better one; each variant of ours over it."""
     by = {r["case"]: r.get("tflops_per_device") for r in rows}
     ours = by.get("ours")
     out = {f"ours_over_{c}": ours / by[c] for c in ("xla", "capacity") if ours and by.get(c)}
     baselines = [by[c] for c in ("xla", "capacity") if by.get(c)]
     if ours and baselines:
         out["ours_over_best_baseline"] = ours / max(baselines)
-    for c in ("ours_fp8", "ours_fp8_blockwise", "ours_fp8e", "ours_fp8k", "ours_fp8kp", "ours_gfp8kp"):
+    for c in ("ours_fp8", "ours_fp8_blockwise", "ours_fp8e", "ours_fp8k", "ours_fp8kp", "ours_gfp8kp",
+              "ours_mla_unpadded"):
         if ours and by.get(c):
             out[f"{c}_over_ours"] = by[c] / ours
     return out

@@ -24,9 +24,13 @@ Backends (``MLAConfig.attention``; ``nn.gqa`` uses the same two, with k and v
 of fewer heads than q):
   * ``dot_product``: two einsums and a float32 softmax, any platform.
   * ``cudnn_flash_te``: cuDNN fused flash attention through
-    ``jax.nn.dot_product_attention(implementation="cudnn")``. cuDNN wants one
+    ``jax.nn.dot_product_attention(implementation="cudnn")``. That API wants one
     head dim for q, k and v, so v (V=128 in V3) is zero-padded to Q (192) and the
-    padding is sliced off the output; zeros in v only add zero columns.
+    padding is sliced off the output; zeros in v only add zero columns. With
+    ``MLAConfig.cudnn_mla_unpadded_v`` the same cuDNN kernels are reached through
+    jax's private ``jax._src.cudnn.fused_attention_stablehlo.dot_product_attention``,
+    which takes V != Q ("MLA" in cuDNN >= 9.10, Hopper or newer): P.V and its
+    gradients then run at V instead of Q, a sixth of the attention FLOPs in V3.
 """
 
 import jax
@@ -82,8 +86,10 @@ def dot_product_attention(q_BSHQ, k_BTKQ, v_BTKV, *, scale: float) -> jax.Array:
     return out_BSKGV.reshape(b, s, h, v_BTKV.shape[-1])
 
 
-def fused_attention(q_BSHQ, k_BTHQ, v_BTHV, *, scale: float, implementation="cudnn"):
-    """Causal attention through ``jax.nn.dot_product_attention``, v padded to Q.
+def fused_attention(q_BSHQ, k_BTHQ, v_BTHV, *, scale: float, implementation="cudnn",
+                    unpadded_v: bool = False):
+    """Causal attention through ``jax.nn.dot_product_attention``, v padded to Q
+    (or, with ``unpadded_v``, through jax's private cuDNN call at V).
 
     k and v may have fewer heads than q (a divisor of H: grouped-query
     attention, which ``jax.nn.dot_product_attention`` and cuDNN take natively).
@@ -91,12 +97,19 @@ def fused_attention(q_BSHQ, k_BTHQ, v_BTHV, *, scale: float, implementation="cud
     Args:
       implementation: ``"cudnn"`` (GPU flash attention) or ``"xla"`` / None;
         the CPU tests use ``"xla"`` to check the padding logic.
+      unpadded_v: with ``implementation="cudnn"`` and V < Q, give cuDNN v at
+        its own head dim through jax's private cuDNN attention (no padding, no
+        slice). No effect when V == Q.
 
     Returns:
       [B, S, H, V] in q's dtype.
 
     Raises:
-      ValueError: ``implementation="cudnn"`` with a dtype cuDNN cannot take.
+      ValueError: ``implementation="cudnn"`` with a dtype cuDNN cannot take;
+        V > Q; ``unpadded_v`` with another implementation, or where jax's
+        private cuDNN attention is missing or refuses the shapes (no GPU,
+        cuDNN < 9.10, a GPU older than Hopper). The unpadded path never falls
+        back to the padded one silently.
     """
     if implementation == "cudnn" and q_BSHQ.dtype not in (jnp.bfloat16, jnp.float16):
         raise ValueError(
@@ -105,6 +118,10 @@ def fused_attention(q_BSHQ, k_BTHQ, v_BTHV, *, scale: float, implementation="cud
     qk_dim, v_dim = q_BSHQ.shape[-1], v_BTHV.shape[-1]
     if v_dim > qk_dim:
         raise ValueError(f"v head dim {v_dim} larger than q/k head dim {qk_dim} is not supported")
+    if unpadded_v and implementation != "cudnn":
+        raise ValueError(f"cudnn_mla_unpadded_v=true needs cuDNN attention, got implementation={implementation!r}")
+    if unpadded_v and v_dim < qk_dim:
+        return _cudnn_unpadded_v(q_BSHQ, k_BTHQ, v_BTHV, scale=scale)
     pad = [(0, 0)] * 3 + [(0, qk_dim - v_dim)]
     v_BTHQ = jnp.pad(v_BTHV, pad) if v_dim < qk_dim else v_BTHV
     out_BSHQ = jax.nn.dot_product_attention(
@@ -113,11 +130,51 @@ def fused_attention(q_BSHQ, k_BTHQ, v_BTHV, *, scale: float, implementation="cud
     return out_BSHQ[..., :v_dim]
 
 
-def attend(q, k, v, *, scale: float, attention: str) -> jax.Array:
+def _private_cudnn_attention():
+    """jax's private cuDNN attention entry point and its causal mask type.
+
+    Imported only when asked for: it is not public API (jax 0.11.2 as pinned)
+    and may move in another version, which then gets an error naming the key.
+    """
+    try:
+        from jax._src.cudnn import fused_attention_stablehlo as fa
+
+        return fa.dot_product_attention, fa.MaskType.CAUSAL
+    except (ImportError, AttributeError) as e:
+        raise ValueError(
+            f"cudnn_mla_unpadded_v=true needs jax's private cuDNN attention "
+            f"(jax._src.cudnn.fused_attention_stablehlo, as in jax 0.11.2), not found in "
+            f"jax {jax.__version__}: {e}; set cudnn_mla_unpadded_v=false"
+        ) from e
+
+
+def _cudnn_unpadded_v(q_BSHQ, k_BTHQ, v_BTHV, *, scale: float) -> jax.Array:
+    """cuDNN causal flash attention with V < Q: [B, S, H, V] straight from the kernel.
+
+    jax's checks run while tracing (its custom VJP traces the forward rule
+    when a gradient is taken); a refusal there becomes one ValueError naming
+    the key. (The public ``jax.nn`` wrapper is this same function with one
+    head dim enforced, so sharding rules and gradients are the same ones.)
+    """
+    attention_fn, causal = _private_cudnn_attention()
+    try:
+        return attention_fn(q_BSHQ, k_BTHQ, v_BTHV, scale=scale, mask_type=causal)
+    except (NotImplementedError, RuntimeError, ValueError) as e:
+        raise ValueError(
+            f"cudnn_mla_unpadded_v=true: jax's cuDNN attention refused v head dim "
+            f"{v_BTHV.shape[-1]} with q/k head dim {q_BSHQ.shape[-1]} (it needs cuDNN >= 9.10 "
+            f"on a Hopper or newer GPU): {' '.join(str(e).split()).rstrip('.')}; set cudnn_mla_unpadded_v=false"
+        ) from e
+
+
+def attend(q, k, v, *, scale: float, attention: str, unpadded_v: bool = False) -> jax.Array:
     """Softmax attention by the ``attention`` key: ``cudnn_flash_te`` (cuDNN flash
-    attention) or ``dot_product`` (XLA). k and v may have fewer heads than q (GQA)."""
+    attention; ``unpadded_v`` as in ``fused_attention``) or ``dot_product`` (XLA).
+    k and v may have fewer heads than q (GQA)."""
     if attention == "cudnn_flash_te":
-        return fused_attention(q, k, v, scale=scale, implementation="cudnn")
+        return fused_attention(q, k, v, scale=scale, implementation="cudnn", unpadded_v=unpadded_v)
+    if unpadded_v:
+        raise ValueError(f"cudnn_mla_unpadded_v=true needs attention=cudnn_flash_te, got {attention!r}")
     return dot_product_attention(q, k, v, scale=scale)
 
 
@@ -143,6 +200,8 @@ class MLA(nnx.Module):
             raise ValueError(
                 f"attention='cudnn_flash_te' needs dtype bfloat16 or float16, got {jnp.dtype(dtype)}"
             )
+        if cfg.cudnn_mla_unpadded_v and cfg.attention != "cudnn_flash_te":
+            raise ValueError(f"cudnn_mla_unpadded_v=true needs attention=cudnn_flash_te, got {cfg.attention!r}")
         self.cfg = cfg
         self.dtype = dtype
         h, q_dim = cfg.num_heads, cfg.qk_nope_head_dim + cfg.qk_rope_head_dim
@@ -204,7 +263,7 @@ class MLA(nnx.Module):
         v_BSHV = checkpoint_name(v_BSHV, "value_proj")
 
         scale = rope.yarn_softmax_scale(cfg)
-        out_BSHV = checkpoint_name(attend(q_BSHQ, k_BSHQ, v_BSHV, scale=scale,
-                                          attention=cfg.attention), "context")
+        out_BSHV = checkpoint_name(attend(q_BSHQ, k_BSHQ, v_BSHV, scale=scale, attention=cfg.attention,
+                                          unpadded_v=cfg.cudnn_mla_unpadded_v), "context")
         y_BSD = self.wo(out_BSHV.reshape(b, s, h * v_dim))
         return checkpoint_name(y_BSD, "out_proj")
