@@ -354,7 +354,7 @@ def test_step_variants_render(tmp_path):
     assert order == sorted(order)
     # Headlines, and the sources table's time from step.py's "time" field.
     assert "- training step: ours 400 TFLOPS/device = 1.6x the best baseline" in text
-    assert "- training step FP8: ours_fp8kp 420 TFLOPS/device = 1.05x ours (same run)" in text
+    assert "- training step, variant ours_fp8kp 420 TFLOPS/device = 1.05x ours (same run)" in text
     assert "qwen3-moe-proxy 318 TFLOPS" not in text
     assert "| step:models | `step-f.json` | NVIDIA H200 | 0.11.2 | `cccccccccccc` | " \
            "2026-12-01T22:23:47 |" in text
@@ -380,5 +380,5 @@ def test_step_fp8_errors_and_resolved_impl(tmp_path):
     assert "| ours_fp8_blockwise | wi=kernel, wo=emulate | `te_gmm_quantization=te_fp8_blockwise` " \
            "| 342.0 | 0.85x |" in text
     assert report.headlines("step", record) == [
-        "training step FP8: ours_fp8_blockwise 342 TFLOPS/device = 0.85x ours (same run)"]
+        "training step, variant ours_fp8_blockwise 342 TFLOPS/device = 0.85x ours (same run)"]
     assert "### Ours against the baselines" not in text

@@ -181,7 +181,7 @@ def step_headline(variant: str, record: dict) -> list[str]:
                 for r in rows if r["role"] == "ours" and r["tflops"]]
     if variant == "fp8":
         ours = next((r["tflops"] for r in rows if r["name"] == "ours"), None)
-        return [f"training step FP8: {r['name']} {r['tflops']:.0f} TFLOPS/device = "
+        return [f"training step, variant {r['name']} {r['tflops']:.0f} TFLOPS/device = "
                 f"{r['tflops'] / ours:.2f}x ours (same run)"
                 for r in rows if r["name"].startswith("ours_") and r["tflops"] and ours]
     return []
