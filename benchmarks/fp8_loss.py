@@ -40,6 +40,10 @@ Writes ``<out>/fp8_loss-<time>-<device>.json`` (kind ``fp8_loss``, through
 difference and pass/fail; rewritten after each case (``"partial": true``
 until the last), so a run cut short keeps the cases it finished. Prints a
 table.
+
+``--quick``: 8 steps. ``--tiny``: 4 steps of the preset cut to 1 dense + 1
+MoE layer and 2 x 16 tokens (``TINY_SET``), a CPU smoke test of the script
+(plumbing only: too few steps for the 1% target to mean anything).
 """
 
 import argparse
@@ -59,20 +63,24 @@ CASE_OVERRIDES = {
 }
 BASE = ["model_name=deepseek3-tiny", "dataset_type=markov"]
 STEPS = 300
-TINY_STEPS = 8  # --tiny / --quick: a smoke run of the whole script
+QUICK_STEPS = 8  # --quick: a few steps of the same model
+# --tiny: a few steps of a smaller model (1 dense + 1 MoE layer, short sequences), a CPU smoke
+# test of the script; it checks the plumbing, not the 1% target.
+TINY_STEPS = 4
+TINY_SET = ["num_decoder_layers=2", "max_target_length=16", "per_device_batch_size=2"]
 TARGET = 0.01  # |final LM loss / bf16's - 1|
 
 
-def case_overrides(case: str, steps: int, extra=()) -> list[str]:
+def case_overrides(case: str, steps: int, extra=(), tiny: bool = False) -> list[str]:
     """The key=value list of one case, as ``dropless train`` would take it."""
-    return [*BASE, f"steps={steps}", *CASE_OVERRIDES[case], *extra]
+    return [*BASE, *(TINY_SET if tiny else []), f"steps={steps}", *CASE_OVERRIDES[case], *extra]
 
 
-def resolve_case(case: str, steps: int, extra=()):
+def resolve_case(case: str, steps: int, extra=(), tiny: bool = False):
     """(overrides, validated Config) of one case. Raises ConfigError (a ValueError) on a bad override."""
     from dropless.config.loader import load_config
 
-    overrides = case_overrides(case, steps, extra)
+    overrides = case_overrides(case, steps, extra, tiny)
     return overrides, load_config(None, overrides, environ={}).config
 
 
@@ -138,7 +146,8 @@ def new_record(args, cases) -> dict:
 
     return measure.new_record("fp8_loss", {
         "base_overrides": BASE, "case_overrides": {c: CASE_OVERRIDES[c] for c in cases},
-        "extra_overrides": args.set, "steps": args.steps, "target_rel_diff": TARGET,
+        "tiny_overrides": TINY_SET if args.tiny else [], "extra_overrides": args.set,
+        "steps": args.steps, "target_rel_diff": TARGET,
         "final_loss_definition": "mean lm_loss over the last 10% of steps (train.metrics.final_lm_loss)",
     })
 
@@ -148,10 +157,10 @@ def print_table(record) -> None:
     from rich.table import Table
 
     cfg = record["config"]
+    overrides = " ".join(cfg["base_overrides"] + cfg["tiny_overrides"] + cfg["extra_overrides"])
     table = Table("case", "initial loss", "final LM loss (last 10%)", "vs bf16", f"|.| <= {TARGET:.0%}",
                   "same init", "skipped", "step (ms)", "note",
-                  title=f"{cfg['steps']} steps, {' '.join(cfg['base_overrides'] + cfg['extra_overrides'])}"
-                        f" on {record['device']['gpu']}")
+                  title=f"{cfg['steps']} steps, {overrides} on {record['device']['gpu']}")
     for r in record["rows"]:
         if "final_lm_loss" not in r:
             table.add_row(r["case"], *[""] * 7, r.get("error", "")[:80])
@@ -173,19 +182,20 @@ def main(argv=None) -> int:
     p.add_argument("--cases", default=",".join(CASES), help=f"comma list of {CASES}")
     p.add_argument("--set", nargs="+", default=[], metavar="KEY=VALUE",
                    help="more config overrides for every case (after the case's own)")
-    p.add_argument("--tiny", action="store_true", help=f"{TINY_STEPS} steps: a smoke test of this script")
-    p.add_argument("--quick", action="store_true", help="the same as --tiny")
+    p.add_argument("--tiny", action="store_true",
+                   help=f"{TINY_STEPS} steps with {' '.join(TINY_SET)}: a CPU smoke test of this script")
+    p.add_argument("--quick", action="store_true", help=f"{QUICK_STEPS} steps")
     p.add_argument("--out", default=str(DEFAULT_RESULTS_DIR), help="results directory")
     p.add_argument("--commit", default=None, help="git commit to record (default: git rev-parse)")
     args = p.parse_args(argv)
-    args.steps = args.steps or (TINY_STEPS if args.tiny or args.quick else STEPS)
+    args.steps = args.steps or (TINY_STEPS if args.tiny else QUICK_STEPS if args.quick else STEPS)
     cases = [c for c in args.cases.split(",") if c]
     if unknown := [c for c in cases if c not in CASES]:
         p.error(f"unknown case(s) {unknown}; choose from {CASES}")
     if args.steps < 1:
         p.error(f"--steps {args.steps} must be >= 1")
     try:  # every case must resolve before any step runs
-        configs = {c: resolve_case(c, args.steps, args.set) for c in cases}
+        configs = {c: resolve_case(c, args.steps, args.set, args.tiny) for c in cases}
     except ValueError as e:  # ConfigError is a ValueError
         p.error(str(e))
 
