@@ -487,6 +487,13 @@ def headlines(kind: str, record: dict) -> list[str]:
         return [f"FP8 fwd+dgrad+wgrad with quantization {path:.1f} ms = {bf16 / path:.2f}x bf16's "
                 f"{bf16:.1f} ms" + (f" (kernels alone {alone:.1f} ms = {bf16 / alone:.2f}x)"
                                     if alone else "")]
+    if kind == "fp8_loss":
+        rows = [r for r in record.get("rows", []) if r.get("rel_diff") is not None and r["case"] != "bf16"]
+        if not rows:
+            return []
+        steps = (record.get("config") or {}).get("steps")
+        return [f"final LM loss vs bf16 after {steps} steps: " + ", ".join(
+            f"{r['case']} {r['rel_diff']:+.2%}" + ("" if r.get("passed") else " (over 1%)") for r in rows)]
     if kind.split(":")[0] == "profile":
         return profile_headline(kind.partition(":")[2] or profile_precision(record), record)
     if kind == "step":
