@@ -43,6 +43,9 @@ def test_record_structure(bench, record):
         # The trainer's summary figure: mean of the last tenth, here the last step alone.
         assert row["final_lm_loss"] == row["curves"]["lm_loss"][-1]
         assert row["same_init"] is True
+        assert row["gap_diff"] == pytest.approx(
+            (row["final_lm_loss"] - record["rows"][0]["final_lm_loss"])
+            / (record["rows"][0]["final_lm_loss"] - row["entropy_floor"]))
     bf16, fp8 = record["rows"]
     assert (bf16["config"]["quantization"], bf16["config"]["te_gmm_quantization"]) == ("", "te_no_quant")
     assert (fp8["config"]["quantization"], fp8["config"]["te_gmm_quantization"]) == \
@@ -63,12 +66,15 @@ def test_bf16_loss_falls_and_fp8_rounds(record):
 
 
 def test_compare_against_bf16(bench):
-    rows = [{"case": "bf16", "final_lm_loss": 2.0, "skipped_steps": 0, "init_fingerprint": [[1.0, 2.0]]},
-            {"case": "fp8_dense", "final_lm_loss": 2.03, "skipped_steps": 0, "init_fingerprint": [[1.0, 2.0]]},
-            {"case": "mxfp8", "final_lm_loss": 2.01, "skipped_steps": 1, "init_fingerprint": [[1.0, 3.0]]},
+    common = {"skipped_steps": 0, "init_fingerprint": [[1.0, 2.0]], "entropy_floor": 1.5}
+    rows = [{"case": "bf16", "final_lm_loss": 2.0, **common},
+            {"case": "fp8_dense", "final_lm_loss": 2.03, **common},
+            {"case": "mxfp8", "final_lm_loss": 2.01, **common, "skipped_steps": 1,
+             "init_fingerprint": [[1.0, 3.0]]},
             {"case": "fp8_blockwise", "error": "boom"}]
     bench.compare(rows)
     assert rows[1]["rel_diff"] == pytest.approx(0.015) and rows[1]["passed"] is False
+    assert rows[1]["gap_diff"] == pytest.approx(0.03 / 0.5)
     assert rows[2]["rel_diff"] == pytest.approx(0.005)
     assert rows[2]["passed"] is False and rows[2]["same_init"] is False  # a skipped step fails
     assert "rel_diff" not in rows[3]
