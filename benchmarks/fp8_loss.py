@@ -219,7 +219,12 @@ def main(argv=None) -> int:
 
     from dropless.config.xla_flags import apply_runtime_settings, gpu_present
 
-    first = configs[cases[0]][1]  # the cases differ only in quantization keys: one runtime setup
+    # One process runs every case, so they must share the XLA flags and environment.
+    first = configs[cases[0]][1]
+    runtime = {c: (cfg.xla_flags, cfg.env) for c, (_, cfg) in configs.items()}
+    if differing := [c for c in cases if runtime[c] != runtime[cases[0]]]:
+        p.error(f"case(s) {differing} set other XLA flags or environment than {cases[0]}; "
+                "run them separately")
     applied = apply_runtime_settings(first.xla_flags, first.env, on_gpu=gpu_present())
     from dropless.perf import measure
 
