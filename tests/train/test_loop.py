@@ -51,6 +51,16 @@ def test_loss_falls_toward_the_source_entropy(reference):
     assert f"{result.entropy_floor:.4f}" in text and "dropless training summary" in text
 
 
+def test_final_lm_loss_is_the_mean_of_the_last_tenth(reference):
+    """The summary's "final LM loss (mean of last 10%)": STEPS=60 rows -> the last 6;
+    fewer than 10 rows -> the last one."""
+    _, result, _ = reference
+    rows = metrics_lib.read_jsonl(result.metrics_path)
+    assert result.final_lm_loss_avg == pytest.approx(sum(r["lm_loss"] for r in rows[-6:]) / 6, rel=1e-12)
+    assert metrics_lib.final_lm_loss(rows[:9]) == rows[8]["lm_loss"]
+    assert metrics_lib.final_lm_loss([]) is None
+
+
 def test_run_outputs(reference):
     train, result, _ = reference
     run_dir = os.path.join(train.base_output_directory, train.run_name)

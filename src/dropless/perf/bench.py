@@ -3,9 +3,11 @@
 Runs, in this one process on this machine's GPU, the standard benchmarks of
 ``benchmarks/``: ``gmm.py`` (grouped GEMM kernels), ``moe_layer.py`` (one
 DeepSeek-V3 MoE layer), ``step.py`` (training step TFLOPS/device),
-``fp8_quant.py`` (the FP8 grouped GEMMs' quantization passes and kernel path)
-and ``fp8_dense.py`` (the dense matmuls in bf16 and FP8), in that order (gmm first: it shares the GPU with torch, so JAX must not have
-preallocated memory). Each benchmark writes its own record to ``DIR``; this
+``fp8_quant.py`` (the FP8 grouped GEMMs' quantization passes and kernel path),
+``fp8_dense.py`` (the dense matmuls in bf16 and FP8) and ``fp8_loss.py``
+(the final loss of the FP8 recipes against bf16's), in that order (gmm
+first: it shares the GPU with torch, so JAX must not have preallocated
+memory). Each benchmark writes its own record to ``DIR``; this
 command also writes the bundle ``DIR/<YYYYmmdd-HHMMSS>-<gpu>.json`` holding
 every record (or the error that stopped a benchmark), then renders the
 results page: ``benchmarks/RESULTS.md`` when ``DIR`` is the default
@@ -35,7 +37,7 @@ import time
 import traceback
 from pathlib import Path
 
-BENCHMARKS = ("gmm", "moe_layer", "step", "fp8_quant", "fp8_dense")
+BENCHMARKS = ("gmm", "moe_layer", "step", "fp8_quant", "fp8_dense", "fp8_loss")
 
 
 def load_module(kind: str, bench_dir: Path):
@@ -84,7 +86,7 @@ def _newest_record(kind: str, out: Path, since: float) -> Path | None:
 
 # The CPU-sized mode of each benchmark (``--tiny``): a smoke run of the whole matrix.
 TINY_FLAGS = {"gmm": ["--smoke"], "moe_layer": ["--tiny"], "step": ["--tiny"],
-              "fp8_quant": ["--smoke"], "fp8_dense": ["--tiny"]}
+              "fp8_quant": ["--smoke"], "fp8_dense": ["--tiny"], "fp8_loss": ["--tiny"]}
 
 
 def run_one(kind: str, bench_dir: Path, out: Path, quick: bool, commit: str | None,

@@ -356,6 +356,13 @@ def headlines(kind: str, record: dict) -> list[str]:
         return fp8_kernels_headline(record)
     if kind == "fp8_quant":
         return fp8_quant_headline(record)
+    if kind == "fp8_loss":
+        rows = [r for r in record.get("rows", []) if r.get("rel_diff") is not None and r["case"] != "bf16"]
+        if not rows:
+            return []
+        steps = (record.get("config") or {}).get("steps")
+        return [f"final LM loss vs bf16 after {steps} steps: " + ", ".join(
+            f"{r['case']} {r['rel_diff']:+.2%}" + ("" if r.get("passed") else " (over 1%)") for r in rows)]
     if kind.split(":")[0] == "profile":
         return profile_headline(kind.partition(":")[2] or profile_precision(record), record)
     if kind.split(":")[0] == "step":

@@ -402,7 +402,6 @@ def _median(xs):
 def _result(s: _Setup, run_dir, writer, rows_all, ran: _Ran, resumed_from, num_params,
             tokens, t0, plot_path) -> TrainResult:
     last = rows_all[-1] if rows_all else None
-    tail = rows_all[-max(1, len(rows_all) // 10):]
     step_time = _median(ran.step_times)
     return TrainResult(
         ok=bool(last) and math.isfinite(last["loss"]) and last["skipped_steps"] < last["step"],
@@ -412,7 +411,7 @@ def _result(s: _Setup, run_dir, writer, rows_all, ran: _Ran, resumed_from, num_p
         resumed_from=resumed_from,
         initial_loss=rows_all[0]["loss"] if rows_all else None,
         final_loss=last["loss"] if last else None,
-        final_lm_loss_avg=float(np.mean([r["lm_loss"] for r in tail])) if tail else None,
+        final_lm_loss_avg=metrics_lib.final_lm_loss(rows_all),
         entropy_floor=s.source.entropy_floor,
         skipped_steps=last["skipped_steps"] if last else 0,
         num_params=num_params,

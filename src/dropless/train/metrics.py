@@ -63,6 +63,16 @@ def moe_load_stats(tokens_per_expert_LE: np.ndarray) -> dict:
     }
 
 
+def final_lm_loss(rows: list[dict]) -> float | None:
+    """Mean ``lm_loss`` over the last tenth of ``rows`` (at least the last row); None if empty.
+
+    The run summary's "final LM loss (mean of last 10%)", the figure to compare
+    with the data's entropy floor: averaging smooths the step-to-step noise.
+    """
+    tail = rows[-max(1, len(rows) // 10):]
+    return float(np.mean([r["lm_loss"] for r in tail])) if tail else None
+
+
 def make_row(step: int, raw: dict, *, step_time: float | None, tokens_per_step: int,
              num_devices: int, tflops_per_step: float, peak_tflops: float | None) -> dict:
     """One metrics row (plain Python numbers) for the step that just finished.
