@@ -135,3 +135,15 @@ def test_shard_bytes_rounds_up_uneven_shards():
     x = jax.ShapeDtypeStruct((10, 3), np.float32)
     spec = jax.sharding.PartitionSpec(("fsdp", "expert"), None)
     assert memory._shard_bytes(x, spec, {"fsdp": 2, "expert": 2}) == 3 * 3 * 4
+
+
+def test_attention_standin_takes_what_fused_attention_takes():
+    """The dry run swaps ``attention.fused_attention`` for a stand-in while tracing; a
+    keyword added to one and not the other breaks every cuDNN preset's dry run."""
+    import inspect
+
+    from dropless.nn import attention
+    from dropless.perf import memory
+
+    assert (inspect.signature(memory._standin_attention).parameters.keys()
+            == inspect.signature(attention.fused_attention).parameters.keys())

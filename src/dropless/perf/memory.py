@@ -206,10 +206,15 @@ def _flash_standin_bwd(res, g):
 _flash_standin.defvjp(_flash_standin_fwd, _flash_standin_bwd)
 
 
-def _standin_attention(q_BSHQ, k_BTHQ, v_BTHV, *, scale: float, implementation="cudnn"):
+def _standin_attention(q_BSHQ, k_BTHQ, v_BTHV, *, scale: float, implementation="cudnn",
+                       unpadded_v: bool = False):
+    """``attention.fused_attention``'s residuals: v padded to Q as the public cuDNN call
+    takes it, or (``unpadded_v``, the private call) v and the output at V."""
     del scale, implementation
     qk_dim, v_dim = q_BSHQ.shape[-1], v_BTHV.shape[-1]
-    v_BTHQ = jnp.pad(v_BTHV, [(0, 0)] * 3 + [(0, qk_dim - v_dim)]) if v_dim < qk_dim else v_BTHV
+    if unpadded_v or v_dim == qk_dim:
+        return _flash_standin(q_BSHQ, k_BTHQ, v_BTHV)
+    v_BTHQ = jnp.pad(v_BTHV, [(0, 0)] * 3 + [(0, qk_dim - v_dim)])
     return _flash_standin(q_BSHQ, k_BTHQ, v_BTHQ)[..., :v_dim]
 
 
