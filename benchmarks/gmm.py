@@ -611,6 +611,9 @@ def main():
                                             else SMOKE_SHAPES)
         layouts, impls = ["dirichlet0.3"], ["ours", "dense"]
         args.tune = False  # a CPU tuning table would be meaningless
+        # One timed call per op: the smoke run checks the script, not speed, and Pallas's
+        # GPU interpreter has hung on a 2-core machine after a few dozen kernel calls.
+        args.iters = 1
     if not args.inner:
         return run_children(args, shapes, record)
     if args.tune:
