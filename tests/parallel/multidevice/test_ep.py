@@ -200,3 +200,38 @@ def test_factor_must_be_exact_or_at_least_one():
     with pytest.raises(ValueError, match="not divisible"):
         MoEBlock(MoEConfig(num_experts=12), emb_dim=D, rngs=nnx.Rngs(0),
                  ep=ep_lib.ExpertParallel(make_mesh(expert=8)))
+
+
+@pytest.mark.parametrize("mesh_shape", [dict(expert=4), dict(data=2, expert=4)],
+                         ids=["expert4", "data2_expert4"])
+@pytest.mark.parametrize("quantization", ["te_no_quant", "te_fp8_blockwise"])
+def test_hopper_kernels_type_check_under_expert_parallelism(mesh_shape, quantization, monkeypatch):
+    """What a Hopper GPU runs by default (``gmm_backend=auto`` -> the Mosaic kernels;
+    ``te_fp8_blockwise`` -> the FP8 kernels and the Pallas quantizers), traced for
+    value and gradients inside expert parallelism's ``shard_map``. Each kernel's
+    output must vary over the mesh axes its operands vary over: typed as the same
+    on every rank, the backward pass failed to trace (the custom_vjp of the
+    combine saw a varying cotangent for an unvarying primal). Tracing needs no
+    GPU; the kernels' values are tested on the GPU and in interpret mode."""
+    from dropless.ops.gmm import fp8_quant_kernels, mosaic
+
+    monkeypatch.setattr(mosaic, "is_available", lambda: True)
+    monkeypatch.setattr(fp8_quant_kernels, "default_interpret", lambda: False)
+    mesh = make_mesh(**mesh_shape)
+    cfg = MoEConfig(num_experts=8, num_experts_per_tok=2, moe_mlp_dim=256, gmm_backend="auto",
+                    gmm_quantization=quantization, shared_experts=1)
+    ep = ep_lib.ExpertParallel(mesh, buffer_factor=-1, exchange="padded")
+    block = MoEBlock(cfg, emb_dim=256, rngs=nnx.Rngs(0), ep=ep, dtype=jnp.bfloat16,
+                     param_dtype=jnp.bfloat16)
+    graphdef, state = nnx.split(block)
+
+    def loss(state, x):
+        y, _ = nnx.merge(graphdef, state)(x)
+        return jnp.sum(y.astype(jnp.float32))
+
+    abstract = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), state)
+    x = jax.ShapeDtypeStruct((8, 64, 256), jnp.bfloat16,
+                             sharding=NamedSharding(mesh, P(sharding.BATCH_AXES)))
+    text = str(jax.jit(jax.grad(loss, argnums=(0, 1))).trace(abstract, x).jaxpr)
+    assert "mpmd_map" in text  # the Mosaic GPU kernels were traced, not a fallback
+    assert ("pallas_call" in text) == (quantization == "te_fp8_blockwise")  # the quantizers

@@ -57,16 +57,42 @@ def num_sms(device=None):
 def persistent_kernel(body, out_type, sms=None):
     """``body`` as a persistent, warp-specialised kernel: one CTA per SM (``sms``
     or the device's count), three warpgroups ``wg`` (0, 1 compute; 2 TMA), warpgroup
-    lowering. Every kernel of this package has this shape."""
-    return plgpu.kernel(
-        body,
-        out_type=out_type,
-        grid=(sms or num_sms(),),
-        grid_names=("sm",),
-        num_threads=3,
-        thread_name="wg",
-        compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
-    )
+    lowering. Every kernel of this package has this shape.
+
+    Returns ``call(*operands)``. Inside ``shard_map`` (the MoE layer's experts run
+    there) the output varies over the mesh axes its operands vary over
+    (``vary_like``); typed as the same on every rank, it made the backward pass
+    of expert parallelism fail to type-check.
+    """
+
+    def call(*operands):
+        out = plgpu.kernel(
+            body,
+            out_type=out_type,
+            grid=(sms or num_sms(),),
+            grid_names=("sm",),
+            num_threads=3,
+            thread_name="wg",
+            compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
+        )(*operands)
+        return vary_like(out, operands)
+
+    return call
+
+
+def vary_like(out, operands):
+    """``out`` typed as varying over every mesh axis any of ``operands`` varies over
+    (inside ``shard_map``; unchanged outside). ``plgpu.kernel`` types its outputs
+    as the same on every rank. The cast is a no-op at run time; its transpose
+    (a psum) never runs, because every kernel call sits inside a custom_vjp rule."""
+    want = frozenset().union(*(_varying(a) for a in operands))
+    missing = tuple(sorted(want - _varying(out)))
+    return jax.lax.pcast(out, missing, to="varying") if missing else out
+
+
+def _varying(a) -> frozenset:
+    axis_type = getattr(jax.typeof(a), "manual_axis_type", None)
+    return frozenset(axis_type.varying) if axis_type is not None else frozenset()
 
 
 def _swizzle_transforms(minor_elems, dtype):
