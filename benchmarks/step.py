@@ -167,18 +167,11 @@ def memory_estimate(cfg) -> dict | None:
 
 
 def fp8_impls(model, train) -> dict | None:
-    """{"wi": impl, "wo": impl}: how each grouped matmul's FP8 recipe runs here
-    (``quantized.resolve_impl``: "kernel" or "emulate"), or None without one."""
-    from dropless.ops.gmm import quantized
+    """{"wi": impl, "wo": impl}: how each grouped matmul's FP8 recipe runs here, or None."""
+    from dropless.nn.moe import fp8_impls as impls
 
-    moe = model.moe
-    if not moe.sparse_matmul or moe.gmm_quantization == "te_no_quant":
-        return None
-    d, f, e = model.emb_dim, moe.moe_mlp_dim, moe.num_experts
-    rows = int(train.per_device_batch_size) * train.max_target_length * moe.num_experts_per_tok
-    shapes = {"wi": ((rows, d), (e, d, 2 * f)), "wo": ((rows, f), (e, f, d))}
-    return {name: quantized.resolve_impl(moe.gmm_fp8_impl, moe.gmm_quantization, moe.gmm_backend,
-                                         x, w, model.dtype)[0] for name, (x, w) in shapes.items()}
+    rows = int(train.per_device_batch_size) * train.max_target_length * model.moe.num_experts_per_tok
+    return impls(model.moe, model.emb_dim, rows, model.dtype)
 
 
 def _is_oom(e: BaseException) -> bool:

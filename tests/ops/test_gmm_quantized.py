@@ -298,3 +298,18 @@ def test_auto_impl_runs_the_kernels_only_where_they_can(monkeypatch):
         assert quantized.resolve_impl(explicit, "te_fp8_blockwise", "xla", x, bad_w, jnp.bfloat16) == (explicit, "")
     assert quantized.resolve_quant_impl("auto") == "pallas"
     assert quantized.resolve_quant_impl("xla") == "xla"
+
+
+def test_fp8_impls_names_what_each_grouped_matmul_runs(monkeypatch):
+    """``nn.moe.fp8_impls`` (what step.py and profile records say "auto" ran as)."""
+    from dropless.config.sections import MoEConfig
+    from dropless.nn import moe
+    from dropless.ops.gmm import mosaic
+
+    cfg = MoEConfig(num_experts=8, num_experts_per_tok=2, moe_mlp_dim=256,
+                    gmm_quantization="te_fp8_blockwise")
+    assert moe.fp8_impls(MoEConfig(num_experts=8, num_experts_per_tok=2, moe_mlp_dim=256), 512, 1024,
+                         jnp.bfloat16) is None
+    monkeypatch.setattr(mosaic, "is_available", lambda: True)
+    assert moe.fp8_impls(cfg, 512, 1024, jnp.bfloat16) == {"wi": "kernel", "wo": "kernel"}
+    assert moe.fp8_impls(cfg, 384, 1024, jnp.bfloat16) == {"wi": "emulate", "wo": "emulate"}

@@ -214,6 +214,18 @@ def _check_config(cfg: MoEConfig):
                          f"{quantized.KERNEL_RECIPE} only, got {cfg.gmm_quantization=}")
 
 
+def fp8_impls(cfg: MoEConfig, emb_dim: int, rows: int, dtype) -> dict | None:
+    """How each grouped matmul's FP8 recipe runs on this process's devices:
+    ``{"wi": "kernel" | "emulate", "wo": ...}`` (``quantized.resolve_impl`` at the
+    block's shapes, ``rows`` buffer rows), or None without an FP8 recipe."""
+    if not cfg.sparse_matmul or cfg.gmm_quantization == "te_no_quant":
+        return None
+    d, f, e = emb_dim, cfg.moe_mlp_dim, cfg.num_experts
+    shapes = {"wi": ((rows, d), (e, d, 2 * f)), "wo": ((rows, f), (e, f, d))}
+    return {name: quantized.resolve_impl(cfg.gmm_fp8_impl, cfg.gmm_quantization, cfg.gmm_backend,
+                                         x, w, dtype)[0] for name, (x, w) in shapes.items()}
+
+
 def group_alignment(cfg: MoEConfig) -> int:
     """Rows per expert are padded to a multiple of this: ``group_alignment``, raised to
     what the grouped-GEMM quantization recipe needs (its scale blocks run along rows)."""

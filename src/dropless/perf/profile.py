@@ -73,6 +73,15 @@ def parse_args(args: list[str]):
     return ns, rest
 
 
+def _fp8_impls(cfg) -> dict | None:
+    """How the grouped matmuls' FP8 recipe ran (``nn.moe.fp8_impls``): "auto" resolved."""
+    from dropless.nn.moe import fp8_impls
+
+    model, train = cfg.model(), cfg.train()
+    rows = int(train.per_device_batch_size) * train.max_target_length * model.moe.num_experts_per_tok
+    return fp8_impls(model.moe, model.emb_dim, rows, model.dtype)
+
+
 def run_dir(cfg) -> Path:
     """``base_output_directory/run_name``; run_name defaults to '<model>-profile-<time>'."""
     name = cfg.run_name or f"{cfg.model_name}-profile-{datetime.datetime.now():%Y%m%d-%H%M%S}"
@@ -258,6 +267,7 @@ def main(args: list[str]) -> int:
     breakdown.save(bd, out / "breakdown.json", extra=extra)
     breakdown.plot(bd, out / "breakdown.png", title=f"{cfg.model_name}: where the time goes")
     facts = {k: getattr(cfg, k) for k in RECORD_KEYS}
+    facts["gmm_fp8_impl_resolved"] = _fp8_impls(cfg)
     record = profile_record(bd, facts, {**extra, "warmup": ns.warmup})
     record_path = measure.write_record(record, results_dir)
     breakdown.print_breakdown(bd, console)

@@ -29,7 +29,12 @@ def _profile_rows(record: dict) -> dict:
 
 
 def _profile_facts(record: dict) -> str:
-    cfg = record.get("config") or {}
+    cfg = dict(record.get("config") or {})
+    if cfg.get("te_gmm_quantization") in (None, "te_no_quant"):  # the FP8 keys change nothing
+        cfg.pop("gmm_fp8_impl", None)
+    elif isinstance(cfg.get("gmm_fp8_impl_resolved"), dict):  # what "auto" ran as
+        ran = sorted(set(cfg["gmm_fp8_impl_resolved"].values()))
+        cfg["gmm_fp8_impl"] = f"{cfg.get('gmm_fp8_impl')} (ran: {', '.join(ran)})"
     keys = ("model_name", "quantization", "te_gmm_quantization", "gmm_fp8_impl", "remat_policy",
             "attention", "per_device_batch_size", "max_target_length")
     return ", ".join(f"`{k}={cfg[k]}`" for k in keys if k in cfg and cfg[k] not in (None, ""))
