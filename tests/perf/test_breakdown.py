@@ -169,6 +169,12 @@ def test_breakdown_arithmetic():
     assert [k["name"] for k in bd.top_kernels] == ["gmm_mosaic_gpu_kernel",
                                                     "sm90_xmma_gemm_bf16_cublas"]
     assert bd.top_kernels[0]["count"] == 2 and bd.top_kernels[0]["avg_us"] == 30.0
+    # Per category (top=2 each), with the op text that says what a fusion computes.
+    assert {c: [k["name"] for k in ks] for c, ks in bd.top_by_category.items()} == {
+        GROUPED_GEMM: ["gmm_mosaic_gpu_kernel"], DENSE_GEMM: ["sm90_xmma_gemm_bf16_cublas"],
+        COPY: ["MemcpyH2D"], OTHER: ["loop_add_fusion"]}
+    assert bd.top_by_category[OTHER][0]["op"] == "add.1 jvp(mlp)/add"
+    assert bd.top_by_category[GROUPED_GEMM][0]["time_us"] == 60.0
 
 
 def test_gpu_overlapping_kernels_count_in_full():

@@ -161,6 +161,9 @@ class Breakdown:
       time_us, count, pct_kernel, pct_wall.
     top_kernels: up to ``top`` dicts, most time first: name, category, time_us,
       count, avg_us, pct_kernel.
+    top_by_category: category -> up to ``top`` such dicts of that category,
+      each with ``op``, the start of its HLO op text (what a fusion computes:
+      the names alone, ``loop_convert_fusion_3``, do not say).
     wall_us: span of the profiled steps; kernel_us: summed kernel time (all
       devices); busy_pct: time any kernel ran on a device / wall, averaged
       over devices.
@@ -176,6 +179,7 @@ class Breakdown:
     categories: list[dict]
     top_kernels: list[dict]
     notes: list[str]
+    top_by_category: dict = dataclasses.field(default_factory=dict)
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -218,6 +222,9 @@ def _pct(part, whole):
     return 100.0 * part / whole if whole > 0 else 0.0
 
 
+OP_TEXT_CHARS = 240  # of a kernel's HLO op text kept in ``top_by_category``
+
+
 def compute(trace: Trace, top: int = 15, hlo_ops: dict | None = None) -> Breakdown:
     """Categorise and sum the kernels of ``trace``.
 
@@ -236,6 +243,7 @@ def compute(trace: Trace, top: int = 15, hlo_ops: dict | None = None) -> Breakdo
     ndev = max(1, len(trace.devices))
     per_cat = {c: [0.0, 0] for c in CATEGORIES}
     per_name = defaultdict(lambda: [0.0, 0, OTHER])
+    op_text = {}
     hlo_ops = hlo_ops or {}
     for k in trace.kernels:
         extra = hlo_ops.get(k.module, {}).get(k.name, "")
@@ -246,6 +254,7 @@ def compute(trace: Trace, top: int = 15, hlo_ops: dict | None = None) -> Breakdo
         agg[0] += k.dur_us
         agg[1] += 1
         agg[2] = cat
+        op_text.setdefault(k.name, f"{k.op} {extra}".strip()[:OP_TEXT_CHARS])
     total = sum(v[0] for v in per_cat.values())
     categories = [
         {"category": c, "label": LABELS[c], "time_us": t, "count": n,
@@ -258,13 +267,19 @@ def compute(trace: Trace, top: int = 15, hlo_ops: dict | None = None) -> Breakdo
          "pct_kernel": _pct(t, total)}
         for name, (t, n, cat) in ranked
     ]
+    by_category = defaultdict(list)
+    for name, (t, n, cat) in sorted(per_name.items(), key=lambda kv: (-kv[1][0], kv[0])):
+        if len(by_category[cat]) < top:
+            by_category[cat].append({"name": name, "time_us": t, "count": n, "avg_us": t / n,
+                                     "pct_kernel": _pct(t, total), "op": op_text.get(name, "")})
     by_device = defaultdict(list)
     for k in trace.kernels:
         by_device[k.device].append(k)
     busy = sum(_busy_us(ks) for ks in by_device.values())
     notes = _notes(trace, total)
     return Breakdown(trace.path, trace.platform, list(trace.devices), len(trace.steps), wall,
-                     total, _pct(busy, wall * ndev), categories, top_kernels, notes)
+                     total, _pct(busy, wall * ndev), categories, top_kernels, notes,
+                     dict(by_category))
 
 
 def _notes(trace: Trace, total: float) -> list[str]:

@@ -202,7 +202,8 @@ def profile_record(bd, cfg_facts: dict, extra: dict) -> dict:
     record.update({"steps": bd.steps, "devices_traced": bd.devices, "platform": bd.platform,
                    "step_ms": bd.wall_us / steps / 1e3,
                    "kernel_ms_per_step": bd.kernel_us / steps / ndev / 1e3,
-                   "busy_pct": bd.busy_pct, "top_kernels": bd.top_kernels, "notes": bd.notes})
+                   "busy_pct": bd.busy_pct, "top_kernels": bd.top_kernels,
+                   "top_by_category": bd.top_by_category, "notes": bd.notes})
     record.update({k: extra.get(k) for k in ("tflops_per_device", "tflops_per_device_per_step",
                                              "mfu_pct", "mesh", "changed", "xla_flags", "warmup")})
     return record
