@@ -161,6 +161,12 @@ def test_fp8_sections(tmp_path):
     assert ("- FP8 fwd+dgrad+wgrad with quantization 20.0 ms = 0.80x bf16's 16.0 ms "
             "(kernels alone 10.0 ms = 1.60x)") in text
     assert "- FP8 kernels alone (CUPTI): fwd 1300 TF/s (target 1250), wgrad 711 TF/s (target 1100)" in text
+    # With the Pallas quantizers' row, the headline leads with it (the default path).
+    quant["rows"].append({"section": "product", "name": "fwd+bwd kernel path, pallas q",
+                          "kernel_ms": 12.8, "wall_ms": 13.5, "tflops_kernel": 900.0})
+    assert report.headlines("fp8_quant", quant) == [
+        "FP8 fwd+dgrad+wgrad with quantization (Pallas quantizers) 12.8 ms = 1.25x bf16's 16.0 ms "
+        "(XLA's quantization 20.0 ms = 0.80x; kernels alone 10.0 ms = 1.60x)"]
 
 
 def test_commit_prefers_dropless_commit(monkeypatch):

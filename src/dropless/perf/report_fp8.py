@@ -83,15 +83,20 @@ def fp8_quant_section(record: dict, path: Path, fig_dir: Path, md_dir: Path) -> 
 
 
 def fp8_quant_headline(record: dict) -> list[str]:
-    """The kernel path's fwd+dgrad+wgrad (quantization included) against bf16's."""
+    """The kernel path's fwd+dgrad+wgrad (quantization included) against bf16's: with the
+    Pallas quantizers (the default) when the record has them, and with XLA's."""
     by = {r["name"]: r for r in record.get("rows", []) if r.get("section") == "product"}
-    path, alone, bf16 = (by.get(n, {}).get("kernel_ms") for n in (
-        "fwd+bwd kernel path", "fwd+bwd FP8 kernels alone", "fwd+bwd bf16 kernel"))
+    pallas, xla, alone, bf16 = (by.get(n, {}).get("kernel_ms") for n in (
+        "fwd+bwd kernel path, pallas q", "fwd+bwd kernel path", "fwd+bwd FP8 kernels alone",
+        "fwd+bwd bf16 kernel"))
+    path = pallas or xla
     if not (path and bf16):
         return []
-    return [f"FP8 fwd+dgrad+wgrad with quantization {path:.1f} ms = {bf16 / path:.2f}x bf16's "
-            f"{bf16:.1f} ms" + (f" (kernels alone {alone:.1f} ms = {bf16 / alone:.2f}x)"
-                                if alone else "")]
+    line = (f"FP8 fwd+dgrad+wgrad with quantization{' (Pallas quantizers)' if pallas else ''} "
+            f"{path:.1f} ms = {bf16 / path:.2f}x bf16's {bf16:.1f} ms")
+    extras = [f"XLA's quantization {xla:.1f} ms = {bf16 / xla:.2f}x"] if pallas and xla else []
+    extras += [f"kernels alone {alone:.1f} ms = {bf16 / alone:.2f}x"] if alone else []
+    return [line + (f" ({'; '.join(extras)})" if extras else "")]
 
 
 def fp8_dense_section(record: dict, path: Path, fig_dir: Path, md_dir: Path) -> str:
