@@ -51,24 +51,20 @@ def _attention(cfg: ModelConfig, p: str) -> list[Entry]:
     ]
 
 
-def _decoder_layer(cfg: ModelConfig, p: str, moe: bool, layout: str) -> list[Entry]:
-    """The entries of ``model.layers.i`` (``p``), dense or MoE."""
-    d = cfg.emb_dim
-    out = [
-        vector(("pre_attention_norm", "scale"), p + "input_layernorm.weight", d),
-        vector(("pre_ffn_norm", "scale"), p + "post_attention_layernorm.weight", d),
-        *_attention(cfg, p),
-    ]
-    if not moe:
-        return out + L.mlp(("mlp",), p + "mlp.", d, cfg.mlp_dim)
-    e = cfg.moe.num_experts
-    return out + [
+def _router(cfg: ModelConfig, p: str) -> list[Entry]:
+    """The MoE layer's router and balancing bias (float32 as published) and shared experts."""
+    d, e = cfg.emb_dim, cfg.moe.num_experts
+    return [
         linear(("moe", "router", "kernel"), p + "mlp.gate.weight", d, e, float32=True),
         vector((None, "moe", "router_bias"), p + "mlp.gate.e_score_correction_bias", e, float32=True),
         *L.mlp(("moe", "shared_experts"), p + "mlp.shared_experts.", d,
                cfg.moe.shared_experts * cfg.moe.moe_mlp_dim),
-        *L.experts(cfg, p, layout),
     ]
+
+
+def _decoder_layer(cfg: ModelConfig, p: str, moe: bool, layout: str) -> list[Entry]:
+    """The entries of ``model.layers.i`` (``p``), dense or MoE."""
+    return L.decoder_layer(cfg, p, moe, layout, _attention, _router)
 
 
 def mapping(cfg: ModelConfig, layout: str, hf_mtp_layers: int = 0) -> Mapping:

@@ -158,6 +158,23 @@ def experts(cfg: ModelConfig, p: str, layout: str) -> list[Entry]:
     return wi + [entry(("moe", "wo"), per_expert(("down_proj", (d, f))), (f, d))]
 
 
+def decoder_layer(cfg: ModelConfig, p: str, moe: bool, layout: str,
+                  attention: Callable[[ModelConfig, str], list[Entry]],
+                  router: Callable[[ModelConfig, str], list[Entry]]) -> list[Entry]:
+    """The entries of ``model.layers.i`` (``p``) every architecture shares: the two
+    norms, ``attention``'s entries, then the dense MLP, or ``router``'s entries
+    (router, balancing bias, shared experts) and the routed experts."""
+    d = cfg.emb_dim
+    out = [
+        vector(("pre_attention_norm", "scale"), p + "input_layernorm.weight", d),
+        vector(("pre_ffn_norm", "scale"), p + "post_attention_layernorm.weight", d),
+        *attention(cfg, p),
+    ]
+    if not moe:
+        return out + mlp(("mlp",), p + "mlp.", d, cfg.mlp_dim)
+    return out + [*router(cfg, p), *experts(cfg, p, layout)]
+
+
 def leaf(prefix: tuple, ent: Entry, cells: list[np.ndarray] | None = None) -> Leaf:
     """The ``Leaf`` of ``ent`` under ``prefix``; with ``cells`` (one grid per
     layer) the leaf of a scanned stack, its leading axis the layers."""

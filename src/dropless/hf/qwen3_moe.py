@@ -45,22 +45,16 @@ def _attention(cfg: ModelConfig, p: str) -> list[Entry]:
     return out
 
 
+def _router(cfg: ModelConfig, p: str) -> list[Entry]:
+    """The MoE layer's router; no routing bias (its state loads as zeros)."""
+    e = cfg.moe.num_experts
+    return [linear(("moe", "router", "kernel"), p + "mlp.gate.weight", cfg.emb_dim, e),
+            L.zeros((None, "moe", "router_bias"), (e,))]
+
+
 def _decoder_layer(cfg: ModelConfig, p: str, moe: bool, layout: str) -> list[Entry]:
     """The entries of ``model.layers.i`` (``p``), dense (``mlp_only_layers``) or MoE."""
-    d = cfg.emb_dim
-    out = [
-        vector(("pre_attention_norm", "scale"), p + "input_layernorm.weight", d),
-        vector(("pre_ffn_norm", "scale"), p + "post_attention_layernorm.weight", d),
-        *_attention(cfg, p),
-    ]
-    if not moe:
-        return out + L.mlp(("mlp",), p + "mlp.", d, cfg.mlp_dim)
-    e = cfg.moe.num_experts
-    return out + [
-        linear(("moe", "router", "kernel"), p + "mlp.gate.weight", d, e),
-        L.zeros((None, "moe", "router_bias"), (e,)),
-        *L.experts(cfg, p, layout),
-    ]
+    return L.decoder_layer(cfg, p, moe, layout, _attention, _router)
 
 
 def mapping(cfg: ModelConfig, layout: str, hf_mtp_layers: int = 0) -> Mapping:
