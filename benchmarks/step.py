@@ -336,9 +336,8 @@ def speedups(rows) -> dict:
     baselines = [by[c] for c in ("xla", "capacity") if by.get(c)]
     if ours and baselines:
         out["ours_over_best_baseline"] = ours / max(baselines)
-    for c in ("ours_fp8", "ours_fp8_blockwise", "ours_fp8e", "ours_fp8k", "ours_fp8kp", "ours_fp8kp_head",
-              "ours_gfp8kp", "ours_mla_unpadded"):
-        if ours and by.get(c):
+    for c in by:  # every variant of ours against ours of the same run
+        if c.startswith("ours_") and ours and by[c]:
             out[f"{c}_over_ours"] = by[c] / ours
     return out
 

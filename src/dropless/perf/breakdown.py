@@ -261,14 +261,14 @@ def compute(trace: Trace, top: int = 15, hlo_ops: dict | None = None) -> Breakdo
          "pct_kernel": _pct(t, total), "pct_wall": _pct(t, wall * ndev)}
         for c, (t, n) in per_cat.items()
     ]
-    ranked = sorted(per_name.items(), key=lambda kv: (-kv[1][0], kv[0]))[:top]
+    ranked = sorted(per_name.items(), key=lambda kv: (-kv[1][0], kv[0]))
     top_kernels = [
         {"name": name, "category": cat, "time_us": t, "count": n, "avg_us": t / n,
          "pct_kernel": _pct(t, total)}
-        for name, (t, n, cat) in ranked
+        for name, (t, n, cat) in ranked[:top]
     ]
     by_category = defaultdict(list)
-    for name, (t, n, cat) in sorted(per_name.items(), key=lambda kv: (-kv[1][0], kv[0])):
+    for name, (t, n, cat) in ranked:
         if len(by_category[cat]) < top:
             by_category[cat].append({"name": name, "time_us": t, "count": n, "avg_us": t / n,
                                      "pct_kernel": _pct(t, total), "op": op_text.get(name, "")})

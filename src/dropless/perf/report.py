@@ -48,7 +48,7 @@ import sys
 from pathlib import Path
 
 from dropless.perf.measure import DEFAULT_RESULTS_DIR, REPO_ROOT
-from dropless.perf.report_fp8 import (fp8_dense_section, fp8_kernels_headline,
+from dropless.perf.report_fp8 import (fp8_dense_section, fp8_kernels_headline, fp8_loss_headline,
                                       fp8_kernels_section, fp8_quant_headline, fp8_quant_section)
 from dropless.perf.report_md import (CREATED, TITLES, _get, _num, _plt, _ratio, _save,
                                      _short_commit, _source_line, md_table, provenance)
@@ -357,14 +357,7 @@ def headlines(kind: str, record: dict) -> list[str]:
     if kind == "fp8_quant":
         return fp8_quant_headline(record)
     if kind == "fp8_loss":
-        rows = [r for r in record.get("rows", []) if r.get("rel_diff") is not None and r["case"] != "bf16"]
-        if not rows:
-            return []
-        cfg = record.get("config") or {}
-        judged = cfg.get("judged", True)
-        return [f"final LM loss vs bf16 after {cfg.get('steps')} steps: " + ", ".join(
-            f"{r['case']} {r['rel_diff']:+.2%}" + ("" if r.get("passed") or not judged else " (over 1%)")
-            for r in rows) + ("" if judged else " (a smoke run: the 1% target is not judged)")]
+        return fp8_loss_headline(record)
     if kind.split(":")[0] == "profile":
         return profile_headline(kind.partition(":")[2] or profile_precision(record), record)
     if kind.split(":")[0] == "step":

@@ -99,6 +99,18 @@ def fp8_quant_headline(record: dict) -> list[str]:
     return [line + (f" ({'; '.join(extras)})" if extras else "")]
 
 
+def fp8_loss_headline(record: dict) -> list[str]:
+    """Each FP8 recipe's final LM loss against bf16's (``fp8_loss.py``)."""
+    rows = [r for r in record.get("rows", []) if r.get("rel_diff") is not None and r["case"] != "bf16"]
+    if not rows:
+        return []
+    cfg = record.get("config") or {}
+    judged = cfg.get("judged", True)
+    return [f"final LM loss vs bf16 after {cfg.get('steps')} steps: " + ", ".join(
+        f"{r['case']} {r['rel_diff']:+.2%}" + ("" if r.get("passed") or not judged else " (over 1%)")
+        for r in rows) + ("" if judged else " (a smoke run: the 1% target is not judged)")]
+
+
 def fp8_dense_section(record: dict, path: Path, fig_dir: Path, md_dir: Path) -> str:
     """Markdown for the dense matmuls in bf16 against te_fp8_currentscaling (fp8_dense.py)."""
     rows = [r for r in record.get("rows", []) if "bf16" in r and "fp8" in r]
