@@ -79,6 +79,7 @@ class TensorDir:
                 raise TensorDirError(f"{path} holds no *.safetensors files")
         self._file: dict[str, str] = {}
         self._info: dict[str, tuple[tuple[int, ...], str]] = {}
+        self._names: frozenset[str] | None = None
         for name in files:
             full = os.path.join(path, name)
             if not os.path.exists(full):
@@ -99,8 +100,11 @@ class TensorDir:
                 raise TensorDirError(f"{INDEX} places {lost[0]} in {weight_map[lost[0]]}, which does not hold it")
 
     @property
-    def names(self) -> set[str]:
-        return set(self._file)
+    def names(self) -> frozenset[str]:
+        """Every tensor name (built once: the loader looks names up per expected tensor)."""
+        if self._names is None:
+            self._names = frozenset(self._file)
+        return self._names
 
     def shape(self, name: str) -> tuple[int, ...]:
         return self._info[name][0]
@@ -108,17 +112,6 @@ class TensorDir:
     def dtype(self, name: str) -> str:
         """The safetensors dtype string: ``BF16``, ``F32``, ``F8_E4M3`` ..."""
         return self._info[name][1]
-
-    def nbytes(self, name: str) -> int:
-        shape, dtype = self._info[name]
-        return int(np.prod(shape)) * self._itemsize(dtype)
-
-    @staticmethod
-    def _itemsize(dtype: str) -> int:
-        if dtype in _RAW_DTYPES:
-            return 1
-        return {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4, "I16": 2, "I8": 1,
-                "U8": 1, "BOOL": 1}[dtype]
 
     def read(self, name: str, index=()) -> np.ndarray:
         """The region ``index`` (a tuple of step-1 slices, missing axes whole) of ``name``.

@@ -66,7 +66,6 @@ def forward_logits(model_cfg, train_cfg, mesh_cfg, tokens_BS: np.ndarray) -> np.
     import jax
     from flax import nnx
 
-    from dropless.nn.moe import RouterBias
     from dropless.parallel import ep as ep_lib
     from dropless.parallel import mesh as mesh_lib
     from dropless.train import checkpoint as ckpt_lib
@@ -84,7 +83,6 @@ def forward_logits(model_cfg, train_cfg, mesh_cfg, tokens_BS: np.ndarray) -> np.
     abstract = {"params": params, "router_bias": bias}
     shardings = mesh_lib.param_shardings(mesh, abstract)
     loaded = ckpt_lib.initial_parameters(model_cfg, train_cfg, abstract, shardings)
-    graphdef = nnx.split(abstract_model, nnx.Param, RouterBias, ...)[0]
 
     @jax.jit
     def run(params, bias, tokens):
