@@ -45,7 +45,7 @@ def test_every_preset_dry_runs_on_its_hardware(name, capsys):
 
 
 def test_profile_dry_run_accepts_profile_flags(capsys):
-    code = cli.main(["profile", "--dry-run", "--steps", "3", "--warmup", "1",
+    code = cli.main(["profile", "--dry-run", "--steps", "3", "--warmup", "1", "--out", "/tmp/x",
                      "model_name=deepseek3-tiny"])
     assert code == 0, capsys.readouterr().err
 

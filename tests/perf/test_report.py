@@ -388,3 +388,14 @@ def test_step_fp8_errors_and_resolved_impl(tmp_path):
     assert report.headlines("step", record) == [
         "training step, variant ours_fp8_blockwise 342 TFLOPS/device = 0.85x ours (same run)"]
     assert "### Ours against the baselines" not in text
+
+
+def test_fp8_loss_records_reach_the_headlines(tmp_path):
+    """``fp8_loss`` is a known kind: its newest record gives a headline (it has no section)."""
+    rec = {"kind": "fp8_loss", "created": "2026-12-01T22:00:00+00:00", **PROV,
+           "config": {"steps": 300, "judged": True},
+           "rows": [{"case": "bf16", "rel_diff": 0.0, "passed": True},
+                    {"case": "fp8_blockwise", "rel_diff": -0.0002, "passed": True}]}
+    (tmp_path / "fp8_loss-1.json").write_text(json.dumps(rec))
+    text = report.render(tmp_path, tmp_path / "R.md", log=lambda _: None).read_text()
+    assert "- final LM loss vs bf16 after 300 steps: fp8_blockwise -0.02%" in text

@@ -46,6 +46,9 @@ def test_keys_that_change_no_numbers_are_free(tmp_path):
     run_dir_lib.record_config(run_dir, BASE, allow_change=False, primary=True)
     assert run_dir_lib.record_config(run_dir, _with(train__log_period=7), allow_change=False,
                                      primary=True) == {}
+    # Where the starting weights came from does not matter once the run has its own checkpoints.
+    assert run_dir_lib.record_config(run_dir, _with(train__hf_model_path="/elsewhere"),
+                                     allow_change=False, primary=True) == {}
     with pytest.raises(ConfigError, match="num_heads 2 -> 4"):  # a nested section's key
         cfg = _with()
         cfg["model"]["mla"]["num_heads"] = 4

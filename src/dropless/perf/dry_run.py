@@ -49,6 +49,7 @@ def parse_args(args: list[str], command: str):
         for flag, kind in PROFILE_FLAGS.items():
             p.add_argument(flag, type=kind, default=None, help=argparse.SUPPRESS)
         p.add_argument("--python-trace", action="store_true", help=argparse.SUPPRESS)
+        p.add_argument("--out", default=None, help=argparse.SUPPRESS)
     ns, rest = p.parse_known_args(args)
     unknown = [a for a in rest if a.startswith("--")]
     if unknown:

@@ -56,7 +56,8 @@ from dropless.perf.report_profile import profile_headline, profile_precision, pr
 from dropless.perf.report_step import step_headline, step_section, step_variant
 
 DEFAULT_MD = REPO_ROOT / "benchmarks" / "RESULTS.md"
-KINDS = ("gmm", "moe_layer", "step", "fp8_kernels", "fp8_quant", "profile", "fp8_dense")
+KINDS = ("gmm", "moe_layer", "step", "fp8_kernels", "fp8_quant", "profile", "fp8_dense",
+         "fp8_loss")  # fp8_loss: a headline, no section
 # Kinds whose newest record is kept per variant (key "<kind>:<variant>"), rendered together.
 VARIANTS = {"profile": profile_precision, "step": step_variant}
 GMM_IMPLS = {"ours": "ours", "dense": "dense cuBLAS (ceiling)", "torch": "torch._grouped_mm",
