@@ -166,14 +166,6 @@ def memory_estimate(cfg) -> dict | None:
     return {k: v for k, v in est.to_dict().items() if k != "mesh"}
 
 
-def fp8_impls(model, train) -> dict | None:
-    """{"wi": impl, "wo": impl}: how each grouped matmul's FP8 recipe runs here, or None."""
-    from dropless.nn.moe import fp8_impls as impls
-
-    rows = int(train.per_device_batch_size) * train.max_target_length * model.moe.num_experts_per_tok
-    return impls(model.moe, model.emb_dim, rows, model.dtype)
-
-
 def _is_oom(e: BaseException) -> bool:
     text = f"{type(e).__name__}: {e}"
     return "RESOURCE_EXHAUSTED" in text or "Out of memory" in text or "out of memory" in text
@@ -194,6 +186,7 @@ def run_case(case: str, tiny: bool, batch, remat, steps: int, warmup: int, custo
     import jax
 
     from dropless.ops.gmm import resolve_backend
+    from dropless.perf import profile
     from dropless.train import flops as flops_lib
     from dropless.train.loop import build
 
@@ -223,7 +216,7 @@ def run_case(case: str, tiny: bool, batch, remat, steps: int, warmup: int, custo
         "gmm_backend": resolve_backend(model.moe.gmm_backend) if model.moe.sparse_matmul else "capacity",
         "quantization": model.quantization,
         "gmm_quantization": model.moe.gmm_quantization,
-        "gmm_fp8_impl_resolved": fp8_impls(model, train),
+        "gmm_fp8_impl_resolved": profile.fp8_impls(model, train),
         "mfu_peak": precision,
         "per_device_batch_size": train.per_device_batch_size,
         "remat_policy": model.remat_policy,

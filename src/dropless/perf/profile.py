@@ -73,13 +73,13 @@ def parse_args(args: list[str]):
     return ns, rest
 
 
-def _fp8_impls(cfg) -> dict | None:
-    """How the grouped matmuls' FP8 recipe ran (``nn.moe.fp8_impls``): "auto" resolved."""
-    from dropless.nn.moe import fp8_impls
+def fp8_impls(model, train) -> dict | None:
+    """How the grouped matmuls' FP8 recipe runs for this config on this process's devices
+    (``nn.moe.fp8_impls`` at the buffer's rows): what ``gmm_fp8_impl=auto`` resolved to."""
+    from dropless.nn import moe
 
-    model, train = cfg.model(), cfg.train()
     rows = int(train.per_device_batch_size) * train.max_target_length * model.moe.num_experts_per_tok
-    return fp8_impls(model.moe, model.emb_dim, rows, model.dtype)
+    return moe.fp8_impls(model.moe, model.emb_dim, rows, model.dtype)
 
 
 def run_dir(cfg) -> Path:
@@ -268,7 +268,7 @@ def main(args: list[str]) -> int:
     breakdown.save(bd, out / "breakdown.json", extra=extra)
     breakdown.plot(bd, out / "breakdown.png", title=f"{cfg.model_name}: where the time goes")
     facts = {k: getattr(cfg, k) for k in RECORD_KEYS}
-    facts["gmm_fp8_impl_resolved"] = _fp8_impls(cfg)
+    facts["gmm_fp8_impl_resolved"] = fp8_impls(cfg.model(), cfg.train())
     record = profile_record(bd, facts, {**extra, "warmup": ns.warmup})
     record_path = measure.write_record(record, results_dir)
     breakdown.print_breakdown(bd, console)
