@@ -103,3 +103,23 @@ def test_mtp_copy_of_the_head_must_equal_it(fixtures, tmp_path):
     tensors["model.layers.3.shared_head.head.weight"] = tensors["lm_head.weight"] + np.float32(1)
     path = write_variant(src, str(tmp_path / "bad"), tensors, config)
     assert "model.layers.3.shared_head.head.weight differs from lm_head.weight" in _error(path, _model(path))
+
+
+def test_check_then_load_plans_the_directory_once_unless_it_changes(fixtures, tmp_path, monkeypatch):
+    """The trainer checks at start and loads later: one plan (headers, mapping, checks)
+    serves both, and a file changed in between makes a new one."""
+    src = _published(fixtures)
+    path = write_variant(src, str(tmp_path), read_all(src))
+    cfg = _model(path)
+    made = []
+    real = load._Plan
+    monkeypatch.setattr(load, "_Plan", lambda *a: made.append(a) or real(*a))
+    load._cached_plan.cache_clear()
+    load.check(path, cfg)
+    load.check(path, cfg)
+    assert len(made) == 1
+    tensors = read_all(path)
+    del tensors["model.layers.2.mlp.experts.5.up_proj.weight"]
+    write_variant(src, str(tmp_path), tensors)  # the same directory, rewritten
+    assert "missing tensor model.layers.2.mlp.experts.5.up_proj.weight" in _error(path, cfg)
+    assert len(made) == 2

@@ -27,6 +27,7 @@ the value is ``float32(code) * scale_inv`` of its block.
 
 import functools
 import math
+import os
 
 import jax
 import jax.numpy as jnp
@@ -250,13 +251,35 @@ def _set(tree: dict, path: tuple, value) -> None:
     tree[path[-1]] = value
 
 
+def _plan(path: str, cfg: ModelConfig) -> _Plan:
+    """The checked plan of ``path`` for ``cfg``: the trainer checks the directory at start
+    and loads it later in the same process; both use one plan (headers read, names
+    mapped and checked once) unless a file in the directory changed in between."""
+    return _cached_plan(path, cfg, _stamp(path))
+
+
+def _stamp(path: str) -> tuple:
+    """(name, size, mtime) of every file in ``path``: what a cached plan was made from."""
+    try:
+        return tuple(sorted((e.name, e.stat().st_size, e.stat().st_mtime_ns)
+                            for e in os.scandir(path) if e.is_file()))
+    except OSError:
+        return ()  # _Plan names the problem
+
+
+@functools.lru_cache(maxsize=1)
+def _cached_plan(path: str, cfg: ModelConfig, stamp: tuple) -> _Plan:
+    del stamp  # part of the cache key only
+    return _Plan(path, cfg)
+
+
 def check(path: str, cfg: ModelConfig) -> str:
     """Run every check of ``load_hf`` without loading; returns the layout found.
 
     Raises:
       HFCheckpointError: as ``load_hf``.
     """
-    return _Plan(path, cfg).layout
+    return _plan(path, cfg).layout
 
 
 def load_hf(path: str, cfg: ModelConfig, abstract: dict, shardings: dict) -> dict:
@@ -275,7 +298,7 @@ def load_hf(path: str, cfg: ModelConfig, abstract: dict, shardings: dict) -> dic
         its scales, or MTP copies of the embedding/head that differ.
       ValueError: the mapping does not cover ``abstract`` (a bug, not input).
     """
-    plan = _Plan(path, cfg)
+    plan = _plan(path, cfg)
     targets, places = _paths(abstract), _paths(shardings)
     leaves = {leaf.path: leaf for leaf in plan.mapping.leaves}
     if set(leaves) != set(targets):
