@@ -419,11 +419,11 @@ def gmm(x, w, group_sizes, *, recipe="te_no_quant", backend="auto", out_dtype=No
         return api.gmm(x, w, group_sizes, backend=backend, out_dtype=out_dtype)
     api._check_gmm_args(x, w, group_sizes, transpose_rhs=False)
     out_dtype = jnp.dtype(out_dtype or x.dtype)
-    impl, why = resolve_impl(impl, recipe, backend, x.shape, w.shape, x.dtype)
+    name = api.resolve_backend(backend, x.shape, w.shape, x.dtype)
+    impl, why = resolve_impl(impl, recipe, name, x.shape, w.shape, x.dtype)
     if impl == "kernel":
         _check_kernel_args(x, w, recipe)
         _say_once(recipe, jax.devices()[0].device_kind, "fp8_kernel")
         return _kgmm(x, w, group_sizes, out_dtype, bool(groups_aligned), resolve_quant_impl(quant_impl))
-    name = api.resolve_backend(backend, x.shape, w.shape, x.dtype)
     _say_once(recipe, jax.devices()[0].device_kind, name, why)
     return _qgmm(x, w, group_sizes, recipe, name, out_dtype, bool(groups_aligned))
