@@ -80,11 +80,12 @@ class TensorDir:
         self._file: dict[str, str] = {}
         self._info: dict[str, tuple[tuple[int, ...], str]] = {}
         self._names: frozenset[str] | None = None
+        self._offset: dict[str, int] = {}  # byte offset of each tensor's data in its file
         for name in files:
             full = os.path.join(path, name)
             if not os.path.exists(full):
                 raise TensorDirError(f"{INDEX} names {name}, which is not in {path}")
-            header, _ = _header(full)
+            header, data_start = _header(full)
             for key, meta in header.items():
                 if key == "__metadata__":
                     continue
@@ -94,6 +95,7 @@ class TensorDir:
                     raise TensorDirError(f"tensor {key} is in both {self._file[key]} and {name}")
                 self._file[key] = name
                 self._info[key] = (tuple(meta["shape"]), meta["dtype"])
+                self._offset[key] = data_start + meta["data_offsets"][0]
         if weight_map is not None:
             lost = sorted(set(weight_map) - set(self._file))
             if lost:
@@ -123,18 +125,17 @@ class TensorDir:
         region = _normalize(index, shape)
         full = os.path.join(self.path, self._file[name])
         if dtype in _RAW_DTYPES:
-            return self._read_raw(full, name, region, _RAW_DTYPES[dtype])
+            return self._read_raw(full, self._offset[name], shape, region, _RAW_DTYPES[dtype])
         with safe_open(full, framework="numpy") as f:
             if not shape:
                 return np.asarray(f.get_tensor(name))
             return np.ascontiguousarray(f.get_slice(name)[region])
 
-    def _read_raw(self, full: str, name: str, region, dtype) -> np.ndarray:
-        header, data_start = _header(full)
-        begin, _ = header[name]["data_offsets"]
-        shape = tuple(header[name]["shape"])
-        mm = np.memmap(full, dtype=np.uint8, mode="r", offset=data_start + begin,
-                       shape=(int(np.prod(shape)),))
+    @staticmethod
+    def _read_raw(full: str, offset: int, shape: tuple, region, dtype) -> np.ndarray:
+        """One-byte tensors (FP8) from the file's bytes at ``offset``, found when the header
+        was read once in ``__init__``."""
+        mm = np.memmap(full, dtype=np.uint8, mode="r", offset=offset, shape=(int(np.prod(shape)),))
         try:
             return np.array(mm.reshape(shape)[region]).view(dtype)
         finally:
