@@ -3,6 +3,7 @@ refused, or (allowed) printed and logged; free keys change without asking.
 """
 
 import json
+import os
 
 import pytest
 
@@ -53,3 +54,21 @@ def test_keys_that_change_no_numbers_are_free(tmp_path):
         cfg = _with()
         cfg["model"]["mla"]["num_heads"] = 4
         run_dir_lib.record_config(run_dir, cfg, allow_change=False, primary=True)
+
+
+def test_export_reads_the_config_the_run_has_now(tmp_path):
+    """``export-hf`` takes the model keys from config.json plus the changes logged on a
+    resume that allowed them, not the first start's alone."""
+    from dropless.config.loader import load_config
+    from dropless.train import export_hf
+
+    def sections(*overrides):
+        c = load_config(None, ["model_name=deepseek3-tiny", *overrides], environ={}).config
+        return run_dir_lib.sections_dict(c.model(), c.train(), c.mesh())
+
+    run_dir = run_dir_lib.make_run_dir(str(tmp_path), "r")
+    run_dir_lib.record_config(run_dir, sections(), allow_change=False, primary=True)
+    run_dir_lib.record_config(run_dir, sections("routed_scaling_factor=3.5"), allow_change=True,
+                              primary=True, say=lambda *_: None)
+    model = export_hf.model_config_of_run(os.path.join(run_dir, "checkpoints", "20"))
+    assert model.moe.routed_scaling_factor == 3.5

@@ -15,7 +15,6 @@ the model's size in memory).
 
 import argparse
 import dataclasses
-import json
 import os
 import sys
 
@@ -38,22 +37,31 @@ def parse_args(args: list[str]):
 
 
 def model_config_of_run(checkpoint: str):
-    """The ``sections.ModelConfig`` in the run directory's config.json above ``checkpoint``.
+    """The ``sections.ModelConfig`` the run above ``checkpoint`` has now: its config.json
+    with the changes logged on resume (``run_dir.recorded_config``).
 
     Raises:
       ConfigError: no run config.json found.
     """
     from dropless.config import sections
+    from dropless.train import run_dir as run_dir_lib
 
     path = os.path.abspath(checkpoint.rstrip("/"))
     for up in (2, 3):  # <run>/checkpoints/<step>[/model]
         run_dir = path
         for _ in range(up):
             run_dir = os.path.dirname(run_dir)
-        file = os.path.join(run_dir, "config.json")
-        if os.path.exists(file):
-            with open(file) as f:
-                model = dict(json.load(f)["model"])
+        flat = run_dir_lib.recorded_config(run_dir)
+        if flat is not None:
+            model: dict = {}
+            for key, value in flat.items():
+                section, _, rest = key.partition(".")
+                if section == "model":
+                    *parents, leaf = rest.split(".")
+                    node = model
+                    for name in parents:
+                        node = node.setdefault(name, {})
+                    node[leaf] = value
             model["mla"] = sections.MLAConfig(**model["mla"])
             model["gqa"] = sections.GQAConfig(**model.get("gqa", {}))
             model["moe"] = sections.MoEConfig(**model["moe"])
