@@ -44,7 +44,10 @@ only that attempt):
             dense-matmul time and 1.33x faster in FP8 alone, fp8_dense.py)
   ours_mla_unpadded  ``ours`` with ``cudnn_mla_unpadded_v=true``: cuDNN
             attention takes MLA's v at V=128 instead of zero-padded to
-            Q=192 (jax's private cuDNN API; cuDNN >= 9.10, Hopper)
+            Q=192 (jax's private cuDNN API; cuDNN >= 9.10, Hopper). The
+            default ``auto`` does this where it runs, so ``ours`` does too
+            since it became the default; ``ours_mla_padded`` is the padded one
+  ours_mla_padded  ``ours`` with ``cudnn_mla_unpadded_v=false``
 
 A case that runs out of memory is retried with half the batch, down to 1 per
 device; the JSON says which batch each case ran at. Figures: median step time
@@ -74,7 +77,7 @@ import time
 CASES = ("xla", "capacity", "ours", "ours_fp8", "ours_fp8_blockwise")
 QWEN3_CASE = "qwen3-moe-proxy"  # ``ours`` on the Qwen3-MoE proxy instead of the DeepSeek one
 EXTRA_CASES = ("ours_fp8e", "ours_fp8k", "ours_fp8kp", "ours_fp8kp_head", "ours_gfp8kp", "ours_mla_unpadded",
-               QWEN3_CASE)
+               "ours_mla_padded", QWEN3_CASE)
 QUICK_CASES = ("xla", "capacity", "ours")
 FP8_DENSE = "te_fp8_currentscaling"
 RESULT_PREFIX = "STEP_RESULT "
@@ -105,6 +108,7 @@ CASE_OVERRIDES = {
                         f"quantization={FP8_DENSE}", "gmm_fp8_impl=kernel", "gmm_fp8_quantizer=pallas",
                         "quantize_output_head=true"],
     "ours_mla_unpadded": ["gmm_backend=auto", "cudnn_mla_unpadded_v=true"],
+    "ours_mla_padded": ["gmm_backend=auto", "cudnn_mla_unpadded_v=false"],
     QWEN3_CASE: ["gmm_backend=auto"],
 }
 # Cases on another preset than the base's: (full-size, tiny) model_name.

@@ -122,6 +122,50 @@ def test_a_refusing_or_missing_private_api_names_the_key(monkeypatch):
         attention.fused_attention(q, k, v, scale=0.25, implementation="xla", unpadded_v=True)
 
 
+def test_auto_takes_the_unpadded_call_where_it_runs_and_says_so(monkeypatch, caplog):
+    q, k, v, _ = _qkv_dy(seed=15)
+    seen = []
+    monkeypatch.setattr(cudnn_fa, "dot_product_attention", _fake_cudnn(seen))
+    monkeypatch.setattr(attention, "_LOGGED", set())
+    with caplog.at_level("WARNING", logger="dropless.nn.attention"):
+        out = attention.fused_attention(q, k, v, scale=0.25, unpadded_v="auto")
+        attention.fused_attention(q, k, v, scale=0.25, unpadded_v="auto")
+    assert out.shape == v.shape and seen[0][2] == v.shape  # v at V=16, not Q=24
+    lines = [r.getMessage() for r in caplog.records]
+    assert lines == ["cudnn_mla_unpadded_v=auto: MLA's v goes to cuDNN at its own head dim 16 (q/k 24; no padding)"]
+
+
+def test_auto_pads_where_the_private_call_refuses_and_says_why(monkeypatch, caplog):
+    """auto falls back to the padded public call, with one log line giving jax's reason."""
+    q, k, v, _ = _qkv_dy(seed=16)
+
+    def refuse(*a, **kw):
+        raise NotImplementedError("mla requires cudnn version >= 9.10 and at least hopper arch.")
+
+    public = []
+    real = jax.nn.dot_product_attention
+
+    def recording(*a, **kw):
+        public.append((kw["implementation"], a[2].shape))
+        return real(*a, **dict(kw, implementation="xla"))  # CPU: no cuDNN
+
+    monkeypatch.setattr(cudnn_fa, "dot_product_attention", refuse)
+    monkeypatch.setattr(jax.nn, "dot_product_attention", recording)
+    monkeypatch.setattr(attention, "_LOGGED", set())
+    with caplog.at_level("WARNING", logger="dropless.nn.attention"):
+        out = attention.fused_attention(q, k, v, scale=0.25, unpadded_v="auto")
+    padded = attention.fused_attention(q, k, v, scale=0.25, implementation="xla")
+    assert public[0] == ("cudnn", q.shape)  # v padded to Q=24
+    np.testing.assert_array_equal(np.asarray(out), np.asarray(padded))
+    (line,) = [r.getMessage() for r in caplog.records]
+    assert line.startswith("cudnn_mla_unpadded_v=auto: MLA's v goes to cuDNN zero-padded to the q/k head dim (16 -> 24)")
+    assert "at least hopper arch" in line and "set cudnn_mla_unpadded_v" not in line
+    # With XLA attention auto means padded, without a word.
+    caplog.clear()
+    attention.fused_attention(q, k, v, scale=0.25, implementation="xla", unpadded_v="auto")
+    assert caplog.records == []
+
+
 @pytest.mark.skipif(jax.default_backend() == "gpu", reason="checks the error where there is no cuDNN")
 def test_the_real_private_api_without_a_gpu_gives_the_clear_error():
     """Without a GPU jax's function raises RuntimeError("cuDNN is not detected."),
@@ -136,9 +180,10 @@ def test_the_real_private_api_without_a_gpu_gives_the_clear_error():
 
 def test_the_key_is_refused_without_cudnn_and_reaches_mla(monkeypatch):
     """Config -> MLAConfig -> MLA -> the private call, with v at V; dot_product refuses it."""
-    with pytest.raises(ConfigError, match="cudnn_mla_unpadded_v=True .*with attention=dot_product only false"):
+    with pytest.raises(ConfigError, match="cudnn_mla_unpadded_v=True .*with attention=dot_product only auto or false"):
         resolve("cudnn_mla_unpadded_v=true")
-    assert resolve("attention=cudnn_flash_te", "dtype=bfloat16", "hardware=gpu").config.mla().cudnn_mla_unpadded_v is False
+    assert resolve("attention=cudnn_flash_te", "dtype=bfloat16", "hardware=gpu").config.mla().cudnn_mla_unpadded_v == "auto"
+    assert resolve("cudnn_mla_unpadded_v=false").config.mla().cudnn_mla_unpadded_v is False
     section = resolve("attention=cudnn_flash_te", "dtype=bfloat16", "hardware=gpu", "cudnn_mla_unpadded_v=true",
                       "num_query_heads=2", "qk_nope_head_dim=8", "qk_rope_head_dim=8", "v_head_dim=8",
                       "kv_lora_rank=8", "q_lora_rank=8").config.mla()

@@ -80,7 +80,7 @@ class Config(BaseModel):
     mtp_loss_scaling_factor: float = _f(0.1, "Weight of the MTP loss.", ge=0)
     scan_layers: bool = _f(True, "Stack layers with scan (compile time independent of depth).")
     attention: Literal["dot_product", "cudnn_flash_te"] = _f("dot_product", "Attention kernel: XLA dot-product or cuDNN flash attention.")
-    cudnn_mla_unpadded_v: bool = _f(False, "attention=cudnn_flash_te with MLA: give cuDNN v at its own head dim (v_head_dim, 128 in DeepSeek-V3) instead of zero-padded to the q/k head dim (192), saving the padded part of P.V and its gradients. Uses a private JAX API (jax._src.cudnn, jax 0.11.2 as pinned) and needs cuDNN >= 9.10 on a Hopper or newer GPU; where either is missing the step stops with an error naming this key. No effect with attention_type=gqa (q, k and v share one head dim there).")
+    cudnn_mla_unpadded_v: Literal["auto"] | bool = _f("auto", "attention=cudnn_flash_te with MLA: give cuDNN v at its own head dim (v_head_dim, 128 in DeepSeek-V3) instead of zero-padded to the q/k head dim (192), saving the padded part of P.V and its gradients (deepseek3-proxy on an H200: 1.06x the step). Uses a private JAX API (jax._src.cudnn, jax 0.11.2 as pinned) and needs cuDNN >= 9.10 on a Hopper or newer GPU. auto = unpadded where that runs, else padded, and the log says which and why; true = unpadded or an error naming this key; false = padded. No effect with attention_type=gqa (q, k and v share one head dim there) or attention=dot_product.")
     decoder_block: Literal["custom", "deepseek", "qwen3_moe"] = _f("custom", "Layer structure the other keys must describe: deepseek (MLA attention), qwen3_moe (transformers' Qwen3MoeForCausalLM: GQA with q/k RMSNorm, softmax top-k routing over all experts, no shared expert, no routing bias or scaling, no MTP), custom (any combination). Checked only; layers read the keys themselves.")
     attention_type: Literal["mla", "gqa"] = _f("mla", "Attention module: mla (DeepSeek latent attention; the MLA keys) or gqa (grouped-query attention; num_kv_heads, head_dim, use_qk_norm).")
     # GQA
@@ -326,8 +326,8 @@ def _check_contradictions(c: Config):
             bad("gmm_fp8_impl", f"kernels need emb_dim and moe_mlp_dim multiples of 256, got {dims}; allowed with these dims: auto or emulate")
     if c.attention == "cudnn_flash_te" and c.dtype == "float32":
         bad("attention", "cuDNN flash attention takes bfloat16 or float16 activations, got dtype=float32; set dtype=bfloat16 or attention=dot_product")
-    if c.cudnn_mla_unpadded_v and c.attention != "cudnn_flash_te":
-        bad("cudnn_mla_unpadded_v", f"changes how cuDNN flash attention takes v; with attention={c.attention} only false is allowed (true needs attention=cudnn_flash_te)")
+    if c.cudnn_mla_unpadded_v is True and c.attention != "cudnn_flash_te":
+        bad("cudnn_mla_unpadded_v", f"changes how cuDNN flash attention takes v; with attention={c.attention} only auto or false is allowed (true needs attention=cudnn_flash_te)")
     if c.attention == "cudnn_flash_te" and c.hardware in ("cpu", "tpu"):
         bad("attention", f"cuDNN flash attention needs an NVIDIA GPU, got hardware={c.hardware}; allowed there: dot_product")
     if c.gmm_backend == "mosaic" and c.hardware in ("cpu", "tpu"):

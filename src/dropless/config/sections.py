@@ -66,7 +66,7 @@ class MLAConfig:
     mscale: float = _d("mscale")
     mscale_all_dim: float = _d("mscale_all_dim")
     attention: str = _d("attention")  # dot_product | cudnn_flash_te
-    cudnn_mla_unpadded_v: bool = _d("cudnn_mla_unpadded_v")  # cudnn_flash_te: v at its own head dim (private JAX API)
+    cudnn_mla_unpadded_v: bool | str = _d("cudnn_mla_unpadded_v")  # auto | True | False: cuDNN v at its own head dim (private JAX API)
     normalization_layer_epsilon: float = _d("normalization_layer_epsilon")
 
 

@@ -33,6 +33,8 @@ of fewer heads than q):
     gradients then run at V instead of Q, a sixth of the attention FLOPs in V3.
 """
 
+import logging
+
 import jax
 import jax.numpy as jnp
 from flax import nnx
@@ -40,6 +42,8 @@ from jax.ad_checkpoint import checkpoint_name
 
 from dropless.config.sections import MLAConfig
 from dropless.nn import rope
+
+logger = logging.getLogger(__name__)
 
 ATTENTION_BACKENDS = ("dot_product", "cudnn_flash_te")
 
@@ -87,7 +91,7 @@ def dot_product_attention(q_BSHQ, k_BTKQ, v_BTKV, *, scale: float) -> jax.Array:
 
 
 def fused_attention(q_BSHQ, k_BTHQ, v_BTHV, *, scale: float, implementation="cudnn",
-                    unpadded_v: bool = False):
+                    unpadded_v: bool | str = False):
     """Causal attention through ``jax.nn.dot_product_attention``, v padded to Q
     (or, with ``unpadded_v``, through jax's private cuDNN call at V).
 
@@ -99,7 +103,9 @@ def fused_attention(q_BSHQ, k_BTHQ, v_BTHV, *, scale: float, implementation="cud
         the CPU tests use ``"xla"`` to check the padding logic.
       unpadded_v: with ``implementation="cudnn"`` and V < Q, give cuDNN v at
         its own head dim through jax's private cuDNN attention (no padding, no
-        slice). No effect when V == Q.
+        slice). No effect when V == Q. ``"auto"``: unpadded where jax and cuDNN
+        take it, else padded, logged once with the reason; with another
+        implementation, padded.
 
     Returns:
       [B, S, H, V] in q's dtype.
@@ -118,9 +124,20 @@ def fused_attention(q_BSHQ, k_BTHQ, v_BTHV, *, scale: float, implementation="cud
     qk_dim, v_dim = q_BSHQ.shape[-1], v_BTHV.shape[-1]
     if v_dim > qk_dim:
         raise ValueError(f"v head dim {v_dim} larger than q/k head dim {qk_dim} is not supported")
-    if unpadded_v and implementation != "cudnn":
+    if unpadded_v == "auto":
+        if implementation == "cudnn" and v_dim < qk_dim:
+            try:
+                out = _cudnn_unpadded_v(q_BSHQ, k_BTHQ, v_BTHV, scale=scale)
+            except ValueError as e:
+                _log_once(f"cudnn_mla_unpadded_v=auto: MLA's v goes to cuDNN zero-padded to the q/k "
+                          f"head dim ({v_dim} -> {qk_dim}), because {e}".replace("; set cudnn_mla_unpadded_v=false", ""))
+            else:
+                _log_once(f"cudnn_mla_unpadded_v=auto: MLA's v goes to cuDNN at its own head dim {v_dim} "
+                          f"(q/k {qk_dim}; no padding)")
+                return out
+    elif unpadded_v and implementation != "cudnn":
         raise ValueError(f"cudnn_mla_unpadded_v=true needs cuDNN attention, got implementation={implementation!r}")
-    if unpadded_v and v_dim < qk_dim:
+    elif unpadded_v and v_dim < qk_dim:
         return _cudnn_unpadded_v(q_BSHQ, k_BTHQ, v_BTHV, scale=scale)
     pad = [(0, 0)] * 3 + [(0, qk_dim - v_dim)]
     v_BTHQ = jnp.pad(v_BTHV, pad) if v_dim < qk_dim else v_BTHV
@@ -128,6 +145,16 @@ def fused_attention(q_BSHQ, k_BTHQ, v_BTHV, *, scale: float, implementation="cud
         q_BSHQ, k_BTHQ, v_BTHQ, scale=scale, is_causal=True, implementation=implementation
     )
     return out_BSHQ[..., :v_dim]
+
+
+_LOGGED: set[str] = set()
+
+
+def _log_once(message: str) -> None:
+    """One line in the log per distinct message (attention traces once per layer stack)."""
+    if message not in _LOGGED:
+        _LOGGED.add(message)
+        logger.warning(message)
 
 
 def _private_cudnn_attention():
@@ -167,13 +194,13 @@ def _cudnn_unpadded_v(q_BSHQ, k_BTHQ, v_BTHV, *, scale: float) -> jax.Array:
         ) from e
 
 
-def attend(q, k, v, *, scale: float, attention: str, unpadded_v: bool = False) -> jax.Array:
+def attend(q, k, v, *, scale: float, attention: str, unpadded_v: bool | str = False) -> jax.Array:
     """Softmax attention by the ``attention`` key: ``cudnn_flash_te`` (cuDNN flash
     attention; ``unpadded_v`` as in ``fused_attention``) or ``dot_product`` (XLA).
     k and v may have fewer heads than q (GQA)."""
     if attention == "cudnn_flash_te":
         return fused_attention(q, k, v, scale=scale, implementation="cudnn", unpadded_v=unpadded_v)
-    if unpadded_v:
+    if unpadded_v is True:
         raise ValueError(f"cudnn_mla_unpadded_v=true needs attention=cudnn_flash_te, got {attention!r}")
     return dot_product_attention(q, k, v, scale=scale)
 
@@ -200,7 +227,7 @@ class MLA(nnx.Module):
             raise ValueError(
                 f"attention='cudnn_flash_te' needs dtype bfloat16 or float16, got {jnp.dtype(dtype)}"
             )
-        if cfg.cudnn_mla_unpadded_v and cfg.attention != "cudnn_flash_te":
+        if cfg.cudnn_mla_unpadded_v is True and cfg.attention != "cudnn_flash_te":
             raise ValueError(f"cudnn_mla_unpadded_v=true needs attention=cudnn_flash_te, got {cfg.attention!r}")
         self.cfg = cfg
         self.dtype = dtype
