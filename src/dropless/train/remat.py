@@ -11,7 +11,13 @@ backward pass), or recomputed from the layer input.
 * ``full``: keep nothing but the layer input; recompute the whole layer.
 * ``minimal``: keep every matmul output without batch dimensions
   (``checkpoint_dots_with_no_batch_dims``): weights-times-activations, not
-  attention scores.
+  attention scores. The experts' grouped matmuls are kernels (or
+  ``ragged_dot``), not ``dot_general``, which that policy cannot see, so their
+  outputs (``moe_mlpwi``, ``moe_mlpwo``) and the FP8 kernels' weight codes
+  (``moe_fp8_weights``, one byte per weight) are kept by name as well: without
+  them the backward pass ran every layer's expert forward again (on the
+  proxy, 6 of its 24 grouped-GEMM kernel launches per step, and the FP8 weight
+  quantization twice).
 * ``save_dot_except_mlp``: keep the attention projections (query/key/value,
   the MLA latents, the output projection); recompute the MLP/expert matmuls.
 * ``custom``: per-tensor choice from ``remat_custom``, pairs ``(name, action)``
@@ -47,10 +53,14 @@ ACTIVATION_NAMES = (
     "mlpwo",
     "moe_mlpwi",
     "moe_mlpwo",
+    "moe_fp8_weights",
     "mlpwi",
     "qkv_proj",
 )
 
+# What ``minimal`` keeps beyond the dots: the outputs of the expert matmuls,
+# which run as kernels, and the FP8 weight codes those kernels' backward reads.
+_KERNEL_MATMUL_NAMES = ("moe_mlpwi", "moe_mlpwo", "moe_fp8_weights")
 _ATTENTION_NAMES = ("mla_q", "mla_kv", "query_proj", "key_proj", "value_proj", "out_proj")
 
 
@@ -91,7 +101,9 @@ def checkpoint_policy(remat_policy: str, remat_custom=()) -> Callable | None:
     if remat_policy == "full":
         return jax.checkpoint_policies.nothing_saveable
     if remat_policy == "minimal":
-        return jax.checkpoint_policies.checkpoint_dots_with_no_batch_dims
+        return jax.checkpoint_policies.save_from_both_policies(
+            jax.checkpoint_policies.checkpoint_dots_with_no_batch_dims,
+            jax.checkpoint_policies.save_only_these_names(*_KERNEL_MATMUL_NAMES))
     if remat_policy == "save_dot_except_mlp":
         return jax.checkpoint_policies.save_only_these_names(*_ATTENTION_NAMES)
     if remat_policy == "custom":

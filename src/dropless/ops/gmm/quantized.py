@@ -83,6 +83,7 @@ import logging
 
 import jax
 import jax.numpy as jnp
+from jax.ad_checkpoint import checkpoint_name
 
 from dropless.ops import quant
 from dropless.ops.gmm import api
@@ -342,8 +343,11 @@ def _kgmm_fwd(x, w, group_sizes, out_dtype, aligned, quant_impl):
     # The weight is quantized once: the forward's codes (natural layout, one
     # byte per weight) are the backward's residual, so dgrad does not quantize
     # w again. An empty array carries w's dtype for dw.
+    # Named so a remat policy can keep them (``minimal`` does) instead of quantizing
+    # the weight again when the backward pass recomputes the layer.
     wq, wq_t, sw = kernel_weight_codes(w, quant_impl)
     y = _fwd_from_codes(x, wq_t, sw, group_sizes, out_dtype, quant_impl)
+    wq, sw = checkpoint_name(wq, "moe_fp8_weights"), checkpoint_name(sw, "moe_fp8_weights")
     return y, (x, wq, sw, group_sizes, jnp.zeros((0,), w.dtype))
 
 
