@@ -80,7 +80,8 @@ class ClusterError(RuntimeError):
 
 # JAX's cluster types (jax/_src/clusters, jax 0.11.2) by the names their users know.
 _CLUSTER_NAMES = {"OmpiCluster": "Open MPI", "SlurmCluster": "SLURM", "Mpi4pyCluster": "mpi4py",
-                  "GkeTpuCluster": "GKE TPU", "GceTpuCluster": "GCE TPU", "K8sCluster": "Kubernetes"}
+                  "BaseTpuCluster": "Cloud TPU", "GkeTpuCluster": "Cloud TPU", "GceTpuCluster": "Cloud TPU",
+                  "K8sCluster": "Kubernetes"}
 OUR_VARIABLES = f"{ENV_COORDINATOR}/{ENV_NUM_PROCESSES}/{ENV_PROCESS_ID}"
 JAX_DETECTION = "JAX's cluster detection"
 
@@ -128,10 +129,10 @@ def find_cluster() -> Detection:
     types = _jax_cluster_types()
     if types is None:  # cannot ask beforehand: initialize() decides, and its error is reported
         return Detection(JAX_DETECTION, ())
-    checked = tuple(_CLUSTER_NAMES.get(t.__name__, t.__name__) for t in types)
+    names = [_CLUSTER_NAMES.get(t.__name__, t.__name__) for t in types]
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        for t, name in zip(types, checked):
+        for t, name in zip(types, names):
             try:
                 present = t.is_env_present()
             except Exception as e:  # noqa: BLE001 - jax's initialize() would fail the same way
@@ -140,7 +141,7 @@ def find_cluster() -> Detection:
             if present:
                 return Detection(name, ())
     notes = tuple(dict.fromkeys(_first_sentence(str(w.message)) for w in caught))
-    return Detection(None, checked, notes)
+    return Detection(None, tuple(dict.fromkeys(names)), notes)
 
 
 def single_process_note(detection: Detection, hardware: str, num_devices: int, platform: str) -> str:
