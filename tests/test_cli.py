@@ -5,6 +5,7 @@ in this process (``cli.main`` returns the exit code).
 """
 
 import os
+import socket
 from types import SimpleNamespace
 
 import jax
@@ -189,8 +190,11 @@ def test_a_cluster_that_cannot_be_joined_is_one_line(capsys, tmp_path, monkeypat
     for name in list(os.environ):
         if name.startswith(_LAUNCHER_PREFIXES):
             monkeypatch.delenv(name)
-    for k, v in {"SLURM_JOB_ID": "4242", "SLURM_STEP_NODELIST": "gpu[001-002]", "SLURM_NTASKS": "2",
-                 "SLURM_PROCID": "1", "SLURM_LOCALID": "0"}.items():
+    with socket.socket() as s:
+        s.bind(("", 0))
+        port = s.getsockname()[1]
+    for k, v in {"SLURM_JOB_ID": "4242", "SLURM_STEP_NODELIST": "localhost", "SLURM_NTASKS": "2",
+                 "SLURM_PROCID": "0", "SLURM_LOCALID": "0", "JAX_COORDINATOR_PORT": str(port)}.items():
         monkeypatch.setenv(k, v)
     _one_line_exit_2(*_train(capsys, tmp_path, "hardware=gpu_multiprocess"),
                      "hardware=gpu_multiprocess: SLURM found, but jax.distributed.initialize failed: "

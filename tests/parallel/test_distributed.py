@@ -9,6 +9,8 @@ be defined".
 """
 
 import os
+import socket
+import time
 
 import jax
 import pytest
@@ -64,7 +66,7 @@ def test_a_launcher_jax_detects_is_found(bare_env, variables, name):
     bare_env(variables)
     assert distributed.find_cluster().cluster == name
     if name == "SLURM":  # JAX derives the same job: the first host of the step, a port from the job id
-        assert _jax_coordinator() == f"gpu001:{4242 % 2**12 + 65535 - 2**12 + 1}"
+        assert _jax_coordinator() == _slurm_address()
 
 
 def test_a_slurm_allocation_without_a_job_step_is_no_cluster(bare_env):
@@ -114,10 +116,69 @@ def test_the_single_process_line():
     assert distributed.single_process_note(found, "gpu_multiprocess", 1, "gpu").endswith("this host's 1 GPU")
 
 
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("", 0))
+        return s.getsockname()[1]
+
+
+def test_slurm_coordinates_are_the_ones_jax_derives():
+    with pytest.MonkeyPatch.context() as mp:
+        for k, v in SLURM.items():
+            mp.setenv(k, v)
+        mp.delenv("JAX_COORDINATOR_PORT", raising=False)
+        found = distributed.Detection("SLURM", (), detector=SlurmCluster)
+        assert distributed.coordinates(found) == (_slurm_address(), 2, 1)
+        mp.setenv("JAX_COORDINATOR_PORT", "12345")
+        assert distributed.coordinates(found) == ("gpu001:12345", 2, 1)
+
+
+def _slurm_address():
+    return f"gpu001:{4242 % 2**12 + 65535 - 2**12 + 1}"
+
+
+def test_process_0_whose_port_is_taken(monkeypatch):
+    """XLA's coordination server crashes the process on a taken port; we say so first."""
+    monkeypatch.delenv("JAX_COORDINATOR_BIND_ADDRESS", raising=False)
+    with socket.socket() as taken:
+        taken.bind(("", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        with pytest.raises(distributed.ClusterError, match=f"process 0 cannot listen on port {port} "):
+            distributed.check_coordinator(distributed.ProcessSpec(f"localhost:{port}", 2, 0), 1)
+    distributed.check_coordinator(distributed.ProcessSpec(f"localhost:{port}", 2, 0), 1)  # free again
+
+
+def test_another_process_needs_a_reachable_coordinator():
+    port = _free_port()
+    spec = distributed.ProcessSpec(f"localhost:{port}", 2, 1)
+    start = time.monotonic()
+    with pytest.raises(distributed.ClusterError, match=f"process 1 of 2 cannot reach the coordinator "
+                                                       f"localhost:{port} within 0.5 s"):
+        distributed.check_coordinator(spec, 0.5)
+    assert time.monotonic() - start < 5
+    with pytest.raises(distributed.ClusterError, match="host 'no-such-host.invalid' does not resolve"):
+        distributed.check_coordinator(distributed.ProcessSpec("no-such-host.invalid:1234", 2, 1), 30)
+    with socket.socket() as coordinator:
+        coordinator.bind(("localhost", port))
+        coordinator.listen()
+        distributed.check_coordinator(spec, 0.5)
+
+
+def test_a_slurm_coordinator_that_cannot_be_reached_is_named(bare_env, monkeypatch):
+    """Process 1 of a SLURM step whose first host does not exist: one error, and JAX's
+    initialize (which would abort the process) is never called."""
+    monkeypatch.setattr(jax.distributed, "initialize", lambda *a, **k: pytest.fail("initialize called"))
+    bare_env({**SLURM, "SLURM_STEP_NODELIST": "no-such-host.invalid"})
+    with pytest.raises(distributed.ClusterError, match="^SLURM found, but coordinator no-such-host.invalid:"):
+        distributed.join(distributed.find_cluster())
+
+
 def test_a_cluster_that_cannot_be_joined_is_named(bare_env):
     """A real ``initialize`` failure: JAX refuses once its backend has started (as it has here)."""
     jax.devices()
-    bare_env(SLURM)
+    bare_env({**SLURM, "SLURM_STEP_NODELIST": "localhost", "SLURM_PROCID": "0",
+              "JAX_COORDINATOR_PORT": str(_free_port())})
     found = distributed.find_cluster()
     with pytest.raises(distributed.ClusterError,
                        match=r"^SLURM found, but jax.distributed.initialize failed: RuntimeError: .*before"):

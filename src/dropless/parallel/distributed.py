@@ -24,6 +24,8 @@ only ``jax.config`` until ``initialize`` runs.
 """
 
 import os
+import socket
+import time
 import warnings
 from typing import Mapping, NamedTuple
 
@@ -92,6 +94,7 @@ class Detection(NamedTuple):
     cluster: str | None  # e.g. "SLURM", OUR_VARIABLES, JAX_DETECTION (not inspectable); None: no cluster
     checked: tuple[str, ...]  # JAX's detectors asked, in JAX's order
     notes: tuple[str, ...] = ()  # warnings JAX's detectors gave (first sentence each)
+    detector: type | None = None  # JAX's ClusterEnv subclass that found it
 
 
 def _jax_cluster_types() -> list[type] | None:
@@ -139,7 +142,7 @@ def find_cluster() -> Detection:
                 raise ClusterError(f"{name} detected, but JAX cannot read it: "
                                    f"{type(e).__name__}: {_first_sentence(str(e))}") from e
             if present:
-                return Detection(name, ())
+                return Detection(name, (), detector=t)
     notes = tuple(dict.fromkeys(_first_sentence(str(w.message)) for w in caught))
     return Detection(None, tuple(dict.fromkeys(names)), notes)
 
@@ -207,14 +210,81 @@ def initialize(env: Mapping[str, str] | None = None, *, cpu: bool = False,
     return spec
 
 
-def join(detection: Detection, *, cpu: bool = False, timeout_s: int = 300) -> None:
-    """``initialize`` for the cluster ``find_cluster`` found.
+def coordinates(detection: Detection) -> ProcessSpec | None:
+    """The job's coordinates where the environment alone gives them (our
+    variables; SLURM, whose coordinator JAX derives from the step's first host
+    and the job id); None for launchers JAX must ask (Kubernetes, MPI)."""
+    if detection.cluster == OUR_VARIABLES:
+        return spec_from_env()
+    t = detection.detector
+    if t is None or t.__name__ != "SlurmCluster":
+        return None
+    try:
+        address = t.get_coordinator_address(timeout_secs=None,
+                                            override_coordinator_port=os.environ.get("JAX_COORDINATOR_PORT"))
+        return ProcessSpec(address, t.get_process_count(), t.get_process_id())
+    except Exception:  # noqa: BLE001 - unreadable here: initialize() reports it
+        return None
+
+
+def check_coordinator(spec: ProcessSpec, timeout_s: float) -> None:
+    """Fail in one line where ``jax.distributed.initialize`` would kill the process.
+
+    XLA's coordination client aborts the process (and its server crashes)
+    instead of raising, so the two commonest mistakes are checked first:
+    process 0 must be able to listen on the coordinator's port (nothing else
+    on this host holds it), and every other process must reach the
+    coordinator within ``timeout_s``. Processes that never arrive at a
+    reachable coordinator still end in XLA's abort after its timeout.
 
     Raises:
-      ClusterError: ``jax.distributed.initialize`` failed (bad variables, the
-        coordinator not reached within ``timeout_s``, JAX already started ...);
-        the message names the cluster and JAX's error.
+      ClusterError: naming the address and what was wrong.
     """
+    host, _, port = spec.coordinator_address.rpartition(":")
+    bind = os.environ.get("JAX_COORDINATOR_BIND_ADDRESS")
+    if spec.process_id == 0:
+        port = bind.rpartition(":")[2] if bind else port
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            try:
+                s.bind(("", int(port)))
+            except OSError as e:
+                raise ClusterError(f"process 0 cannot listen on port {port} of coordinator "
+                                   f"{spec.coordinator_address}: {e.strerror} (another job on this host? "
+                                   "set JAX_COORDINATOR_PORT or JAX_COORDINATOR_ADDRESS to a free port)") from None
+        return
+    host = host.strip("[]")
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            socket.create_connection((host, int(port)), timeout=min(5.0, timeout_s)).close()
+            return
+        except socket.gaierror as e:
+            raise ClusterError(f"coordinator {spec.coordinator_address}: host {host!r} does not resolve "
+                               f"({e.strerror})") from None
+        except OSError as e:
+            if time.monotonic() >= deadline:
+                raise ClusterError(f"process {spec.process_id} of {spec.num_processes} cannot reach the "
+                                   f"coordinator {spec.coordinator_address} within {timeout_s:g} s "
+                                   f"({e.strerror or e}); is process 0 running, and is that address "
+                                   "reachable from this host?") from None
+            time.sleep(min(1.0, max(0.0, deadline - time.monotonic())))
+
+
+def join(detection: Detection, *, cpu: bool = False, timeout_s: int = 300) -> None:
+    """``initialize`` for the cluster ``find_cluster`` found, after ``check_coordinator``.
+
+    Raises:
+      ClusterError: the coordinator cannot be used (``check_coordinator``), or
+        ``jax.distributed.initialize`` failed (bad variables, JAX already
+        started ...); the message names the cluster and what was wrong.
+    """
+    spec = coordinates(detection)
+    if spec is not None:
+        try:
+            check_coordinator(spec, timeout_s)
+        except ClusterError as e:
+            raise ClusterError(f"{detection.cluster} found, but {e}") from None
     try:
         initialize(cpu=cpu, timeout_s=timeout_s)
     except Exception as e:  # noqa: BLE001 - any failure to join is reported the same way
