@@ -15,7 +15,9 @@ detectors (``jax._src.clusters.ClusterEnv`` subclasses and their
 that finds no cluster is known to be one process without parsing an error
 from ``initialize``. ``hardware=gpu_multiprocess`` on one host with no
 launcher is such a job of size 1: the CLI runs it as one process and says so
-(``single_process_note``).
+(``single_process_note``). Where a cluster is found, ``join`` first checks
+its coordinator (``check_coordinator``), because XLA aborts or crashes the
+process on a taken port or an unreachable coordinator instead of raising.
 
 On CPU the cross-process collectives go through gloo, and the number of
 host devices per process is set here too (``set_cpu_devices``); both must
