@@ -4,6 +4,10 @@ traceback instead. Each case stops before anything compiles, so the CLI runs
 in this process (``cli.main`` returns the exit code).
 """
 
+import os
+import socket
+from types import SimpleNamespace
+
 import jax
 import pytest
 
@@ -134,3 +138,67 @@ def test_test_variables_do_not_stop_the_cli(capsys, monkeypatch):
         monkeypatch.setenv(name, "1")
     assert cli.main(["config", "run_name=123"]) == 0
     assert "'123'" in capsys.readouterr().out
+
+
+# hardware=gpu_multiprocess (the seed recipe's) decides before jax.distributed.initialize.
+_LAUNCHER_PREFIXES = ("SLURM_", "OMPI_", "PMIX_", "KUBERNETES_", "TPU_", "MEGASCALE_", "JAX_COORDINATOR",
+                      "JAX_NUM_PROCESSES", "JAX_PROCESS_ID", "JAX_LOCAL_DEVICE_IDS")
+
+
+@pytest.fixture
+def no_launcher(monkeypatch):
+    """No launcher's variables in os.environ (so no cluster); returns the list of calls
+    to ``jax.distributed.initialize``, which records them instead of running."""
+    for name in list(os.environ):
+        if name.startswith(_LAUNCHER_PREFIXES):
+            monkeypatch.delenv(name)
+    calls = []
+    monkeypatch.setattr(jax.distributed, "initialize", lambda *a, **k: calls.append((a, k)))
+    return calls
+
+
+@pytest.mark.skipif(jax.devices()[0].platform == "gpu", reason="checks a machine without a GPU")
+def test_gpu_multiprocess_without_a_cluster_or_a_gpu(capsys, tmp_path, no_launcher):
+    """No cluster: jax.distributed is not started; no GPU either: refused in one line."""
+    code, lines = _train(capsys, tmp_path, "hardware=gpu_multiprocess")
+    assert no_launcher == []
+    _one_line_exit_2(code, lines, "hardware='gpu_multiprocess' but JAX found no GPU", "hardware=auto or cpu")
+
+
+def test_gpu_multiprocess_without_a_cluster_runs_as_one_process(capsys, tmp_path, no_launcher, monkeypatch):
+    """On a host with GPUs (the CPU backend stands in for one here) the job of one
+    process trains, and one line says so, naming what was looked for."""
+    monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
+    started = []
+    monkeypatch.setattr(loop, "run_training", lambda *a: started.append(a) or SimpleNamespace(ok=True))
+    code = cli.main(["train", "model_name=deepseek3-tiny", "hardware=gpu_multiprocess", "steps=2",
+                     f"base_output_directory={tmp_path / 'runs'}", "run_name=r"])
+    out = capsys.readouterr().out.splitlines()
+    assert code == 0 and no_launcher == [] and len(started) == 1
+    said = [line for line in out if "no cluster found" in line]
+    n = jax.local_device_count()
+    assert len(said) == 1 and said[0].startswith(
+        "hardware=gpu_multiprocess: no cluster found (no JAX_COORDINATOR_ADDRESS/JAX_NUM_PROCESSES/"
+        "JAX_PROCESS_ID; JAX detects none of Open MPI, SLURM")
+    assert said[0].endswith(f"running as one process on this host's {n} GPU{'s' * (n != 1)}")
+
+
+def test_a_cluster_that_cannot_be_joined_is_one_line(capsys, tmp_path, monkeypatch):
+    """A SLURM job step is found; JAX's real initialize fails (its backend has started
+    in this process): one line naming SLURM and JAX's error, or the traceback with --debug."""
+    jax.devices()
+    for name in list(os.environ):
+        if name.startswith(_LAUNCHER_PREFIXES):
+            monkeypatch.delenv(name)
+    with socket.socket() as s:
+        s.bind(("", 0))
+        port = s.getsockname()[1]
+    for k, v in {"SLURM_JOB_ID": "4242", "SLURM_STEP_NODELIST": "localhost", "SLURM_NTASKS": "2",
+                 "SLURM_PROCID": "0", "SLURM_LOCALID": "0", "JAX_COORDINATOR_PORT": str(port)}.items():
+        monkeypatch.setenv(k, v)
+    _one_line_exit_2(*_train(capsys, tmp_path, "hardware=gpu_multiprocess"),
+                     "hardware=gpu_multiprocess: SLURM found, but jax.distributed.initialize failed: "
+                     "RuntimeError:")
+    with pytest.raises(ConfigError, match="SLURM found"):
+        cli.main(["train", "--debug", "model_name=deepseek3-tiny", "hardware=gpu_multiprocess",
+                  f"base_output_directory={tmp_path / 'runs'}"])

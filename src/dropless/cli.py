@@ -30,7 +30,11 @@ def resolve_args(args: list[str]):
 
 
 def start_runtime(cfg):
-    """Apply env vars and (on GPU) XLA flags, then start JAX. Returns the mesh shape."""
+    """Apply env vars and (on GPU) XLA flags, join the multi-process job if any, then start JAX.
+
+    ``hardware=gpu_multiprocess`` with no cluster found (``distributed.find_cluster``)
+    is a job of one process: it runs, and one line says so. Returns the mesh shape.
+    """
     from dropless.config.xla_flags import apply_runtime_settings, gpu_present
 
     on_gpu = cfg.hardware in ("gpu", "gpu_multiprocess") or (cfg.hardware == "auto" and gpu_present())
@@ -44,13 +48,22 @@ def start_runtime(cfg):
 
     if not on_gpu:
         distributed.set_cpu_devices(_cpu_devices(cfg))
+    found = None  # a Detection when a multi-process job was asked for
     try:
-        multiprocess = cfg.hardware == "gpu_multiprocess" or distributed.wants_multiprocess()
-    except ValueError as e:
-        raise ConfigError(str(e)) from None
-    if multiprocess:
-        distributed.initialize(cpu=not on_gpu)
+        if cfg.hardware == "gpu_multiprocess" or distributed.wants_multiprocess():
+            found = distributed.find_cluster()
+        if found is not None and found.cluster is not None:
+            distributed.join(found, cpu=not on_gpu)
+    except (ValueError, distributed.ClusterError) as e:
+        asked = "hardware=gpu_multiprocess: " if cfg.hardware == "gpu_multiprocess" else ""
+        raise ConfigError(f"{asked}{e}") from e
     import jax
+
+    if cfg.hardware in ("gpu", "gpu_multiprocess") and jax.default_backend() != "gpu":
+        raise ConfigError(_no_gpu(cfg.hardware, jax.default_backend()))
+    if found is not None and found.cluster is None:  # a job of one process: said, not silent
+        print(distributed.single_process_note(found, cfg.hardware, jax.local_device_count(),
+                                              jax.default_backend()), flush=True)
 
     from dropless.config.schema import ContradictionError, resolve_mesh_shape
 
@@ -60,6 +73,15 @@ def start_runtime(cfg):
     except ContradictionError as e:
         raise ConfigError(f"{e.key}={e.value!r}: {e}") from None
     return applied, shape
+
+
+def _no_gpu(hardware: str, backend: str) -> str:
+    import os
+
+    platforms = os.environ.get("JAX_PLATFORMS", "")
+    why = f"JAX_PLATFORMS={platforms!r}" if platforms else "is a CUDA build of jax installed, jax[cuda12] or jax[cuda13]?"
+    return (f"hardware={hardware!r} but JAX found no GPU (it runs on {backend}; {why}); "
+            "allowed on this machine: hardware=auto or cpu")
 
 
 def _cpu_devices(cfg) -> int:

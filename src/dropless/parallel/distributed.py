@@ -9,6 +9,16 @@ coordinates come from, first match wins:
 2. otherwise JAX's own cluster detection (SLURM, Open MPI, Kubernetes ...),
    which needs no variables.
 
+``find_cluster`` asks both *before* anything is started, using JAX's own
+detectors (``jax._src.clusters.ClusterEnv`` subclasses and their
+``is_env_present``, the code ``jax.distributed.initialize()`` runs), so a job
+that finds no cluster is known to be one process without parsing an error
+from ``initialize``. ``hardware=gpu_multiprocess`` on one host with no
+launcher is such a job of size 1: the CLI runs it as one process and says so
+(``single_process_note``). Where a cluster is found, ``join`` first checks
+its coordinator (``check_coordinator``), because XLA aborts or crashes the
+process on a taken port or an unreachable coordinator instead of raising.
+
 On CPU the cross-process collectives go through gloo, and the number of
 host devices per process is set here too (``set_cpu_devices``); both must
 happen before the first JAX computation, which is why this module touches
@@ -16,6 +26,9 @@ only ``jax.config`` until ``initialize`` runs.
 """
 
 import os
+import socket
+import time
+import warnings
 from typing import Mapping, NamedTuple
 
 ENV_COORDINATOR = "JAX_COORDINATOR_ADDRESS"
@@ -63,6 +76,88 @@ def wants_multiprocess(env: Mapping[str, str] | None = None) -> bool:
     """True when the environment describes a job of more than one process."""
     spec = spec_from_env(env)
     return spec is not None and spec.num_processes > 1
+
+
+class ClusterError(RuntimeError):
+    """A cluster was found but this process cannot join it (a one-line message)."""
+
+
+# JAX's cluster types (jax/_src/clusters, jax 0.11.2) by the names their users know.
+_CLUSTER_NAMES = {"OmpiCluster": "Open MPI", "SlurmCluster": "SLURM", "Mpi4pyCluster": "mpi4py",
+                  "BaseTpuCluster": "Cloud TPU", "GkeTpuCluster": "Cloud TPU", "GceTpuCluster": "Cloud TPU",
+                  "K8sCluster": "Kubernetes"}
+OUR_VARIABLES = f"{ENV_COORDINATOR}/{ENV_NUM_PROCESSES}/{ENV_PROCESS_ID}"
+JAX_DETECTION = "JAX's cluster detection"
+
+
+class Detection(NamedTuple):
+    """What ``find_cluster`` found and what it looked for."""
+
+    cluster: str | None  # e.g. "SLURM", OUR_VARIABLES, JAX_DETECTION (not inspectable); None: no cluster
+    checked: tuple[str, ...]  # JAX's detectors asked, in JAX's order
+    notes: tuple[str, ...] = ()  # warnings JAX's detectors gave (first sentence each)
+    detector: type | None = None  # JAX's ClusterEnv subclass that found it
+
+
+def _jax_cluster_types() -> list[type] | None:
+    """The ClusterEnv subclasses ``jax.distributed.initialize()`` tries when asked
+    nothing (opt-in ones such as mpi4py excluded), in its order; None if this
+    jax has no such registry."""
+    try:
+        from jax._src import clusters
+
+        types = list(clusters.ClusterEnv._cluster_types)
+    except (ImportError, AttributeError):
+        return None
+    return [t for t in types if not getattr(t, "opt_in_only_method", False)]
+
+
+def _first_sentence(text: str) -> str:
+    return " ".join(text.split()).split(". ")[0].rstrip(".")
+
+
+def find_cluster() -> Detection:
+    """The multi-process job this process belongs to, as ``jax.distributed.initialize`` would find it.
+
+    Reads ``os.environ``: first our three variables, then each of JAX's
+    detectors. Starts nothing and reaches no coordinator (the Kubernetes
+    detector reads its in-cluster config; the GCE TPU one asks the metadata
+    server, only on a Cloud TPU VM).
+
+    Raises:
+      ValueError: only some of our three variables set, or bad values.
+      ClusterError: a detector of JAX failed (e.g. Kubernetes without its
+        service-account files).
+    """
+    if spec_from_env() is not None:
+        return Detection(OUR_VARIABLES, ())
+    types = _jax_cluster_types()
+    if types is None:  # cannot ask beforehand: initialize() decides, and its error is reported
+        return Detection(JAX_DETECTION, ())
+    names = [_CLUSTER_NAMES.get(t.__name__, t.__name__) for t in types]
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for t, name in zip(types, names):
+            try:
+                present = t.is_env_present()
+            except Exception as e:  # noqa: BLE001 - jax's initialize() would fail the same way
+                raise ClusterError(f"{name} detected, but JAX cannot read it: "
+                                   f"{type(e).__name__}: {_first_sentence(str(e))}") from e
+            if present:
+                return Detection(name, (), detector=t)
+    notes = tuple(dict.fromkeys(_first_sentence(str(w.message)) for w in caught))
+    return Detection(None, tuple(dict.fromkeys(names)), notes)
+
+
+def single_process_note(detection: Detection, hardware: str, num_devices: int, platform: str) -> str:
+    """The line that says a job found no cluster and runs as one process on this host."""
+    devices = f"{num_devices} {'GPU' if platform == 'gpu' else platform + ' device'}{'s' * (num_devices != 1)}"
+    looked = f"no {OUR_VARIABLES}"
+    if detection.checked:
+        looked += f"; JAX detects none of {', '.join(detection.checked)}"
+    notes = "".join(f"; JAX: {n}" for n in detection.notes)
+    return (f"hardware={hardware}: no cluster found ({looked}{notes}): "
+            f"running as one process on this host's {devices}")
 
 
 def set_cpu_devices(count: int) -> None:
@@ -115,6 +210,90 @@ def initialize(env: Mapping[str, str] | None = None, *, cpu: bool = False,
         process_id=spec.process_id, initialization_timeout=timeout_s,
     )
     return spec
+
+
+def coordinates(detection: Detection) -> ProcessSpec | None:
+    """The job's coordinates where the environment alone gives them (our
+    variables; SLURM, whose coordinator JAX derives from the step's first host
+    and the job id); None for launchers JAX must ask (Kubernetes, MPI)."""
+    if detection.cluster == OUR_VARIABLES:
+        return spec_from_env()
+    t = detection.detector
+    if t is None or t.__name__ != "SlurmCluster":
+        return None
+    try:
+        address = t.get_coordinator_address(timeout_secs=None,
+                                            override_coordinator_port=os.environ.get("JAX_COORDINATOR_PORT"))
+        return ProcessSpec(address, t.get_process_count(), t.get_process_id())
+    except Exception:  # noqa: BLE001 - unreadable here: initialize() reports it
+        return None
+
+
+def check_coordinator(spec: ProcessSpec, timeout_s: float) -> None:
+    """Fail in one line where ``jax.distributed.initialize`` would kill the process.
+
+    XLA's coordination client aborts the process (and its server crashes)
+    instead of raising, so the two commonest mistakes are checked first:
+    process 0 must be able to listen on the coordinator's port (nothing else
+    on this host holds it), and every other process must reach the
+    coordinator within ``timeout_s``. Processes that never arrive at a
+    reachable coordinator still end in XLA's abort after its timeout.
+
+    Raises:
+      ClusterError: naming the address and what was wrong.
+    """
+    host, _, port = spec.coordinator_address.rpartition(":")
+    bind = os.environ.get("JAX_COORDINATOR_BIND_ADDRESS")
+    if spec.process_id == 0:
+        port = bind.rpartition(":")[2] if bind else port
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            try:
+                s.bind(("", int(port)))
+            except OSError as e:
+                raise ClusterError(f"process 0 cannot listen on port {port} of coordinator "
+                                   f"{spec.coordinator_address}: {e.strerror} (another job on this host? "
+                                   "set JAX_COORDINATOR_PORT or JAX_COORDINATOR_ADDRESS to a free port)") from None
+        return
+    host = host.strip("[]")
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            socket.create_connection((host, int(port)), timeout=min(5.0, timeout_s)).close()
+            return
+        except socket.gaierror as e:
+            raise ClusterError(f"coordinator {spec.coordinator_address}: host {host!r} does not resolve "
+                               f"({e.strerror})") from None
+        except OSError as e:
+            if time.monotonic() >= deadline:
+                raise ClusterError(f"process {spec.process_id} of {spec.num_processes} cannot reach the "
+                                   f"coordinator {spec.coordinator_address} within {timeout_s:g} s "
+                                   f"({e.strerror or e}); is process 0 running, and is that address "
+                                   "reachable from this host?") from None
+            time.sleep(min(1.0, max(0.0, deadline - time.monotonic())))
+
+
+def join(detection: Detection, *, cpu: bool = False, timeout_s: int = 300) -> None:
+    """``initialize`` for the cluster ``find_cluster`` found, after ``check_coordinator``.
+
+    Raises:
+      ClusterError: the coordinator cannot be used (``check_coordinator``), or
+        ``jax.distributed.initialize`` failed (bad variables, JAX already
+        started ...); the message names the cluster and what was wrong.
+    """
+    spec = coordinates(detection)
+    if spec is not None:
+        try:
+            check_coordinator(spec, timeout_s)
+        except ClusterError as e:
+            raise ClusterError(f"{detection.cluster} found, but {e}") from None
+    try:
+        initialize(cpu=cpu, timeout_s=timeout_s)
+    except Exception as e:  # noqa: BLE001 - any failure to join is reported the same way
+        where = (f"{detection.cluster} found, but" if detection.cluster != JAX_DETECTION
+                 else "this jax's cluster detectors could not be asked beforehand, and")
+        raise ClusterError(f"{where} jax.distributed.initialize failed: {type(e).__name__}: "
+                           f"{' '.join(str(e).split())}") from e
 
 
 def shutdown() -> None:
