@@ -180,7 +180,9 @@ def main(argv: list[str] | None = None) -> int:
     ns = parser.parse_args([a for a in argv if a != "--debug"])
     from dropless.config.loader import ConfigError
 
-    absl_logger = logging.getLogger("absl")  # where absl.logging's records (Orbax's) go
+    from absl import logging as absl_logging  # before any getLogger("absl"): it makes absl's own logger
+
+    absl_logger = absl_logging.get_absl_logger()  # where Orbax's records go
     if debug:
         absl_logger.removeFilter(_QUIET_ORBAX)
     else:

@@ -238,7 +238,12 @@ def test_cli_reports_a_failed_save_in_one_line(capsys, tmp_path, monkeypatch):
                                    "device (errno 28); intact checkpoints: step 20, 40"]
 
 
-def test_orbax_errors_are_logged_without_tracebacks_unless_debug():
+def test_orbax_errors_are_logged_without_tracebacks_unless_debug(capsys):
+    from absl import logging as absl_logging
+
+    assert cli.main(["config", "run_name=x"]) == 0
+    absl_logger = absl_logging.get_absl_logger()  # absl's own logger class (it finds Orbax's frames)
+    assert isinstance(absl_logger, absl_logging.ABSLLogger) and cli._QUIET_ORBAX in absl_logger.filters
     quiet = cli._NoLibraryTracebacks()
     try:
         raise ValueError("disk full")
