@@ -124,6 +124,9 @@ def test_dry_run_checks_the_checkpoint_disk(capsys, tmp_path, monkeypatch):
     assert cli.main(args) == 2
     assert "cannot hold one save" in capsys.readouterr().err
     assert cli.main([*args, "enable_checkpointing=false"]) == 0
+    capsys.readouterr()
+    assert cli.main([*args, "--device", "h200"]) == 0  # another machine: said, not refused
+    assert "cannot hold one save" in capsys.readouterr().out
 
 
 class _Stop(Exception):

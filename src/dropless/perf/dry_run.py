@@ -11,8 +11,10 @@ activations under the remat/offload policy, and the checkpoint size. Nothing
 is trained and no run directory is written. With checkpointing on, it also
 checks the free space on this machine's filesystem holding the run's
 checkpoint directory against the saves the run makes (as ``train`` does
-before its first step): too small for one save exits 2, too small for all
-that are on disk at once (``max_num_checkpoints_to_keep`` + 1) warns.
+before its first step): too small for all that are on disk at once
+(``max_num_checkpoints_to_keep`` + 1) warns; too small for one save exits 2
+when the dry run is for this machine (no ``--device``, ``--devices`` or
+``--memory-gib``, or ``--compile``) and warns when it describes another.
 
 The target is ``--device`` (h100, h200, b200, cpu), by default h200 for
 ``hardware=gpu``/``gpu_multiprocess`` (or ``auto`` with a GPU present) and
@@ -23,8 +25,8 @@ runtime, compiles the train step for the devices present and prints XLA's
 memory analysis next to the estimate (use it on the target GPU).
 
 Exit codes: 0 fits; 2 a config, data or model problem, an estimate over
-the usable memory, or a checkpoint disk without room for one save, stated in
-one line that names the keys to change.
+the usable memory, or (for this machine) a checkpoint disk without room for
+one save, stated in one line that names the keys to change.
 """
 
 import argparse
@@ -224,10 +226,13 @@ def main(args: list[str], command: str = "train") -> int:
     console = Console() if sys.stdout.isatty() else Console(width=120)
     print_report(console, cfg, target, est, source, batch, global_batch, compiled)
     disk_error, disk_warning = check_checkpoint_disk(cfg, est.checkpoint_bytes)
-    if disk_error:
+    this_machine = ns.compile or (ns.device, ns.devices, ns.memory_gib) == (None, None, None)
+    if disk_error and this_machine:
         return _fail(disk_error)
-    if disk_warning:
-        console.print(disk_warning, style="yellow", markup=False, soft_wrap=True)
+    for line in (disk_error, disk_warning):
+        if line:
+            where = "" if this_machine else " (this machine's disk; the target's may differ)"
+            console.print(line + where, style="yellow", markup=False, soft_wrap=True)
     peak = compiled["peak"] if compiled else est.total
     if peak > target.usable_bytes:
         keys = memory.keys_to_lower(cfg.model(), est, target.usable_bytes)
