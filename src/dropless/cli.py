@@ -4,15 +4,33 @@
 (base.yml < models/<model_name>.yml < config.yml < key=value < DROPLESS_<KEY>),
 applies XLA flags and environment variables before JAX starts, then trains.
 A problem the user can fix (config, data, tokenizer, hardware, memory, the
-run directory, a checkpoint) prints one line and exits with code 2;
-``--debug`` anywhere on the command line shows the traceback instead.
+run directory, a checkpoint, a checkpoint disk too small for one save)
+prints one line and exits with code 2; a run that fails partway (a checkpoint
+save failing, an expert-parallel overflow under the ``error`` policy) prints
+one line and exits 1. ``--debug`` anywhere on the command line shows the
+traceback instead (and Orbax's logged errors keep theirs).
 """
 
 import argparse
+import logging
 import math
+import os
 import sys
 
 EXIT_CONFIG = 2
+EXIT_RUN_FAILED = 1
+
+
+class _NoLibraryTracebacks(logging.Filter):
+    """Drop the traceback of Orbax's logged errors (its writer threads log one per failed file)."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if f"{os.sep}orbax{os.sep}" in record.pathname:
+            record.exc_info, record.exc_text = None, None
+        return True
+
+
+_QUIET_ORBAX = _NoLibraryTracebacks()
 
 
 def _split_args(args: list[str]) -> tuple[str | None, list[str]]:
@@ -184,6 +202,14 @@ def main(argv: list[str] | None = None) -> int:
     ns = parser.parse_args([a for a in argv if a != "--debug"])
     from dropless.config.loader import ConfigError
 
+    from absl import logging as absl_logging  # before any getLogger("absl"): it makes absl's own logger
+
+    absl_logger = absl_logging.get_absl_logger()  # where Orbax's records go
+    if debug:
+        absl_logger.removeFilter(_QUIET_ORBAX)
+    else:
+        absl_logger.addFilter(_QUIET_ORBAX)
+
     try:
         return COMMANDS[ns.command][0](ns.args)
     except ConfigError as e:
@@ -195,8 +221,11 @@ def main(argv: list[str] | None = None) -> int:
         # CheckpointError says which checkpoint is bad and how to fall back. Its module
         # is loaded only if a checkpoint was touched (it imports JAX and Orbax).
         ckpt = sys.modules.get("dropless.train.checkpoint")
-        if debug or ckpt is None or not isinstance(e, ckpt.CheckpointError):
+        if debug or ckpt is None or not isinstance(e, (ckpt.CheckpointError, ckpt.CheckpointSaveError)):
             raise
+        if isinstance(e, ckpt.CheckpointSaveError):  # the run failed partway; earlier saves are intact
+            print(f"dropless: error: {_one_line(e)}", file=sys.stderr)
+            return EXIT_RUN_FAILED
         print(f"dropless: checkpoint error: {_one_line(e)}", file=sys.stderr)
         return EXIT_CONFIG
 

@@ -8,7 +8,13 @@ device's part of the first batch, builds the model and train state
 abstractly (``eval_shape``) and prints a per-device memory estimate for the
 target hardware (``perf.memory``): parameters, gradients, optimizer state,
 activations under the remat/offload policy, and the checkpoint size. Nothing
-is trained and no run directory is written.
+is trained and no run directory is written. With checkpointing on, it also
+checks the free space on this machine's filesystem holding the run's
+checkpoint directory against the saves the run makes (as ``train`` does
+before its first step): too small for all that are on disk at once
+(``max_num_checkpoints_to_keep`` + 1) warns; too small for one save exits 2
+when the dry run is for this machine (no ``--device``, ``--devices`` or
+``--memory-gib``, or ``--compile``) and warns when it describes another.
 
 The target is ``--device`` (h100, h200, b200, cpu), by default h200 for
 ``hardware=gpu``/``gpu_multiprocess`` (or ``auto`` with a GPU present) and
@@ -18,8 +24,9 @@ on CPU whatever ``hardware`` says. ``--compile`` instead starts the real
 runtime, compiles the train step for the devices present and prints XLA's
 memory analysis next to the estimate (use it on the target GPU).
 
-Exit codes: 0 fits; 2 a config, data or model problem, or an estimate over
-the usable memory, stated in one line that names the keys to lower.
+Exit codes: 0 fits; 2 a config, data or model problem, an estimate over
+the usable memory, or (for this machine) a checkpoint disk without room for
+one save, stated in one line that names the keys to change.
 """
 
 import argparse
@@ -119,6 +126,25 @@ def compile_step(cfg) -> tuple[dict, int | None]:
     return memory.compiled_bytes(compiled), stats.get("bytes_limit")
 
 
+def check_checkpoint_disk(cfg, checkpoint_bytes: int) -> tuple[str | None, str | None]:
+    """(error, warning) of the run's checkpoint disk (``checkpoint.plan_disk``), each one line or None.
+
+    A run without ``run_name`` starts a fresh directory; one with it resumes
+    from the newest complete checkpoint there, as ``train`` would.
+    """
+    if not cfg.enable_checkpointing:
+        return None, None
+    from dropless.train import checkpoint as ckpt_lib
+
+    directory = os.path.join(cfg.base_output_directory, cfg.run_name, "checkpoints")
+    complete = ckpt_lib.complete_steps_in(directory) if cfg.run_name else []
+    plan = ckpt_lib.plan_disk(directory, uncompressed_bytes=checkpoint_bytes,
+                              keep=cfg.max_num_checkpoints_to_keep, period=cfg.checkpoint_period,
+                              start=complete[-1] if complete else 0, steps=cfg.steps,
+                              fresh=not cfg.run_name)
+    return plan.error(), plan.warning()
+
+
 def print_report(console, cfg, target, est, source, batch, global_batch, compiled=None):
     from rich.table import Table
 
@@ -199,6 +225,14 @@ def main(args: list[str], command: str = "train") -> int:
             target = memory.Target(target.name, int(limit), 1.0)
     console = Console() if sys.stdout.isatty() else Console(width=120)
     print_report(console, cfg, target, est, source, batch, global_batch, compiled)
+    disk_error, disk_warning = check_checkpoint_disk(cfg, est.checkpoint_bytes)
+    this_machine = ns.compile or (ns.device, ns.devices, ns.memory_gib) == (None, None, None)
+    if disk_error and this_machine:
+        return _fail(disk_error)
+    for line in (disk_error, disk_warning):
+        if line:
+            where = "" if this_machine else " (this machine's disk; the target's may differ)"
+            console.print(line + where, style="yellow", markup=False, soft_wrap=True)
     peak = compiled["peak"] if compiled else est.total
     if peak > target.usable_bytes:
         keys = memory.keys_to_lower(cfg.model(), est, target.usable_bytes)

@@ -315,6 +315,7 @@ def estimate(model: ModelConfig, *, per_device_batch: int, seq: int, accum: int,
       ValueError: a model config the trainer would reject.
     """
     from dropless.config.sections import OptimizerConfig
+    from dropless.train import checkpoint as ckpt_lib
     from dropless.train import optimizer as opt_lib
     from dropless.train import remat as remat_lib
     from dropless.train import step as step_lib
@@ -337,7 +338,7 @@ def estimate(model: ModelConfig, *, per_device_batch: int, seq: int, accum: int,
         saved_activations=saved, offloaded_activations=host,
         layer_working_set=layer_working_set(model, per_device_batch, seq),
         head_gradient=heads * per_device_batch * seq * model.vocab_size * jnp.dtype(model.dtype).itemsize,
-        checkpoint_bytes=sum(_nbytes(x) for x in jax.tree.leaves(abstract)),
+        checkpoint_bytes=ckpt_lib.save_bytes(abstract),
         num_params=num_params, per_device_batch=per_device_batch, mesh=dict(mesh_shape),
     )
 

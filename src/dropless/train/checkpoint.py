@@ -26,12 +26,27 @@ publishes the result, and process 0 writes the manifest; the others wait for
 it before deciding anything that depends on a manifest. At restore each
 process checks its share again and all of them raise the same
 ``CheckpointError`` if any share is bad.
+
+Disk space. ``plan_disk`` checks, before a run trains, that the filesystem
+holding the checkpoints has room for the saves the run makes: Orbax writes a
+new save before deleting the oldest, so up to ``max_to_keep + 1`` are on disk
+at once. A save that fails anyway (disk full, I/O error; raised by Orbax at the
+save, or by its background write at the next ``poll``, save or ``close``) ends
+the run with ``CheckpointSaveError``: one line naming the step, the cause and
+the intact checkpoints to resume from. Finished checkpoints are never touched;
+the failed save's partial ``<step>.orbax-checkpoint-tmp`` directory is removed
+(one process only: with several it is left, and the next resume removes it).
 """
 
 import concurrent.futures
+import dataclasses
+import errno
+import glob
 import itertools
 import json
 import os
+import re
+import shutil
 import threading
 import time
 import zlib
@@ -46,10 +61,21 @@ MANIFEST = "dropless_manifest.json"
 ITEMS = ("model", "opt")
 _MAX_ERROR_BYTES = 2048  # of a CheckpointError message shared between processes
 _SEAL_TIMEOUT_MS = 3_600_000  # waiting for other processes' CRCs of a large checkpoint
+TMP_SUFFIX = ".orbax-checkpoint-tmp"  # Orbax writes <step><TMP_SUFFIX>[-...] and renames it to <step>
+GiB = 2**30
 
 
 class CheckpointError(RuntimeError):
     """A checkpoint is missing, incomplete, corrupt or does not fit the model."""
+
+
+class CheckpointSaveError(RuntimeError):
+    """A save failed; ``step`` is the save's step, ``intact`` the complete checkpoints left."""
+
+    def __init__(self, message: str, step: int, intact: list[int]):
+        super().__init__(message)
+        self.step = step
+        self.intact = intact
 
 
 class SaveTiming(NamedTuple):
@@ -164,6 +190,159 @@ def verify_everywhere(step_dir: str) -> None:
             raise CheckpointError(f"{text} (checked by process {process})")
 
 
+# --- disk space ---------------------------------------------------------------------------------
+
+
+def save_bytes(abstract_state) -> int:
+    """Bytes of every array of the train state (all devices together): one save before compression.
+
+    Orbax compresses with zstd; on random-normal bf16 weights and float32 Adam
+    moments it writes about 78% and 92% of these bytes, so this is an upper bound.
+    """
+    return sum(int(np.prod(x.shape, dtype=np.int64)) * np.dtype(x.dtype).itemsize
+               for x in jax.tree.leaves(abstract_state))
+
+
+def free_bytes(directory: str) -> tuple[int, str]:
+    """(bytes free to this user, the path asked) on the filesystem of ``directory`` or its nearest existing parent."""
+    path = os.path.abspath(directory)
+    while not os.path.exists(path) and os.path.dirname(path) != path:
+        path = os.path.dirname(path)
+    return shutil.disk_usage(path).free, path
+
+
+def step_dirs(directory: str) -> list[int]:
+    """Steps with a directory under ``directory`` (complete or not), ascending; [] if none."""
+    try:
+        names = os.listdir(directory)
+    except (FileNotFoundError, NotADirectoryError):
+        return []
+    return sorted(int(n) for n in names if n.isdigit() and os.path.isdir(os.path.join(directory, n)))
+
+
+def complete_steps_in(directory: str) -> list[int]:
+    """Steps under ``directory`` that have a manifest (finished and sealed), ascending."""
+    return [s for s in step_dirs(directory)
+            if os.path.exists(os.path.join(directory, str(s), MANIFEST))]
+
+
+def measured_bytes(step_dir: str) -> int | None:
+    """Bytes on disk of a sealed checkpoint (the sizes its manifest records), or None."""
+    try:
+        with open(os.path.join(step_dir, MANIFEST)) as f:
+            return sum(size for size, _ in json.load(f)["files"].values())
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+
+
+def save_steps(start: int, steps: int, period: int) -> list[int]:
+    """Steps a run from ``start`` to ``steps`` saves: multiples of ``period``, and the last step."""
+    out = list(range((start // period + 1) * period, steps + 1, period))
+    if steps > start and (not out or out[-1] != steps):
+        out.append(steps)
+    return out
+
+
+def _gib(n: int) -> str:
+    """``n`` bytes for a person: GiB with two decimals, smaller sizes in MiB or bytes."""
+    if n >= GiB // 10:
+        return f"{n / GiB:.2f} GiB"
+    return f"{n / 2**20:.2f} MiB" if n >= 2**20 else f"{n} bytes"
+
+
+@dataclasses.dataclass(frozen=True)
+class DiskPlan:
+    """Whether a run's saves fit on the checkpoint filesystem (``plan_disk``).
+
+    free: bytes free now; path: where that was measured (``directory`` or its
+    nearest existing parent). per_save: bytes of one save, ``measured`` from
+    the newest existing checkpoint's manifest, else the uncompressed state (an
+    upper bound). existing: step directories already there (Orbax counts them
+    toward ``keep``). saves: the steps this run will save at.
+    """
+
+    directory: str
+    path: str
+    free: int
+    per_save: int
+    measured: bool
+    existing: int
+    keep: int  # 0: all
+    saves: tuple[int, ...]
+
+    @property
+    def at_once(self) -> int:
+        """New saves on disk at the peak: ``keep`` plus the one being written, less those already there."""
+        total = self.existing + len(self.saves)
+        peak = total if self.keep == 0 else min(self.keep + 1, total)
+        return max(peak - self.existing, 1) if self.saves else 0
+
+    @property
+    def fits(self) -> int:
+        return self.free // max(self.per_save, 1)
+
+    def _size(self) -> str:
+        return (f"{_gib(self.per_save)} (measured on the newest checkpoint)" if self.measured
+                else f"up to {_gib(self.per_save)} (parameters and optimizer state, before compression)")
+
+    def _where(self) -> str:
+        return f"{_gib(self.free)} free on the filesystem of {self.path}"
+
+    def error(self) -> str | None:
+        """One line if not even the first save fits, else None."""
+        if not self.saves or self.fits >= 1:
+            return None
+        return (f"checkpoint: {self._where()} cannot hold one save of {self._size()}; free space there, "
+                "point base_output_directory at a larger disk, or set enable_checkpointing=false")
+
+    def warning(self) -> str | None:
+        """One line if the first save fits but not all that are on disk at once, else None."""
+        if not self.saves or self.fits < 1 or self.fits >= self.at_once:
+            return None
+        kept = ("max_num_checkpoints_to_keep=0 (all kept)" if self.keep == 0
+                else f"max_num_checkpoints_to_keep={self.keep} kept + 1 being written")
+        there = f", {self.existing} already there" if self.existing else ""
+        fails = "will fail" if self.measured else "will fail unless compression saves enough"
+        return (f"checkpoint: {self._where()} holds {self.fits} save(s) of {self._size()} but this run "
+                f"needs room for {self.at_once} more ({kept}{there}): the save at step "
+                f"{self.saves[self.fits]} {fails}; lower max_num_checkpoints_to_keep, point "
+                "base_output_directory at a larger disk, or raise checkpoint_period (fewer saves)")
+
+
+def plan_disk(directory: str, *, uncompressed_bytes: int, keep: int, period: int, start: int,
+              steps: int, fresh: bool = False) -> DiskPlan:
+    """The disk plan of a run that saves into ``directory`` from step ``start`` to ``steps``.
+
+    Call it after incomplete checkpoints of a resume are removed. ``fresh``: a
+    new run directory (nothing of ``directory`` is counted, only its free space).
+    """
+    existing = [] if fresh else step_dirs(directory)
+    complete = [] if fresh else complete_steps_in(directory)
+    measured = measured_bytes(os.path.join(directory, str(complete[-1]))) if complete else None
+    free, path = free_bytes(directory)
+    return DiskPlan(directory=os.path.abspath(directory), path=path, free=free,
+                    per_save=measured or uncompressed_bytes, measured=measured is not None,
+                    existing=len(existing), keep=keep, saves=tuple(save_steps(start, steps, period)))
+
+
+def _root_cause(e: BaseException) -> tuple[str, int | None]:
+    """(one-line cause, errno or None) of a failed save: the OSError or tensorstore error under ``e``."""
+    chain, x = [], e
+    while x is not None and x not in chain:
+        chain.append(x)
+        x = x.__cause__ or x.__context__
+    for x in chain:
+        if isinstance(x, OSError) and x.errno:
+            return f"{os.strerror(x.errno)} (errno {x.errno})", x.errno
+    for x in chain:  # tensorstore: "... No space left on device [source locations=...] [os_error_code='28']"
+        if m := re.search(r"os_error_code='?(\d+)", str(x)):
+            number = int(m[1])
+            return f"{os.strerror(number)} (errno {number})", number
+    text = re.sub(r"\s*\[source locations=.*?\]", "", str(chain[-1]))
+    text = " ".join(text.split())[:300]
+    return f"{type(chain[-1]).__name__}: {text}", None
+
+
 def _abstract(tree, shardings):
     return jax.tree.map(
         lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), tree, shardings
@@ -184,11 +363,17 @@ class Checkpointer:
       period: save when ``step % period == 0`` (and on ``force``).
       async_save: write in the background (the state is copied to host first).
       max_to_keep: keep the newest this many (0: all).
+      per_save_bytes: the size of one save, for the message of a failed one (0: unknown).
+
+    A failed save raises ``CheckpointSaveError`` (from ``save``, ``poll``,
+    ``wait`` or ``close``, whichever first sees it); the checkpointer is then
+    closed and ``close`` does nothing more.
     """
 
     _instances = itertools.count()  # the same sequence in every process: key-value store names
 
-    def __init__(self, directory: str, *, period: int, async_save: bool = True, max_to_keep: int = 0):
+    def __init__(self, directory: str, *, period: int, async_save: bool = True, max_to_keep: int = 0,
+                 per_save_bytes: int = 0):
         if period < 1:
             raise ValueError(f"checkpoint_period={period} must be >= 1")
         self.directory = os.path.abspath(directory)
@@ -200,6 +385,9 @@ class Checkpointer:
         self._kv_prefix = f"dropless_checkpoint/{next(Checkpointer._instances)}"
         self._sealer = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="ckpt-manifest")
         self._sealing = None
+        self._writing: int | None = None  # the step Orbax may still be writing
+        self._failed = False
+        self._per_save_bytes = per_save_bytes
         self.last_timing: SaveTiming | None = None  # of the latest save that saved
         options = ocp.CheckpointManagerOptions(
             save_interval_steps=period,
@@ -221,13 +409,17 @@ class Checkpointer:
         with self._lock:
             saves, self._unsealed = self._unsealed, []
         for step, number in saves:
-            if jax.process_index() == 0 and not os.path.isdir(self.step_dir(step)):
-                with self._lock:  # not renamed into place yet: try again on the next poll
-                    self._unsealed.append((step, number))
-            elif jax.process_count() == 1:
-                write_manifest(self.step_dir(step))
-            else:
-                self._seal_shared(step, f"{self._kv_prefix}/{number}")
+            try:
+                if jax.process_index() == 0 and not os.path.isdir(self.step_dir(step)):
+                    with self._lock:  # not renamed into place yet: try again on the next poll
+                        self._unsealed.append((step, number))
+                elif jax.process_count() == 1:
+                    write_manifest(self.step_dir(step))
+                else:
+                    self._seal_shared(step, f"{self._kv_prefix}/{number}")
+            except Exception as e:
+                e.dropless_step = step  # which save's manifest failed, for ``wait``
+                raise
 
     def _seal_shared(self, step: int, key: str) -> None:
         """Process 0 lists the files, each process CRCs its share, process 0 writes the manifest."""
@@ -250,7 +442,17 @@ class Checkpointer:
         client.key_value_delete(key)  # with everything under it
 
     def poll(self) -> None:
-        """Seal a finished save in the background; cheap, call it every step."""
+        """Seal a finished save in the background; cheap, call it every step.
+
+        Raises:
+          CheckpointSaveError: the background write of the latest save failed.
+        """
+        if self._writing is not None and not self._manager.is_saving_in_progress():
+            step, self._writing = self._writing, None
+            try:  # returns at once: the write is over; raises if it failed
+                self._manager.wait_until_finished()
+            except Exception as e:
+                raise self._fail(step, e) from e
         if self._unsealed and not self._manager.is_saving_in_progress():
             if self._sealing is None or self._sealing.done():
                 self._sealing = self._sealer.submit(self._seal)
@@ -260,6 +462,8 @@ class Checkpointer:
         # Our own schedule: Orbax's would also save the first step of a run.
         if not self.due(step, force=force):
             return False
+        if self._failed:
+            raise RuntimeError("a checkpoint save failed earlier; this Checkpointer is closed")
         t0 = time.perf_counter()
         # One save in flight at a time; the previous one gets its manifest, and
         # every process sees it before the checks below (they must all agree).
@@ -276,25 +480,84 @@ class Checkpointer:
             model=ocp.args.StandardSave({"params": state["params"], "router_bias": state["router_bias"]}),
             opt=ocp.args.StandardSave({k: state[k] for k in ("opt_state", "step", "skipped_steps")}),
         )
-        saved = self._manager.save(step, args=args, force=True)
-        if not self._async:
-            self._seal()
+        try:
+            saved = self._manager.save(step, args=args, force=True)
+            if not self._async:
+                self._seal()
+        except Exception as e:
+            raise self._fail(step, e) from e
+        self._writing = step if saved and self._async else None
         if saved:
             self.last_timing = SaveTiming(step, waited, time.perf_counter() - t0)
         return saved
 
     def wait(self) -> None:
-        """Block until the save in flight is finalised and sealed (in every process)."""
-        self._manager.wait_until_finished()
-        if self._sealing is not None:
-            self._sealing.result()  # re-raises a failed manifest write
-        self._seal()
+        """Block until the save in flight is finalised and sealed (in every process).
+
+        Raises:
+          CheckpointSaveError: that save (its write or its manifest) failed.
+        """
+        if self._failed:
+            return
+        step = self._writing
+        try:
+            self._manager.wait_until_finished()
+        except Exception as e:
+            raise self._fail(step, e) from e
+        self._writing = None
+        try:
+            if self._sealing is not None:
+                self._sealing.result()  # re-raises a failed manifest write
+            self._seal()
+        except Exception as e:
+            raise self._fail(getattr(e, "dropless_step", step), e) from e
         _sync("dropless-checkpoint-sealed")  # process 0's manifests are on disk
 
     def close(self) -> None:
+        """Finish the save in flight and close; raises ``CheckpointSaveError`` if it failed."""
+        if self._failed:
+            return
         self.wait()
         self._sealer.shutdown()
         self._manager.close()
+
+    def _fail(self, step: int | None, e: BaseException) -> CheckpointSaveError:
+        """Close after save ``step`` failed with ``e``: remove its partial files; the error to raise."""
+        self._failed = True
+        free_then, path = free_bytes(self.directory)
+        self._sealer.shutdown(wait=True)  # a manifest being written for an earlier step finishes
+        try:
+            self._manager.close()  # waits for Orbax's writer threads; their errors are ``e``'s
+        except Exception:  # noqa: BLE001 - the error being reported is ``e``
+            pass
+        partial = []
+        if step is not None and jax.process_count() == 1:
+            partial = glob.glob(os.path.join(self.directory, f"{step}{TMP_SUFFIX}*"))
+            for d in partial:
+                shutil.rmtree(d, ignore_errors=True)
+        free_now, _ = free_bytes(self.directory)
+        intact = [s for s in complete_steps_in(self.directory) if s != step]
+        cause, number = _root_cause(e)
+        what = f"checkpoint save at step {step}" if step is not None else "checkpoint save"
+        space = f"{_gib(free_then)} free on the filesystem of {path}"
+        if self._per_save_bytes:
+            space += f", a save writes up to {_gib(self._per_save_bytes)}"
+        if partial:
+            space += f"; its partial files were removed ({', '.join(partial)}; {_gib(free_now)} free now)"
+        elif jax.process_count() > 1:
+            space += f"; its partial files ({step}{TMP_SUFFIX}) are left, the next resume removes them"
+        if intact:
+            steps = "step" if len(intact) == 1 else "steps"
+            resume = (f"intact checkpoints: {steps} {', '.join(map(str, intact))} in {self.directory}; "
+                      f"the same command resumes from step {intact[-1]}")
+        else:
+            resume = f"no complete checkpoint in {self.directory} to resume from"
+        fix = ""
+        if number == errno.ENOSPC:
+            fix = ("; to make room: free space, lower max_num_checkpoints_to_keep, raise checkpoint_period "
+                   "or point base_output_directory at a larger disk")
+        message = f"{what} failed: {cause}; {space}; {resume}{fix}"
+        return CheckpointSaveError(message, -1 if step is None else step, intact)
 
     def delete(self, step: int) -> None:
         """Remove the checkpoint of ``step`` (e.g. an incomplete one being superseded)."""
@@ -313,14 +576,20 @@ class Checkpointer:
         """(newest complete step or None, incomplete steps after it, now removed).
 
         Incomplete steps newer than the last complete one were killed before
-        their manifests were written; the run redoes and saves them again. Call
+        their manifests were written; the run redoes and saves them again.
+        Orbax's partial ``<step>.orbax-checkpoint-tmp`` directories are removed too. Call
         it from every process: all list the directory before any removes.
         """
         complete = self.complete_steps()
         stale = [x for x in self.incomplete_steps() if not complete or x > complete[-1]]
+        partial = glob.glob(os.path.join(self.directory, f"*{TMP_SUFFIX}*"))
         _sync("dropless-checkpoint-listed")
         for step in stale:
             self.delete(step)
+        if jax.process_index() == 0:  # partial writes of a failed or killed save: never a checkpoint
+            for d in partial:
+                shutil.rmtree(d, ignore_errors=True)
+        _sync("dropless-checkpoint-partial-removed")
         return (complete[-1] if complete else None), stale
 
     def restore(self, step: int, abstract_state: dict, shardings: dict) -> dict:

@@ -12,7 +12,10 @@ What one call does, in order:
    host thread and each step's metrics read one step late (so the host never
    waits for the device it just fed); saves every ``checkpoint_period`` steps
    and at the end (a save's own metrics row is written first, so a run killed
-   after it resumes with no gap in ``metrics.jsonl``);
+   after it resumes with no gap in ``metrics.jsonl``); before the first step it
+   checks that the checkpoint disk has room (``checkpoint.plan_disk``: one save
+   or exit, all of them or a warning), and a save that fails ends the run with
+   ``CheckpointSaveError``;
 4. prints a summary table and writes ``metrics.jsonl``, TensorBoard events and
    ``summary.png`` into the run directory.
 
@@ -207,6 +210,7 @@ def _initial_state(s: _Setup, train: TrainConfig, ckpt, console):
         if removed:
             console.print(f"[yellow]removed incomplete checkpoint(s) at step {removed}; "
                           "those steps are run and saved again[/yellow]")
+        _check_disk(ckpt, s, train, latest or 0, console)
         if latest is not None:
             console.print(f"resuming from {ckpt.step_dir(latest)}")
             return ckpt.restore(latest, s.abstract, s.shardings), latest
@@ -214,6 +218,21 @@ def _initial_state(s: _Setup, train: TrainConfig, ckpt, console):
     if train.load_parameters_path or train.hf_model_path:
         console.print(f"loaded parameters from {train.load_parameters_path or train.hf_model_path}")
     return state, None
+
+
+def _check_disk(ckpt, s: _Setup, train: TrainConfig, start: int, console) -> None:
+    """Refuse a run whose first save cannot fit on the checkpoint disk; warn if a later one cannot.
+
+    Raises:
+      ConfigError: not even one save fits in the free space.
+    """
+    plan = ckpt_lib.plan_disk(ckpt.directory, uncompressed_bytes=ckpt_lib.save_bytes(s.abstract),
+                              keep=train.max_num_checkpoints_to_keep, period=train.checkpoint_period,
+                              start=start, steps=train.steps)
+    if error := plan.error():
+        raise ConfigError(error)
+    if warning := plan.warning():
+        console.print(warning, style="yellow", markup=False, soft_wrap=True)
 
 
 def _with_given_parameters(s: _Setup, train: TrainConfig, state: dict) -> dict:
@@ -468,6 +487,8 @@ def run_training(model: ModelConfig, train: TrainConfig, mesh: MeshConfig, *,
         changed config, device memory exhausted (naming the keys to lower).
       ValueError: other bad configuration.
       CheckpointError: the checkpoint to resume or load is corrupt or does not fit.
+      CheckpointSaveError: a save failed (e.g. the disk is full); the checkpoints
+        before it are intact and the message names the one to resume from.
       parallel.overflow.EPOverflowError: an expert-parallel buffer overflowed
         under ``ep_overflow_policy="error"`` (checkpoints so far are kept).
     """
@@ -491,6 +512,7 @@ def run_training(model: ModelConfig, train: TrainConfig, mesh: MeshConfig, *,
         ckpt = ckpt_lib.Checkpointer(
             os.path.join(run_dir, "checkpoints"), period=train.checkpoint_period,
             async_save=train.async_checkpointing, max_to_keep=train.max_num_checkpoints_to_keep,
+            per_save_bytes=ckpt_lib.save_bytes(s.abstract),
         )
     try:
         state, resumed_from = _initial_state(s, train, ckpt, console)
