@@ -14,10 +14,15 @@ backward pass), or recomputed from the layer input.
   attention scores. The experts' grouped matmuls are kernels (or
   ``ragged_dot``), not ``dot_general``, which that policy cannot see, so their
   outputs (``moe_mlpwi``, ``moe_mlpwo``) and the FP8 kernels' weight codes
-  (``moe_fp8_weights``, one byte per weight) are kept by name as well: without
-  them the backward pass ran every layer's expert forward again (on the
-  proxy, 6 of its 24 grouped-GEMM kernel launches per step, and the FP8 weight
-  quantization twice).
+  (``moe_fp8_weights``, one byte per weight) are kept by name as well. Without
+  them the traced backward pass recomputes the gate/up GEMM of each layer
+  (``tests/train/test_remat_kernels.py``) and the FP8 weight quantization. On
+  the H200 the FP8 proxy step then quantizes each expert weight once instead
+  of twice and spends 49.7 instead of 53.3 ms per step quantizing
+  (profile-20261202-001355 against -005357), for about 4 GiB more saved
+  activations. Its grouped-GEMM kernel time did not change (80.4 ms, 24
+  launches per step in both profiles), so whether the compiled program had
+  kept the recomputed GEMM is not settled.
 * ``save_dot_except_mlp``: keep the attention projections (query/key/value,
   the MLA latents, the output projection); recompute the MLP/expert matmuls.
 * ``custom``: per-tensor choice from ``remat_custom``, pairs ``(name, action)``
