@@ -12,8 +12,8 @@ What one call does, in order:
    host thread and each step's metrics read one step late (so the host never
    waits for the device it just fed) except where a timing window ends (at
    most every ``TIMING_WINDOW_STEPS`` steps, and at each printed step, save
-   and the last step): there it waits for the step, and the row carries the
-   window's mean step time (``metrics.StepWindows``: never below the device
+   and the last step): there it waits for the step before dispatching the
+   next, and the row carries the window's mean step time (``metrics.StepWindows``: never below the device
    time; compilation and saves are in no window); saves every ``checkpoint_period`` steps
    and at the end (a save's own metrics row is written first, so a run killed
    after it resumes with no gap in ``metrics.jsonl``); before the first step it
@@ -40,6 +40,7 @@ number of processes.
 
 import concurrent.futures
 import dataclasses
+import functools
 import itertools
 import math
 import os
@@ -361,11 +362,12 @@ def _train_steps(s: _Setup, train: TrainConfig, state, start, ckpt, writer, cons
     Step times are window means (``metrics.StepWindows``). A window ends at the
     first step of this invocation (it compiles: its time is ``compile_s``, in no
     window), every ``TIMING_WINDOW_STEPS``-th and every printed step, a save's
-    step and the last step; there the loop waits for that step, writes its row
-    with the window's mean and then saves, and the next window opens after the
-    save. Other rows are written one step late, without timing. A save's
-    blocking time is in no step time: it is reported on the next row
-    (``checkpoint_wait_s``, ``checkpoint_blocked_s``).
+    step and the last step. There the loop waits for that step and opens the
+    next window; the row, with the window's mean, is written while the next
+    step runs, except at a save (row, then save, then the next window opens)
+    and at the last step. Other rows are written one step late, without
+    timing. A save's blocking time is in no step time: it is reported on the
+    next row (``checkpoint_wait_s``, ``checkpoint_blocked_s``).
     """
     step_fn = _jit_step(s)
     rows, saves, load_LE, compile_s = [], [], None, None
@@ -378,20 +380,18 @@ def _train_steps(s: _Setup, train: TrainConfig, state, start, ckpt, writer, cons
         t_start = _clock()
         opened = start  # steps done when the current window opened
 
-        def finish(step_no, raw_device, window_end=False):
-            nonlocal load_LE, compile_s, unreported
-            raw = _fetch(raw_device)
-            step_time, first = None, window_end and step_no == start + 1
-            if first:
-                compile_s = _clock() - t_start
-            elif window_end:
-                step_time = timer.close(step_no - opened)
+        def finish(step_no, raw, *, fetched=False, step_time=None, timed=1, compile_s=None):
+            """Write ``step_no``'s row: ``raw`` on device, or on the host if ``fetched``;
+            ``step_time`` the mean over the ``timed`` steps of the window it ends;
+            ``compile_s`` on the compiling first step's row."""
+            nonlocal load_LE, unreported
+            if not fetched:
+                raw = _fetch(raw)
             row = metrics_lib.make_row(
-                step_no, raw, step_time=step_time, timed_steps=step_no - opened,
-                tokens_per_step=tokens, num_devices=s.mesh.size, tflops_per_step=s.flops.total,
-                peak_tflops=s.peak,
+                step_no, raw, step_time=step_time, timed_steps=timed, tokens_per_step=tokens,
+                num_devices=s.mesh.size, tflops_per_step=s.flops.total, peak_tflops=s.peak,
             )
-            if first:
+            if compile_s is not None:
                 row["compile_s"] = compile_s
             if unreported is not None and unreported.step < step_no:
                 row.update(checkpoint_wait_s=unreported.wait_s, checkpoint_blocked_s=unreported.blocked_s)
@@ -411,27 +411,37 @@ def _train_steps(s: _Setup, train: TrainConfig, state, start, ckpt, writer, cons
                 future = pool.submit(s.feed.local, step + 1)
             state, raw = step_fn(state, batch)
             if pending is not None:
-                finish(*pending)
+                pending()
                 pending = None
             done = step + 1
             last = done == train.steps
             saving = ckpt is not None and ckpt.due(done, force=last)
-            if (done == start + 1 or last or saving or done % TIMING_WINDOW_STEPS == 0
+            if not (done == start + 1 or last or saving or done % TIMING_WINDOW_STEPS == 0
                     or progress.prints(done)):
-                finish(done, raw, window_end=True)  # a saved step's row first: nothing can kill the run before it
-                if saving:
-                    timing = _save(ckpt, done, state, last, console)
-                    if timing is not None:
-                        saves.append(timing)
-                        unreported = timing
+                pending = functools.partial(finish, done, raw)
                 if ckpt is not None:
                     ckpt.poll()
-                opened = done
-                timer.open()
+                continue
+            raw = _fetch(raw)  # the window's last step has finished
+            if done == start + 1:
+                compile_s = _clock() - t_start
+                pending = functools.partial(finish, done, raw, fetched=True, compile_s=compile_s)
             else:
-                pending = (done, raw)
-                if ckpt is not None:
-                    ckpt.poll()
+                pending = functools.partial(finish, done, raw, fetched=True,
+                                            step_time=timer.close(done - opened), timed=done - opened)
+            if saving or last:
+                pending()  # a saved step's row first: nothing can kill the run before it
+                pending = None
+                if saving:
+                    save = _save(ckpt, done, state, last, console)
+                    if save is not None:
+                        saves.append(save)
+                        unreported = save
+            # else the row is written while the next step runs
+            if ckpt is not None:
+                ckpt.poll()
+            opened = done
+            timer.open()
     if monitor is not None and rows:
         monitor.check(rows[-1]["step"])  # what the last periodic check did not cover
     return _Ran(state, rows, timer.windows, load_LE, compile_s, saves)
