@@ -130,9 +130,8 @@ class StepWindows:
     host has waited for the outputs of its last (n-th) step. The n steps ran
     one after another between the two readings, so the mean is never below
     their mean device time; it includes host time spent inside the window
-    (dispatch, data, fetching the previous step's row) that kept the device
-    idle, and nothing done between windows (compiling, checkpoint saves,
-    writing the window's last row).
+    (dispatch, data, writing rows) that kept the device idle, and nothing done
+    between windows (compiling, checkpoint saves).
     """
 
     def __init__(self, clock=time.perf_counter):
