@@ -122,8 +122,8 @@ class StepWindows:
     moments at which none of the loop's work is left on the device.
 
     JAX dispatch is asynchronous and may also block part-way into the step it
-    dispatches (the train step's ``lax.cond`` makes the host read a predicate
-    on GPU), so the moment the host sees a step's metrics says little about
+    dispatches (a ``lax.cond`` in the step, such as expert parallelism's extra
+    rounds, makes the host read its predicate on GPU), so the moment the host sees a step's metrics says little about
     when the device finished that step: a window's clock readings must be
     where nothing of ours is queued. ``open()`` before the window's first step
     is dispatched, with nothing of ours queued; ``close(n)`` right after the
