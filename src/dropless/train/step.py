@@ -48,6 +48,19 @@ def split_model(model: Transformer):
     return graphdef, nnx.to_pure_dict(params), nnx.to_pure_dict(bias), nnx.to_pure_dict(rest)
 
 
+def optimizer_start(tx: optax.GradientTransformation, params) -> dict:
+    """The state's ``opt_state``, ``step`` and ``skipped_steps`` at step 0 for ``params``.
+
+    With ``init``'s params this completes a random start; with loaded ones it
+    builds the rest of the state around them without a random initialisation.
+    """
+    return {
+        "opt_state": tx.init(params),
+        "step": jnp.zeros((), jnp.int32),
+        "skipped_steps": jnp.zeros((), jnp.int32),
+    }
+
+
 def init_state_fn(cfg: ModelConfig, tx: optax.GradientTransformation, seed: int, remat=None,
                   ep=None):
     """(graphdef, init) where ``init() -> state`` builds the model and optimizer state.
@@ -60,13 +73,7 @@ def init_state_fn(cfg: ModelConfig, tx: optax.GradientTransformation, seed: int,
         _, params, bias, rest = split_model(build_model(cfg, seed, remat, ep))
         if jax.tree.leaves(rest):
             raise ValueError("the model holds state other than Param and RouterBias")
-        return {
-            "params": params,
-            "router_bias": bias,
-            "opt_state": tx.init(params),
-            "step": jnp.zeros((), jnp.int32),
-            "skipped_steps": jnp.zeros((), jnp.int32),
-        }
+        return {"params": params, "router_bias": bias, **optimizer_start(tx, params)}
 
     abstract_model = nnx.eval_shape(lambda: build_model(cfg, seed, remat, ep))
     graphdef = nnx.split(abstract_model, nnx.Param, RouterBias, ...)[0]
