@@ -15,7 +15,8 @@ One step: per microbatch, loss = cross-entropy + MoE aux losses +
 ``mtp_loss_scaling_factor`` * mean over depths of the MTP cross-entropies;
 gradients are averaged over microbatches in float32; the optimizer updates
 the parameters; the router bias takes one balancing step per optimizer step,
-from the expert load summed over the microbatches (``_summed_load_bias_update``). If the loss or
+from the expert load summed over the microbatches
+(``Transformer.apply_router_bias_update``). If the loss or
 the gradient norm is not finite, or an expert-parallel receive buffer
 overflowed (``MoEStats.overflow_tokens``: some tokens got partial outputs),
 the optimizer update and the bias step do not run (``lax.cond`` on device),
@@ -33,7 +34,6 @@ from flax import nnx
 from dropless.config.sections import ModelConfig
 from dropless.nn.model import Transformer, moe_stats_concat
 from dropless.nn.moe import RouterBias
-from dropless.ops import routing
 from dropless.train.data import Batch
 
 
@@ -169,20 +169,6 @@ def _grads(state, batch: Batch, graphdef, cfg: ModelConfig):
     return loss, aux, grads
 
 
-def _summed_load_bias_update(moe_stats: dict, cfg: ModelConfig) -> dict:
-    """Each stack's ``bias_update`` recomputed from its load summed over the step.
-
-    Under gradient accumulation the per-microbatch signs would average (two
-    opposite signs cancel); the balancing step is one per optimizer step, the
-    sign of the whole step's load against its mean.
-    """
-    if not cfg.moe.routed_bias:
-        return moe_stats
-    rate = cfg.moe.routed_bias_update_rate
-    return {path: s._replace(bias_update=routing.bias_update(s.tokens_per_expert, rate))
-            for path, s in moe_stats.items()}
-
-
 def make_train_step(graphdef, cfg: ModelConfig, tx, schedule) -> Callable:
     """``train_step(state, batch) -> (state, metrics)``, pure, ready for ``jax.jit``.
 
@@ -214,7 +200,7 @@ def make_train_step(graphdef, cfg: ModelConfig, tx, schedule) -> Callable:
             updates, new_opt_state = tx.update(grads, opt_state, params)
             new_params = optax.apply_updates(params, updates)
             model = nnx.merge(graphdef, new_params, bias, {})
-            model.apply_router_bias_update(_summed_load_bias_update(aux["moe_stats"], cfg))
+            model.apply_router_bias_update(aux["moe_stats"])
             return new_params, new_opt_state, nnx.to_pure_dict(nnx.state(model, RouterBias))
 
         def keep(params, opt_state, bias):
