@@ -8,7 +8,10 @@
 #                    "python3 benchmarks/fp8_quant.py --quick --out \$OUT"
 #
 # Needs: $OUT (the device tool sets it), .whl/ carried (make wheels here), and
-# DROPLESS_COMMIT set by the caller to the commit being measured.
+# DROPLESS_COMMIT set by the caller to the commit being measured, as a literal
+# sha expanded on this side: the GPU machine's copy of the tree can carry a
+# stale git HEAD, so $(git rev-parse HEAD) evaluated there names the wrong
+# commit (it did on 2026-12-02).
 set -u
 cd "$(dirname "$0")/.."
 : "${OUT:?OUT must name the folder whose files come back}"

@@ -10,7 +10,11 @@ What one call does, in order:
    ``seed``;
 3. runs the jitted step until ``steps``, with the next batch prepared on a
    host thread and each step's metrics read one step late (so the host never
-   waits for the device it just fed); saves every ``checkpoint_period`` steps
+   waits for the device it just fed) except where a timing window ends (at
+   most every ``TIMING_WINDOW_STEPS`` steps, and at each printed step, save
+   and the last step): there it waits for the step before dispatching the
+   next, and the row carries the window's mean step time (``metrics.StepWindows``: never below the device
+   time; compilation and saves are in no window); saves every ``checkpoint_period`` steps
    and at the end (a save's own metrics row is written first, so a run killed
    after it resumes with no gap in ``metrics.jsonl``); before the first step it
    checks that the checkpoint disk has room (``checkpoint.plan_disk``: one save
@@ -24,7 +28,8 @@ by accident; give ``run_name`` to make a run resumable. The run directory's
 ``config.json`` is written once; a resume with another config is refused
 unless ``allow_config_change_on_resume`` (``train.run_dir``). Each save's
 time holding the loop is reported on the next metrics row
-(``checkpoint_wait_s``, ``checkpoint_blocked_s``) and summed in the summary.
+(``checkpoint_wait_s``, ``checkpoint_blocked_s``), is in no step time, and is
+summed in the summary.
 
 Each process makes only the batch rows its devices hold (``BatchFeed``): the
 data source generates or reads just those sequences, and
@@ -35,6 +40,7 @@ number of processes.
 
 import concurrent.futures
 import dataclasses
+import functools
 import itertools
 import math
 import os
@@ -71,7 +77,9 @@ class TrainResult:
     ``final_loss`` is the last step's total loss; ``final_lm_loss_avg`` the mean
     LM loss over the last tenth of the steps (what to compare with
     ``entropy_floor``). Throughput figures are medians over this invocation's
-    steps after the first (which compiles); None if fewer than two steps ran.
+    steps after the first (which compiles: ``compile_s`` is compile plus that
+    step), each step counted at its timing window's mean
+    (``metrics.StepWindows``); None if fewer than two steps ran.
     ``checkpoint_blocked_s`` is the time saves held the loop (waiting for the
     previous save plus the handoff to the background writer), summed over
     this invocation's ``checkpoint_saves``.
@@ -328,10 +336,24 @@ class _Ran(NamedTuple):
 
     state: dict
     rows: list
-    step_times: list
+    windows: list  # (mean seconds per step, steps) of each timing window (metrics.StepWindows)
     load_LE: np.ndarray | None
     compile_s: float | None
     saves: list  # checkpoint.SaveTiming of each save this invocation made
+
+
+# At most this many steps per timing window. A window's end waits for its last
+# step before dispatching the next, which leaves the device idle for one dispatch
+# (about a millisecond against steps of hundreds); every other step's metrics are
+# fetched one step late and never make the host wait.
+TIMING_WINDOW_STEPS = 10
+
+_clock = time.perf_counter  # the loop's clock and its wait for a step (tests replace both)
+
+
+def _fetch(raw_device):
+    """Host copy of a step's metrics, once that step has finished on every local device."""
+    return jax.device_get(jax.block_until_ready(raw_device))
 
 
 def _save(ckpt, step_no, state, force, console):
@@ -349,32 +371,40 @@ def _save(ckpt, step_no, state, force, console):
 def _train_steps(s: _Setup, train: TrainConfig, state, start, ckpt, writer, console, tokens) -> _Ran:
     """Run steps start..steps-1.
 
-    A save's blocking time is reported on the next step's row
-    (``checkpoint_wait_s``, ``checkpoint_blocked_s``): that step's time includes it.
+    Step times are window means (``metrics.StepWindows``). A window ends at the
+    first step of this invocation (it compiles: its time is ``compile_s``, in no
+    window), every ``TIMING_WINDOW_STEPS``-th and every printed step, a save's
+    step and the last step. There the loop waits for that step and opens the
+    next window; the row, with the window's mean, is written while the next
+    step runs, except at a save (row, then save, then the next window opens)
+    and at the last step. Other rows are written one step late, without
+    timing. A save's blocking time is in no step time: it is reported on the
+    next row (``checkpoint_wait_s``, ``checkpoint_blocked_s``).
     """
     step_fn = _jit_step(s)
-    rows, step_times, saves, load_LE, compile_s = [], [], [], None, None
-    pending, last_done, unreported = None, None, None
+    rows, saves, load_LE, compile_s = [], [], None, None
+    pending, unreported = None, None
+    timer = metrics_lib.StepWindows(_clock)
     monitor = _overflow_monitor(s, console)
     with concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="data") as pool, \
             metrics_lib.ProgressDisplay(console, train.steps, start) as progress:
         future = pool.submit(s.feed.local, start)
-        t_start = time.perf_counter()
+        t_start = _clock()
+        opened = start  # steps done when the current window opened
 
-        def finish(step_no, raw_device):
-            nonlocal last_done, load_LE, compile_s, unreported
-            raw = jax.device_get(raw_device)
-            now = time.perf_counter()
-            step_time = None if last_done is None else now - last_done
-            if last_done is None:
-                compile_s = now - t_start
-            last_done = now
-            if step_time:
-                step_times.append(step_time)
+        def finish(step_no, raw, *, fetched=False, step_time=None, timed=1, compile_s=None):
+            """Write ``step_no``'s row: ``raw`` on device, or on the host if ``fetched``;
+            ``step_time`` the mean over the ``timed`` steps of the window it ends;
+            ``compile_s`` on the compiling first step's row."""
+            nonlocal load_LE, unreported
+            if not fetched:
+                raw = _fetch(raw)
             row = metrics_lib.make_row(
-                step_no, raw, step_time=step_time, tokens_per_step=tokens, num_devices=s.mesh.size,
-                tflops_per_step=s.flops.total, peak_tflops=s.peak,
+                step_no, raw, step_time=step_time, timed_steps=timed, tokens_per_step=tokens,
+                num_devices=s.mesh.size, tflops_per_step=s.flops.total, peak_tflops=s.peak,
             )
+            if compile_s is not None:
+                row["compile_s"] = compile_s
             if unreported is not None and unreported.step < step_no:
                 row.update(checkpoint_wait_s=unreported.wait_s, checkpoint_blocked_s=unreported.blocked_s)
                 unreported = None
@@ -393,23 +423,40 @@ def _train_steps(s: _Setup, train: TrainConfig, state, start, ckpt, writer, cons
                 future = pool.submit(s.feed.local, step + 1)
             state, raw = step_fn(state, batch)
             if pending is not None:
-                finish(*pending)
-            pending = (step + 1, raw)
+                pending()
+                pending = None
+            done = step + 1
+            last = done == train.steps
+            saving = ckpt is not None and ckpt.due(done, force=last)
+            if not (done == start + 1 or last or saving or done % TIMING_WINDOW_STEPS == 0
+                    or progress.prints(done)):
+                pending = functools.partial(finish, done, raw)
+                if ckpt is not None:
+                    ckpt.poll()
+                continue
+            raw = _fetch(raw)  # the window's last step has finished
+            if done == start + 1:
+                compile_s = _clock() - t_start
+                pending = functools.partial(finish, done, raw, fetched=True, compile_s=compile_s)
+            else:
+                pending = functools.partial(finish, done, raw, fetched=True,
+                                            step_time=timer.close(done - opened), timed=done - opened)
+            if saving or last:
+                pending()  # a saved step's row first: nothing can kill the run before it
+                pending = None
+                if saving:
+                    save = _save(ckpt, done, state, last, console)
+                    if save is not None:
+                        saves.append(save)
+                        unreported = save
+            # else the row is written while the next step runs
             if ckpt is not None:
-                force = step + 1 == train.steps
-                if ckpt.due(step + 1, force=force):
-                    finish(*pending)  # the saved step's row, before anything can kill the run
-                    pending = None
-                timing = _save(ckpt, step + 1, state, force, console)
-                if timing is not None:
-                    saves.append(timing)
-                    unreported = timing
                 ckpt.poll()
-        if pending is not None:
-            finish(*pending)
+            opened = done
+            timer.open()
     if monitor is not None and rows:
         monitor.check(rows[-1]["step"])  # what the last periodic check did not cover
-    return _Ran(state, rows, step_times, load_LE, compile_s, saves)
+    return _Ran(state, rows, timer.windows, load_LE, compile_s, saves)
 
 
 def _overflow_monitor(s: _Setup, console):
@@ -426,14 +473,10 @@ def _overflow_monitor(s: _Setup, console):
     )
 
 
-def _median(xs):
-    return float(np.median(xs)) if xs else None
-
-
 def _result(s: _Setup, run_dir, writer, rows_all, ran: _Ran, resumed_from, num_params,
             tokens, t0, plot_path) -> TrainResult:
     last = rows_all[-1] if rows_all else None
-    step_time = _median(ran.step_times)
+    step_time = metrics_lib.median_step_time(ran.windows)
     return TrainResult(
         ok=bool(last) and math.isfinite(last["loss"]) and last["skipped_steps"] < last["step"],
         run_dir=run_dir,
@@ -472,7 +515,7 @@ def _print_summary(console, r: TrainResult):
         "skipped steps (non-finite or EP overflow)": r.skipped_steps,
         "parameters": f"{r.num_params:,}",
         "compile + first step (s)": r.compile_s,
-        "step time (s, median)": r.step_time_s,
+        "step time (s, median over steps of window means)": r.step_time_s,
         "tokens/s": r.tokens_per_s,
         "TFLOP/s per device": r.tflops_per_device,
         "MFU": r.mfu,

@@ -3,10 +3,13 @@
 Legend: L MoE layers, E routed experts.
 
 Each step's device metrics (from ``train.step``) become one flat row with
-throughput figures added (step time, tokens/s, TFLOP/s per device from the
-analytic count, MFU when the device's peak is known) and MoE load figures
-(min/max tokens per expert, coefficient of variation of the load across
-experts averaged over layers, dropped tokens). Rows go to
+MoE load figures (min/max tokens per expert, coefficient of variation of the
+load across experts averaged over layers, dropped tokens). The row that ends
+a timing window (``StepWindows``) also has the throughput figures: the mean
+step time over the window's ``step_time_steps`` steps, tokens/s, TFLOP/s per
+device from the analytic count, MFU when the device's peak is known. The
+first step of an invocation compiles: its row has ``compile_s`` (compile plus
+that step) and no step time. Rows go to
 
 * ``<run_dir>/metrics.jsonl``: one JSON object per step, keys as in ``Row``;
 * TensorBoard (``<run_dir>/tensorboard``) under MaxText's tag names;
@@ -17,6 +20,7 @@ experts averaged over layers, dropped tokens). Rows go to
 import json
 import math
 import os
+import time
 import uuid
 
 import numpy as np
@@ -74,16 +78,19 @@ def final_lm_loss(rows: list[dict]) -> float | None:
 
 
 def make_row(step: int, raw: dict, *, step_time: float | None, tokens_per_step: int,
-             num_devices: int, tflops_per_step: float, peak_tflops: float | None) -> dict:
+             num_devices: int, tflops_per_step: float, peak_tflops: float | None,
+             timed_steps: int = 1) -> dict:
     """One metrics row (plain Python numbers) for the step that just finished.
 
     Args:
       step: 1-based number of steps done after this one.
       raw: the train step's metrics, fetched to host.
-      step_time: seconds this step took (None for the compiling first step).
+      step_time: mean seconds per step over the ``timed_steps`` steps ending
+        with this one (``StepWindows``), or None: no timing on this row.
       tokens_per_step: global tokens per optimizer step.
       tflops_per_step: analytic TFLOPs per device per step (``flops.TrainingFlops.total``).
       peak_tflops: the device's dense peak, or None (no MFU).
+      timed_steps: how many steps ``step_time`` is the mean of (``step_time_steps``).
     """
     row = {"step": step}
     for key in ("loss", "lm_loss", "aux_loss", "mtp_loss", "grad_norm", "learning_rate"):
@@ -97,14 +104,62 @@ def make_row(step: int, raw: dict, *, step_time: float | None, tokens_per_step: 
             row[key] = int(raw[key])
         row["overflow_tokens"] = int(np.sum(raw["overflow_tokens"]))  # per layer on device
         row["buffer_factor_needed"] = float(np.max(raw["buffer_factor_needed"]))
-    if step_time:
+    if step_time is not None:
+        if not step_time > 0:
+            raise ValueError(f"step_time={step_time} s must be > 0")
         row["step_time_s"] = step_time
+        row["step_time_steps"] = timed_steps
         row["tokens_per_s"] = tokens_per_step / step_time
         row["tokens_per_s_per_device"] = tokens_per_step / step_time / num_devices
         row["tflops_per_device"] = tflops_per_step / step_time
         if peak_tflops:
             row["mfu"] = row["tflops_per_device"] / peak_tflops
     return row
+
+
+class StepWindows:
+    """Step times as means over windows of consecutive steps, each between two
+    moments at which none of the loop's work is left on the device.
+
+    JAX dispatch is asynchronous and may also block part-way into the step it
+    dispatches (a ``lax.cond`` in the step, such as expert parallelism's extra
+    rounds, makes the host read its predicate on GPU), so the moment the host sees a step's metrics says little about
+    when the device finished that step: a window's clock readings must be
+    where nothing of ours is queued. ``open()`` before the window's first step
+    is dispatched, with nothing of ours queued; ``close(n)`` right after the
+    host has waited for the outputs of its last (n-th) step. The n steps ran
+    one after another between the two readings, so the mean is never below
+    their mean device time; it includes host time spent inside the window
+    (dispatch, data, writing rows) that kept the device idle, and nothing done
+    between windows (compiling, checkpoint saves).
+    """
+
+    def __init__(self, clock=time.perf_counter):
+        self._clock = clock
+        self._t0: float | None = None
+        self.windows: list[tuple[float, int]] = []  # (mean seconds per step, steps)
+
+    def open(self) -> None:
+        self._t0 = self._clock()
+
+    def close(self, steps: int) -> float:
+        """The window's mean seconds per step; records it and ends the window."""
+        if self._t0 is None:
+            raise RuntimeError("StepWindows.close without open")
+        if steps < 1:
+            raise ValueError(f"a window of {steps} steps")
+        mean = (self._clock() - self._t0) / steps
+        self._t0 = None
+        self.windows.append((mean, steps))
+        return mean
+
+
+def median_step_time(windows: list[tuple[float, int]]) -> float | None:
+    """Median over steps of ``(mean, steps)`` windows, each step at its window's mean; None if empty."""
+    if not windows:
+        return None
+    means, counts = zip(*windows)
+    return float(np.median(np.repeat(np.asarray(means, np.float64), counts)))
 
 
 def truncate_jsonl(path: str, last_step: int) -> None:
@@ -198,7 +253,7 @@ class ProgressDisplay:
     def __init__(self, console: Console, total_steps: int, start_step: int):
         self.console = console
         self.total = total_steps
-        self._every = max(1, total_steps // 10)
+        self.every = max(1, total_steps // 10)  # steps between printed lines
         self._progress = Progress(
             TextColumn("[bold]step {task.completed}/{task.total}"),
             BarColumn(),
@@ -222,13 +277,15 @@ class ProgressDisplay:
         self._progress.stop()
 
     def update(self, row: dict) -> None:
-        tflops = row.get("tflops_per_device")
-        self._progress.update(
-            self._task, completed=row["step"], loss=f"{row['loss']:.4f}",
-            tflops=f"{tflops:.3g}" if tflops else "-",
-        )
-        if row["step"] % self._every == 0 or row["step"] == self.total or not row["applied"]:
+        tflops = row.get("tflops_per_device")  # on the rows that end a timing window
+        fields = {"tflops": f"{tflops:.3g}"} if tflops else {}
+        self._progress.update(self._task, completed=row["step"], loss=f"{row['loss']:.4f}", **fields)
+        if self.prints(row["step"]) or not row["applied"] or "compile_s" in row:
             self._progress.console.print(format_row(row))
+
+    def prints(self, step: int) -> bool:
+        """Whether ``step``'s row is printed as a log line (every tenth of the run, the last)."""
+        return step % self.every == 0 or step == self.total
 
 
 def format_row(row: dict) -> str:
@@ -236,8 +293,12 @@ def format_row(row: dict) -> str:
     parts = [f"step {row['step']:>6}", f"loss {row['loss']:.4f}", f"lm {row['lm_loss']:.4f}",
              f"gnorm {row['grad_norm']:.3g}", f"lr {row['learning_rate']:.3g}"]
     if "step_time_s" in row:
-        parts += [f"{row['step_time_s'] * 1e3:.0f} ms", f"{row['tokens_per_s']:.4g} tok/s",
-                  f"{row['tflops_per_device']:.3g} TFLOP/s/dev"]
+        n = row.get("step_time_steps", 1)
+        span = f"step {row['step']}" if n == 1 else f"mean of steps {row['step'] - n + 1}-{row['step']}"
+        parts += [f"{row['step_time_s'] * 1e3:.0f} ms/step", f"{row['tokens_per_s']:.4g} tok/s",
+                  f"{row['tflops_per_device']:.3g} TFLOP/s/dev ({span})"]
+    if "compile_s" in row:
+        parts.append(f"compile + first step {row['compile_s']:.1f} s (untimed)")
     if "moe_load_cv" in row:
         parts.append(f"load cv {row['moe_load_cv']:.2f}")
     if not row["finite"]:

@@ -19,8 +19,8 @@ from the expert load summed over the microbatches
 (``Transformer.apply_router_bias_update``). If the loss or
 the gradient norm is not finite, or an expert-parallel receive buffer
 overflowed (``MoEStats.overflow_tokens``: some tokens got partial outputs),
-the optimizer update and the bias step do not run (``lax.cond`` on device),
-``skipped_steps`` counts it, and the step counter still
+the new params, optimizer state and bias are all discarded on device
+(``jnp.where``), ``skipped_steps`` counts it, and the step counter still
 advances so the data stream moves on.
 """
 
@@ -196,28 +196,25 @@ def make_train_step(graphdef, cfg: ModelConfig, tx, schedule) -> Callable:
         applied = finite & (overflow == 0)
         params, opt_state = state["params"], state["opt_state"]
 
-        def update(params, opt_state, bias):
-            updates, new_opt_state = tx.update(grads, opt_state, params)
-            new_params = optax.apply_updates(params, updates)
-            model = nnx.merge(graphdef, new_params, bias, {})
-            model.apply_router_bias_update(aux["moe_stats"])
-            return new_params, new_opt_state, nnx.to_pure_dict(nnx.state(model, RouterBias))
+        updates, new_opt_state = tx.update(grads, opt_state, params)
+        new_params = optax.apply_updates(params, updates)
+        model = nnx.merge(graphdef, new_params, state["router_bias"], {})
+        model.apply_router_bias_update(aux["moe_stats"])
+        new_bias = nnx.to_pure_dict(nnx.state(model, RouterBias))
 
-        def keep(params, opt_state, bias):
-            return params, opt_state, bias
-
-        # A branch, not a select: jnp.where(applied, new, old) over the parameters and the
-        # optimizer state was its own pass over them (20 ms of a 410 ms proxy step on the
-        # H200, profile-20261202-001355); under lax.cond the update writes in place and a
-        # skipped step costs nothing.
-        new_params, new_opt_state, new_bias = jax.lax.cond(
-            applied, update, keep, params, opt_state, state["router_bias"])
+        # A select, not lax.cond: on the GPU a conditional reads its predicate on the
+        # host, so the step's dispatch would block until the backward pass is done
+        # (on the H200 the dispatch returned 27 ms before a 1255 ms step ended, the seed
+        # recipe log of 2026-12-02), and the loop could not run ahead. XLA fuses the
+        # select into the update's own pass over the weights.
+        def keep_if_finite(new, old):
+            return jax.tree.map(lambda n, o: jnp.where(applied, n, o), new, old)
 
         updates_applied = state["step"] - state["skipped_steps"]  # the optimizer's count
         new_state = {
-            "params": new_params,
-            "router_bias": new_bias,
-            "opt_state": new_opt_state,
+            "params": keep_if_finite(new_params, params),
+            "router_bias": keep_if_finite(new_bias, state["router_bias"]),
+            "opt_state": keep_if_finite(new_opt_state, opt_state),
             "step": state["step"] + 1,
             "skipped_steps": state["skipped_steps"] + (~applied).astype(jnp.int32),
         }
