@@ -49,6 +49,7 @@ from dropless.nn.moe import MoEBlock  # noqa: E402
 from dropless.parallel import ep as ep_lib  # noqa: E402
 from dropless.parallel import exchange  # noqa: E402
 from dropless.parallel.sharding import BATCH_AXES  # noqa: E402
+from dropless.perf import hlo as hlo_lib  # noqa: E402
 from dropless.perf import measure  # noqa: E402
 
 AXES = ("data", "fsdp", "expert", "tensor")
@@ -74,8 +75,7 @@ def make_fns(block):
 
 def hlo_size(fn, *args) -> int:
     """Instructions in the optimized HLO of ``fn(*args)``."""
-    text = fn.lower(*args).compile().as_text()
-    return sum(1 for line in text.splitlines() if " = " in line and not line.lstrip().startswith("//"))
+    return sum(1 for _ in hlo_lib.instructions(fn.lower(*args).compile().as_text()))
 
 
 def overhead(shape, quick):

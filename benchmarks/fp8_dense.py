@@ -65,6 +65,7 @@ import numpy as np
 from flax import nnx
 
 from dropless.nn.model import dense_dot_general
+from dropless.perf import hlo as hlo_lib
 from dropless.perf import measure
 
 BASE = ["model_name=deepseek3-proxy"]
@@ -158,70 +159,7 @@ def inputs(b: int, s: int, k: int, n: int, dtype, param_dtype, seed: int = 0):
 HLO_CHECK = 2  # version of hlo_checks; 1 (absent) read operand types only where printed inline
 GEMM_TARGETS = frozenset({"__cublas$gemm", "__cublas$lt$matmul", "__cublas$lt$matmul$f8",
                           "__cublas$lt$matmul$fp8"})
-# "[ROOT] %name = " then the result type, the opcode and its operand list.
-_DEF = re.compile(r"^\s*(?:ROOT\s+)?%?([\w.\-]+)\s*=\s*")
-_OPCODE = re.compile(r"\s*([\w\-]+)\(")
 _TARGET = re.compile(r'custom_call_target="([^"]*)"')
-_COMMENT = re.compile(r"/\*.*?\*/")
-
-
-def _balanced(text: str, i: int) -> int:
-    """Index just past the bracket group that opens at ``text[i]`` (``(``, ``[`` or ``{``)."""
-    depth = 0
-    for j in range(i, len(text)):
-        if text[j] in "([{":
-            depth += 1
-        elif text[j] in ")]}":
-            depth -= 1
-            if depth == 0:
-                return j + 1
-    return len(text)
-
-
-def _split_top(text: str) -> list[str]:
-    """``text`` split at the commas outside any brackets, each part stripped."""
-    parts, depth, last = [], 0, 0
-    for j, ch in enumerate(text):
-        depth += ch in "([{"
-        depth -= ch in ")]}"
-        if ch == "," and depth == 0:
-            parts.append(text[last:j].strip())
-            last = j + 1
-    parts.append(text[last:].strip())
-    return [p for p in parts if p]
-
-
-def hlo_instructions(hlo: str):
-    """Yield ``(types, name, type, opcode, operands, rest)`` per instruction of HLO text.
-
-    ``types`` maps the names defined so far in the instruction's computation to their
-    result types (a tuple type keeps its parentheses); ``operands`` is a list of
-    ``(inline type or None, name)``: the GPU's optimized HLO prints operands by name only,
-    other printers as ``f8e4m3fn[8,16]{1,0} %a``. ``/*index=5*/`` comments are dropped.
-    """
-    types = {}
-    for line in hlo.splitlines():
-        m = _DEF.match(line)
-        if not m:
-            if line.rstrip().endswith("{"):  # a computation's header: a new name scope
-                types = {}
-            continue
-        line = _COMMENT.sub("", line)
-        m = _DEF.match(line)
-        i = m.end()
-        end = _balanced(line, i) if line[i:i + 1] == "(" else line.find(" ", i)
-        end = len(line) if end < 0 else end
-        type_ = line[i:end]
-        types[m.group(1)] = type_
-        op = _OPCODE.match(line, end)
-        if not op:
-            continue
-        close = _balanced(line, op.end() - 1)
-        operands = []
-        for part in _split_top(line[op.end():close - 1]):
-            inline, _, name = part.rpartition(" ")
-            operands.append((inline.strip() or None, name.lstrip("%")))
-        yield types, m.group(1), type_, op.group(1), operands, line[close:]
 
 
 def hlo_checks(hlo: str) -> dict:
@@ -232,15 +170,15 @@ def hlo_checks(hlo: str) -> dict:
     read inline or from the operand's defining instruction in the same computation.
     """
     dots = f8_dots = 0
-    for types, _, _, opcode, operands, rest in hlo_instructions(hlo):
-        if opcode == "custom-call":
-            target = _TARGET.search(rest)
+    for inst in hlo_lib.instructions(hlo):
+        if inst.opcode == "custom-call":
+            target = _TARGET.search(inst.attrs)
             if not (target and target.group(1) in GEMM_TARGETS):
                 continue
-        elif opcode != "dot":
+        elif inst.opcode != "dot":
             continue
         dots += 1
-        matrices = [inline or types.get(name, "") for inline, name in operands[:2]]
+        matrices = [inline or inst.scope.get(name, "") for inline, name in inst.operands[:2]]
         f8_dots += len(matrices) == 2 and all(t.startswith("f8e") for t in matrices)
     return {"f8e4m3": "f8e4m3fn" in hlo, "f8e5m2": "f8e5m2" in hlo, "dots": dots,
             "f8_dots": f8_dots, "hlo_check": HLO_CHECK}

@@ -5,6 +5,7 @@ import os
 
 import jax
 import numpy as np
+import pytest
 from hf_fixture import read_all
 
 from dropless import cli
@@ -20,10 +21,12 @@ def _cfg(fixtures, tmp_path, *extra):
         f"base_output_directory={tmp_path}", "run_name=ft", "remat_policy=none", *extra]).config
 
 
-def test_fine_tuning_starts_from_the_hf_weights_and_loss_falls(fixtures, tmp_path):
+def test_fine_tuning_starts_from_the_hf_weights_and_loss_falls(fixtures, tmp_path, monkeypatch):
     """The trainer's parts (``loop.build``, as ``train`` and ``profile`` use them)
-    hold the directory's weights, and 8 train steps lower the loss."""
+    hold the directory's weights, never initialised at random first, and 8
+    train steps lower the loss."""
     cfg = _cfg(fixtures, tmp_path)
+    monkeypatch.setattr(loop, "_random_state", lambda s: pytest.fail("random init before loading"))
     built = loop.build(cfg.model(), cfg.train(), cfg.mesh())
     embed = read_all(os.path.join(fixtures, "published"))["model.embed_tokens.weight"]
     np.testing.assert_array_equal(np.asarray(jax.device_get(built.state["params"]["embed"]["embedding"])),

@@ -68,6 +68,31 @@ def test_unsupported_config_is_named(fixtures, tmp_path, change, words):
         load_config(None, [f"hf_model_path={tmp_path}"])
 
 
+@pytest.mark.parametrize("layout", ["published", "fused"])
+@pytest.mark.parametrize("rope_type, where", [
+    ("default", "rope"), ("yarn", "rope"), ("default", "top"), ("yarn", "top")])
+def test_partial_rotary_factor_is_refused_for_every_rope_type(fixtures, tmp_path, capsys, layout,
+                                                              rope_type, where):
+    """DeepSeek-V3's default RoPE too (it returned before the check), in the RoPE dict
+    of either layout or at the top level of config.json: one line, exit code 2."""
+    from dropless import cli
+
+    cfg = json.load(open(os.path.join(fixtures, layout, "config.json")))
+    rope = cfg["rope_scaling" if layout == "published" else "rope_parameters"]
+    if rope_type == "default":
+        rope = {"type": "default"} if layout == "published" else {"rope_type": "default", "rope_theta": 1e4}
+        cfg["rope_scaling" if layout == "published" else "rope_parameters"] = rope
+    (rope if where == "rope" else cfg)["partial_rotary_factor"] = 0.5
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    code = cli.main(["config", f"hf_model_path={tmp_path}"])
+    err = capsys.readouterr().err.strip()
+    assert code == 2 and "partial_rotary_factor=0.5 is not supported" in err and "\n" not in err, err
+    cfg["partial_rotary_factor"] = 1.0  # the value transformers writes by default: accepted
+    (rope if where == "rope" else cfg)["partial_rotary_factor"] = 1.0
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    assert hf_config.model_keys(hf_config.read_config_json(str(tmp_path)))["qk_rope_head_dim"] == 8
+
+
 def test_missing_directory_is_named(tmp_path):
     with pytest.raises(ConfigError, match="no such directory"):
         load_config(None, [f"hf_model_path={tmp_path / 'nope'}"])

@@ -66,6 +66,8 @@ def test_both_layouts_give_the_qwen3_model_keys():
     ({"rope_scaling": {"type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32}}, "'yarn'"),
     ({"tie_word_embeddings": True}, "tie_word_embeddings=True"),
     ({"num_experts": 0}, "num_experts=0"),
+    ({"partial_rotary_factor": 0.5}, "partial_rotary_factor=0.5"),
+    ({"rope_scaling": {"type": "default", "partial_rotary_factor": 0.25}}, "partial_rotary_factor=0.25"),
 ])
 def test_what_dropless_cannot_compute_is_refused_naming_the_key(tmp_path, change, words):
     (tmp_path / "config.json").write_text(json.dumps({**_config_json(), **change}))

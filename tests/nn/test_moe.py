@@ -212,11 +212,23 @@ def test_float32_matches_reference(name, rng):
     bias = rng.standard_normal(cfg.num_experts) * 0.1 if cfg.routed_bias else None
     _, _, _, stats = check_against_reference(cfg, rng, bias=bias)
     assert int(stats.dropped_tokens) == 0
-    if cfg.routed_bias:
-        load = np.asarray(stats.tokens_per_expert, np.float64)
-        np.testing.assert_allclose(stats.bias_update, 1e-3 * np.sign(load.mean() - load))
-    else:
-        np.testing.assert_array_equal(stats.bias_update, 0.0)
+
+
+@pytest.mark.parametrize("routed_bias", [True, False])
+def test_update_router_bias_takes_one_sign_step(routed_bias):
+    """bias += rate * sign(mean_load - load) with ``routed_bias``; untouched without.
+
+    rate * (+-1 or 0) is exact in float32 and the bias starts at 0, so equality is exact.
+    """
+    rate = 1e-3 if routed_bias else 0.0
+    cfg = dataclasses.replace(BASE, **{**GROUPED, "routed_bias": routed_bias, "routed_bias_update_rate": rate})
+    block = MoEBlock(cfg, emb_dim=16, rngs=nnx.Rngs(0))
+    load = np.array([9, 1, 4, 4, 0, 6, 4, 4])  # mean 4
+    block.update_router_bias(jnp.asarray(load, jnp.int32))
+    expected = np.float32(rate) * np.sign(4 - load).astype(np.float32)
+    np.testing.assert_array_equal(np.asarray(block.router_bias[...]), expected)
+    if routed_bias:
+        assert np.count_nonzero(expected) == 4
 
 
 @pytest.mark.parametrize("name", ["softmax_separate_shared", "sigmoid_grouped_shared_aux"])

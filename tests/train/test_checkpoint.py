@@ -18,6 +18,7 @@ from dropless.parallel import mesh as mesh_lib
 from dropless.train import checkpoint as ckpt_lib
 from dropless.train import optimizer as opt_lib
 from dropless.train import step as step_lib
+from dropless.train import loop
 from dropless.train.loop import run_training
 
 MODEL_KEYS = ("params", "router_bias")
@@ -153,3 +154,25 @@ def test_load_parameters(saved, small_model):
     with pytest.raises(ckpt_lib.CheckpointError, match="could not be restored"):
         ckpt_lib.load_parameters(step_dir, {k: abstract_w[k] for k in MODEL_KEYS},
                                  {k: shardings_w[k] for k in MODEL_KEYS})
+
+
+def test_loaded_parameters_skip_the_random_initialisation(saved, small_model, make_train, tmp_path,
+                                                          monkeypatch):
+    """``load_parameters_path``: the state holds the checkpoint's params and router bias
+    bit for bit, the optimizer state and counters of a fresh start, and the random
+    initialiser never runs (it does run, once, without the path)."""
+    root, state4, _, _ = saved
+    calls = []
+    random_state = loop._random_state
+    monkeypatch.setattr(loop, "_random_state", lambda s: calls.append(1) or random_state(s))
+    one_step = dict(steps=1, enable_checkpointing=False, enable_tensorboard=False, seed=1)
+    fresh = loop.build(small_model, make_train(tmp_path, **one_step), MeshConfig()).state
+    assert calls == [1]
+    built = loop.build(small_model, make_train(
+        tmp_path, load_parameters_path=str(root / "checkpoints" / "4"), **one_step), MeshConfig())
+    assert calls == [1]
+    jax.tree.map(np.testing.assert_array_equal, {k: built.state[k] for k in MODEL_KEYS},
+                 {k: state4[k] for k in MODEL_KEYS})
+    rest = ("opt_state", "step", "skipped_steps")
+    jax.tree.map(np.testing.assert_array_equal, {k: built.state[k] for k in rest},
+                 {k: fresh[k] for k in rest})

@@ -91,13 +91,23 @@ _LATENT_NORM_EPS = 1e-6
 
 def _rope(hf: dict) -> dict:
     """The RoPE dict of either layout: transformers 5 ``rope_parameters`` or
-    the published ``rope_scaling`` + ``rope_theta``."""
+    the published ``rope_scaling`` + ``rope_theta``.
+
+    Raises:
+      HFConfigError: a ``partial_rotary_factor`` other than 1, in the RoPE dict
+        or at the top level, whatever the rope type (dropless rotates the whole
+        rotary head dim: all of ``qk_rope_head_dim`` in MLA, of ``head_dim`` in GQA).
+    """
     if hf.get("rope_parameters"):
         rope = dict(hf["rope_parameters"])
     else:
         rope = dict(hf.get("rope_scaling") or {})
         rope.setdefault("rope_theta", hf.get("rope_theta", 10000.0))
     rope.setdefault("rope_type", rope.get("type", "default"))
+    partial = rope.get("partial_rotary_factor", hf.get("partial_rotary_factor"))
+    if partial is not None and partial != 1.0:
+        raise HFConfigError(f"config.json partial_rotary_factor={partial} is not supported "
+                            "(RoPE over the whole rotary head dim only)")
     return rope
 
 
@@ -111,8 +121,6 @@ def _rope_keys(hf: dict) -> dict:
         raise HFConfigError(f"config.json rope type {kind!r} is not supported (default or yarn)")
     if rope.get("attention_factor") is not None:
         raise HFConfigError(f"config.json YaRN attention_factor={rope['attention_factor']} is not supported")
-    if rope.get("partial_rotary_factor", 1.0) != 1.0:
-        raise HFConfigError(f"config.json partial_rotary_factor={rope['partial_rotary_factor']} is not supported")
     if rope.get("truncate", True) is not True:
         raise HFConfigError("config.json YaRN with truncate=false is not supported")
     mscale, mscale_all_dim = rope.get("mscale"), rope.get("mscale_all_dim")
@@ -286,8 +294,6 @@ def qwen3_moe_keys(hf: dict) -> dict[str, Any]:
     if rope["rope_type"] != "default":
         raise HFConfigError(f"config.json rope type {rope['rope_type']!r} (rope_scaling / rope_parameters) "
                             "is not supported for qwen3_moe (only default RoPE)")
-    if rope.get("partial_rotary_factor", 1.0) != 1.0:
-        raise HFConfigError(f"config.json partial_rotary_factor={rope['partial_rotary_factor']} is not supported")
     keys = {ours: hf[theirs] for ours, theirs in QWEN3_MOE_KEYS.items()}
     keys.update(_QWEN3_MOE_FIXED)
     keys["head_dim"] = hf.get("head_dim") or hf["hidden_size"] // hf["num_attention_heads"]

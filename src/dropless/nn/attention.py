@@ -50,6 +50,24 @@ ATTENTION_BACKENDS = ("dot_product", "cudnn_flash_te")
 default_kernel_init = nnx.initializers.variance_scaling(1.0, "fan_in", "truncated_normal")
 
 
+def check_backend(attention: str, dtype, unpadded_v: bool | str = False) -> None:
+    """The attention modules' one guard on their backend keys (MLA and GQA call it
+    when built). The user-facing checks, naming the config key and the fix, are
+    ``config.schema``'s; this catches a module section built by hand.
+
+    Raises:
+      ValueError: ``attention`` not in ``ATTENTION_BACKENDS``; ``cudnn_flash_te``
+        with a ``dtype`` other than bfloat16/float16; ``unpadded_v`` true without
+        ``cudnn_flash_te``.
+    """
+    if attention not in ATTENTION_BACKENDS:
+        raise ValueError(f"attention={attention!r} is not one of {ATTENTION_BACKENDS}")
+    if attention == "cudnn_flash_te" and jnp.dtype(dtype) not in (jnp.bfloat16, jnp.float16):
+        raise ValueError(f"attention='cudnn_flash_te' needs dtype bfloat16 or float16, got {jnp.dtype(dtype)}")
+    if unpadded_v is True and attention != "cudnn_flash_te":
+        raise ValueError(f"cudnn_mla_unpadded_v=true needs attention=cudnn_flash_te, got {attention!r}")
+
+
 def dot_product_attention(q_BSHQ, k_BTKQ, v_BTKV, *, scale: float) -> jax.Array:
     """Causal softmax attention in XLA; logits and softmax in float32.
 
@@ -111,16 +129,11 @@ def fused_attention(q_BSHQ, k_BTHQ, v_BTHV, *, scale: float, implementation="cud
       [B, S, H, V] in q's dtype.
 
     Raises:
-      ValueError: ``implementation="cudnn"`` with a dtype cuDNN cannot take;
-        V > Q; ``unpadded_v`` with another implementation, or where jax's
+      ValueError: V > Q; ``unpadded_v`` with another implementation, or where jax's
         private cuDNN attention is missing or refuses the shapes (no GPU,
         cuDNN < 9.10, a GPU older than Hopper). The unpadded path never falls
         back to the padded one silently.
     """
-    if implementation == "cudnn" and q_BSHQ.dtype not in (jnp.bfloat16, jnp.float16):
-        raise ValueError(
-            f"attention='cudnn_flash_te' needs dtype bfloat16 or float16, got {q_BSHQ.dtype}"
-        )
     qk_dim, v_dim = q_BSHQ.shape[-1], v_BTHV.shape[-1]
     if v_dim > qk_dim:
         raise ValueError(f"v head dim {v_dim} larger than q/k head dim {qk_dim} is not supported")
@@ -197,11 +210,10 @@ def _cudnn_unpadded_v(q_BSHQ, k_BTHQ, v_BTHV, *, scale: float) -> jax.Array:
 def attend(q, k, v, *, scale: float, attention: str, unpadded_v: bool | str = False) -> jax.Array:
     """Softmax attention by the ``attention`` key: ``cudnn_flash_te`` (cuDNN flash
     attention; ``unpadded_v`` as in ``fused_attention``) or ``dot_product`` (XLA).
-    k and v may have fewer heads than q (GQA)."""
+    k and v may have fewer heads than q (GQA). The keys are the ones the calling
+    module was built with (``check_backend``)."""
     if attention == "cudnn_flash_te":
         return fused_attention(q, k, v, scale=scale, implementation="cudnn", unpadded_v=unpadded_v)
-    if unpadded_v is True:
-        raise ValueError(f"cudnn_mla_unpadded_v=true needs attention=cudnn_flash_te, got {attention!r}")
     return dot_product_attention(q, k, v, scale=scale)
 
 
@@ -214,21 +226,17 @@ class MLA(nnx.Module):
     ``wo`` [H*V, D]. ``dot_general`` (default ``lax.dot_general``) computes
     the six projections (e.g. FP8 for ``quantization: te_fp8_currentscaling``);
     the attention itself is unchanged.
+
+    Raises:
+      ValueError: a non-positive head count or dim; as ``check_backend``.
     """
 
     def __init__(self, cfg: MLAConfig, *, emb_dim: int, dtype, param_dtype, rngs: nnx.Rngs,
                  dot_general=None):
-        if cfg.attention not in ATTENTION_BACKENDS:
-            raise ValueError(f"attention={cfg.attention!r} is not one of {ATTENTION_BACKENDS}")
         for name in ("num_heads", "kv_lora_rank", "qk_nope_head_dim", "v_head_dim"):
             if getattr(cfg, name) <= 0:
                 raise ValueError(f"MLA: {name}={getattr(cfg, name)} must be positive")
-        if cfg.attention == "cudnn_flash_te" and jnp.dtype(dtype) not in (jnp.bfloat16, jnp.float16):
-            raise ValueError(
-                f"attention='cudnn_flash_te' needs dtype bfloat16 or float16, got {jnp.dtype(dtype)}"
-            )
-        if cfg.cudnn_mla_unpadded_v is True and cfg.attention != "cudnn_flash_te":
-            raise ValueError(f"cudnn_mla_unpadded_v=true needs attention=cudnn_flash_te, got {cfg.attention!r}")
+        check_backend(cfg.attention, dtype, cfg.cudnn_mla_unpadded_v)
         self.cfg = cfg
         self.dtype = dtype
         h, q_dim = cfg.num_heads, cfg.qk_nope_head_dim + cfg.qk_rope_head_dim

@@ -19,35 +19,29 @@ k), ``context`` (attention output), ``out_proj``.
 """
 
 import jax
-import jax.numpy as jnp
 from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
 from dropless.config.sections import GQAConfig
 from dropless.nn import rope
-from dropless.nn.attention import ATTENTION_BACKENDS, attend, default_kernel_init
+from dropless.nn.attention import attend, check_backend, default_kernel_init
 
 
 def check_gqa_config(cfg: GQAConfig, dtype) -> None:
     """Raise ValueError for a GQA config the module cannot build.
 
     Raises:
-      ValueError: an unknown attention backend; a non-positive head count;
-        ``num_kv_heads`` not dividing ``num_heads``; an odd or non-positive
-        ``head_dim``; cuDNN attention with a dtype other than bf16/fp16.
+      ValueError: a non-positive head count; ``num_kv_heads`` not dividing
+        ``num_heads``; an odd or non-positive ``head_dim``; as
+        ``attention.check_backend``.
     """
-    if cfg.attention not in ATTENTION_BACKENDS:
-        raise ValueError(f"attention={cfg.attention!r} is not one of {ATTENTION_BACKENDS}")
     if cfg.num_heads <= 0 or cfg.num_kv_heads <= 0:
         raise ValueError(f"GQA: num_heads={cfg.num_heads} and num_kv_heads={cfg.num_kv_heads} must be positive")
     if cfg.num_heads % cfg.num_kv_heads:
         raise ValueError(f"GQA: num_kv_heads={cfg.num_kv_heads} must divide num_heads={cfg.num_heads}")
     if cfg.head_dim <= 0 or cfg.head_dim % 2:
         raise ValueError(f"GQA: head_dim={cfg.head_dim} must be a positive even number (rotate-half RoPE)")
-    if cfg.attention == "cudnn_flash_te" and jnp.dtype(dtype) not in (jnp.bfloat16, jnp.float16):
-        raise ValueError(
-            f"attention='cudnn_flash_te' needs dtype bfloat16 or float16, got {jnp.dtype(dtype)}"
-        )
+    check_backend(cfg.attention, dtype)
 
 
 class GQA(nnx.Module):

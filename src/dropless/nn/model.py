@@ -46,7 +46,7 @@ from dropless.config.sections import ModelConfig
 from dropless.nn.attention import MLA, default_kernel_init
 from dropless.nn.gqa import GQA
 from dropless.nn.mlp import MLP
-from dropless.nn.moe import MoEBlock, MoEStats, RouterBias
+from dropless.nn.moe import MoEBlock, MoEStats
 from dropless.ops.fp8_dot import fp8_dot_general
 from dropless.parallel.ep import ExpertParallel
 
@@ -277,18 +277,20 @@ class Transformer(nnx.Module):
         return ModelOutput(logits_BSV, tuple(mtp_logits), moe_stats)
 
     def apply_router_bias_update(self, moe_stats: dict) -> None:
-        """Add each stack's ``bias_update`` to its RouterBias (in place).
+        """One balancing step of each stack's RouterBias from its load (in place).
 
-        Called by the trainer after the optimizer step; a stack without a
-        RouterBias (no aux-loss-free balancing) is left alone.
+        ``moe_stats`` as ``ModelOutput.moe_stats`` (under gradient accumulation
+        with ``tokens_per_expert`` summed over the microbatches); each stack's
+        ``MoEBlock.update_router_bias`` gets its ``tokens_per_expert``. Called by
+        the trainer after the optimizer step.
         """
         for path, stats in moe_stats.items():
             module = self
             for part in path:
                 module = module[part] if isinstance(part, int) else getattr(module, part)
-            for _, var in nnx.iter_graph(module):
-                if isinstance(var, RouterBias):
-                    var[...] = var[...] + stats.bias_update.astype(var.dtype)
+            for _, block in nnx.iter_graph(module):
+                if isinstance(block, MoEBlock):
+                    block.update_router_bias(stats.tokens_per_expert)
 
 
 def count_params(model: nnx.Module) -> int:

@@ -41,8 +41,9 @@ C = ceil(capacity_factor * T * K / E); copies past C are dropped and counted.
 It is kept to compare against, not as an equal option.
 
 The aux-loss-free balancing bias lives in a ``RouterBias`` variable, not an
-``nnx.Param``: optimizers filtered on ``nnx.Param`` skip it, and the train
-step adds ``MoEStats.bias_update`` to it after the optimizer step.
+``nnx.Param``: optimizers filtered on ``nnx.Param`` skip it, and after the
+optimizer step the train step calls ``MoEBlock.update_router_bias`` with the
+step's load (``MoEStats.tokens_per_expert``).
 """
 
 import functools
@@ -73,7 +74,7 @@ class RouterBias(nnx.Variable):
     """Aux-loss-free balancing bias [E] float32 (DeepSeek-V3).
 
     Not an ``nnx.Param``, so optimizers filtered on Param skip it; the train
-    step adds ``MoEStats.bias_update`` to it.
+    step moves it with ``MoEBlock.update_router_bias``.
     """
 
 
@@ -83,8 +84,6 @@ class MoEStats(NamedTuple):
     tokens_per_expert: [E] int32 token copies the router sent to each expert.
     dropped_tokens: [] int32 copies dropped for capacity (0 on the dropless path).
     aux_loss: [] float32, already weighted: load-balance + sequence aux + z-loss.
-    bias_update: [E] float32 to add to the RouterBias after the optimizer
-      step; zeros when ``routed_bias`` is off.
     overflow_tokens: [] int32 token rows the expert-parallel exchange could
       not compute for lack of receive buffer (always 0 on one device); a step
       with any must not be applied.
@@ -101,7 +100,6 @@ class MoEStats(NamedTuple):
     tokens_per_expert: jax.Array
     dropped_tokens: jax.Array
     aux_loss: jax.Array
-    bias_update: jax.Array
     overflow_tokens: jax.Array
     buffer_factor_needed: jax.Array
     ep_rows_sent: jax.Array
@@ -399,6 +397,24 @@ class MoEBlock(nnx.Module):
             aux += cfg.router_z_loss_weight * routing.router_z_loss(logits_TE)
         return aux
 
+    def update_router_bias(self, tokens_per_expert_E: jax.Array) -> None:
+        """One aux-loss-free balancing step of ``router_bias`` from a load (in place).
+
+        ``router_bias += routed_bias_update_rate * sign(mean_load - load)``
+        (``routing.bias_update``); nothing when ``routed_bias`` is off. Call it
+        after the optimizer step with ``MoEStats.tokens_per_expert``, summed over
+        the step's microbatches under gradient accumulation (one step per
+        optimizer step: averaging per-microbatch signs would let opposite signs
+        cancel).
+
+        Args:
+          tokens_per_expert_E: [..., E] int load; on a layer stack built with
+            ``nnx.vmap`` (``router_bias`` [L, E]) the stack's [L, E] load.
+        """
+        if self.cfg.routed_bias:
+            step = routing.bias_update(tokens_per_expert_E, self.cfg.routed_bias_update_rate)
+            self.router_bias[...] = self.router_bias[...] + step.astype(self.router_bias.dtype)
+
     def __call__(self, x_BSD: jax.Array) -> tuple[jax.Array, MoEStats]:
         """Apply the block.
 
@@ -418,7 +434,6 @@ class MoEBlock(nnx.Module):
         x_TD = x_BSD.reshape(b * s, d)
         logits_TE, decision = self._route(x_TD)
         x_TD = x_TD.astype(self.dtype)
-        e = cfg.num_experts
         if cfg.sparse_matmul:
             out_TD, tokens_E, dropped, ep_stats = self._dropless(x_TD, decision)
         else:
@@ -426,14 +441,10 @@ class MoEBlock(nnx.Module):
             ep_stats = ep_lib.EPStats.zeros()
         if self.shared_experts is not None:
             out_TD = out_TD + self.shared_experts(x_TD)
-        bias_update = jnp.zeros((e,), jnp.float32)
-        if cfg.routed_bias:
-            bias_update = routing.bias_update(tokens_E, cfg.routed_bias_update_rate)
         stats = MoEStats(
             tokens_per_expert=tokens_E,
             dropped_tokens=dropped,
             aux_loss=self._aux_loss(logits_TE, decision, b, s),
-            bias_update=bias_update,
             overflow_tokens=ep_stats.overflow_tokens,
             buffer_factor_needed=ep_stats.buffer_factor_needed,
             ep_rows_sent=ep_stats.rows_sent,

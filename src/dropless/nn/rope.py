@@ -37,17 +37,32 @@ def yarn_mscale(factor: float, mscale: float) -> float:
     return 0.1 * mscale * math.log(factor) + 1.0
 
 
+def plain_frequencies(dim: int, theta: float, name: str = "head_dim") -> jax.Array:
+    """Plain RoPE's per-pair angular frequencies ``theta**(-2j/R)``, j < R/2, ``[R2]`` float32.
+
+    Raises:
+      ValueError: ``dim`` (the config key ``name``) is not a positive even number.
+    """
+    if dim <= 0 or dim % 2:
+        raise ValueError(f"{name}={dim} must be a positive even number")
+    return 1.0 / (theta ** (jnp.arange(0, dim, 2, dtype=jnp.float32) / dim))
+
+
+def cos_sin(positions_BS: jax.Array, freqs_R2: jax.Array, amplitude: float = 1.0):
+    """cos and sin tables ``[B, S, R2]`` float32 of integer positions ``[B, S]``
+    at frequencies ``[R2]``, both times ``amplitude``."""
+    angles_BSR2 = positions_BS.astype(jnp.float32)[..., None] * freqs_R2
+    return jnp.cos(angles_BSR2) * amplitude, jnp.sin(angles_BSR2) * amplitude
+
+
 def inv_frequencies(cfg: MLAConfig) -> jax.Array:
     """Per-pair angular frequencies ``[R2]`` float32, YaRN-blended when rope_factor > 1.
 
     Raises:
       ValueError: ``qk_rope_head_dim`` is not a positive even number.
     """
-    dim = cfg.qk_rope_head_dim
-    if dim <= 0 or dim % 2:
-        raise ValueError(f"qk_rope_head_dim={dim} must be a positive even number")
-    base = cfg.rope_theta
-    freqs_R2 = 1.0 / (base ** (jnp.arange(0, dim, 2, dtype=jnp.float32) / dim))
+    dim, base = cfg.qk_rope_head_dim, cfg.rope_theta
+    freqs_R2 = plain_frequencies(dim, base, "qk_rope_head_dim")
     if cfg.rope_factor <= 1.0:
         return freqs_R2
     orig = cfg.original_max_position_embeddings
@@ -74,10 +89,8 @@ def rope_cos_sin(positions_BS: jax.Array, cfg: MLAConfig) -> tuple[jax.Array, ja
     Under YaRN both are multiplied by ``mscale(factor, mscale) / mscale(factor,
     mscale_all_dim)`` (1 when the two mscales are equal, as in DeepSeek-V3).
     """
-    freqs_R2 = inv_frequencies(cfg)
-    angles_BSR2 = positions_BS.astype(jnp.float32)[..., None] * freqs_R2
     amp = yarn_mscale(cfg.rope_factor, cfg.mscale) / yarn_mscale(cfg.rope_factor, cfg.mscale_all_dim)
-    return jnp.cos(angles_BSR2) * amp, jnp.sin(angles_BSR2) * amp
+    return cos_sin(positions_BS, inv_frequencies(cfg), amp)
 
 
 def apply_rope(x_BSHR: jax.Array, cos_BSR2: jax.Array, sin_BSR2: jax.Array) -> jax.Array:
@@ -104,16 +117,14 @@ def apply_rope(x_BSHR: jax.Array, cos_BSR2: jax.Array, sin_BSR2: jax.Array) -> j
 def half_cos_sin(positions_BS: jax.Array, head_dim: int, theta: float) -> tuple[jax.Array, jax.Array]:
     """cos and sin tables ``[B, S, R2]`` float32 of plain RoPE over ``head_dim`` = R features.
 
-    Frequencies ``theta**(-2j/R)``, j < R/2, as transformers' default rope.
+    Frequencies ``plain_frequencies``, as transformers' default rope; the
+    tables are those of ``rope_cos_sin`` without YaRN (only the pair layout of
+    ``apply_rope_half`` differs).
 
     Raises:
       ValueError: ``head_dim`` is not a positive even number.
     """
-    if head_dim <= 0 or head_dim % 2:
-        raise ValueError(f"head_dim={head_dim} must be a positive even number")
-    freqs_R2 = 1.0 / (theta ** (jnp.arange(0, head_dim, 2, dtype=jnp.float32) / head_dim))
-    angles_BSR2 = positions_BS.astype(jnp.float32)[..., None] * freqs_R2
-    return jnp.cos(angles_BSR2), jnp.sin(angles_BSR2)
+    return cos_sin(positions_BS, plain_frequencies(head_dim, theta))
 
 
 def apply_rope_half(x_BSHR: jax.Array, cos_BSR2: jax.Array, sin_BSR2: jax.Array) -> jax.Array:

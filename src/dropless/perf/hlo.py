@@ -20,24 +20,92 @@ per kernel name for ``breakdown.compute``:
 import os
 import re
 from pathlib import Path
+from typing import Iterator, NamedTuple
 
 F8_TYPE = re.compile(r"\bf8e\w+\[")
 OP_NAME = re.compile(r'op_name="([^"]*)"')
 FUSION_KIND = re.compile(r"\bkind=(k\w+)")
 TAGGED_OPCODES = frozenset({"fusion", "convert"})
+# "[ROOT] %name = " then the result type, the opcode and its operand list.
+_DEF = re.compile(r"^\s*(?:ROOT\s+)?%?([\w.\-]+)\s*=\s*")
+_OPCODE = re.compile(r"\s*([\w\-]+)\(")
+_COMMENT = re.compile(r"/\*.*?\*/")
 
 
-def _split_type(rhs: str) -> tuple[str, str]:
-    """(result type, the rest) of an instruction's right-hand side; tuple types nest."""
-    if not rhs.startswith("("):
-        head, _, rest = rhs.partition(" ")
-        return head, rest
+class Instruction(NamedTuple):
+    """One instruction of HLO text (``instructions``).
+
+    name: without ``%``; type: result type (a tuple type keeps its parentheses);
+    opcode: e.g. ``fusion``, ``custom-call``; operands: ``(inline type or None,
+    name)`` each (the GPU's optimized HLO prints operands by name only, other
+    printers as ``f8e4m3fn[8,16]{1,0} %a``); attrs: the text after the operand
+    list (``kind=``, ``custom_call_target=``, ``metadata=``); scope: the names
+    defined so far in the instruction's computation -> their result types.
+    """
+
+    name: str
+    type: str
+    opcode: str
+    operands: list
+    attrs: str
+    scope: dict
+
+
+def _balanced(text: str, i: int) -> int:
+    """Index just past the bracket group that opens at ``text[i]`` (``(``, ``[`` or ``{``)."""
     depth = 0
-    for i, ch in enumerate(rhs):
-        depth += {"(": 1, ")": -1}.get(ch, 0)
-        if depth == 0:
-            return rhs[: i + 1], rhs[i + 1:].lstrip()
-    return rhs, ""
+    for j in range(i, len(text)):
+        if text[j] in "([{":
+            depth += 1
+        elif text[j] in ")]}":
+            depth -= 1
+            if depth == 0:
+                return j + 1
+    return len(text)
+
+
+def _split_top(text: str) -> list[str]:
+    """``text`` split at the commas outside any brackets, each part stripped."""
+    parts, depth, last = [], 0, 0
+    for j, ch in enumerate(text):
+        depth += ch in "([{"
+        depth -= ch in ")]}"
+        if ch == "," and depth == 0:
+            parts.append(text[last:j].strip())
+            last = j + 1
+    parts.append(text[last:].strip())
+    return [p for p in parts if p]
+
+
+def instructions(text: str) -> Iterator[Instruction]:
+    """Each instruction of HLO text, in order; ``/*index=5*/`` comments dropped.
+
+    The one HLO text parser of dropless: ``parse`` (the profile's kernel op text)
+    and the FP8 dot count of ``benchmarks/fp8_dense.py`` read its instructions.
+    """
+    scope = {}
+    for line in text.splitlines():
+        m = _DEF.match(line)
+        if not m:
+            if line.rstrip().endswith("{"):  # a computation's header: a new name scope
+                scope = {}
+            continue
+        line = _COMMENT.sub("", line)
+        m = _DEF.match(line)
+        i = m.end()
+        end = _balanced(line, i) if line[i:i + 1] == "(" else line.find(" ", i)
+        end = len(line) if end < 0 else end
+        type_ = line[i:end]
+        scope[m.group(1)] = type_
+        op = _OPCODE.match(line, end)
+        if not op:
+            continue
+        close = _balanced(line, op.end() - 1)
+        operands = []
+        for part in _split_top(line[op.end():close - 1]):
+            inline, _, name = part.rpartition(" ")
+            operands.append((inline.strip() or None, name.lstrip("%")))
+        yield Instruction(m.group(1), type_, op.group(1), operands, line[close:], scope)
 
 
 def parse(text: str, f8_tag: str = "f8_result") -> dict[str, str]:
@@ -47,23 +115,16 @@ def parse(text: str, f8_tag: str = "f8_result") -> dict[str, str]:
     kernel one (``fusion_3``, dots and dashes as underscores).
     """
     ops = {}
-    for line in text.splitlines():
-        line = line.strip().removeprefix("ROOT ")
-        name, sep, rhs = line.partition(" = ")
-        if not sep or " " in name or not name:
-            continue
-        rtype, rest = _split_type(rhs)
-        opcode = rest.partition("(")[0]
-        kind = FUSION_KIND.search(rest)
+    for inst in instructions(text):
+        kind = FUSION_KIND.search(inst.attrs)
         words = []
-        if m := OP_NAME.search(rest):
+        if m := OP_NAME.search(inst.attrs):
             words.append(m.group(1))
-        if (opcode in TAGGED_OPCODES and F8_TYPE.search(rtype)
+        if (inst.opcode in TAGGED_OPCODES and F8_TYPE.search(inst.type)
                 and (kind is None or kind.group(1) != "kCustom")):
             words.append(f8_tag)
         if words:
-            name = name.removeprefix("%")
-            ops[name] = ops[re.sub(r"[.\-]", "_", name)] = " ".join(words)
+            ops[inst.name] = ops[re.sub(r"[.\-]", "_", inst.name)] = " ".join(words)
     return ops
 
 

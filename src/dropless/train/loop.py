@@ -45,6 +45,7 @@ import itertools
 import math
 import os
 import time
+from functools import partial
 from typing import Iterator, NamedTuple
 
 import jax
@@ -222,7 +223,7 @@ def _initial_state(s: _Setup, train: TrainConfig, ckpt, console):
         if latest is not None:
             console.print(f"resuming from {ckpt.step_dir(latest)}")
             return ckpt.restore(latest, s.abstract, s.shardings), latest
-    state = _with_given_parameters(s, train, jax.jit(s.init, out_shardings=s.shardings)())
+    state = _start_state(s, train)
     if train.load_parameters_path or train.hf_model_path:
         console.print(f"loaded parameters from {train.load_parameters_path or train.hf_model_path}")
     return state, None
@@ -243,16 +244,27 @@ def _check_disk(ckpt, s: _Setup, train: TrainConfig, start: int, console) -> Non
         console.print(warning, style="yellow", markup=False, soft_wrap=True)
 
 
-def _with_given_parameters(s: _Setup, train: TrainConfig, state: dict) -> dict:
-    """``state`` with params and router bias from load_parameters_path / hf_model_path, if set."""
+def _random_state(s: _Setup) -> dict:
+    """The step-0 train state with parameters drawn from the seed, on the mesh."""
+    return jax.jit(s.init, out_shardings=s.shardings)()
+
+
+def _start_state(s: _Setup, train: TrainConfig) -> dict:
+    """The step-0 train state, its params and router bias from load_parameters_path /
+    hf_model_path if set, else random.
+
+    Loaded parameters are never preceded by a random initialisation (for a large
+    model that was a second copy on device and its startup time): the optimizer
+    state and counters are built around them.
+    """
     if not (train.load_parameters_path or train.hf_model_path):
-        return state
+        return _random_state(s)
     keys = ("params", "router_bias")
-    for x in jax.tree.leaves({k: state[k] for k in keys}):
-        x.delete()  # the initialised values: their device memory is free for the loaded ones
     loaded = ckpt_lib.initial_parameters(
         s.model, train, {k: s.abstract[k] for k in keys}, {k: s.shardings[k] for k in keys})
-    return {**state, **loaded}
+    rest = jax.jit(partial(step_lib.optimizer_start, s.tx),
+                   out_shardings={k: v for k, v in s.shardings.items() if k not in keys})
+    return {**loaded, **rest(loaded["params"])}
 
 
 def _describe(console, model: ModelConfig, train: TrainConfig, s: _Setup, run_dir: str):
@@ -315,7 +327,7 @@ def build(model: ModelConfig, train: TrainConfig, mesh: MeshConfig) -> Built:
     user_errors.check_platform(model)
     s = _setup(model, train, mesh)
     batches = (s.feed(i) for i in itertools.count())
-    state = _with_given_parameters(s, train, jax.jit(s.init, out_shardings=s.shardings)())
+    state = _start_state(s, train)
     return Built(state, _jit_step(s), batches, s.flops.total, s.global_batch, s.source.entropy_floor)
 
 

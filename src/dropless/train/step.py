@@ -15,7 +15,8 @@ One step: per microbatch, loss = cross-entropy + MoE aux losses +
 ``mtp_loss_scaling_factor`` * mean over depths of the MTP cross-entropies;
 gradients are averaged over microbatches in float32; the optimizer updates
 the parameters; the router bias takes one balancing step per optimizer step,
-from the expert load summed over the microbatches (``_summed_load_bias_update``). If the loss or
+from the expert load summed over the microbatches
+(``Transformer.apply_router_bias_update``). If the loss or
 the gradient norm is not finite, or an expert-parallel receive buffer
 overflowed (``MoEStats.overflow_tokens``: some tokens got partial outputs),
 the new params, optimizer state and bias are all discarded on device
@@ -33,7 +34,6 @@ from flax import nnx
 from dropless.config.sections import ModelConfig
 from dropless.nn.model import Transformer, moe_stats_concat
 from dropless.nn.moe import RouterBias
-from dropless.ops import routing
 from dropless.train.data import Batch
 
 
@@ -48,6 +48,19 @@ def split_model(model: Transformer):
     return graphdef, nnx.to_pure_dict(params), nnx.to_pure_dict(bias), nnx.to_pure_dict(rest)
 
 
+def optimizer_start(tx: optax.GradientTransformation, params) -> dict:
+    """The state's ``opt_state``, ``step`` and ``skipped_steps`` at step 0 for ``params``.
+
+    With ``init``'s params this completes a random start; with loaded ones it
+    builds the rest of the state around them without a random initialisation.
+    """
+    return {
+        "opt_state": tx.init(params),
+        "step": jnp.zeros((), jnp.int32),
+        "skipped_steps": jnp.zeros((), jnp.int32),
+    }
+
+
 def init_state_fn(cfg: ModelConfig, tx: optax.GradientTransformation, seed: int, remat=None,
                   ep=None):
     """(graphdef, init) where ``init() -> state`` builds the model and optimizer state.
@@ -60,13 +73,7 @@ def init_state_fn(cfg: ModelConfig, tx: optax.GradientTransformation, seed: int,
         _, params, bias, rest = split_model(build_model(cfg, seed, remat, ep))
         if jax.tree.leaves(rest):
             raise ValueError("the model holds state other than Param and RouterBias")
-        return {
-            "params": params,
-            "router_bias": bias,
-            "opt_state": tx.init(params),
-            "step": jnp.zeros((), jnp.int32),
-            "skipped_steps": jnp.zeros((), jnp.int32),
-        }
+        return {"params": params, "router_bias": bias, **optimizer_start(tx, params)}
 
     abstract_model = nnx.eval_shape(lambda: build_model(cfg, seed, remat, ep))
     graphdef = nnx.split(abstract_model, nnx.Param, RouterBias, ...)[0]
@@ -162,20 +169,6 @@ def _grads(state, batch: Batch, graphdef, cfg: ModelConfig):
     return loss, aux, grads
 
 
-def _summed_load_bias_update(moe_stats: dict, cfg: ModelConfig) -> dict:
-    """Each stack's ``bias_update`` recomputed from its load summed over the step.
-
-    Under gradient accumulation the per-microbatch signs would average (two
-    opposite signs cancel); the balancing step is one per optimizer step, the
-    sign of the whole step's load against its mean.
-    """
-    if not cfg.moe.routed_bias:
-        return moe_stats
-    rate = cfg.moe.routed_bias_update_rate
-    return {path: s._replace(bias_update=routing.bias_update(s.tokens_per_expert, rate))
-            for path, s in moe_stats.items()}
-
-
 def make_train_step(graphdef, cfg: ModelConfig, tx, schedule) -> Callable:
     """``train_step(state, batch) -> (state, metrics)``, pure, ready for ``jax.jit``.
 
@@ -206,7 +199,7 @@ def make_train_step(graphdef, cfg: ModelConfig, tx, schedule) -> Callable:
         updates, new_opt_state = tx.update(grads, opt_state, params)
         new_params = optax.apply_updates(params, updates)
         model = nnx.merge(graphdef, new_params, state["router_bias"], {})
-        model.apply_router_bias_update(_summed_load_bias_update(aux["moe_stats"], cfg))
+        model.apply_router_bias_update(aux["moe_stats"])
         new_bias = nnx.to_pure_dict(nnx.state(model, RouterBias))
 
         # A select, not lax.cond: on the GPU a conditional reads its predicate on the

@@ -55,7 +55,8 @@ the FP8 Mosaic GPU kernels of ``mosaic_fp8`` (fwd, dgrad) and
 ``mosaic_fp8_tgmm`` (wgrad) on E4M3 codes and float32 scales, each operand
 quantized (``quant_impl``: ``pallas``, the single-pass kernels of
 ``fp8_quant_kernels``, or ``xla``, ``ops.quant`` fused by XLA; the same
-codes and scales bit for bit; ``auto`` is ``pallas``) in the layout its
+codes and scales bit for bit; ``auto`` is ``pallas``; ``quantizer``
+decides) in the layout its
 kernel reads:
 
   fwd    x 1x128 [M, K] + scales [Kb, M];  w 128x128, codes as [G, N, K]
@@ -80,6 +81,7 @@ multiples of 256, and ignore ``backend``.
 import functools
 import importlib
 import logging
+from typing import Callable, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -192,11 +194,6 @@ def resolve_impl(impl: str, recipe: str, backend: str, x_shape, w_shape, dtype) 
     return "kernel", ""
 
 
-def resolve_quant_impl(quant_impl: str) -> str:
-    """``auto`` -> ``pallas`` (measured faster on an H200, the same bits); others as given."""
-    return "pallas" if quant_impl == "auto" else quant_impl
-
-
 @functools.cache
 def _say_once(recipe: str, device_kind: str, backend: str, why: str = ""):
     if recipe == "te_mxfp8":
@@ -257,55 +254,83 @@ def pad_kernel_rows(a):
     return a if not pad else jnp.pad(a, ((0, pad), (0, 0)))
 
 
-def kernel_weight_codes(w, quant_impl="xla", transposed=True):
-    """w's 128x128 codes in both byte layouts: (wq [G, K, N], wq as [G, N, K], sw [G, Kb, Nb]);
-    the middle one is None unless ``transposed``.
+class Quantizer(NamedTuple):
+    """How ``impl="kernel"`` quantizes its operands: one of ``QUANT_IMPLS``, resolved
+    by ``quantizer``. Both give the same codes and scales bit for bit.
 
-    The forward reads the transposed copy, dgrad the natural one (FP8 wgmma
-    reads both operands K-major); the same codes and scales serve both.
+    weight:      w [G, K, N] -> (wq [G, K, N] E4M3, sw [G, Kb, Nb]), 128x128 blocks
+    weight_both: w -> (wq, wq as [G, N, K], sw): both byte layouts from one read
+    rows:        a [M, C], M a multiple of 128 -> (aq [M, C], sa [Cb, M]), 1x128 blocks
+    columns:     a [M, C] -> (aq [C, M], sa [Mb, C]), 128x1 blocks, codes M-major
     """
-    from dropless.ops.gmm import fp8_quant_kernels, mosaic_fp8
 
-    if quant_impl == "pallas":
-        if transposed:
-            return fp8_quant_kernels.quantize_weight(w)
-        wq, sw = fp8_quant_kernels.quantize_weight(w, transposed=False)
-        return wq, None, sw
-    wq, sw = mosaic_fp8.quantize_weight(w)
-    return wq, jnp.swapaxes(wq, 1, 2) if transposed else None, sw
+    name: str
+    weight: Callable
+    weight_both: Callable
+    rows: Callable
+    columns: Callable
 
 
-def _rows(a, quant_impl):
-    """1x128 codes of a [M, C] (rows padded to 128) and their scales [Cb, M]."""
-    from dropless.ops.gmm import fp8_quant_kernels, mosaic_fp8
+def quantizer(quant_impl: str) -> Quantizer:
+    """The ``Quantizer`` of ``quant_impl`` (``QUANT_IMPLS``); the one place it is decided:
+    ``auto`` is ``pallas`` (measured faster on an H200, the same bits). One object
+    per choice, so it serves as a static argument.
 
-    a = pad_kernel_rows(a)
-    if quant_impl == "pallas":
-        return fp8_quant_kernels.quantize_rows(a)
-    return mosaic_fp8.quantize_rows(a)
+    Raises:
+      ValueError: unknown ``quant_impl``.
+    """
+    if quant_impl not in QUANT_IMPLS:
+        raise ValueError(f"gmm: quant_impl {quant_impl!r} is not one of {QUANT_IMPLS}")
+    return _quantizer("pallas" if quant_impl == "auto" else quant_impl)
 
 
-def _fwd_from_codes(x, wq_t, sw, group_sizes, out_dtype, quant_impl):
+@functools.cache
+def _quantizer(name: str) -> Quantizer:
+    from dropless.ops.gmm import fp8_quant_kernels, mosaic_fp8, mosaic_fp8_tgmm
+
+    if name == "xla":
+        def both(w):
+            wq, sw = mosaic_fp8.quantize_weight(w)
+            return wq, jnp.swapaxes(wq, 1, 2), sw
+
+        return Quantizer("xla", mosaic_fp8.quantize_weight, both, mosaic_fp8.quantize_rows,
+                         mosaic_fp8_tgmm.quantize_columns)
+    return Quantizer("pallas", functools.partial(fp8_quant_kernels.quantize_weight, transposed=False),
+                     fp8_quant_kernels.quantize_weight, fp8_quant_kernels.quantize_rows,
+                     fp8_quant_kernels.quantize_columns)
+
+
+def _fwd_from_codes(x, wq_t, sw, group_sizes, out_dtype, q: Quantizer):
     from dropless.ops.gmm import mosaic_fp8
 
-    xq, sx = _rows(x, quant_impl)
+    xq, sx = q.rows(pad_kernel_rows(x))
     y = mosaic_fp8.gmm_fp8_blockwise(xq, sx, wq_t, sw, group_sizes, out_dtype=out_dtype)
     return y[:x.shape[0]]
 
 
-def _dgrad_from_codes(dy, wq, sw, group_sizes, out_dtype, quant_impl):
+def _dgrad_from_codes(dy, wq, sw, group_sizes, out_dtype, q: Quantizer):
     from dropless.ops.gmm import mosaic_fp8
 
-    dyq, sdy = _rows(dy, quant_impl)
+    dyq, sdy = q.rows(pad_kernel_rows(dy))
     dx = mosaic_fp8.gmm_fp8_blockwise(dyq, sdy, wq, jnp.swapaxes(sw, 1, 2), group_sizes,
                                       out_dtype=out_dtype)
     return dx[:dy.shape[0]]
 
 
+def _wgrad(x, dy, group_sizes, out_dtype, aligned, q: Quantizer):
+    from dropless.ops.gmm import mosaic_fp8_tgmm
+
+    x, dy, group_sizes = _wgrad_rows(x, dy, group_sizes, quant.BLOCKWISE_TILE, aligned)
+    x, dy = pad_kernel_rows(x), pad_kernel_rows(dy)
+    return mosaic_fp8_tgmm.tgmm_fp8_blockwise(*q.columns(x), *q.columns(dy), group_sizes,
+                                               out_dtype=out_dtype)
+
+
 def kernel_fwd(x, w, group_sizes, out_dtype, quant_impl="xla"):
     """y [M, N] of ``impl="kernel"``: x 1x128, w 128x128 (codes as [G, N, K]), FP8 kernel."""
-    _, wq_t, sw = kernel_weight_codes(w, quant_impl)
-    return _fwd_from_codes(x, wq_t, sw, group_sizes, out_dtype, quant_impl)
+    q = quantizer(quant_impl)
+    _, wq_t, sw = q.weight_both(w)
+    return _fwd_from_codes(x, wq_t, sw, group_sizes, out_dtype, q)
 
 
 def kernel_dgrad(dy, w, group_sizes, out_dtype, quant_impl="xla"):
@@ -313,8 +338,9 @@ def kernel_dgrad(dy, w, group_sizes, out_dtype, quant_impl="xla"):
 
     (The custom_vjp's backward does not call this: it reuses the forward's codes.)
     """
-    wq, _, sw = kernel_weight_codes(w, quant_impl, transposed=False)
-    return _dgrad_from_codes(dy, wq, sw, group_sizes, out_dtype, quant_impl)
+    q = quantizer(quant_impl)
+    wq, sw = q.weight(w)
+    return _dgrad_from_codes(dy, wq, sw, group_sizes, out_dtype, q)
 
 
 def kernel_wgrad(x, dy, group_sizes, out_dtype, aligned=False, quant_impl="xla"):
@@ -323,38 +349,32 @@ def kernel_wgrad(x, dy, group_sizes, out_dtype, aligned=False, quant_impl="xla")
     ``aligned``: group sizes are known to be multiples of 128; otherwise the
     rows are regrouped first (``align_groups``).
     """
-    from dropless.ops.gmm import fp8_quant_kernels, mosaic_fp8_tgmm
-
-    x, dy, group_sizes = _wgrad_rows(x, dy, group_sizes, quant.BLOCKWISE_TILE, aligned)
-    x, dy = pad_kernel_rows(x), pad_kernel_rows(dy)
-    if quant_impl == "pallas":
-        ops = (*fp8_quant_kernels.quantize_columns(x), *fp8_quant_kernels.quantize_columns(dy))
-    else:
-        ops = mosaic_fp8_tgmm.wgrad_operands(x, dy)
-    return mosaic_fp8_tgmm.tgmm_fp8_blockwise(*ops, group_sizes, out_dtype=out_dtype)
+    return _wgrad(x, dy, group_sizes, out_dtype, aligned, quantizer(quant_impl))
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5))
-def _kgmm(x, w, group_sizes, out_dtype, aligned, quant_impl):
-    return kernel_fwd(x, w, group_sizes, out_dtype, quant_impl)
+def _kgmm(x, w, group_sizes, out_dtype, aligned, q: Quantizer):
+    _, wq_t, sw = q.weight_both(w)
+    return _fwd_from_codes(x, wq_t, sw, group_sizes, out_dtype, q)
 
 
-def _kgmm_fwd(x, w, group_sizes, out_dtype, aligned, quant_impl):
-    # The weight is quantized once: the forward's codes (natural layout, one
-    # byte per weight) are the backward's residual, so dgrad does not quantize
-    # w again. An empty array carries w's dtype for dw.
+def _kgmm_fwd(x, w, group_sizes, out_dtype, aligned, q: Quantizer):
+    # The weight is quantized once, into both byte layouts (the forward reads the
+    # transposed copy, dgrad the natural one: FP8 wgmma reads both operands K-major):
+    # the natural codes (one byte per weight) are the backward's residual, so dgrad
+    # does not quantize w again. An empty array carries w's dtype for dw.
     # Named so a remat policy can keep them (``minimal`` does) instead of quantizing
     # the weight again when the backward pass recomputes the layer.
-    wq, wq_t, sw = kernel_weight_codes(w, quant_impl)
-    y = _fwd_from_codes(x, wq_t, sw, group_sizes, out_dtype, quant_impl)
+    wq, wq_t, sw = q.weight_both(w)
+    y = _fwd_from_codes(x, wq_t, sw, group_sizes, out_dtype, q)
     wq, sw = checkpoint_name(wq, "moe_fp8_weights"), checkpoint_name(sw, "moe_fp8_weights")
     return y, (x, wq, sw, group_sizes, jnp.zeros((0,), w.dtype))
 
 
-def _kgmm_bwd(out_dtype, aligned, quant_impl, res, dy):
+def _kgmm_bwd(out_dtype, aligned, q: Quantizer, res, dy):
     x, wq, sw, group_sizes, w_dtype = res
-    dx = _dgrad_from_codes(dy, wq, sw, group_sizes, x.dtype, quant_impl)
-    dw = kernel_wgrad(x, dy, group_sizes, w_dtype.dtype, aligned, quant_impl)
+    dx = _dgrad_from_codes(dy, wq, sw, group_sizes, x.dtype, q)
+    dw = _wgrad(x, dy, group_sizes, w_dtype.dtype, aligned, q)
     return dx, dw, jnp.zeros(group_sizes.shape, jax.dtypes.float0)
 
 
@@ -428,6 +448,6 @@ def gmm(x, w, group_sizes, *, recipe="te_no_quant", backend="auto", out_dtype=No
     if impl == "kernel":
         _check_kernel_args(x, w, recipe)
         _say_once(recipe, jax.devices()[0].device_kind, "fp8_kernel")
-        return _kgmm(x, w, group_sizes, out_dtype, bool(groups_aligned), resolve_quant_impl(quant_impl))
+        return _kgmm(x, w, group_sizes, out_dtype, bool(groups_aligned), quantizer(quant_impl))
     _say_once(recipe, jax.devices()[0].device_kind, name, why)
     return _qgmm(x, w, group_sizes, recipe, name, out_dtype, bool(groups_aligned))
