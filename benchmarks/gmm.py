@@ -70,14 +70,24 @@ FULL_SHAPES = [  # (M, G, K, N); most important first, in case a run is cut shor
     (65536, 256, 2048, 7168),
 ]
 QUICK_SHAPES = FULL_SHAPES[:3]
-# Expert GEMMs of Qwen3-MoE (128 experts top-8, no shared expert) at M = 8192
-# tokens x top-8 rows (512 per expert when balanced), G = 128: gate|up fused
-# [D, 2F] and down [F, D]. Their dgrads are the transposed problems, so K or
-# N = F (768, 1536) appears in every direction.
+# Expert GEMMs of Qwen3-MoE (128 experts top-8, no shared expert), taken from
+# the presets through the CLI's loader: M = 65536 rows (8192 tokens x top-8,
+# 512 per expert when balanced), G = num_experts, gate|up fused [D, 2F] and
+# down [F, D]. Their dgrads are the transposed problems, so K or N = F (768,
+# 1536) appears in every direction.
+def preset_expert_shapes(model_name: str, rows: int = 65536) -> list[tuple[int, int, int, int]]:
+    """(M, G, K, N) of a preset's two expert GEMMs: gate|up [D, 2F] and down [F, D]."""
+    from dropless.config.loader import load_config
+
+    cfg = load_config(None, [f"model_name={model_name}"], environ={}).config
+    d, f, g = cfg.emb_dim, cfg.moe_mlp_dim, cfg.num_experts
+    return [(rows, g, d, 2 * f), (rows, g, f, d)]
+
+
 SHAPE_SETS = {
     "deepseek": FULL_SHAPES,
-    "qwen3-30b": [(65536, 128, 2048, 1536), (65536, 128, 768, 2048)],  # D=2048, F=768
-    "qwen3-235b": [(65536, 128, 4096, 3072), (65536, 128, 1536, 4096)],  # D=4096, F=1536
+    "qwen3-30b": preset_expert_shapes("qwen3-30b-a3b"),  # D=2048, F=768
+    "qwen3-235b": preset_expert_shapes("qwen3-235b-a22b"),  # D=4096, F=1536
 }
 SMOKE_SHAPES = [(300, 5, 128, 256)]
 SMOKE_SHAPES_FP8 = [(300, 3, 256, 256)]  # the FP8 kernels need K and N multiples of 256
