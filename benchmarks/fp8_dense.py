@@ -129,9 +129,10 @@ def matmuls(cfg) -> list[dict]:
     return rows
 
 
-def linear_fns(k: int, n: int, quantization: str, dtype, param_dtype):
-    """(fwd(w, x) -> y, fwd_bwd(w, x, dy) -> (y, dx, dw)) of the model's ``nnx.Linear``."""
-    dot = dense_dot_general(quantization) or jax.lax.dot_general
+def linear_fns(k: int, n: int, quantization: str, dtype, param_dtype, form: str = "direct"):
+    """(fwd(w, x) -> y, fwd_bwd(w, x, dy) -> (y, dx, dw)) of the model's ``nnx.Linear``;
+    ``form``: the FP8 products' ``fp8_dot_form``."""
+    dot = dense_dot_general(quantization, form) or jax.lax.dot_general
     layer = nnx.Linear(k, n, use_bias=False, dtype=dtype, param_dtype=param_dtype,
                        dot_general=dot, rngs=nnx.Rngs(0))
     graphdef, _ = nnx.split(layer)
@@ -202,13 +203,20 @@ def rel_err(a, b) -> float:
     return float(np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-30))
 
 
-def time_shape(b, s, k, n, cfg, iters, warmup, reps=None):
-    """bf16 and FP8 timings, HLO checks and FP8-vs-bf16 errors of one [B*S, K] x [K, N] shape."""
+def time_shape(b, s, k, n, cfg, iters, warmup, reps=None, form="direct", compare_form=None):
+    """bf16 and FP8 timings, HLO checks and FP8-vs-bf16 errors of one [B*S, K] x [K, N] shape.
+
+    The FP8 variant uses ``form`` (``fp8_dot_form``); ``compare_form`` adds a variant
+    ``fp8_<form>`` with the other form, timed in the same run.
+    """
     dtype, param_dtype = jnp.dtype(cfg.dtype), jnp.dtype(cfg.weight_dtype)
     w, x, dy = inputs(b, s, k, n, dtype, param_dtype)
     out, results = {}, {}
-    for variant, quant in (("bf16", ""), ("fp8", FP8)):
-        fwd, fwd_bwd = linear_fns(k, n, quant, dtype, param_dtype)
+    variants = [("bf16", "", "direct"), ("fp8", FP8, form)]
+    if compare_form:
+        variants.append((f"fp8_{compare_form}", FP8, compare_form))
+    for variant, quant, form in variants:
+        fwd, fwd_bwd = linear_fns(k, n, quant, dtype, param_dtype, form)
         r = {}
         for key, fn, args in (("fwd", fwd, (w, x)), ("fwd_bwd", fwd_bwd, (w, x, dy))):
             compiled = jax.jit(fn).lower(*args).compile()
@@ -220,25 +228,31 @@ def time_shape(b, s, k, n, cfg, iters, warmup, reps=None):
             r[f"{key}_kernel_ms"] = cupti_ms(jax.jit(fn), args, iters)
             r[f"{key}_ms"] = r[f"{key}_kernel_ms"] or r[f"{key}_wall_ms"]
         out[variant] = r
-    for i, name in enumerate(("y", "dx", "dw")):
-        out["fp8"][f"rel_err_{name}"] = rel_err(results["fp8"][i], results["bf16"][i])
-        out["fp8"][f"finite_{name}"] = bool(np.all(np.isfinite(
-            np.asarray(results["fp8"][i], np.float32))))
+    for variant in out:
+        if variant == "bf16":
+            continue
+        for i, name in enumerate(("y", "dx", "dw")):
+            out[variant][f"rel_err_{name}"] = rel_err(results[variant][i], results["bf16"][i])
+            out[variant][f"finite_{name}"] = bool(np.all(np.isfinite(
+                np.asarray(results[variant][i], np.float32))))
     return out
 
 
 def run(tiny=False, overrides=(), iters=10, warmup=2, out_dir=measure.DEFAULT_RESULTS_DIR,
-        reps=None):
+        reps=None, dot_form="direct", compare_form=None):
     """Time every dense matmul, write the record and return it.
 
     ``reps``: calls per timing sample (None: ``time_fn`` picks about 20 ms worth).
+    ``dot_form``: the FP8 variant's ``fp8_dot_form``; ``compare_form``: also
+    time the other form in the same run (``time_shape``).
 
     Raises:
       ConfigError: a bad override; ValueError: a fractional per_device_batch_size.
     """
     used = [*(TINY_BASE if tiny else BASE), *overrides]
     cfg = resolve(used)
-    resolve([*used, f"quantization={FP8}"])  # the FP8 variant must validate too
+    # The FP8 variant must validate too; it is the one fp8_dot_form applies to.
+    form = resolve([*used, f"quantization={FP8}", f"fp8_dot_form={dot_form}"]).fp8_dot_form
     b, s = cfg.per_device_batch_size, cfg.max_target_length
     if b != int(b):
         raise ValueError(f"per_device_batch_size={b} must be whole for this benchmark")
@@ -249,6 +263,7 @@ def run(tiny=False, overrides=(), iters=10, warmup=2, out_dir=measure.DEFAULT_RE
         "overrides": used, "tiny": tiny, "tokens": t, "batch": b, "seq": s,
         "dtype": cfg.dtype, "weight_dtype": cfg.weight_dtype, "iters": iters, "reps": reps,
         "quantize_output_head": cfg.quantize_output_head, "fp8": FP8,
+        "fp8_dot_form": form, "compare_form": compare_form,
         "layers": {"decoder": cfg.num_decoder_layers, "dense": cfg.first_num_dense_layers,
                    "moe": cfg.num_decoder_layers - cfg.first_num_dense_layers,
                    "mtp": cfg.mtp_num_layers}})
@@ -257,7 +272,7 @@ def run(tiny=False, overrides=(), iters=10, warmup=2, out_dir=measure.DEFAULT_RE
         k, n = row["K"], row["N"]
         if (k, n) not in cache:
             try:
-                cache[(k, n)] = time_shape(b, s, k, n, cfg, iters, warmup, reps)
+                cache[(k, n)] = time_shape(b, s, k, n, cfg, iters, warmup, reps, form, compare_form)
             except Exception as e:  # noqa: BLE001 - one shape failing (memory) keeps the others
                 cache[(k, n)] = {"error": f"{type(e).__name__}: {str(e).splitlines()[0][:300]}"}
         res = cache[(k, n)]
@@ -268,8 +283,9 @@ def run(tiny=False, overrides=(), iters=10, warmup=2, out_dir=measure.DEFAULT_RE
             record["rows"].append(row)
             continue
         # Copies: rows of one shape share the timings but not their per-step figures.
-        row.update(bf16=dict(res["bf16"]), fp8=dict(res["fp8"]))
-        for v in ("bf16", "fp8"):
+        variants = [v for v in res if v == "bf16" or v.startswith("fp8")]
+        row.update({v: dict(res[v]) for v in variants})
+        for v in variants:
             r = row[v]
             r["fwd_tflops"] = flops / r["fwd_ms"] / 1e9
             r["fwd_bwd_tflops"] = 3 * flops / r["fwd_bwd_ms"] / 1e9
@@ -291,7 +307,12 @@ def totals(rows) -> dict:
     for r in ok:
         r["share_bf16_pct"] = 100 * r["bf16"]["step_ms"] / bf16 if bf16 else None
         r["share_fp8_pct"] = 100 * r["fp8"]["step_ms"] / fp8_all if fp8_all else None
-    return {"step_ms_bf16": bf16, "step_ms_fp8_as_configured": fp8_model,
+    extra = {}
+    for v in sorted({v for r in ok for v in r if v.startswith("fp8_") and isinstance(r[v], dict)}):
+        other = sum(r[v]["step_ms"] for r in ok)
+        extra[f"step_ms_{v}_all"] = other
+        extra[f"{v}_over_fp8_all"] = fp8_all / other if other else None
+    return {**extra, "step_ms_bf16": bf16, "step_ms_fp8_as_configured": fp8_model,
             "step_ms_fp8_all": fp8_all,
             "speedup_as_configured": bf16 / fp8_model if fp8_model else None,
             "speedup_all": bf16 / fp8_all if fp8_all else None,
@@ -338,6 +359,16 @@ def print_table(record, console=None):
                      f"{_f(tot['step_ms_fp8_all'])} ms/step, {_f(tot['speedup_all'])}x. "
                      f"f8 dots: dots with FP8 operands / all dots in the fwd+bwd HLO.")
     console.print(table)
+    for key, ms in tot.items():
+        if key.startswith("step_ms_fp8_") and key.endswith("_all") and key != "step_ms_fp8_all":
+            v = key[len("step_ms_"):-len("_all")]
+            f8 = [f"{r[v]['f8_dots']}/{r[v]['dots']}" for r in record["rows"] if v in r]
+            console.print(f"fp8_dot_form {c.get('fp8_dot_form')} (the table) against {v[4:]}, same run, "
+                          f"all matmuls in FP8: {_f(tot['step_ms_fp8_all'])} vs {_f(ms)} ms/step "
+                          f"({_f(tot[f'{v}_over_fp8_all'])}x); {v[4:]}'s f8 dots per row: {' '.join(f8)}; "
+                          f"fwd+bwd ms per row: " + " ".join(
+                              f"{r['name']} {_f(r['fp8']['fwd_bwd_ms'], '.3f')}/{_f(r[v]['fwd_bwd_ms'], '.3f')}"
+                              for r in record["rows"] if v in r))
 
 
 def main(argv=None) -> int:
@@ -352,6 +383,10 @@ def main(argv=None) -> int:
                    help="calls per timing sample (default: about 20 ms worth)")
     p.add_argument("--out", type=Path, default=measure.DEFAULT_RESULTS_DIR)
     p.add_argument("--quick", action="store_true", help="5 timed iterations")
+    p.add_argument("--dot-form", choices=("direct", "dequantized"), default="direct",
+                   help="fp8_dot_form of the FP8 variant (ops.fp8_dot)")
+    p.add_argument("--compare-form", choices=("direct", "dequantized"), default=None,
+                   help="also time the FP8 products in this form, same run (variant fp8_<form>)")
     a = p.parse_args(argv)
     if a.quick:
         a.iters = min(a.iters, 5)
@@ -360,7 +395,8 @@ def main(argv=None) -> int:
               file=sys.stderr)
         return 2
     try:
-        record = run(a.tiny, a.overrides, a.iters, a.warmup, a.out, a.reps)
+        record = run(a.tiny, a.overrides, a.iters, a.warmup, a.out, a.reps, a.dot_form,
+                     a.compare_form if a.compare_form != a.dot_form else None)
     except (ConfigError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -48,6 +48,9 @@ only that attempt):
             default ``auto`` does this where it runs, so ``ours`` does too
             since it became the default; ``ours_mla_padded`` is the padded one
   ours_mla_padded  ``ours`` with ``cudnn_mla_unpadded_v=false``
+  ours_fp8_deq  ``ours_fp8_blockwise`` with ``fp8_dot_form=dequantized``: the
+            dense FP8 products in the form XLA rewrites into one cuBLASLt FP8
+            call that writes bf16 (no float32 GEMM output; ops.fp8_dot)
 
 A case that runs out of memory is retried with half the batch, down to 1 per
 device; the JSON says which batch each case ran at. Figures: median step time
@@ -77,7 +80,7 @@ import time
 CASES = ("xla", "capacity", "ours", "ours_fp8", "ours_fp8_blockwise")
 QWEN3_CASE = "qwen3-moe-proxy"  # ``ours`` on the Qwen3-MoE proxy instead of the DeepSeek one
 EXTRA_CASES = ("ours_fp8e", "ours_fp8k", "ours_fp8kp", "ours_fp8kp_head", "ours_gfp8kp", "ours_mla_unpadded",
-               "ours_mla_padded", QWEN3_CASE)
+               "ours_mla_padded", "ours_fp8_deq", QWEN3_CASE)
 QUICK_CASES = ("xla", "capacity", "ours")
 FP8_DENSE = "te_fp8_currentscaling"
 RESULT_PREFIX = "STEP_RESULT "
@@ -109,6 +112,8 @@ CASE_OVERRIDES = {
                         "quantize_output_head=true"],
     "ours_mla_unpadded": ["gmm_backend=auto", "cudnn_mla_unpadded_v=true"],
     "ours_mla_padded": ["gmm_backend=auto", "cudnn_mla_unpadded_v=false"],
+    "ours_fp8_deq": ["gmm_backend=auto", "te_gmm_quantization=te_fp8_blockwise",
+                     f"quantization={FP8_DENSE}", "fp8_dot_form=dequantized"],
     QWEN3_CASE: ["gmm_backend=auto"],
 }
 # Cases on another preset than the base's: (full-size, tiny) model_name.

@@ -116,14 +116,15 @@ def _bound(product, a, ea, b, eb, n):
             + _acc(product, abs_a + ea, abs_b + eb, n))
 
 
+@pytest.mark.parametrize("form", fp8_dot.FORMS)
 @pytest.mark.parametrize("case", sorted(DIMS))
-def test_forward_and_gradients_within_fp8_bound(rng, case):
+def test_forward_and_gradients_within_fp8_bound(rng, case, form):
     lshape, rshape, dims = DIMS[case]
     x, w = _operands(rng, lshape, rshape)
     y_shape = jax.eval_shape(lambda a, b: lax.dot_general(a, b, dims), x, w).shape
     g = (rng.standard_normal(y_shape) * np.exp(rng.uniform(-4, 4, y_shape))).astype(np.float32)
 
-    f = jax.jit(lambda a, b: fp8_dot.fp8_dot_general(a, b, dims))
+    f = jax.jit(lambda a, b: fp8_dot.fp8_dot_general(a, b, dims, form=form))
     y, vjp = jax.vjp(f, x, w)
     dx, dw = vjp(jnp.asarray(g))
     assert y.dtype == dx.dtype == dw.dtype == jnp.float32
@@ -150,6 +151,36 @@ def test_forward_and_gradients_within_fp8_bound(rng, case):
         err, bound = np.abs(got - prod(a, b)), _bound(prod, a, ea, b, eb, n)
         assert np.all(err <= bound), name
         assert np.max(err / bound) > 0.02, name
+
+
+def test_forms_agree_in_bf16_to_one_rounding(rng):
+    """bf16 in and out: the dequantized form rounds the float32 product of the
+    dequantized codes once; the direct form rounds (codes product) * scales once.
+    The two float32 values differ by the dequantization's roundings (each code
+    times its scale, 2^-24 relative, summed over K terms: within the
+    accumulation bound), so the bf16 results differ by at most one bf16 ulp
+    (2^-8 relative) where they differ at all, and agree exactly on most
+    elements."""
+    dims = (((1,), (0,)), ((), ()))
+    x = jnp.asarray(rng.standard_normal((64, 256)), jnp.bfloat16)
+    w = jnp.asarray(rng.standard_normal((256, 48)), jnp.bfloat16)
+    g = jnp.asarray(rng.standard_normal((64, 48)), jnp.bfloat16)
+    out = {}
+    for form in fp8_dot.FORMS:
+        f = jax.jit(lambda a, b, form=form: fp8_dot.fp8_dot_general(a, b, dims, form=form))
+        y, vjp = jax.vjp(f, x, w)
+        out[form] = (y, *vjp(g))
+    for name, a, b in zip(("y", "dx", "dw"), out["direct"], out["dequantized"]):
+        assert a.dtype == b.dtype == jnp.bfloat16, name
+        a, b = np.asarray(a, np.float32), np.asarray(b, np.float32)
+        ulp = 2.0 ** (np.floor(np.log2(np.maximum(np.abs(a), 1e-30))) - 7)
+        assert np.all(np.abs(a - b) <= ulp), name
+        assert np.mean(a == b) > 0.9, name
+
+
+def test_unknown_form_is_refused():
+    with pytest.raises(ValueError, match="form='fast' is not one of"):
+        fp8_dot.fp8_dot_general(jnp.ones((4, 16)), jnp.ones((16, 8)), (((1,), (0,)), ((), ())), form="fast")
 
 
 def test_as_nnx_linear_bf16_gradients_flow(rng):
@@ -198,5 +229,23 @@ def test_compiles_to_cublaslt_fp8_gemm():
     assert "__cublas$lt$matmul$f8" in fwd, fwd[:4000]
     both = jax.jit(jax.grad(loss, argnums=(0, 1))).lower(x, w).compile().as_text()
     assert both.count("__cublas$lt$matmul$f8") >= 2, both[:4000]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(jax.default_backend() != "gpu", reason="needs a CUDA GPU with FP8 (sm_89+)")
+def test_dequantized_form_writes_bf16_from_the_fp8_gemm():
+    """The dequantized form is one FP8 cuBLASLt call whose result is bf16 (no float32
+    [256, 384] GEMM output and convert after it), forward and backward."""
+    x = jnp.ones((256, 512), jnp.bfloat16)
+    w = jnp.ones((512, 384), jnp.bfloat16)
+    dims = (((1,), (0,)), ((), ()))
+    f = lambda x, w: fp8_dot.fp8_dot_general(x, w, dims, form="dequantized")
+    fwd = jax.jit(f).lower(x, w).compile().as_text()
+    calls = [line for line in fwd.splitlines() if "__cublas$lt$matmul$f8" in line and "custom-call(" in line]
+    assert calls and all("bf16[256,384]" in line for line in calls), fwd[:4000]
+    both = jax.jit(jax.grad(lambda x, w: jnp.sum(f(x, w).astype(jnp.float32)), argnums=(0, 1))
+                   ).lower(x, w).compile().as_text()
+    calls = [line for line in both.splitlines() if "__cublas$lt$matmul$f8" in line and "custom-call(" in line]
+    assert len(calls) >= 3 and not any("f32[256,512]" in c or "f32[512,384]" in c for c in calls), both[:4000]
     full = jax.jit(jax.value_and_grad(loss, argnums=(0, 1))).lower(x, w).compile().as_text()
     assert full.count("__cublas$lt$matmul$f8") >= 3
