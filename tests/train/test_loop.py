@@ -13,6 +13,7 @@ import subprocess
 import sys
 import time
 
+import jax
 import pytest
 from rich.console import Console
 
@@ -78,6 +79,15 @@ def test_run_outputs(reference):
         assert key in row, key
     assert row["dropped_tokens"] == 0  # dropless
     assert result.tflops_per_device > 0 and result.mfu is None  # CPU: no peak, no MFU
+    # The provenance record: where it ran, on which code, with which config, and the summary.
+    with open(result.record_path) as f:
+        record = json.load(f)
+    assert os.path.dirname(result.record_path) == os.path.join(result.run_dir, "records")
+    assert record["kind"] == "train" and record["device"]["platform"] == "cpu"
+    assert record["versions"]["jax"] == jax.__version__ and record["commit"]
+    assert record["config"]["train"]["run_name"] == train.run_name
+    assert record["tflops_per_device"] == result.tflops_per_device
+    assert record["final_step"] == result.final_step == STEPS and record["tflop_per_step_device"] > 0
 
 
 def test_checkpoint_saves_report_their_blocking_time(reference):

@@ -106,6 +106,7 @@ class TrainResult:
     plot_path: str | None
     checkpoint_saves: int = 0
     checkpoint_blocked_s: float = 0.0
+    record_path: str | None = None
 
 
 class BatchFeed:
@@ -525,8 +526,23 @@ def _print_summary(console, r: TrainResult):
             if r.checkpoint_saves else None,
         "run directory": r.run_dir,
         "plot": r.plot_path,
+        "record": r.record_path,
     }
     console.print(metrics_lib.summary_table(fields))
+
+
+def write_run_record(result: TrainResult, sections: dict, tflop_per_step: float,
+                     peak_tflops: float | None) -> str:
+    """The run's provenance record, as the benchmarks write theirs: ``<run_dir>/records/
+    train-<time>-<gpu>.json`` with the device, jax version, commit (``DROPLESS_COMMIT``
+    or git), the config sections and the summary. One per invocation (a resume adds one)."""
+    from dropless.perf import measure
+
+    record = measure.new_record("train", sections)
+    record.update(dataclasses.asdict(result), tflop_per_step_device=tflop_per_step,
+                  peak_tflops=peak_tflops)
+    record.pop("record_path", None)
+    return str(measure.write_record(record, os.path.join(result.run_dir, "records")))
 
 
 def run_training(model: ModelConfig, train: TrainConfig, mesh: MeshConfig, *,
@@ -595,5 +611,8 @@ def run_training(model: ModelConfig, train: TrainConfig, mesh: MeshConfig, *,
         )
     result = _result(s, run_dir, writer, rows_all, ran, resumed_from, num_params, tokens, t0,
                      plot_path)
+    if primary:
+        result = dataclasses.replace(result, record_path=write_run_record(
+            result, run_dir_lib.sections_dict(model, train, mesh), s.flops.total, s.peak))
     _print_summary(console, result)
     return result
