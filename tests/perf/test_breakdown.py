@@ -175,6 +175,9 @@ def test_breakdown_arithmetic():
         COPY: ["MemcpyH2D"], OTHER: ["loop_add_fusion"]}
     assert bd.top_by_category[OTHER][0]["op"] == "add.1 jvp(mlp)/add"
     assert bd.top_by_category[GROUPED_GEMM][0]["time_us"] == 60.0
+    # Each launch's duration, in trace order, to tell launches of one kernel name apart.
+    gmm = bd.top_by_category[GROUPED_GEMM][0]
+    assert gmm["durations_us"] == [30.0, 30.0] and gmm["min_us"] == gmm["median_us"] == gmm["max_us"] == 30.0
 
 
 def test_gpu_overlapping_kernels_count_in_full():

@@ -50,6 +50,8 @@ import dataclasses
 import re
 from collections import defaultdict
 
+import numpy as np
+
 from dropless.perf.trace import KernelEvent, Trace
 
 GROUPED_GEMM = "grouped_gemm"
@@ -163,7 +165,11 @@ class Breakdown:
       count, avg_us, pct_kernel.
     top_by_category: category -> up to ``top`` such dicts of that category,
       each with ``op``, the start of its HLO op text (what a fusion computes:
-      the names alone, ``loop_convert_fusion_3``, do not say).
+      the names alone, ``loop_convert_fusion_3``, do not say), and its launch
+      durations (``min_us``, ``median_us``, ``max_us``, ``durations_us`` in
+      trace order, the first ``DURATIONS_KEPT``): launches of one kernel name
+      that do different work (one Mosaic name serves every grouped GEMM) show
+      up as groups of durations.
     wall_us: span of the profiled steps; kernel_us: summed kernel time (all
       devices); busy_pct: time any kernel ran on a device / wall, averaged
       over devices.
@@ -223,6 +229,7 @@ def _pct(part, whole):
 
 
 OP_TEXT_CHARS = 240  # of a kernel's HLO op text kept in ``top_by_category``
+DURATIONS_KEPT = 256  # launch durations kept per kernel in ``top_by_category`` (in trace order)
 
 
 def compute(trace: Trace, top: int = 15, hlo_ops: dict | None = None) -> Breakdown:
@@ -243,6 +250,7 @@ def compute(trace: Trace, top: int = 15, hlo_ops: dict | None = None) -> Breakdo
     ndev = max(1, len(trace.devices))
     per_cat = {c: [0.0, 0] for c in CATEGORIES}
     per_name = defaultdict(lambda: [0.0, 0, OTHER])
+    durations = defaultdict(list)
     op_text = {}
     hlo_ops = hlo_ops or {}
     for k in trace.kernels:
@@ -254,6 +262,7 @@ def compute(trace: Trace, top: int = 15, hlo_ops: dict | None = None) -> Breakdo
         agg[0] += k.dur_us
         agg[1] += 1
         agg[2] = cat
+        durations[k.name].append(k.dur_us)
         op_text.setdefault(k.name, f"{k.op} {extra}".strip()[:OP_TEXT_CHARS])
     total = sum(v[0] for v in per_cat.values())
     categories = [
@@ -270,7 +279,11 @@ def compute(trace: Trace, top: int = 15, hlo_ops: dict | None = None) -> Breakdo
     by_category = defaultdict(list)
     for name, (t, n, cat) in ranked:
         if len(by_category[cat]) < top:
+            d = durations[name]
             by_category[cat].append({"name": name, "time_us": t, "count": n, "avg_us": t / n,
+                                     "min_us": min(d), "median_us": float(np.median(d)),
+                                     "max_us": max(d),
+                                     "durations_us": [round(x, 1) for x in d[:DURATIONS_KEPT]],
                                      "pct_kernel": _pct(t, total), "op": op_text.get(name, "")})
     by_device = defaultdict(list)
     for k in trace.kernels:
