@@ -175,3 +175,13 @@ def test_config_errors():
         data_lib.make_source(DataConfig(markov_order=0), 16, batch=1, seq=4)
     with pytest.raises(ValueError, match="lower markov_order or markov_successors"):
         data_lib.make_source(DataConfig(markov_order=3), 1024, batch=1, seq=4)
+
+
+def test_global_batch_size_is_whole_and_splits_over_the_shards():
+    from dropless.train.data import global_batch_size
+
+    assert global_batch_size(2, 4, 1) == 8 and global_batch_size(0.5, 4, 2) == 2
+    with pytest.raises(ValueError, match=r"per_device_batch_size=0.5 x 3 devices = 1.5 is not a whole"):
+        global_batch_size(0.5, 3, 1)
+    with pytest.raises(ValueError, match="global batch 4 does not split over the 3 batch shards"):
+        global_batch_size(2, 2, 3)

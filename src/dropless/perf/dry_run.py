@@ -93,13 +93,7 @@ def check_data(cfg, num_devices: int, batch_shards: int):
 
     from dropless.train import data as data_lib
 
-    exact = cfg.per_device_batch_size * num_devices
-    global_batch = int(round(exact))
-    if global_batch < 1 or abs(global_batch - exact) > 1e-9:
-        raise ValueError(f"per_device_batch_size={cfg.per_device_batch_size} x {num_devices} devices "
-                         f"= {exact:g} is not a whole number of sequences")
-    if global_batch % batch_shards:
-        raise ValueError(f"global batch {global_batch} does not split over {batch_shards} batch shards")
+    global_batch = data_lib.global_batch_size(cfg.per_device_batch_size, num_devices, batch_shards)
     source = data_lib.make_source(cfg.data(), cfg.vocab_size, batch=global_batch,
                                   seq=cfg.max_target_length, accum=cfg.gradient_accumulation_steps)
     batch = source.batch_at(0, np.arange(global_batch // batch_shards))

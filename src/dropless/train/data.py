@@ -444,6 +444,25 @@ class TextSource(_RowSource):
         return out
 
 
+def global_batch_size(per_device_batch_size: float, num_devices: int, batch_shards: int,
+                      shard_names: str = "batch") -> int:
+    """Sequences per microbatch across all devices: per-device size x devices, whole and
+    divisible by the ``batch_shards`` the batch is split over (named ``shard_names``).
+
+    Raises:
+      ValueError: a batch that is not a whole number >= 1, or does not split over the shards.
+    """
+    exact = per_device_batch_size * num_devices
+    batch = int(round(exact))
+    if batch < 1 or abs(batch - exact) > 1e-9:
+        raise ValueError(f"per_device_batch_size={per_device_batch_size} x {num_devices} devices = "
+                         f"{exact:g} is not a whole number of sequences >= 1")
+    if batch % batch_shards:
+        raise ValueError(f"global batch {batch} does not split over the {batch_shards} "
+                         f"{shard_names} shards")
+    return batch
+
+
 def make_source(cfg: DataConfig, vocab_size: int, *, batch: int, seq: int, accum: int = 1):
     """The data source of ``cfg`` yielding ``Batch`` [accum, batch, seq] by ``batch_at(step)``.
 

@@ -155,25 +155,14 @@ class _Setup:
 
 
 def _global_batch(train: TrainConfig, mesh) -> int:
-    """Sequences per microbatch across all devices.
+    """Sequences per microbatch across all devices (``data.global_batch_size``).
 
     Raises:
       ValueError: a batch that is not a whole number, or does not split over the batch axes.
     """
-    exact = train.per_device_batch_size * mesh.size
-    batch = int(round(exact))
-    if batch < 1 or abs(batch - exact) > 1e-9:
-        raise ValueError(
-            f"per_device_batch_size={train.per_device_batch_size} x {mesh.size} devices = {exact} "
-            "is not a whole number of sequences >= 1"
-        )
-    shards = mesh_lib.batch_shards(mesh)
-    if batch % shards:
-        raise ValueError(
-            f"global batch {batch} does not split over the mesh's {shards} batch shards "
-            f"({' x '.join(mesh_lib.BATCH_AXES)})"
-        )
-    return batch
+    return data_lib.global_batch_size(train.per_device_batch_size, mesh.size,
+                                      mesh_lib.batch_shards(mesh),
+                                      f"mesh's batch ({' x '.join(mesh_lib.BATCH_AXES)})")
 
 
 def _setup(model: ModelConfig, train: TrainConfig, mesh_cfg: MeshConfig) -> _Setup:
