@@ -48,3 +48,36 @@ def test_minimal_runs_each_expert_kernel_once():
     assert _kernels_in_grad(remat_lib.checkpoint_policy("minimal")) == 6
     assert _kernels_in_grad(jax.checkpoint_policies.checkpoint_dots_with_no_batch_dims) == 7
     assert _kernels_in_grad(remat_lib.checkpoint_policy("full")) == 7
+
+
+def test_unrolled_layers_keep_what_the_scan_keeps():
+    """With scan_layers=false each layer slices its parameters inside the
+    rematerialised function: the backward pass keeps the same residuals as the
+    scan (it used to keep every layer's weight slices too), and the gradients
+    are the scan's."""
+    import dataclasses
+
+    import numpy as np
+    import optax
+
+    from dropless.config.loader import load_config
+    from dropless.perf import memory
+    from dropless.train import step as step_lib
+
+    cfg = load_config(None, ["model_name=deepseek3-tiny", "remat_policy=minimal"], environ={}).config.model()
+    unrolled = dataclasses.replace(cfg, scan_layers=False)
+
+    def kept(m):
+        return sum(memory._nbytes(aval) for aval, _ in memory._residuals(m, 2, 16))
+
+    assert kept(unrolled) == kept(cfg)
+    grads = []
+    for m in (cfg, unrolled):
+        graphdef, init = step_lib.init_state_fn(m, optax.identity(), 0, remat_lib.layer_remat(m))
+        state = init()
+        tokens = jax.random.randint(jax.random.key(1), (2, 16), 0, m.vocab_size)
+        weights = jnp.ones((2, 16), jnp.float32)
+        grads.append(jax.grad(lambda p: step_lib.loss_fn(p, state["router_bias"], graphdef, m, tokens,
+                                                         tokens, weights)[0])(state["params"]))
+    for a, b in zip(jax.tree.leaves(grads[0]), jax.tree.leaves(grads[1])):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-6)

@@ -167,13 +167,18 @@ class LayerStack(nnx.Module):
         def body(x, layer_state):
             return nnx.merge(graphdef, layer_state)(x, positions_BS)
 
-        body = remat(body)
         if self.scan_layers:
-            return jax.lax.scan(body, x_BSD, state)
+            return jax.lax.scan(remat(body), x_BSD, state)
         # Unrolled: same parameters, one traced copy per layer (compile time grows with L).
+        # Each layer takes its slice of the stacked parameters inside the rematerialised
+        # function, so the backward pass slices again instead of keeping the slices as
+        # residuals (a copy of every layer's weights).
         stats = []
         for i in range(self.num_layers):
-            x_BSD, s = body(x_BSD, jax.tree.map(lambda a, i=i: a[i], state))
+            def layer(x, stacked, i=i):
+                return body(x, jax.tree.map(lambda a: a[i], stacked))
+
+            x_BSD, s = remat(layer)(x_BSD, state)
             stats.append(s)
         return x_BSD, jax.tree.map(lambda *a: jnp.stack(a), *stats)
 
