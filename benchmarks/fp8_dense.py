@@ -157,6 +157,7 @@ def inputs(b: int, s: int, k: int, n: int, dtype, param_dtype, seed: int = 0):
     return w, x, dy
 
 
+COMPARE = "fp8_compare"  # the variant of ``--compare-form``: the FP8 products in the other form
 HLO_CHECK = 2  # version of hlo_checks; 1 (absent) read operand types only where printed inline
 GEMM_TARGETS = frozenset({"__cublas$gemm", "__cublas$lt$matmul", "__cublas$lt$matmul$f8",
                           "__cublas$lt$matmul$fp8"})
@@ -206,17 +207,17 @@ def rel_err(a, b) -> float:
 def time_shape(b, s, k, n, cfg, iters, warmup, reps=None, form="direct", compare_form=None):
     """bf16 and FP8 timings, HLO checks and FP8-vs-bf16 errors of one [B*S, K] x [K, N] shape.
 
-    The FP8 variant uses ``form`` (``fp8_dot_form``); ``compare_form`` adds a variant
-    ``fp8_<form>`` with the other form, timed in the same run.
+    The FP8 variant uses ``form`` (``fp8_dot_form``); ``compare_form`` adds the
+    variant ``COMPARE``, the FP8 products in that other form, timed in the same run.
     """
     dtype, param_dtype = jnp.dtype(cfg.dtype), jnp.dtype(cfg.weight_dtype)
     w, x, dy = inputs(b, s, k, n, dtype, param_dtype)
     out, results = {}, {}
     variants = [("bf16", "", "direct"), ("fp8", FP8, form)]
     if compare_form:
-        variants.append((f"fp8_{compare_form}", FP8, compare_form))
-    for variant, quant, form in variants:
-        fwd, fwd_bwd = linear_fns(k, n, quant, dtype, param_dtype, form)
+        variants.append((COMPARE, FP8, compare_form))
+    for variant, quant, variant_form in variants:
+        fwd, fwd_bwd = linear_fns(k, n, quant, dtype, param_dtype, variant_form)
         r = {}
         for key, fn, args in (("fwd", fwd, (w, x)), ("fwd_bwd", fwd_bwd, (w, x, dy))):
             compiled = jax.jit(fn).lower(*args).compile()
@@ -253,6 +254,8 @@ def run(tiny=False, overrides=(), iters=10, warmup=2, out_dir=measure.DEFAULT_RE
     cfg = resolve(used)
     # The FP8 variant must validate too; it is the one fp8_dot_form applies to.
     form = resolve([*used, f"quantization={FP8}", f"fp8_dot_form={dot_form}"]).fp8_dot_form
+    if compare_form == form:
+        compare_form = None  # nothing to compare
     b, s = cfg.per_device_batch_size, cfg.max_target_length
     if b != int(b):
         raise ValueError(f"per_device_batch_size={b} must be whole for this benchmark")
@@ -283,7 +286,7 @@ def run(tiny=False, overrides=(), iters=10, warmup=2, out_dir=measure.DEFAULT_RE
             record["rows"].append(row)
             continue
         # Copies: rows of one shape share the timings but not their per-step figures.
-        variants = [v for v in res if v == "bf16" or v.startswith("fp8")]
+        variants = [v for v in ("bf16", "fp8", COMPARE) if v in res]
         row.update({v: dict(res[v]) for v in variants})
         for v in variants:
             r = row[v]
@@ -308,10 +311,10 @@ def totals(rows) -> dict:
         r["share_bf16_pct"] = 100 * r["bf16"]["step_ms"] / bf16 if bf16 else None
         r["share_fp8_pct"] = 100 * r["fp8"]["step_ms"] / fp8_all if fp8_all else None
     extra = {}
-    for v in sorted({v for r in ok for v in r if v.startswith("fp8_") and isinstance(r[v], dict)}):
-        other = sum(r[v]["step_ms"] for r in ok)
-        extra[f"step_ms_{v}_all"] = other
-        extra[f"{v}_over_fp8_all"] = fp8_all / other if other else None
+    if ok and COMPARE in ok[0]:
+        other = sum(r[COMPARE]["step_ms"] for r in ok)
+        extra = {f"step_ms_{COMPARE}_all": other,
+                 f"{COMPARE}_over_fp8_all": fp8_all / other if other else None}
     return {**extra, "step_ms_bf16": bf16, "step_ms_fp8_as_configured": fp8_model,
             "step_ms_fp8_all": fp8_all,
             "speedup_as_configured": bf16 / fp8_model if fp8_model else None,
@@ -359,17 +362,15 @@ def print_table(record, console=None):
                      f"{_f(tot['step_ms_fp8_all'])} ms/step, {_f(tot['speedup_all'])}x. "
                      f"f8 dots: dots with FP8 operands / all dots in the fwd+bwd HLO.")
     console.print(table)
-    for key, ms in tot.items():
-        if key.startswith("step_ms_fp8_") and key.endswith("_all") and key != "step_ms_fp8_all":
-            v = key[len("step_ms_"):-len("_all")]
-            f8 = [f"{r[v]['f8_dots']}/{r[v]['dots']}" for r in record["rows"] if v in r]
-            console.print(f"fp8_dot_form {c.get('fp8_dot_form')} (the table) against {v[4:]}, same run, "
-                          f"all matmuls in FP8: {_f(tot['step_ms_fp8_all'])} vs {_f(ms)} ms/step "
-                          f"({_f(tot[f'{v}_over_fp8_all'])}x); {v[4:]}'s f8 dots per row: {' '.join(f8)}; "
-                          f"fwd+bwd ms per row: " + " ".join(
-                              f"{r['name']} {_f(r['fp8']['fwd_bwd_ms'], '.3f')}/{_f(r[v]['fwd_bwd_ms'], '.3f')}"
-                              for r in record["rows"] if v in r))
-
+    if f"step_ms_{COMPARE}_all" in tot:
+        other = c["compare_form"]
+        f8 = [f"{r[COMPARE]['f8_dots']}/{r[COMPARE]['dots']}" for r in record["rows"] if COMPARE in r]
+        console.print(f"fp8_dot_form {c.get('fp8_dot_form')} (the table) against {other}, same run, "
+                      f"all matmuls in FP8: {_f(tot['step_ms_fp8_all'])} vs "
+                      f"{_f(tot[f'step_ms_{COMPARE}_all'])} ms/step ({_f(tot[f'{COMPARE}_over_fp8_all'])}x); "
+                      f"{other}'s f8 dots per row: {' '.join(f8)}; fwd+bwd ms per row: " + " ".join(
+                          f"{r['name']} {_f(r['fp8']['fwd_bwd_ms'], '.3f')}/{_f(r[COMPARE]['fwd_bwd_ms'], '.3f')}"
+                          for r in record["rows"] if COMPARE in r))
 
 def main(argv=None) -> int:
     from dropless.config.loader import ConfigError
@@ -386,7 +387,7 @@ def main(argv=None) -> int:
     p.add_argument("--dot-form", choices=("direct", "dequantized"), default="direct",
                    help="fp8_dot_form of the FP8 variant (ops.fp8_dot)")
     p.add_argument("--compare-form", choices=("direct", "dequantized"), default=None,
-                   help="also time the FP8 products in this form, same run (variant fp8_<form>)")
+                   help="also time the FP8 products in this form, same run (variant fp8_compare)")
     a = p.parse_args(argv)
     if a.quick:
         a.iters = min(a.iters, 5)
@@ -395,8 +396,7 @@ def main(argv=None) -> int:
               file=sys.stderr)
         return 2
     try:
-        record = run(a.tiny, a.overrides, a.iters, a.warmup, a.out, a.reps, a.dot_form,
-                     a.compare_form if a.compare_form != a.dot_form else None)
+        record = run(a.tiny, a.overrides, a.iters, a.warmup, a.out, a.reps, a.dot_form, a.compare_form)
     except (ConfigError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

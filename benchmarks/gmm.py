@@ -84,11 +84,17 @@ def preset_expert_shapes(model_name: str, rows: int = 65536) -> list[tuple[int, 
     return [(rows, g, d, 2 * f), (rows, g, f, d)]
 
 
+# A named shape set: a list, or the preset whose expert GEMMs it is (loaded when chosen).
 SHAPE_SETS = {
     "deepseek": FULL_SHAPES,
-    "qwen3-30b": preset_expert_shapes("qwen3-30b-a3b"),  # D=2048, F=768
-    "qwen3-235b": preset_expert_shapes("qwen3-235b-a22b"),  # D=4096, F=1536
+    "qwen3-30b": "qwen3-30b-a3b",  # D=2048, F=768
+    "qwen3-235b": "qwen3-235b-a22b",  # D=4096, F=1536
 }
+
+
+def shape_set(name: str) -> list[tuple[int, int, int, int]]:
+    entry = SHAPE_SETS[name]
+    return preset_expert_shapes(entry) if isinstance(entry, str) else entry
 SMOKE_SHAPES = [(300, 5, 128, 256)]
 SMOKE_SHAPES_FP8 = [(300, 3, 256, 256)]  # the FP8 kernels need K and N multiples of 256
 LAYOUTS = ["balanced", "dirichlet1.0", "dirichlet0.3", "empty"]
@@ -593,7 +599,7 @@ def main():
     impls = args.impls.split(",")
     shapes = QUICK_SHAPES if args.quick else FULL_SHAPES
     if args.shape_set:
-        shapes = SHAPE_SETS[args.shape_set]
+        shapes = shape_set(args.shape_set)
     if args.shapes:
         shapes = [shapes[int(i)] for i in args.shapes.split(",")]
     if args.shape:

@@ -126,7 +126,7 @@ def test_auto_takes_the_unpadded_call_where_it_runs_and_says_so(monkeypatch, cap
     q, k, v, _ = _qkv_dy(seed=15)
     seen = []
     monkeypatch.setattr(cudnn_fa, "dot_product_attention", _fake_cudnn(seen))
-    monkeypatch.setattr(attention, "_LOGGED", set())
+    attention._log_once.cache_clear()
     with caplog.at_level("WARNING", logger="dropless.nn.attention"):
         out = attention.fused_attention(q, k, v, scale=0.25, unpadded_v="auto")
         attention.fused_attention(q, k, v, scale=0.25, unpadded_v="auto")
@@ -151,7 +151,7 @@ def test_auto_pads_where_the_private_call_refuses_and_says_why(monkeypatch, capl
 
     monkeypatch.setattr(cudnn_fa, "dot_product_attention", refuse)
     monkeypatch.setattr(jax.nn, "dot_product_attention", recording)
-    monkeypatch.setattr(attention, "_LOGGED", set())
+    attention._log_once.cache_clear()
     with caplog.at_level("WARNING", logger="dropless.nn.attention"):
         out = attention.fused_attention(q, k, v, scale=0.25, unpadded_v="auto")
     padded = attention.fused_attention(q, k, v, scale=0.25, implementation="xla")

@@ -21,6 +21,7 @@ Group sizes are multiples of the recipe's alignment, with an empty group;
 rows past their sum are NaN in x and dy and must not leak.
 """
 
+import dataclasses
 import logging
 
 import fp8_reference as ref
@@ -315,3 +316,8 @@ def test_fp8_impls_names_what_each_grouped_matmul_runs(monkeypatch):
     monkeypatch.setattr(mosaic, "is_available", lambda: True)
     assert moe.fp8_impls(cfg, 512, 1024, jnp.bfloat16) == {"wi": "kernel", "wo": "kernel"}
     assert moe.fp8_impls(cfg, 384, 1024, jnp.bfloat16) == {"wi": "emulate", "wo": "emulate"}
+    # F = 384: fused gate|up is N = 768 (a kernel shape), unfused wi_0 and wi_1 are N = 384 each.
+    odd = dataclasses.replace(cfg, moe_mlp_dim=384, gmm_quantization="te_fp8_blockwise")
+    assert moe.fp8_impls(odd, 512, 1024, jnp.bfloat16)["wi"] == "kernel"
+    assert moe.fp8_impls(dataclasses.replace(odd, prefuse_moe_weights=False), 512, 1024,
+                         jnp.bfloat16)["wi"] == "emulate"

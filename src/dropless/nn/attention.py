@@ -33,6 +33,7 @@ of fewer heads than q):
     gradients then run at V instead of Q, a sixth of the attention FLOPs in V3.
 """
 
+import functools
 import logging
 
 import jax
@@ -160,14 +161,10 @@ def fused_attention(q_BSHQ, k_BTHQ, v_BTHV, *, scale: float, implementation="cud
     return out_BSHQ[..., :v_dim]
 
 
-_LOGGED: set[str] = set()
-
-
+@functools.cache
 def _log_once(message: str) -> None:
     """One line in the log per distinct message (attention traces once per layer stack)."""
-    if message not in _LOGGED:
-        _LOGGED.add(message)
-        logger.warning(message)
+    logger.warning(message)
 
 
 def _private_cudnn_attention():

@@ -219,7 +219,8 @@ def fp8_impls(cfg: MoEConfig, emb_dim: int, rows: int, dtype) -> dict | None:
     if not cfg.sparse_matmul or cfg.gmm_quantization == "te_no_quant":
         return None
     d, f, e = emb_dim, cfg.moe_mlp_dim, cfg.num_experts
-    shapes = {"wi": ((rows, d), (e, d, 2 * f)), "wo": ((rows, f), (e, f, d))}
+    gate_up = 2 * f if cfg.prefuse_moe_weights else f  # wi, or each of wi_0 and wi_1
+    shapes = {"wi": ((rows, d), (e, d, gate_up)), "wo": ((rows, f), (e, f, d))}
     return {name: quantized.resolve_impl(cfg.gmm_fp8_impl, cfg.gmm_quantization, cfg.gmm_backend,
                                          x, w, dtype)[0] for name, (x, w) in shapes.items()}
 

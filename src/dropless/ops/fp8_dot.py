@@ -85,10 +85,11 @@ def _remaining(ndim, *used):
 FORMS = ("direct", "dequantized")
 
 
-def _dot(a, b, dims, out_sharding=None, out_dtype=jnp.float32):
-    """FP8 codes into the dot (``direct``), or their float32 dequantization
-    (``dequantized``: a and b already float32, the output in ``out_dtype``)."""
-    if a.dtype == jnp.float32:
+def _dot(a, b, dims, out_sharding=None, out_dtype=None):
+    """The FP8 product: FP8 codes in, float32 out (``direct``); or, given ``out_dtype``,
+    a and b the float32 dequantized codes and the dot's result in ``out_dtype``
+    (``dequantized``)."""
+    if out_dtype is not None:
         return lax.dot_general(a, b, dims, precision=lax.Precision.HIGHEST,
                                preferred_element_type=out_dtype, out_sharding=out_sharding)
     return lax.dot_general(a, b, dims, precision=_precision(),
@@ -101,12 +102,12 @@ def _dequantized(q, s):
     return q.astype(jnp.float32) * s
 
 
-def transpose_lhs(g, rhs, dims, lhs_ndim, out_dtype=jnp.float32):
+def transpose_lhs(g, rhs, dims, lhs_ndim, out_dtype=None):
     """Cotangent of the lhs of ``dot_general(lhs, rhs, dims)`` given the output cotangent g.
 
     g has the output layout [batch..., lhs kept..., rhs kept...]; the result
-    has lhs's layout, in float32 (or ``out_dtype`` when g and rhs are float32
-    dequantized codes, see ``_dot``).
+    has lhs's layout, in float32 (or, with ``out_dtype``, in that dtype from g and
+    rhs as float32 dequantized codes: ``_dot``).
     """
     (lc, rc), (lb, rb) = dims
     l_kept = _remaining(lhs_ndim, lc, lb)
@@ -119,7 +120,7 @@ def transpose_lhs(g, rhs, dims, lhs_ndim, out_dtype=jnp.float32):
     return lax.transpose(out, tuple(np.argsort(list(lb) + l_kept + contract_in_rhs_order)))
 
 
-def transpose_rhs(g, lhs, dims, rhs_ndim, out_dtype=jnp.float32):
+def transpose_rhs(g, lhs, dims, rhs_ndim, out_dtype=None):
     """Cotangent of the rhs of ``dot_general(lhs, rhs, dims)``; float32 (see
     ``transpose_lhs`` for ``out_dtype``), rhs's layout."""
     (lc, rc), (lb, rb) = dims

@@ -48,9 +48,8 @@ to more than 100.
 
 import dataclasses
 import re
+import statistics
 from collections import defaultdict
-
-import numpy as np
 
 from dropless.perf.trace import KernelEvent, Trace
 
@@ -281,7 +280,7 @@ def compute(trace: Trace, top: int = 15, hlo_ops: dict | None = None) -> Breakdo
         if len(by_category[cat]) < top:
             d = durations[name]
             by_category[cat].append({"name": name, "time_us": t, "count": n, "avg_us": t / n,
-                                     "min_us": min(d), "median_us": float(np.median(d)),
+                                     "min_us": min(d), "median_us": statistics.median(d),
                                      "max_us": max(d),
                                      "durations_us": [round(x, 1) for x in d[:DURATIONS_KEPT]],
                                      "pct_kernel": _pct(t, total), "op": op_text.get(name, "")})

@@ -115,9 +115,11 @@ def write_record(record: dict, out_dir: str | os.PathLike = DEFAULT_RESULTS_DIR)
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     path = out / name
-    with open(path, "w") as f:
+    tmp = path.with_suffix(".json.tmp")  # a run cut mid-write leaves the previous record whole
+    with open(tmp, "w") as f:
         json.dump(record, f, indent=1, default=_jsonable)
         f.write("\n")
+    os.replace(tmp, path)
     return path
 
 

@@ -363,7 +363,8 @@ class Checkpointer:
       period: save when ``step % period == 0`` (and on ``force``).
       async_save: write in the background (the state is copied to host first).
       max_to_keep: keep the newest this many (0: all).
-      per_save_bytes: the size of one save, for the message of a failed one (0: unknown).
+      per_save_bytes: the size of one save, for the disk pre-flight and the message of a
+        failed one (0: unknown).
 
     A failed save raises ``CheckpointSaveError`` (from ``save``, ``poll``,
     ``wait`` or ``close``, whichever first sees it); the checkpointer is then
@@ -387,7 +388,7 @@ class Checkpointer:
         self._sealing = None
         self._writing: int | None = None  # the step Orbax may still be writing
         self._failed = False
-        self._per_save_bytes = per_save_bytes
+        self.per_save_bytes = per_save_bytes
         self.last_timing: SaveTiming | None = None  # of the latest save that saved
         options = ocp.CheckpointManagerOptions(
             save_interval_steps=period,
@@ -540,8 +541,8 @@ class Checkpointer:
         cause, number = _root_cause(e)
         what = f"checkpoint save at step {step}" if step is not None else "checkpoint save"
         space = f"{_gib(free_then)} free on the filesystem of {path}"
-        if self._per_save_bytes:
-            space += f", a save writes up to {_gib(self._per_save_bytes)}"
+        if self.per_save_bytes:
+            space += f", a save writes up to {_gib(self.per_save_bytes)}"
         if partial:
             space += f"; its partial files were removed ({', '.join(partial)}; {_gib(free_now)} free now)"
         elif jax.process_count() > 1:

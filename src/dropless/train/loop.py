@@ -45,7 +45,6 @@ import itertools
 import math
 import os
 import time
-from functools import partial
 from typing import Iterator, NamedTuple
 
 import jax
@@ -209,7 +208,7 @@ def _initial_state(s: _Setup, train: TrainConfig, ckpt, console):
         if removed:
             console.print(f"[yellow]removed incomplete checkpoint(s) at step {removed}; "
                           "those steps are run and saved again[/yellow]")
-        _check_disk(ckpt, s, train, latest or 0, console)
+        _check_disk(ckpt, train, latest or 0, console)
         if latest is not None:
             console.print(f"resuming from {ckpt.step_dir(latest)}")
             return ckpt.restore(latest, s.abstract, s.shardings), latest
@@ -219,13 +218,13 @@ def _initial_state(s: _Setup, train: TrainConfig, ckpt, console):
     return state, None
 
 
-def _check_disk(ckpt, s: _Setup, train: TrainConfig, start: int, console) -> None:
+def _check_disk(ckpt, train: TrainConfig, start: int, console) -> None:
     """Refuse a run whose first save cannot fit on the checkpoint disk; warn if a later one cannot.
 
     Raises:
       ConfigError: not even one save fits in the free space.
     """
-    plan = ckpt_lib.plan_disk(ckpt.directory, uncompressed_bytes=ckpt_lib.save_bytes(s.abstract),
+    plan = ckpt_lib.plan_disk(ckpt.directory, uncompressed_bytes=ckpt.per_save_bytes,
                               keep=train.max_num_checkpoints_to_keep, period=train.checkpoint_period,
                               start=start, steps=train.steps)
     if error := plan.error():
@@ -252,7 +251,7 @@ def _start_state(s: _Setup, train: TrainConfig) -> dict:
     keys = ("params", "router_bias")
     loaded = ckpt_lib.initial_parameters(
         s.model, train, {k: s.abstract[k] for k in keys}, {k: s.shardings[k] for k in keys})
-    rest = jax.jit(partial(step_lib.optimizer_start, s.tx),
+    rest = jax.jit(functools.partial(step_lib.optimizer_start, s.tx),
                    out_shardings={k: v for k, v in s.shardings.items() if k not in keys})
     return {**loaded, **rest(loaded["params"])}
 
@@ -561,8 +560,9 @@ def run_training(model: ModelConfig, train: TrainConfig, mesh: MeshConfig, *,
         raise ConfigError("run_name is empty: a multi-process run needs one, so every process uses one directory")
     run_name = train.run_name or time.strftime("run-%Y%m%d-%H%M%S")
     run_dir = run_dir_lib.make_run_dir(train.base_output_directory, run_name)
+    sections = run_dir_lib.sections_dict(model, train, mesh)
     run_dir_lib.record_config(
-        run_dir, run_dir_lib.sections_dict(model, train, mesh), primary=primary,
+        run_dir, sections, primary=primary,
         allow_change=train.allow_config_change_on_resume,
         say=lambda msg: console.print(msg, style="yellow", markup=False),
     )
@@ -602,6 +602,6 @@ def run_training(model: ModelConfig, train: TrainConfig, mesh: MeshConfig, *,
                      plot_path)
     if primary:
         result = dataclasses.replace(result, record_path=write_run_record(
-            result, run_dir_lib.sections_dict(model, train, mesh), s.flops.total, s.peak))
+            result, sections, s.flops.total, s.peak))
     _print_summary(console, result)
     return result
