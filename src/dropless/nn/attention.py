@@ -142,9 +142,9 @@ def fused_attention(q_BSHQ, k_BTHQ, v_BTHV, *, scale: float, implementation="cud
         if implementation == "cudnn" and v_dim < qk_dim:
             try:
                 out = _cudnn_unpadded_v(q_BSHQ, k_BTHQ, v_BTHV, scale=scale)
-            except ValueError as e:
+            except UnpaddedRefused as e:
                 _log_once(f"cudnn_mla_unpadded_v=auto: MLA's v goes to cuDNN zero-padded to the q/k "
-                          f"head dim ({v_dim} -> {qk_dim}), because {e}".replace("; set cudnn_mla_unpadded_v=false", ""))
+                          f"head dim ({v_dim} -> {qk_dim}), because {e.reason}")
             else:
                 _log_once(f"cudnn_mla_unpadded_v=auto: MLA's v goes to cuDNN at its own head dim {v_dim} "
                           f"(q/k {qk_dim}; no padding)")
@@ -159,6 +159,15 @@ def fused_attention(q_BSHQ, k_BTHQ, v_BTHV, *, scale: float, implementation="cud
         q_BSHQ, k_BTHQ, v_BTHQ, scale=scale, is_causal=True, implementation=implementation
     )
     return out_BSHQ[..., :v_dim]
+
+
+class UnpaddedRefused(ValueError):
+    """jax or cuDNN cannot take v at its own head dim. The message is for
+    ``cudnn_mla_unpadded_v=true`` (it names the key); ``reason`` is the bare cause."""
+
+    def __init__(self, reason: str, wording: str = ": "):
+        super().__init__(f"cudnn_mla_unpadded_v=true{wording}{reason}; set cudnn_mla_unpadded_v=false")
+        self.reason = reason
 
 
 @functools.cache
@@ -178,10 +187,9 @@ def _private_cudnn_attention():
 
         return fa.dot_product_attention, fa.MaskType.CAUSAL
     except (ImportError, AttributeError) as e:
-        raise ValueError(
-            f"cudnn_mla_unpadded_v=true needs jax's private cuDNN attention "
-            f"(jax._src.cudnn.fused_attention_stablehlo, as in jax 0.11.2), not found in "
-            f"jax {jax.__version__}: {e}; set cudnn_mla_unpadded_v=false"
+        raise UnpaddedRefused(
+            f"needs jax's private cuDNN attention (jax._src.cudnn.fused_attention_stablehlo, "
+            f"as in jax 0.11.2), not found in jax {jax.__version__}: {e}", wording=" "
         ) from e
 
 
@@ -197,10 +205,10 @@ def _cudnn_unpadded_v(q_BSHQ, k_BTHQ, v_BTHV, *, scale: float) -> jax.Array:
     try:
         return attention_fn(q_BSHQ, k_BTHQ, v_BTHV, scale=scale, mask_type=causal)
     except (NotImplementedError, RuntimeError, ValueError) as e:
-        raise ValueError(
-            f"cudnn_mla_unpadded_v=true: jax's cuDNN attention refused v head dim "
-            f"{v_BTHV.shape[-1]} with q/k head dim {q_BSHQ.shape[-1]} (it needs cuDNN >= 9.10 "
-            f"on a Hopper or newer GPU): {' '.join(str(e).split()).rstrip('.')}; set cudnn_mla_unpadded_v=false"
+        raise UnpaddedRefused(
+            f"jax's cuDNN attention refused v head dim {v_BTHV.shape[-1]} with q/k head dim "
+            f"{q_BSHQ.shape[-1]} (it needs cuDNN >= 9.10 on a Hopper or newer GPU): "
+            f"{' '.join(str(e).split()).rstrip('.')}"
         ) from e
 
 
