@@ -399,3 +399,16 @@ def test_fp8_loss_records_reach_the_headlines(tmp_path):
     (tmp_path / "fp8_loss-1.json").write_text(json.dumps(rec))
     text = report.render(tmp_path, tmp_path / "R.md", log=lambda _: None).read_text()
     assert "- final LM loss vs bf16 after 300 steps: fp8_blockwise -0.02%" in text
+
+
+def test_step_rows_name_the_runs_extra_overrides_and_a_partial_run():
+    """A run given ``--set`` overrides, or cut short, is not the plain case: its rows say so
+    (and a row's own note or error wins)."""
+    from dropless.perf.report_step import step_rows
+
+    record = {"extra_overrides": ["scan_layers=false"], "partial": True,
+              "cases": [{"case": "ours", "tflops_per_device": 491.0},
+                        {"case": "ours_fp8_blockwise", "error": "timed out"}]}
+    notes = [r["note"] for r in step_rows(record)]
+    assert notes == ["`scan_layers=false` (partial run)", "timed out"]
+    assert [r["note"] for r in step_rows({"cases": [{"case": "ours", "tflops_per_device": 1}]})] == [""]

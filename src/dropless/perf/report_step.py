@@ -17,6 +17,10 @@ STEP_BASELINES = ("xla", "capacity")  # benchmarks/step.py's baseline cases
 def step_rows(record: dict) -> list[dict]:
     """Normalised step rows: name, role, tflops, and the optional extras."""
     rows = []
+    # What the whole run was given beyond its cases (step.py --set), and whether it ended
+    # early: every row of such a run says so, as it is not the plain case.
+    context = " ".join([*(f"`{o}`" for o in record.get("extra_overrides") or []),
+                        *(["(partial run)"] if record.get("partial") else [])])
     for r in record.get("rows") or record.get("results") or record.get("cases") or []:
         if not isinstance(r, dict):
             continue
@@ -34,7 +38,7 @@ def step_rows(record: dict) -> list[dict]:
                      "memory": _get(r, "peak_memory_gib", "peak_mem_gib", "peak_memory_gb"),
                      "batch": _get(r, "per_device_batch_size", "batch"),
                      "model": model, "fp8_impl": r.get("gmm_fp8_impl_resolved"),
-                     "note": _get(r, "note", "error", default="")})
+                     "note": _get(r, "note", "error", default="") or context})
     return rows
 
 
