@@ -54,7 +54,6 @@ Writes ``<out>/fp8_dense-<time>-<gpu>.json`` (kind ``fp8_dense``) and prints the
 """
 
 import argparse
-import re
 import statistics
 import sys
 from pathlib import Path
@@ -129,10 +128,9 @@ def matmuls(cfg) -> list[dict]:
     return rows
 
 
-def linear_fns(k: int, n: int, quantization: str, dtype, param_dtype, form: str = "direct"):
-    """(fwd(w, x) -> y, fwd_bwd(w, x, dy) -> (y, dx, dw)) of the model's ``nnx.Linear``;
-    ``form``: the FP8 products' ``fp8_dot_form``."""
-    dot = dense_dot_general(quantization, form) or jax.lax.dot_general
+def linear_fns(k: int, n: int, quantization: str, dtype, param_dtype):
+    """(fwd(w, x) -> y, fwd_bwd(w, x, dy) -> (y, dx, dw)) of the model's ``nnx.Linear``."""
+    dot = dense_dot_general(quantization) or jax.lax.dot_general
     layer = nnx.Linear(k, n, use_bias=False, dtype=dtype, param_dtype=param_dtype,
                        dot_general=dot, rngs=nnx.Rngs(0))
     graphdef, _ = nnx.split(layer)
@@ -157,11 +155,9 @@ def inputs(b: int, s: int, k: int, n: int, dtype, param_dtype, seed: int = 0):
     return w, x, dy
 
 
-COMPARE = "fp8_compare"  # the variant of ``--compare-form``: the FP8 products in the other form
 HLO_CHECK = 2  # version of hlo_checks; 1 (absent) read operand types only where printed inline
 GEMM_TARGETS = frozenset({"__cublas$gemm", "__cublas$lt$matmul", "__cublas$lt$matmul$f8",
                           "__cublas$lt$matmul$fp8"})
-_TARGET = re.compile(r'custom_call_target="([^"]*)"')
 
 
 def hlo_checks(hlo: str) -> dict:
@@ -169,18 +165,15 @@ def hlo_checks(hlo: str) -> dict:
 
     A dot is an HLO ``dot`` or a ``custom-call`` whose target is a cuBLAS/cuBLASLt GEMM
     (``GEMM_TARGETS``); it counts as FP8 when its first two (matrix) operands have f8 types,
-    read inline or from the operand's defining instruction in the same computation.
+    read inline or from the operand's defining instruction in the same computation
+    (``perf.hlo.Instruction.operand_types``).
     """
     dots = f8_dots = 0
     for inst in hlo_lib.instructions(hlo):
-        if inst.opcode == "custom-call":
-            target = _TARGET.search(inst.attrs)
-            if not (target and target.group(1) in GEMM_TARGETS):
-                continue
-        elif inst.opcode != "dot":
+        if inst.opcode != "dot" and inst.custom_call_target not in GEMM_TARGETS:
             continue
         dots += 1
-        matrices = [inline or inst.scope.get(name, "") for inline, name in inst.operands[:2]]
+        matrices = inst.operand_types[:2]
         f8_dots += len(matrices) == 2 and all(t.startswith("f8e") for t in matrices)
     return {"f8e4m3": "f8e4m3fn" in hlo, "f8e5m2": "f8e5m2" in hlo, "dots": dots,
             "f8_dots": f8_dots, "hlo_check": HLO_CHECK}
@@ -204,20 +197,13 @@ def rel_err(a, b) -> float:
     return float(np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-30))
 
 
-def time_shape(b, s, k, n, cfg, iters, warmup, reps=None, form="direct", compare_form=None):
-    """bf16 and FP8 timings, HLO checks and FP8-vs-bf16 errors of one [B*S, K] x [K, N] shape.
-
-    The FP8 variant uses ``form`` (``fp8_dot_form``); ``compare_form`` adds the
-    variant ``COMPARE``, the FP8 products in that other form, timed in the same run.
-    """
+def time_shape(b, s, k, n, cfg, iters, warmup, reps=None):
+    """bf16 and FP8 timings, HLO checks and FP8-vs-bf16 errors of one [B*S, K] x [K, N] shape."""
     dtype, param_dtype = jnp.dtype(cfg.dtype), jnp.dtype(cfg.weight_dtype)
     w, x, dy = inputs(b, s, k, n, dtype, param_dtype)
     out, results = {}, {}
-    variants = [("bf16", "", "direct"), ("fp8", FP8, form)]
-    if compare_form:
-        variants.append((COMPARE, FP8, compare_form))
-    for variant, quant, variant_form in variants:
-        fwd, fwd_bwd = linear_fns(k, n, quant, dtype, param_dtype, variant_form)
+    for variant, quant in (("bf16", ""), ("fp8", FP8)):
+        fwd, fwd_bwd = linear_fns(k, n, quant, dtype, param_dtype)
         r = {}
         for key, fn, args in (("fwd", fwd, (w, x)), ("fwd_bwd", fwd_bwd, (w, x, dy))):
             compiled = jax.jit(fn).lower(*args).compile()
@@ -229,33 +215,25 @@ def time_shape(b, s, k, n, cfg, iters, warmup, reps=None, form="direct", compare
             r[f"{key}_kernel_ms"] = cupti_ms(jax.jit(fn), args, iters)
             r[f"{key}_ms"] = r[f"{key}_kernel_ms"] or r[f"{key}_wall_ms"]
         out[variant] = r
-    for variant in out:
-        if variant == "bf16":
-            continue
-        for i, name in enumerate(("y", "dx", "dw")):
-            out[variant][f"rel_err_{name}"] = rel_err(results[variant][i], results["bf16"][i])
-            out[variant][f"finite_{name}"] = bool(np.all(np.isfinite(
-                np.asarray(results[variant][i], np.float32))))
+    for i, name in enumerate(("y", "dx", "dw")):
+        out["fp8"][f"rel_err_{name}"] = rel_err(results["fp8"][i], results["bf16"][i])
+        out["fp8"][f"finite_{name}"] = bool(np.all(np.isfinite(
+            np.asarray(results["fp8"][i], np.float32))))
     return out
 
 
 def run(tiny=False, overrides=(), iters=10, warmup=2, out_dir=measure.DEFAULT_RESULTS_DIR,
-        reps=None, dot_form="direct", compare_form=None):
+        reps=None):
     """Time every dense matmul, write the record and return it.
 
     ``reps``: calls per timing sample (None: ``time_fn`` picks about 20 ms worth).
-    ``dot_form``: the FP8 variant's ``fp8_dot_form``; ``compare_form``: also
-    time the other form in the same run (``time_shape``).
 
     Raises:
       ConfigError: a bad override; ValueError: a fractional per_device_batch_size.
     """
     used = [*(TINY_BASE if tiny else BASE), *overrides]
     cfg = resolve(used)
-    # The FP8 variant must validate too; it is the one fp8_dot_form applies to.
-    form = resolve([*used, f"quantization={FP8}", f"fp8_dot_form={dot_form}"]).fp8_dot_form
-    if compare_form == form:
-        compare_form = None  # nothing to compare
+    resolve([*used, f"quantization={FP8}"])  # the FP8 variant must validate too
     b, s = cfg.per_device_batch_size, cfg.max_target_length
     if b != int(b):
         raise ValueError(f"per_device_batch_size={b} must be whole for this benchmark")
@@ -266,7 +244,6 @@ def run(tiny=False, overrides=(), iters=10, warmup=2, out_dir=measure.DEFAULT_RE
         "overrides": used, "tiny": tiny, "tokens": t, "batch": b, "seq": s,
         "dtype": cfg.dtype, "weight_dtype": cfg.weight_dtype, "iters": iters, "reps": reps,
         "quantize_output_head": cfg.quantize_output_head, "fp8": FP8,
-        "fp8_dot_form": form, "compare_form": compare_form,
         "layers": {"decoder": cfg.num_decoder_layers, "dense": cfg.first_num_dense_layers,
                    "moe": cfg.num_decoder_layers - cfg.first_num_dense_layers,
                    "mtp": cfg.mtp_num_layers}})
@@ -275,7 +252,7 @@ def run(tiny=False, overrides=(), iters=10, warmup=2, out_dir=measure.DEFAULT_RE
         k, n = row["K"], row["N"]
         if (k, n) not in cache:
             try:
-                cache[(k, n)] = time_shape(b, s, k, n, cfg, iters, warmup, reps, form, compare_form)
+                cache[(k, n)] = time_shape(b, s, k, n, cfg, iters, warmup, reps)
             except Exception as e:  # noqa: BLE001 - one shape failing (memory) keeps the others
                 cache[(k, n)] = {"error": f"{type(e).__name__}: {str(e).splitlines()[0][:300]}"}
         res = cache[(k, n)]
@@ -286,9 +263,8 @@ def run(tiny=False, overrides=(), iters=10, warmup=2, out_dir=measure.DEFAULT_RE
             record["rows"].append(row)
             continue
         # Copies: rows of one shape share the timings but not their per-step figures.
-        variants = [v for v in ("bf16", "fp8", COMPARE) if v in res]
-        row.update({v: dict(res[v]) for v in variants})
-        for v in variants:
+        row.update(bf16=dict(res["bf16"]), fp8=dict(res["fp8"]))
+        for v in ("bf16", "fp8"):
             r = row[v]
             r["fwd_tflops"] = flops / r["fwd_ms"] / 1e9
             r["fwd_bwd_tflops"] = 3 * flops / r["fwd_bwd_ms"] / 1e9
@@ -310,12 +286,7 @@ def totals(rows) -> dict:
     for r in ok:
         r["share_bf16_pct"] = 100 * r["bf16"]["step_ms"] / bf16 if bf16 else None
         r["share_fp8_pct"] = 100 * r["fp8"]["step_ms"] / fp8_all if fp8_all else None
-    extra = {}
-    if ok and COMPARE in ok[0]:
-        other = sum(r[COMPARE]["step_ms"] for r in ok)
-        extra = {f"step_ms_{COMPARE}_all": other,
-                 f"{COMPARE}_over_fp8_all": fp8_all / other if other else None}
-    return {**extra, "step_ms_bf16": bf16, "step_ms_fp8_as_configured": fp8_model,
+    return {"step_ms_bf16": bf16, "step_ms_fp8_as_configured": fp8_model,
             "step_ms_fp8_all": fp8_all,
             "speedup_as_configured": bf16 / fp8_model if fp8_model else None,
             "speedup_all": bf16 / fp8_all if fp8_all else None,
@@ -362,15 +333,7 @@ def print_table(record, console=None):
                      f"{_f(tot['step_ms_fp8_all'])} ms/step, {_f(tot['speedup_all'])}x. "
                      f"f8 dots: dots with FP8 operands / all dots in the fwd+bwd HLO.")
     console.print(table)
-    if f"step_ms_{COMPARE}_all" in tot:
-        other = c["compare_form"]
-        f8 = [f"{r[COMPARE]['f8_dots']}/{r[COMPARE]['dots']}" for r in record["rows"] if COMPARE in r]
-        console.print(f"fp8_dot_form {c.get('fp8_dot_form')} (the table) against {other}, same run, "
-                      f"all matmuls in FP8: {_f(tot['step_ms_fp8_all'])} vs "
-                      f"{_f(tot[f'step_ms_{COMPARE}_all'])} ms/step ({_f(tot[f'{COMPARE}_over_fp8_all'])}x); "
-                      f"{other}'s f8 dots per row: {' '.join(f8)}; fwd+bwd ms per row: " + " ".join(
-                          f"{r['name']} {_f(r['fp8']['fwd_bwd_ms'], '.3f')}/{_f(r[COMPARE]['fwd_bwd_ms'], '.3f')}"
-                          for r in record["rows"] if COMPARE in r))
+
 
 def main(argv=None) -> int:
     from dropless.config.loader import ConfigError
@@ -384,10 +347,6 @@ def main(argv=None) -> int:
                    help="calls per timing sample (default: about 20 ms worth)")
     p.add_argument("--out", type=Path, default=measure.DEFAULT_RESULTS_DIR)
     p.add_argument("--quick", action="store_true", help="5 timed iterations")
-    p.add_argument("--dot-form", choices=("direct", "dequantized"), default="direct",
-                   help="fp8_dot_form of the FP8 variant (ops.fp8_dot)")
-    p.add_argument("--compare-form", choices=("direct", "dequantized"), default=None,
-                   help="also time the FP8 products in this form, same run (variant fp8_compare)")
     a = p.parse_args(argv)
     if a.quick:
         a.iters = min(a.iters, 5)
@@ -396,7 +355,7 @@ def main(argv=None) -> int:
               file=sys.stderr)
         return 2
     try:
-        record = run(a.tiny, a.overrides, a.iters, a.warmup, a.out, a.reps, a.dot_form, a.compare_form)
+        record = run(a.tiny, a.overrides, a.iters, a.warmup, a.out, a.reps)
     except (ConfigError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -48,9 +48,8 @@ only that attempt):
             default ``auto`` does this where it runs, so ``ours`` does too
             since it became the default; ``ours_mla_padded`` is the padded one
   ours_mla_padded  ``ours`` with ``cudnn_mla_unpadded_v=false``
-  ours_fp8_deq  ``ours_fp8_blockwise`` with ``fp8_dot_form=dequantized``: the
-            dense FP8 products in the form XLA rewrites into one cuBLASLt FP8
-            call that writes bf16 (no float32 GEMM output; ops.fp8_dot)
+  ours_scan ``ours`` with ``scan_layers=true``: the layers stacked under one
+            ``lax.scan`` (the same-run baseline for the unrolled layers)
 
 A case that runs out of memory is retried with half the batch, down to 1 per
 device; the JSON says which batch each case ran at. Figures: median step time
@@ -80,7 +79,7 @@ import time
 CASES = ("xla", "capacity", "ours", "ours_fp8", "ours_fp8_blockwise")
 QWEN3_CASE = "qwen3-moe-proxy"  # ``ours`` on the Qwen3-MoE proxy instead of the DeepSeek one
 EXTRA_CASES = ("ours_fp8e", "ours_fp8k", "ours_fp8kp", "ours_fp8kp_head", "ours_gfp8kp", "ours_mla_unpadded",
-               "ours_mla_padded", "ours_fp8_deq", QWEN3_CASE)
+               "ours_mla_padded", "ours_scan", QWEN3_CASE)
 QUICK_CASES = ("xla", "capacity", "ours")
 FP8_DENSE = "te_fp8_currentscaling"
 RESULT_PREFIX = "STEP_RESULT "
@@ -112,8 +111,7 @@ CASE_OVERRIDES = {
                         "quantize_output_head=true"],
     "ours_mla_unpadded": ["gmm_backend=auto", "cudnn_mla_unpadded_v=true"],
     "ours_mla_padded": ["gmm_backend=auto", "cudnn_mla_unpadded_v=false"],
-    "ours_fp8_deq": ["gmm_backend=auto", "te_gmm_quantization=te_fp8_blockwise",
-                     f"quantization={FP8_DENSE}", "fp8_dot_form=dequantized"],
+    "ours_scan": ["gmm_backend=auto", "scan_layers=true"],
     QWEN3_CASE: ["gmm_backend=auto"],
 }
 # Cases on another preset than the base's: (full-size, tiny) model_name.
@@ -348,6 +346,8 @@ def write_record(rows, cases, args, started, partial: bool, path: str | None = N
     """Write (or rewrite, at ``path``) the results JSON of the cases run so far."""
     import importlib.metadata
 
+    from dropless.perf import measure
+
     gpu = next((r["gpu"] for r in rows if r.get("gpu")), None)
     if gpu is None and not partial:  # no case ran: ask JAX, now that no child needs the GPU
         import jax
@@ -371,15 +371,10 @@ def write_record(rows, cases, args, started, partial: bool, path: str | None = N
         "cases": rows,
         "speedups": speedups(rows),
     }
-    if path is None:
-        os.makedirs(args.out, exist_ok=True)
-        kind = (gpu or "unknown").replace(" ", "_")
-        path = os.path.join(args.out, f"step-{started:%Y%m%d-%H%M%S}-{kind}.json")
-    tmp = path + ".tmp"
-    with open(tmp, "w") as f:
-        json.dump(record, f, indent=1)
-    os.replace(tmp, path)
-    return path
+    # The file keeps the name of the first write; the rewrites replace it whole.
+    name = os.path.basename(path) if path else \
+        f"step-{started:%Y%m%d-%H%M%S}-{(gpu or 'unknown').replace(' ', '_')}.json"
+    return str(measure.write_record(record, args.out, name=name))
 
 
 def main(argv=None) -> int:

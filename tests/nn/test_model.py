@@ -166,24 +166,3 @@ def test_rope_depends_on_relative_position_only():
     assert score(7, 3) != pytest.approx(score(7, 4), rel=1e-3)
     cos, sin = rope.rope_cos_sin(jnp.array([[0]]), cfg)
     np.testing.assert_allclose(rope.apply_rope(q, cos, sin), q)  # position 0: identity
-
-
-def test_fp8_dot_form_reaches_the_dense_layers():
-    """fp8_dot_form picks how the FP8 products reach XLA; refused without FP8."""
-    import functools
-
-    from dropless.config.loader import ConfigError, load_config
-    from dropless.nn.model import dense_dot_general
-    from dropless.ops.fp8_dot import fp8_dot_general
-
-    assert dense_dot_general("te_fp8_currentscaling") is fp8_dot_general
-    dot = dense_dot_general("te_fp8_currentscaling", "dequantized")
-    assert isinstance(dot, functools.partial) and dot.keywords == {"form": "dequantized"}
-    assert dense_dot_general("", "dequantized") is None
-    with pytest.raises(ValueError, match="fp8_dot_form='fast' is not one of"):
-        dense_dot_general("te_fp8_currentscaling", "fast")
-    with pytest.raises(ConfigError, match="fp8_dot_form"):
-        load_config(None, ["model_name=deepseek3-tiny", "fp8_dot_form=dequantized"], environ={})
-    cfg = load_config(None, ["model_name=deepseek3-tiny", "quantization=te_fp8_currentscaling",
-                             "fp8_dot_form=dequantized"], environ={}).config
-    assert cfg.model().fp8_dot_form == "dequantized"

@@ -64,3 +64,37 @@ def test_compiled_quantizer_is_quantization(tmp_path):
 
 def test_no_dump_is_empty(tmp_path):
     assert hlo.kernel_ops(tmp_path) == {}
+
+
+# GPU-style text: custom-call operands by name only (types from their definitions in the
+# same computation), a name reused with another type in a second computation, inline
+# operand types, a custom-call without a target, and a `/*index=*/` comment in the operands.
+OPERANDS = """HloModule m
+
+%inner (p: bf16[8,32]) -> bf16[8,32] {
+  ROOT %x = bf16[8,32]{1,0} parameter(0)
+}
+
+ENTRY %main (x: f8e4m3fn[8,32], w: f8e5m2[32,16]) -> f32[8,16] {
+  %x = f8e4m3fn[8,32]{1,0} parameter(0)
+  %w = f8e5m2[32,16]{1,0} parameter(1)
+  %s = f32[] constant(1)
+  %gemm = (f32[8,16]{1,0}, s8[64]{0}) custom-call(%x, %w, /*index=2*/%s, %later), custom_call_target="__cublas$lt$matmul$f8", backend_config={"note":"custom_call_target=\\"no\\""}
+  %cc = f32[] custom-call(f32[] %s), backend_config={}
+  ROOT %d = f32[8,16]{1,0} dot(bf16[8,32]{1,0} %a, %w), lhs_contracting_dims={1}, rhs_contracting_dims={0}
+}
+"""
+
+
+def test_instruction_custom_call_target_and_operand_types():
+    by_name = {i.name: i for i in hlo.instructions(OPERANDS)}
+    inner_x = next(i for i in hlo.instructions(OPERANDS) if i.name == "x")
+    assert inner_x.type == "bf16[8,32]{1,0}"  # the first %x, in %inner
+    gemm, cc, d = by_name["gemm"], by_name["cc"], by_name["d"]
+    assert gemm.custom_call_target == "__cublas$lt$matmul$f8"
+    # By name, resolved in ENTRY (not %inner's bf16 %x); a name not defined there is "".
+    assert gemm.operand_types == ["f8e4m3fn[8,32]{1,0}", "f8e5m2[32,16]{1,0}", "f32[]", ""]
+    assert cc.custom_call_target is None and cc.operand_types == ["f32[]"]
+    # Not a custom-call: no target; an inline type wins over the scope.
+    assert d.custom_call_target is None
+    assert d.operand_types == ["bf16[8,32]{1,0}", "f8e5m2[32,16]{1,0}"]

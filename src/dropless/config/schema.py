@@ -126,7 +126,6 @@ class Config(BaseModel):
     gmm_fp8_quantizer: Literal["auto", "xla", "pallas"] = _f("auto", "How the FP8 grouped-GEMM kernels quantize their operands: pallas = single-pass quantization kernels (1.06x bf16 for fwd+dgrad+wgrad on an H200); xla = ops.quant fused by XLA (0.89x); the same codes and scales bit for bit; auto = pallas.")
     quantization: Literal["", "te_fp8_currentscaling"] = _f("", "Dense-matmul quantization ('' = bf16/fp32 as dtype; te_fp8_currentscaling: attention projections, dense MLP and shared experts in FP8 with per-tensor current scaling).")
     quantize_output_head: bool = _f(False, "With quantization=te_fp8_currentscaling, compute the output head in FP8 too.")
-    fp8_dot_form: Literal["direct", "dequantized"] = _f("direct", "How quantization=te_fp8_currentscaling hands its FP8 products to XLA (ops.fp8_dot): direct = FP8 codes into the dot, float32 out, scales and cast after; dequantized = convert(codes) * scale into a dot in the output dtype, which XLA's GPU rewriter makes one FP8 cuBLASLt call writing bf16 directly. The same FP8 products; kept both until the GPU measurement (benchmarks/fp8_dense.py --dot-form) picks one.")
 
     # --- Remat / offload -------------------------------------------------------
     remat_policy: Literal["full", "minimal", "save_dot_except_mlp", "custom", "none"] = _f("full", "Activation rematerialisation policy.")
@@ -337,8 +336,6 @@ def _check_contradictions(c: Config):
         bad("gmm_backend", "the Mosaic kernels take bfloat16 or float16, got dtype=float32; set dtype=bfloat16 or gmm_backend=auto")
     if not c.te_moe_block:
         bad("te_moe_block", "dropless has one MoE block (the fused grouped-GEMM one); only true is allowed. For the capacity-based baseline set sparse_matmul=false")
-    if c.fp8_dot_form != "direct" and not c.quantization:
-        bad("fp8_dot_form", "chooses how the FP8 dense products reach XLA; with quantization '' only direct is allowed (set quantization=te_fp8_currentscaling)")
     if c.quantize_output_head and not c.quantization:
         bad("quantize_output_head", "is true but quantization is '' (set quantization=te_fp8_currentscaling)")
     for axis in ("data", "fsdp", "expert", "tensor"):

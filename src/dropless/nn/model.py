@@ -35,7 +35,6 @@ embedding, the attention scores and MTP's ``eh_proj`` stay in ``dtype``. The
 routed experts follow ``moe.gmm_quantization`` instead.
 """
 
-import functools
 from typing import Callable, NamedTuple
 
 import jax
@@ -48,7 +47,6 @@ from dropless.nn.attention import MLA, default_kernel_init
 from dropless.nn.gqa import GQA
 from dropless.nn.mlp import MLP
 from dropless.nn.moe import MoEBlock, MoEStats
-from dropless.ops.fp8_dot import FORMS as FP8_DOT_FORMS
 from dropless.ops.fp8_dot import fp8_dot_general
 from dropless.parallel.ep import ExpertParallel
 
@@ -57,20 +55,15 @@ SUPPORTED_QUANTIZATION = ("", "te_fp8_currentscaling")
 ATTENTION_TYPES = ("mla", "gqa")
 
 
-def dense_dot_general(quantization: str, form: str = "direct"):
-    """The ``dot_general`` of the dense projections for ``quantization`` (None: plain);
-    ``form``: how the FP8 products reach XLA (``ops.fp8_dot.FORMS``).
+def dense_dot_general(quantization: str):
+    """The ``dot_general`` of the dense projections for ``quantization`` (None: plain).
 
     Raises:
-      ValueError: an unknown quantization or form.
+      ValueError: an unknown quantization.
     """
     if quantization not in SUPPORTED_QUANTIZATION:
         raise ValueError(f"quantization={quantization!r} is not one of {SUPPORTED_QUANTIZATION}")
-    if form not in FP8_DOT_FORMS:
-        raise ValueError(f"fp8_dot_form={form!r} is not one of {FP8_DOT_FORMS}")
-    if quantization != "te_fp8_currentscaling":
-        return None
-    return fp8_dot_general if form == "direct" else functools.partial(fp8_dot_general, form=form)
+    return fp8_dot_general if quantization == "te_fp8_currentscaling" else None
 
 
 def make_attention(cfg: ModelConfig, *, rngs: nnx.Rngs, dot_general=None) -> nnx.Module:
@@ -121,7 +114,7 @@ class DecoderLayer(nnx.Module):
     def __init__(self, cfg: ModelConfig, *, moe: bool, rngs: nnx.Rngs,
                  ep: ExpertParallel | None = None):
         dtype, param_dtype = jnp.dtype(cfg.dtype), jnp.dtype(cfg.weight_dtype)
-        dot_general = dense_dot_general(cfg.quantization, cfg.fp8_dot_form)
+        dot_general = dense_dot_general(cfg.quantization)
         self.is_moe = moe
         self.pre_attention_norm = _norm(cfg, rngs)
         self.attention = make_attention(cfg, rngs=rngs, dot_general=dot_general)
@@ -231,7 +224,7 @@ class Transformer(nnx.Module):
             )
         if cfg.mtp_num_layers < 0:
             raise ValueError(f"mtp_num_layers={cfg.mtp_num_layers} must be >= 0")
-        dot_general = dense_dot_general(cfg.quantization, cfg.fp8_dot_form)  # raises for an unknown value
+        dot_general = dense_dot_general(cfg.quantization)  # raises for an unknown value
         if cfg.quantize_output_head and dot_general is None:
             raise ValueError("quantize_output_head=True needs quantization='te_fp8_currentscaling'")
         head_dot_general = dot_general if cfg.quantize_output_head else None

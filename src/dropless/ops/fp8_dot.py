@@ -30,24 +30,16 @@ FP8 accumulation; other platforms, which reject that algorithm, get
 ``Precision.HIGHEST`` (XLA:CPU upcasts the codes, exact, and accumulates in
 float32).
 
-Two forms of the same products (``form``, config key ``fp8_dot_form``):
-
-* ``direct`` (the default, described above): FP8 codes into the dot, float32
-  out, the scales and the cast to the output dtype after. XLA folds the scale
-  into the cuBLASLt call (``F8ScaleD``) but has no rule that folds a float32
-  to bf16 convert into an FP8 GEMM's output (its ``HandleConvert`` matches FP8
-  outputs only), so the GEMM writes float32 and a fusion reads it back: 8
-  more bytes per output element than a bf16 result.
-* ``dequantized``: ``dot(convert(q_a, f32) * s_a, convert(q_b, f32) * s_b)``
-  with the output dtype as the dot's. This is the pattern XLA's GEMM rewriter
-  matches (``MatchFp8Param``) into one FP8 call that takes both float32 scales
-  and writes the output dtype directly, and the one the docstring above says
-  broke across XLA versions: it is kept for measurement on the pinned jax
-  (``benchmarks/fp8_dense.py --dot-form``) until one form is chosen. On
-  backends without that rewrite it is a float32 dot of the dequantized codes
-  (each code times its scale rounded to float32: within the float32
-  accumulation bound of the direct form's result). The dots ask for
-  ``Precision.HIGHEST``, which keeps cuBLASLt's FP8 fast accumulation off.
+The GEMM writes float32; the scales and the cast to the output dtype come
+after. XLA folds the scale into the cuBLASLt call (``F8ScaleD``), but its
+``HandleConvert`` fuses a convert into an FP8 GEMM only when the output is
+FP8, so the float32 to bf16 convert is a separate fusion. The dequantized
+pattern, ``dot(convert(q_a, f32) * s_a, convert(q_b, f32) * s_b)`` in the
+output dtype, which the rewriter could make one FP8 call writing bf16, is not
+usable on the pinned jax: measured on an H200 at 182aad7, XLA folded the
+f32 -> f8 -> f32 round trip, the dot ran as a float32 GEMM (no FP8 call), and
+the proxy step ran at 0.25x the direct form's throughput (1524.7 against
+376.5 ms per step, step-20261202-022537).
 
 Numerics (checked in tests/ops/test_fp8_dot.py against float64): with u the
 unit roundoff of the operand formats (E4M3 2^-4, E5M2 2^-3), each product is
@@ -82,53 +74,37 @@ def _remaining(ndim, *used):
     return [d for d in range(ndim) if d not in taken]
 
 
-FORMS = ("direct", "dequantized")
-
-
-def _dot(a, b, dims, out_sharding=None, out_dtype=None):
-    """The FP8 product: FP8 codes in, float32 out (``direct``); or, given ``out_dtype``,
-    a and b the float32 dequantized codes and the dot's result in ``out_dtype``
-    (``dequantized``)."""
-    if out_dtype is not None:
-        return lax.dot_general(a, b, dims, precision=lax.Precision.HIGHEST,
-                               preferred_element_type=out_dtype, out_sharding=out_sharding)
+def _dot(a, b, dims, out_sharding=None):
+    """The FP8 product: FP8 codes in, float32 out."""
     return lax.dot_general(a, b, dims, precision=_precision(),
                            preferred_element_type=jnp.float32, out_sharding=out_sharding)
 
 
-def _dequantized(q, s):
-    """float32 values of FP8 codes q with scale s, in the shape XLA's FP8 GEMM rewriter
-    matches: convert(q) * broadcast(s)."""
-    return q.astype(jnp.float32) * s
-
-
-def transpose_lhs(g, rhs, dims, lhs_ndim, out_dtype=None):
+def transpose_lhs(g, rhs, dims, lhs_ndim):
     """Cotangent of the lhs of ``dot_general(lhs, rhs, dims)`` given the output cotangent g.
 
     g has the output layout [batch..., lhs kept..., rhs kept...]; the result
-    has lhs's layout, in float32 (or, with ``out_dtype``, in that dtype from g and
-    rhs as float32 dequantized codes: ``_dot``).
+    has lhs's layout, in float32.
     """
     (lc, rc), (lb, rb) = dims
     l_kept = _remaining(lhs_ndim, lc, lb)
     r_kept = _remaining(rhs.ndim, rc, rb)
     nb = len(lb)
     g_rkept = list(range(nb + len(l_kept), g.ndim))
-    out = _dot(g, rhs, ((g_rkept, r_kept), (list(range(nb)), list(rb))), out_dtype=out_dtype)
+    out = _dot(g, rhs, ((g_rkept, r_kept), (list(range(nb)), list(rb))))
     # out: [batch..., lhs kept..., rhs contracting axes in rhs order] -> lhs axes.
     contract_in_rhs_order = [lc[list(rc).index(a)] for a in sorted(rc)]
     return lax.transpose(out, tuple(np.argsort(list(lb) + l_kept + contract_in_rhs_order)))
 
 
-def transpose_rhs(g, lhs, dims, rhs_ndim, out_dtype=None):
-    """Cotangent of the rhs of ``dot_general(lhs, rhs, dims)``; float32 (see
-    ``transpose_lhs`` for ``out_dtype``), rhs's layout."""
+def transpose_rhs(g, lhs, dims, rhs_ndim):
+    """Cotangent of the rhs of ``dot_general(lhs, rhs, dims)``; float32, rhs's layout."""
     (lc, rc), (lb, rb) = dims
     l_kept = _remaining(lhs.ndim, lc, lb)
     r_kept = _remaining(rhs_ndim, rc, rb)
     nb = len(lb)
     g_lkept = list(range(nb, nb + len(l_kept)))
-    out = _dot(g, lhs, ((g_lkept, l_kept), (list(range(nb)), list(lb))), out_dtype=out_dtype)
+    out = _dot(g, lhs, ((g_lkept, l_kept), (list(range(nb)), list(lb))))
     # out: [batch..., rhs kept..., lhs contracting axes in lhs order] -> rhs axes.
     contract_in_lhs_order = [rc[list(lc).index(a)] for a in sorted(lc)]
     return lax.transpose(out, tuple(np.argsort(list(rb) + r_kept + contract_in_lhs_order)))
@@ -139,32 +115,24 @@ def _canonical(dims):
     return ((tuple(lc), tuple(rc)), (tuple(lb), tuple(rb)))
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3, 4, 5))
-def _fp8_dot(lhs, rhs, dims, out_dtype, out_sharding, form):
-    y, _ = _fp8_dot_fwd(lhs, rhs, dims, out_dtype, out_sharding, form)
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3, 4))
+def _fp8_dot(lhs, rhs, dims, out_dtype, out_sharding):
+    y, _ = _fp8_dot_fwd(lhs, rhs, dims, out_dtype, out_sharding)
     return y
 
 
-def _fp8_dot_fwd(lhs, rhs, dims, out_dtype, out_sharding, form):
+def _fp8_dot_fwd(lhs, rhs, dims, out_dtype, out_sharding):
     q_l, s_l = quant.quantize_tensor(lhs, FWD_DTYPE)
     q_r, s_r = quant.quantize_tensor(rhs, FWD_DTYPE)
-    if form == "dequantized":
-        y = _dot(_dequantized(q_l, s_l), _dequantized(q_r, s_r), dims, out_sharding, out_dtype)
-    else:
-        y = (_dot(q_l, q_r, dims, out_sharding) * (s_l * s_r)).astype(out_dtype)
+    y = (_dot(q_l, q_r, dims, out_sharding) * (s_l * s_r)).astype(out_dtype)
     # Zero-size arrays carry the input dtypes (the cotangents must have them).
     dtypes = (jnp.zeros((0,), lhs.dtype), jnp.zeros((0,), rhs.dtype))
     return y, (q_l, s_l, q_r, s_r, dtypes)
 
 
-def _fp8_dot_bwd(dims, out_dtype, out_sharding, form, res, g):
+def _fp8_dot_bwd(dims, out_dtype, out_sharding, res, g):
     q_l, s_l, q_r, s_r, (lhs_like, rhs_like) = res
     q_g, s_g = quant.quantize_tensor(g, GRAD_DTYPE)
-    if form == "dequantized":
-        f_g = _dequantized(q_g, s_g)
-        d_lhs = transpose_lhs(f_g, _dequantized(q_r, s_r), dims, q_l.ndim, lhs_like.dtype)
-        d_rhs = transpose_rhs(f_g, _dequantized(q_l, s_l), dims, q_r.ndim, rhs_like.dtype)
-        return d_lhs, d_rhs
     d_lhs = transpose_lhs(q_g, q_r, dims, q_l.ndim) * (s_g * s_r)
     d_rhs = transpose_rhs(q_g, q_l, dims, q_r.ndim) * (s_g * s_l)
     return d_lhs.astype(lhs_like.dtype), d_rhs.astype(rhs_like.dtype)
@@ -174,7 +142,7 @@ _fp8_dot.defvjp(_fp8_dot_fwd, _fp8_dot_bwd)
 
 
 def fp8_dot_general(lhs, rhs, dimension_numbers, precision=None, preferred_element_type=None,
-                    out_sharding=None, *, form="direct"):
+                    out_sharding=None):
     """``lax.dot_general`` computed in FP8 with per-tensor current scaling.
 
     Args:
@@ -185,7 +153,6 @@ def fp8_dot_general(lhs, rhs, dimension_numbers, precision=None, preferred_eleme
         for the ``dot_general`` signature.
       preferred_element_type: output dtype (default: the promoted input dtype).
       out_sharding: passed to the forward product.
-      form: ``direct`` or ``dequantized`` (``FORMS``; the module docstring).
 
     Returns:
       The product in ``preferred_element_type``. Differentiable in lhs and rhs
@@ -193,14 +160,11 @@ def fp8_dot_general(lhs, rhs, dimension_numbers, precision=None, preferred_eleme
       the module docstring).
 
     Raises:
-      TypeError / ValueError from ``lax.dot_general`` for inconsistent shapes;
-      ValueError for an unknown ``form``.
+      TypeError / ValueError from ``lax.dot_general`` for inconsistent shapes.
     """
     del precision
-    if form not in FORMS:
-        raise ValueError(f"fp8_dot_general: form={form!r} is not one of {FORMS}")
     out_dtype = jnp.dtype(preferred_element_type or jnp.promote_types(lhs.dtype, rhs.dtype))
     dims = _canonical(dimension_numbers)
     # Let lax check the shapes (and raise its usual errors) before quantizing.
     jax.eval_shape(functools.partial(lax.dot_general, dimension_numbers=dims), lhs, rhs)
-    return _fp8_dot(lhs, rhs, dims, out_dtype, out_sharding, form)
+    return _fp8_dot(lhs, rhs, dims, out_dtype, out_sharding)

@@ -24,6 +24,7 @@ from typing import Iterator, NamedTuple
 
 F8_TYPE = re.compile(r"\bf8e\w+\[")
 OP_NAME = re.compile(r'op_name="([^"]*)"')
+CUSTOM_CALL_TARGET = re.compile(r'\bcustom_call_target="([^"]*)"')
 FUSION_KIND = re.compile(r"\bkind=(k\w+)")
 TAGGED_OPCODES = frozenset({"fusion", "convert"})
 # "[ROOT] %name = " then the result type, the opcode and its operand list.
@@ -49,6 +50,20 @@ class Instruction(NamedTuple):
     operands: list
     attrs: str
     scope: dict
+
+    @property
+    def custom_call_target(self) -> str | None:
+        """A custom-call's ``custom_call_target`` (e.g. ``__cublas$lt$matmul$f8``); else None."""
+        if self.opcode != "custom-call":
+            return None
+        m = CUSTOM_CALL_TARGET.search(self.attrs)
+        return m.group(1) if m else None
+
+    @property
+    def operand_types(self) -> list[str]:
+        """Each operand's type: printed inline, else its definition's in the
+        instruction's computation (``scope``), else ""."""
+        return [inline or self.scope.get(name, "") for inline, name in self.operands]
 
 
 def _balanced(text: str, i: int) -> int:
@@ -81,7 +96,9 @@ def instructions(text: str) -> Iterator[Instruction]:
     """Each instruction of HLO text, in order; ``/*index=5*/`` comments dropped.
 
     The one HLO text parser of dropless: ``parse`` (the profile's kernel op text)
-    and the FP8 dot count of ``benchmarks/fp8_dense.py`` read its instructions.
+    and the FP8 dot count of ``benchmarks/fp8_dense.py`` (through
+    ``Instruction.custom_call_target`` and ``Instruction.operand_types``) read
+    its instructions.
     """
     scope = {}
     for line in text.splitlines():

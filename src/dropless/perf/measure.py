@@ -104,14 +104,17 @@ def new_record(kind: str, config: dict | None = None) -> dict:
             "rows": []}
 
 
-def write_record(record: dict, out_dir: str | os.PathLike = DEFAULT_RESULTS_DIR) -> Path:
-    """Write ``record`` as ``<out_dir>/<kind>-<YYYYmmdd-HHMMSS>-<gpu slug>.json``; return the path.
+def write_record(record: dict, out_dir: str | os.PathLike = DEFAULT_RESULTS_DIR,
+                 name: str | None = None) -> Path:
+    """Write ``record`` as ``<out_dir>/<name>``, atomically; return the path. ``name``
+    defaults to ``<kind>-<YYYYmmdd-HHMMSS>-<gpu slug>.json`` (``new_record``'s fields).
 
     Raises:
-      KeyError: the record lacks "kind", "created" or "device".
+      KeyError: no ``name`` and the record lacks "kind", "created" or "device".
     """
-    created = datetime.datetime.fromisoformat(record["created"])
-    name = f"{record['kind']}-{created:%Y%m%d-%H%M%S}-{record['device']['slug']}.json"
+    if name is None:
+        created = datetime.datetime.fromisoformat(record["created"])
+        name = f"{record['kind']}-{created:%Y%m%d-%H%M%S}-{record['device']['slug']}.json"
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     path = out / name
