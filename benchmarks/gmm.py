@@ -62,39 +62,41 @@ from jax import lax  # noqa: E402
 
 from dropless.ops.gmm import api, mosaic, tuning, xla  # noqa: E402
 
-FULL_SHAPES = [  # (M, G, K, N); most important first, in case a run is cut short
-    (65536, 32, 7168, 4096),
-    (65536, 32, 2048, 7168),
-    (65536, 256, 7168, 4096),
-    (16384, 8, 7168, 4096),
-    (65536, 256, 2048, 7168),
-]
-QUICK_SHAPES = FULL_SHAPES[:3]
-# Expert GEMMs of Qwen3-MoE (128 experts top-8, no shared expert), taken from
-# the presets through the CLI's loader: M = 65536 rows (8192 tokens x top-8,
-# 512 per expert when balanced), G = num_experts, gate|up fused [D, 2F] and
-# down [F, D]. Their dgrads are the transposed problems, so K or N = F (768,
-# 1536) appears in every direction.
-def preset_expert_shapes(model_name: str, rows: int = 65536) -> list[tuple[int, int, int, int]]:
-    """(M, G, K, N) of a preset's two expert GEMMs: gate|up [D, 2F] and down [F, D]."""
+# Shapes (M, G, K, N): the expert GEMMs of the presets, read through the CLI's
+# loader when a set is chosen. M = 65536 rows (8192 tokens x top-8), gate|up
+# fused [D, 2F] and down [F, D]; their dgrads are the transposed problems, so
+# K or N = F appears in every direction.
+def preset_expert_shapes(model_name: str, rows: int = 65536, ep: int = 1) -> list[tuple[int, int, int, int]]:
+    """(M, G, K, N) of a preset's two expert GEMMs, gate|up [D, 2F] and down [F, D], on
+    one device of expert parallelism ``ep`` (G = num_experts / ep)."""
     from dropless.config.loader import load_config
 
     cfg = load_config(None, [f"model_name={model_name}"], environ={}).config
-    d, f, g = cfg.emb_dim, cfg.moe_mlp_dim, cfg.num_experts
+    d, f, g = cfg.emb_dim, cfg.moe_mlp_dim, cfg.num_experts // ep
     return [(rows, g, d, 2 * f), (rows, g, f, d)]
 
 
-# A named shape set: a list, or the preset whose expert GEMMs it is (loaded when chosen).
-SHAPE_SETS = {
-    "deepseek": FULL_SHAPES,
-    "qwen3-30b": "qwen3-30b-a3b",  # D=2048, F=768
-    "qwen3-235b": "qwen3-235b-a22b",  # D=4096, F=1536
+def deepseek_shapes() -> list[tuple[int, int, int, int]]:
+    """DeepSeek-V3's expert GEMMs (D=7168, F=2048, 256 experts) at expert parallelism
+    8 (G=32), 1 (G=256) and 32 (G=8, a quarter of the rows); most important first,
+    in case a run is cut short (``--quick``: the first 3)."""
+    wi_32, wo_32 = preset_expert_shapes("deepseek3-671b", ep=8)
+    wi_256, wo_256 = preset_expert_shapes("deepseek3-671b")
+    wi_8, _ = preset_expert_shapes("deepseek3-671b", rows=16384, ep=32)
+    return [wi_32, wo_32, wi_256, wi_8, wo_256]
+
+
+SHAPE_SETS = {  # name -> its shapes, built when chosen
+    "deepseek": deepseek_shapes,
+    "qwen3-30b": functools.partial(preset_expert_shapes, "qwen3-30b-a3b"),  # D=2048, F=768
+    "qwen3-235b": functools.partial(preset_expert_shapes, "qwen3-235b-a22b"),  # D=4096, F=1536
 }
 
 
 def shape_set(name: str) -> list[tuple[int, int, int, int]]:
-    entry = SHAPE_SETS[name]
-    return preset_expert_shapes(entry) if isinstance(entry, str) else entry
+    return SHAPE_SETS[name]()
+
+
 SMOKE_SHAPES = [(300, 5, 128, 256)]
 SMOKE_SHAPES_FP8 = [(300, 3, 256, 256)]  # the FP8 kernels need K and N multiples of 256
 LAYOUTS = ["balanced", "dirichlet1.0", "dirichlet0.3", "empty"]
@@ -586,9 +588,9 @@ def main():
     p.add_argument("--impls", default=",".join(IMPLS))
     p.add_argument("--quant", default="none", choices=["none", *QUANT_RECIPES],
                    help="also time an FP8 recipe (ours_q) and the dense FP8 GEMM (dense8)")
-    p.add_argument("--shapes", default="", help="comma list of indices into the shape set (FULL_SHAPES unless --shape-set)")
+    p.add_argument("--shapes", default="", help="comma list of indices into the shape set (deepseek unless --shape-set)")
     p.add_argument("--shape-set", default="", choices=["", *SHAPE_SETS],
-                   help="a named set of shapes instead of FULL_SHAPES (qwen3-30b: the 30B's expert GEMMs)")
+                   help="a named set of shapes instead of deepseek (qwen3-30b: the 30B's expert GEMMs)")
     p.add_argument("--shape", action="append", default=[], help="M,G,K,N (repeatable)")
     p.add_argument("--out", default=os.environ.get("OUT", "benchmarks/results"))
     p.add_argument("--commit", default="unknown")
@@ -597,13 +599,13 @@ def main():
     p.add_argument("--tune-only", action="store_true", help=argparse.SUPPRESS)
     args = p.parse_args()
     impls = args.impls.split(",")
-    shapes = QUICK_SHAPES if args.quick else FULL_SHAPES
-    if args.shape_set:
-        shapes = shape_set(args.shape_set)
-    if args.shapes:
-        shapes = [shapes[int(i)] for i in args.shapes.split(",")]
     if args.shape:
         shapes = [tuple(int(v) for v in spec.split(",")) for spec in args.shape]
+    else:
+        shapes = shape_set(args.shape_set or "deepseek")
+        shapes = shapes[:3] if args.quick and not args.shape_set else shapes
+        if args.shapes:
+            shapes = [shapes[int(i)] for i in args.shapes.split(",")]
     layouts = ["balanced", "dirichlet0.3"] if args.quick else LAYOUTS
     dev = jax.devices()[0]
     torch = _torch()

@@ -66,10 +66,8 @@ def start_runtime(cfg):
 
     if not on_gpu:
         distributed.set_cpu_devices(_cpu_devices(cfg))
-    found = None  # a Detection when a multi-process job was asked for
-    try:
-        if cfg.hardware == "gpu_multiprocess" or distributed.wants_multiprocess():
-            found = distributed.find_cluster()
+    try:  # found: a Detection when a multi-process job was asked for (the hardware or our variables)
+        found = distributed.find_cluster(asked=cfg.hardware == "gpu_multiprocess")
         if found is not None and found.cluster is not None:
             distributed.join(found, cpu=not on_gpu)
     except (ValueError, distributed.ClusterError) as e:

@@ -80,6 +80,29 @@ def test_our_variables_come_first(bare_env):
     assert distributed.find_cluster().cluster == distributed.OUR_VARIABLES
 
 
+def test_a_job_that_did_not_ask_needs_our_variables_naming_several_processes(bare_env):
+    """``asked=False`` (hardware other than gpu_multiprocess): SLURM's variables, or ours
+    naming one process, make no job; ours naming two do."""
+    bare_env(SLURM)
+    assert distributed.find_cluster(asked=False) is None
+    bare_env({**OURS, "JAX_NUM_PROCESSES": "1"})
+    assert distributed.find_cluster(asked=False) is None
+    bare_env(OURS)
+    assert distributed.find_cluster(asked=False).cluster == distributed.OUR_VARIABLES
+
+
+def test_our_variables_are_read_once_on_the_way_to_initialize(bare_env, monkeypatch):
+    """find_cluster parses them; join checks and starts from that parse."""
+    calls, started = [], []
+    parse = distributed.spec_from_env
+    monkeypatch.setattr(distributed, "spec_from_env", lambda env=None: calls.append(env) or parse(env))
+    monkeypatch.setattr(distributed, "check_coordinator", lambda spec, timeout_s: started.append(spec))
+    monkeypatch.setattr(jax.distributed, "initialize", lambda **k: started.append(k["coordinator_address"]))
+    bare_env(OURS)
+    distributed.join(distributed.find_cluster(asked=False))
+    assert len(calls) == 1 and started == [("10.0.0.1:1234", 2, 0), "10.0.0.1:1234"]
+
+
 def test_some_of_our_variables_is_an_error(bare_env):
     bare_env({"JAX_COORDINATOR_ADDRESS": "10.0.0.1:1234"})
     with pytest.raises(ValueError, match="JAX_NUM_PROCESSES"):

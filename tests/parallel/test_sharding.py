@@ -52,9 +52,6 @@ def test_process_spec_from_env():
     env = {"JAX_COORDINATOR_ADDRESS": "10.0.0.1:1234", "JAX_NUM_PROCESSES": "4",
            "JAX_PROCESS_ID": "3"}
     assert distributed.spec_from_env(env) == ("10.0.0.1:1234", 4, 3)
-    assert distributed.wants_multiprocess(env)
-    assert not distributed.wants_multiprocess({**env, "JAX_NUM_PROCESSES": "1",
-                                               "JAX_PROCESS_ID": "0"})
     with pytest.raises(ValueError, match=r"missing"):
         distributed.spec_from_env({"JAX_COORDINATOR_ADDRESS": "h:1"})
     with pytest.raises(ValueError, match="must be in"):

@@ -58,6 +58,9 @@ def _normalize(index, shape) -> tuple[slice, ...]:
 class TensorDir:
     """The tensors of a Hugging Face model directory, read region by region.
 
+    ``names``: every tensor name. Names, shapes, dtypes and offsets are the
+    headers' when the directory was opened; open it again after its files change.
+
     Raises (on construction):
       TensorDirError: no safetensors files, an index naming a missing file, or
         a tensor the index places in a file that does not hold it.
@@ -79,7 +82,6 @@ class TensorDir:
                 raise TensorDirError(f"{path} holds no *.safetensors files")
         self._file: dict[str, str] = {}
         self._info: dict[str, tuple[tuple[int, ...], str]] = {}
-        self._names: frozenset[str] | None = None
         self._offset: dict[str, int] = {}  # byte offset of each tensor's data in its file
         for name in files:
             full = os.path.join(path, name)
@@ -100,13 +102,7 @@ class TensorDir:
             lost = sorted(set(weight_map) - set(self._file))
             if lost:
                 raise TensorDirError(f"{INDEX} places {lost[0]} in {weight_map[lost[0]]}, which does not hold it")
-
-    @property
-    def names(self) -> frozenset[str]:
-        """Every tensor name (built once: the loader looks names up per expected tensor)."""
-        if self._names is None:
-            self._names = frozenset(self._file)
-        return self._names
+        self.names = frozenset(self._file)  # like every field here, from the headers as read now
 
     def shape(self, name: str) -> tuple[int, ...]:
         return self._info[name][0]

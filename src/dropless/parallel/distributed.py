@@ -72,12 +72,6 @@ def spec_from_env(env: Mapping[str, str] | None = None) -> ProcessSpec | None:
     return ProcessSpec(address, count, pid)
 
 
-def wants_multiprocess(env: Mapping[str, str] | None = None) -> bool:
-    """True when the environment describes a job of more than one process."""
-    spec = spec_from_env(env)
-    return spec is not None and spec.num_processes > 1
-
-
 class ClusterError(RuntimeError):
     """A cluster was found but this process cannot join it (a one-line message)."""
 
@@ -97,6 +91,7 @@ class Detection(NamedTuple):
     checked: tuple[str, ...]  # JAX's detectors asked, in JAX's order
     notes: tuple[str, ...] = ()  # warnings JAX's detectors gave (first sentence each)
     detector: type | None = None  # JAX's ClusterEnv subclass that found it
+    spec: ProcessSpec | None = None  # our variables' coordinates, when they found it
 
 
 def _jax_cluster_types() -> list[type] | None:
@@ -116,21 +111,27 @@ def _first_sentence(text: str) -> str:
     return " ".join(text.split()).split(". ")[0].rstrip(".")
 
 
-def find_cluster() -> Detection:
+def find_cluster(asked: bool = True) -> Detection | None:
     """The multi-process job this process belongs to, as ``jax.distributed.initialize`` would find it.
 
-    Reads ``os.environ``: first our three variables, then each of JAX's
-    detectors. Starts nothing and reaches no coordinator (the Kubernetes
+    Reads ``os.environ`` (once per call: the result carries our variables'
+    ``ProcessSpec`` to ``join``): first our three variables, then each of
+    JAX's detectors. Starts nothing and reaches no coordinator (the Kubernetes
     detector reads its in-cluster config; the GCE TPU one asks the metadata
-    server, only on a Cloud TPU VM).
+    server, only on a Cloud TPU VM). ``asked=False`` (a job that did not ask
+    for several processes): only our variables naming more than one process
+    make a job; otherwise None, and JAX's detectors are not asked.
 
     Raises:
       ValueError: only some of our three variables set, or bad values.
       ClusterError: a detector of JAX failed (e.g. Kubernetes without its
         service-account files).
     """
-    if spec_from_env() is not None:
-        return Detection(OUR_VARIABLES, ())
+    spec = spec_from_env()
+    if spec is not None and (asked or spec.num_processes > 1):
+        return Detection(OUR_VARIABLES, (), spec=spec)
+    if not asked:
+        return None
     types = _jax_cluster_types()
     if types is None:  # cannot ask beforehand: initialize() decides, and its error is reported
         return Detection(JAX_DETECTION, ())
@@ -197,9 +198,12 @@ def initialize(env: Mapping[str, str] | None = None, *, cpu: bool = False,
       ValueError: inconsistent variables. RuntimeError / jax errors: the
         coordinator cannot be reached in time.
     """
+    return _start(spec_from_env(env), cpu, timeout_s)
+
+
+def _start(spec: ProcessSpec | None, cpu: bool, timeout_s: int) -> ProcessSpec | None:
     import jax
 
-    spec = spec_from_env(env)
     if cpu:
         jax.config.update("jax_cpu_collectives_implementation", "gloo")
     if spec is None:
@@ -217,7 +221,7 @@ def coordinates(detection: Detection) -> ProcessSpec | None:
     variables; SLURM, whose coordinator JAX derives from the step's first host
     and the job id); None for launchers JAX must ask (Kubernetes, MPI)."""
     if detection.cluster == OUR_VARIABLES:
-        return spec_from_env()
+        return detection.spec
     t = detection.detector
     if t is None or t.__name__ != "SlurmCluster":
         return None
@@ -288,7 +292,7 @@ def join(detection: Detection, *, cpu: bool = False, timeout_s: int = 300) -> No
         except ClusterError as e:
             raise ClusterError(f"{detection.cluster} found, but {e}") from None
     try:
-        initialize(cpu=cpu, timeout_s=timeout_s)
+        _start(detection.spec, cpu, timeout_s)
     except Exception as e:  # noqa: BLE001 - any failure to join is reported the same way
         where = (f"{detection.cluster} found, but" if detection.cluster != JAX_DETECTION
                  else "this jax's cluster detectors could not be asked beforehand, and")

@@ -43,6 +43,8 @@ def model_config_of_run(checkpoint: str):
     Raises:
       ConfigError: no run config.json found.
     """
+    from flax import traverse_util
+
     from dropless.config import sections
     from dropless.train import run_dir as run_dir_lib
 
@@ -53,15 +55,8 @@ def model_config_of_run(checkpoint: str):
             run_dir = os.path.dirname(run_dir)
         flat = run_dir_lib.recorded_config(run_dir)
         if flat is not None:
-            model: dict = {}
-            for key, value in flat.items():
-                section, _, rest = key.partition(".")
-                if section == "model":
-                    *parents, leaf = rest.split(".")
-                    node = model
-                    for name in parents:
-                        node = node.setdefault(name, {})
-                    node[leaf] = value
+            model = traverse_util.unflatten_dict(
+                {k.partition(".")[2]: v for k, v in flat.items() if k.startswith("model.")}, sep=".")
             model["mla"] = sections.MLAConfig(**model["mla"])
             model["gqa"] = sections.GQAConfig(**model.get("gqa", {}))
             model["moe"] = sections.MoEConfig(**model["moe"])

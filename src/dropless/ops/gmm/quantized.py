@@ -183,15 +183,31 @@ def resolve_impl(impl: str, recipe: str, backend: str, x_shape, w_shape, dtype) 
     """
     if impl != "auto":
         return impl, ""
+    why = _kernel_refusal(recipe, w_shape, api.resolve_backend(backend, x_shape, w_shape, dtype))
+    return ("emulate", why) if why else ("kernel", "")
+
+
+def _kernel_refusal(recipe: str, w_shape, backend: str | None = None) -> str:
+    """Why the FP8 kernels cannot run ``recipe`` on w of ``w_shape`` here, or "" when they can.
+
+    ``backend``: for ``impl="auto"``, the resolved bf16 backend (the kernels run
+    only where it is ``mosaic``); None for ``impl="kernel"``, which ignores the
+    backend and needs a Hopper GPU or Pallas GPU interpret mode.
+    """
     if recipe != KERNEL_RECIPE:
-        return "emulate", f"FP8 kernels exist for {KERNEL_RECIPE} only"
-    name = api.resolve_backend(backend, x_shape, w_shape, dtype)
-    if name != "mosaic":
-        return "emulate", f"the bf16 grouped GEMM backend is {name} (the FP8 kernels need a Hopper GPU)"
+        return f"the FP8 kernels exist for recipe {KERNEL_RECIPE!r} only, got {recipe!r}"
+    if backend is None:
+        from dropless.ops.gmm import mosaic
+
+        if not (mosaic.is_available() or _interpreting()):
+            return ("the FP8 Mosaic GPU kernels need a Hopper (sm_90) GPU as the default device, "
+                    f"or Pallas GPU interpret mode; the default device is {jax.devices()[0].platform}")
+    elif backend != "mosaic":
+        return f"the bf16 grouped GEMM backend is {backend} (the FP8 kernels need a Hopper GPU)"
     _, k, n = w_shape
     if k % _KERNEL_DIM or n % _KERNEL_DIM:
-        return "emulate", f"w is {tuple(w_shape)}: the FP8 kernels need K and N multiples of {_KERNEL_DIM}"
-    return "kernel", ""
+        return f"w is {tuple(w_shape)}: the FP8 kernels need K and N multiples of {_KERNEL_DIM}"
+    return ""
 
 
 @functools.cache
@@ -389,23 +405,6 @@ def _interpreting():
     return flag is not None and flag.value is not None
 
 
-def _check_kernel_args(x, w, recipe):
-    from dropless.ops.gmm import mosaic
-
-    if recipe != KERNEL_RECIPE:
-        raise ValueError(f"gmm: impl='kernel' (config key gmm_fp8_impl) has kernels for "
-                         f"recipe {KERNEL_RECIPE!r} only, got {recipe!r}; use impl='emulate'")
-    if not (mosaic.is_available() or _interpreting()):
-        raise ValueError("gmm: impl='kernel' (config key gmm_fp8_impl) runs the FP8 Mosaic GPU "
-                         "kernels: it needs a Hopper (sm_90) GPU as the default device, or Pallas "
-                         f"GPU interpret mode; the default device is {jax.devices()[0].platform}. "
-                         "Use impl='emulate' elsewhere.")
-    _, k, n = w.shape
-    if k % _KERNEL_DIM or n % _KERNEL_DIM:
-        raise ValueError(f"gmm: impl='kernel' needs K and N of w multiples of {_KERNEL_DIM}, "
-                         f"got w {w.shape}")
-
-
 def gmm(x, w, group_sizes, *, recipe="te_no_quant", backend="auto", out_dtype=None,
         impl="auto", groups_aligned=False, quant_impl="auto"):
     """Grouped matmul with the FP8 numerics of ``recipe`` in all three products.
@@ -446,7 +445,8 @@ def gmm(x, w, group_sizes, *, recipe="te_no_quant", backend="auto", out_dtype=No
     name = api.resolve_backend(backend, x.shape, w.shape, x.dtype)
     impl, why = resolve_impl(impl, recipe, name, x.shape, w.shape, x.dtype)
     if impl == "kernel":
-        _check_kernel_args(x, w, recipe)
+        if why := _kernel_refusal(recipe, w.shape):
+            raise ValueError(f"gmm: impl='kernel' (config key gmm_fp8_impl): {why}; use impl='emulate'")
         _say_once(recipe, jax.devices()[0].device_kind, "fp8_kernel")
         return _kgmm(x, w, group_sizes, out_dtype, bool(groups_aligned), quantizer(quant_impl))
     _say_once(recipe, jax.devices()[0].device_kind, name, why)
