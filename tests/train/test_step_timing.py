@@ -27,7 +27,7 @@ import pytest
 from rich.console import Console
 
 from dropless.train import checkpoint as ckpt_lib
-from dropless.train import loop
+from dropless.train import host_pool, loop
 from dropless.train import metrics as metrics_lib
 
 STEP_S = 1.0  # device time of every step
@@ -116,7 +116,7 @@ def _run(tmp_path, monkeypatch, *, steps, period, sync_frac, start=0):
     s = types.SimpleNamespace(feed=feed, mesh=types.SimpleNamespace(size=1),
                               flops=types.SimpleNamespace(total=TFLOPS), peak=PEAK,
                               source=types.SimpleNamespace(entropy_floor=None))
-    train = types.SimpleNamespace(steps=steps)
+    train = types.SimpleNamespace(steps=steps, checkpoint_warm_host_memory=False)
     ckpt = FakeCheckpointer(dev, period) if period else None
     writer = metrics_lib.MetricsWriter(str(tmp_path), enable_tensorboard=False, resume_step=start)
     console = Console(file=io.StringIO(), width=200)
@@ -187,6 +187,55 @@ def test_first_step_is_compile_and_untimed(tmp_path, monkeypatch):
     assert first["compile_s"] == result.compile_s
     assert result.compile_s == pytest.approx(COMPILE_S + DISPATCH_S + STEP_S, rel=1e-12)
     _check_rows(dev, ran, 7)
+
+
+class FakeWarmup:
+    """A host memory warm-up still running at the first save: its ``wait`` holds the
+    host ``WARM_WAIT_S`` once; it has ended by then and reports once."""
+
+    WARM_WAIT_S = 7.0
+
+    def __init__(self, device: FakeDevice):
+        self.device, self.ended = device, False
+
+    def wait(self):
+        if self.ended:
+            return 0.0
+        self.device.now += self.WARM_WAIT_S
+        self.ended = True
+        return self.WARM_WAIT_S
+
+    def report(self):
+        if not self.ended or self.device is None:
+            return None
+        self.device = None
+        return host_pool.WarmResult(12.5, 3 * ckpt_lib.GiB)
+
+
+def test_a_save_that_waits_for_the_warmup_reports_it(tmp_path, monkeypatch):
+    """The first save's wait for the warm-up is in its held time (the row after it,
+    and the result's first-save figure), in no step time; the warm-up's line and
+    figures come with the first row after it ended; later saves do not wait."""
+    warmups = []
+
+    def start(s, train, ckpt, console):
+        warmups.append(FakeWarmup(ckpt.device))
+        return warmups[-1]
+
+    monkeypatch.setattr(loop, "_start_warmup", start)
+    dev, ckpt, ran, result, text = _run(tmp_path, monkeypatch, steps=23, period=10, sync_frac=0.5)
+    assert len(warmups) == 1 and ckpt.saved == [10, 20, 23]
+    _check_rows(dev, ran, 0)
+    rows = {r["step"]: r for r in ran.rows}
+    wait = FakeWarmup.WARM_WAIT_S
+    assert rows[11]["checkpoint_warm_wait_s"] == wait
+    assert rows[11]["checkpoint_blocked_s"] == SAVE_S + wait
+    assert rows[11]["checkpoint_warm_s"] == 12.5 and rows[11]["checkpoint_warm_gib"] == 3.0
+    assert "checkpoint_warm_wait_s" not in rows[21] and rows[21]["checkpoint_blocked_s"] == SAVE_S
+    assert [r["step"] for r in ran.rows if "checkpoint_warm_s" in r] == [11]
+    assert result.checkpoint_first_blocked_s == SAVE_S + wait
+    assert result.checkpoint_blocked_s == 3 * SAVE_S + wait
+    assert text.count("pinned host memory warmed in 12.5 s (3.00 GiB)") == 1
 
 
 def test_printed_lines_say_what_they_average(tmp_path, monkeypatch):

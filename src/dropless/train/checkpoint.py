@@ -84,12 +84,16 @@ class SaveTiming(NamedTuple):
     wait_s: waiting for the previous save to be written and sealed (0 when the
       period is long enough for the background writes).
     blocked_s: the whole call: ``wait_s`` plus the handoff to the background
-      writer (Orbax copies the arrays to host memory before returning).
+      writer (Orbax copies the arrays to host memory before returning), plus
+      ``warm_wait_s``.
+    warm_wait_s: waiting, before the call, for the pinned host memory warm-up
+      (``host_pool``) to finish; set by the training loop.
     """
 
     step: int
     wait_s: float
     blocked_s: float
+    warm_wait_s: float = 0.0
 
 
 def _crc32(path: str) -> int:
@@ -220,9 +224,12 @@ def step_dirs(directory: str) -> list[int]:
     return sorted(int(n) for n in names if n.isdigit() and os.path.isdir(os.path.join(directory, n)))
 
 
-def complete_steps_in(directory: str) -> list[int]:
-    """Steps under ``directory`` that have a manifest (finished and sealed), ascending."""
-    return [s for s in step_dirs(directory)
+def complete_steps_in(directory: str, steps: list[int] | None = None) -> list[int]:
+    """Steps under ``directory`` that have a manifest (finished and sealed), ascending.
+
+    ``steps``: the ``step_dirs`` of ``directory`` if already listed (not listed again).
+    """
+    return [s for s in (step_dirs(directory) if steps is None else steps)
             if os.path.exists(os.path.join(directory, str(s), MANIFEST))]
 
 
@@ -317,7 +324,7 @@ def plan_disk(directory: str, *, uncompressed_bytes: int, keep: int, period: int
     new run directory (nothing of ``directory`` is counted, only its free space).
     """
     existing = [] if fresh else step_dirs(directory)
-    complete = [] if fresh else complete_steps_in(directory)
+    complete = complete_steps_in(directory, existing)
     measured = measured_bytes(os.path.join(directory, str(complete[-1]))) if complete else None
     free, path = free_bytes(directory)
     return DiskPlan(directory=os.path.abspath(directory), path=path, free=free,

@@ -29,7 +29,11 @@ by accident; give ``run_name`` to make a run resumable. The run directory's
 unless ``allow_config_change_on_resume`` (``train.run_dir``). Each save's
 time holding the loop is reported on the next metrics row
 (``checkpoint_wait_s``, ``checkpoint_blocked_s``), is in no step time, and is
-summed in the summary.
+summed in the summary. With ``checkpoint_warm_host_memory`` the pinned host
+memory the first save needs is allocated in a background thread after the
+first step (``host_pool``); its line and ``checkpoint_warm_s`` come with the
+next row after it ends, and a save that has to wait for it reports the wait as
+``checkpoint_warm_wait_s`` (part of ``checkpoint_blocked_s``).
 
 Each process makes only the batch rows its devices hold (``BatchFeed``): the
 data source generates or reads just those sequences, and
@@ -39,6 +43,7 @@ number of processes.
 """
 
 import concurrent.futures
+import contextlib
 import dataclasses
 import functools
 import itertools
@@ -60,6 +65,7 @@ from dropless.parallel import overflow as overflow_lib
 from dropless.train import checkpoint as ckpt_lib
 from dropless.train import data as data_lib
 from dropless.train import flops as flops_lib
+from dropless.train import host_pool
 from dropless.train import metrics as metrics_lib
 from dropless.train import optimizer as opt_lib
 from dropless.train import plots
@@ -81,7 +87,8 @@ class TrainResult:
     (``metrics.StepWindows``); None if fewer than two steps ran.
     ``checkpoint_blocked_s`` is the time saves held the loop (waiting for the
     previous save plus the handoff to the background writer), summed over
-    this invocation's ``checkpoint_saves``.
+    this invocation's ``checkpoint_saves``; ``checkpoint_first_blocked_s`` that of
+    the first of them (the one that grows the pinned host memory pool).
     """
 
     ok: bool
@@ -105,6 +112,7 @@ class TrainResult:
     plot_path: str | None
     checkpoint_saves: int = 0
     checkpoint_blocked_s: float = 0.0
+    checkpoint_first_blocked_s: float | None = None
     record_path: str | None = None
 
 
@@ -345,16 +353,33 @@ def _fetch(raw_device):
     return jax.device_get(jax.block_until_ready(raw_device))
 
 
-def _save(ckpt, step_no, state, force, console):
-    """Save if due; returns the save's timing (None if not due), warning when it waited."""
+def _save(ckpt, step_no, state, force, console, warm_wait_s=0.0):
+    """Save if due; returns the save's timing (None if not due), warning when it waited.
+
+    ``warm_wait_s``: the time the loop just waited for the host memory warm-up,
+    counted in the save's ``blocked_s``."""
     if not ckpt.save(step_no, state, force=force):
         return None
     timing = ckpt.last_timing
+    if warm_wait_s:
+        timing = timing._replace(warm_wait_s=warm_wait_s, blocked_s=timing.blocked_s + warm_wait_s)
     if timing.wait_s > 1.0:
         console.print(f"checkpoint at step {step_no} waited {timing.wait_s:.1f} s for the previous "
                       "save to finish writing: raise checkpoint_period or use faster storage",
                       style="yellow", markup=False)
     return timing
+
+
+def _start_warmup(s: _Setup, train: TrainConfig, ckpt, console):
+    """The pinned host memory warm-up (``host_pool``), started; None when off or of no use (said in one line)."""
+    if not train.checkpoint_warm_host_memory:
+        return None
+    reason = "checkpointing is off" if ckpt is None else host_pool.skip_reason(
+        async_save=train.async_checkpointing)
+    if reason is not None:
+        console.print(f"checkpoint_warm_host_memory: skipped: {reason}", style="yellow", markup=False)
+        return None
+    return host_pool.HostPoolWarmup(s.abstract, s.shardings).start()
 
 
 def _train_steps(s: _Setup, train: TrainConfig, state, start, ckpt, writer, console, tokens) -> _Ran:
@@ -371,12 +396,13 @@ def _train_steps(s: _Setup, train: TrainConfig, state, start, ckpt, writer, cons
     next row (``checkpoint_wait_s``, ``checkpoint_blocked_s``).
     """
     step_fn = _jit_step(s)
-    rows, saves, load_LE, compile_s = [], [], None, None
-    pending, unreported = None, None
+    rows, saves, load_LE, first_step_s = [], [], None, None
+    pending, unreported, warm = None, None, None
     timer = metrics_lib.StepWindows(_clock)
     monitor = _overflow_monitor(s, console)
     with concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="data") as pool, \
-            metrics_lib.ProgressDisplay(console, train.steps, start) as progress:
+            metrics_lib.ProgressDisplay(console, train.steps, start) as progress, \
+            contextlib.ExitStack() as cleanup:
         future = pool.submit(s.feed.local, start)
         t_start = _clock()
         opened = start  # steps done when the current window opened
@@ -384,7 +410,7 @@ def _train_steps(s: _Setup, train: TrainConfig, state, start, ckpt, writer, cons
         def finish(step_no, raw, *, fetched=False, step_time=None, timed=1, compile_s=None):
             """Write ``step_no``'s row: ``raw`` on device, or on the host if ``fetched``;
             ``step_time`` the mean over the ``timed`` steps of the window it ends;
-            ``compile_s`` on the compiling first step's row."""
+            ``compile_s`` on the compiling first step's row; the warm-up's result once it ended."""
             nonlocal load_LE, unreported
             if not fetched:
                 raw = _fetch(raw)
@@ -396,7 +422,13 @@ def _train_steps(s: _Setup, train: TrainConfig, state, start, ckpt, writer, cons
                 row["compile_s"] = compile_s
             if unreported is not None and unreported.step < step_no:
                 row.update(checkpoint_wait_s=unreported.wait_s, checkpoint_blocked_s=unreported.blocked_s)
+                if unreported.warm_wait_s:
+                    row["checkpoint_warm_wait_s"] = unreported.warm_wait_s
                 unreported = None
+            if warm is not None and (warmed := warm.report()) is not None:
+                console.print(warmed.line(), markup=False, soft_wrap=True)
+                if warmed.error is None:
+                    row.update(checkpoint_warm_s=warmed.seconds, checkpoint_warm_gib=warmed.nbytes / ckpt_lib.GiB)
             if "tokens_per_expert" in raw:
                 tpe = np.asarray(raw["tokens_per_expert"], np.int64)
                 load_LE = tpe if load_LE is None else load_LE + tpe
@@ -425,8 +457,11 @@ def _train_steps(s: _Setup, train: TrainConfig, state, start, ckpt, writer, cons
                 continue
             raw = _fetch(raw)  # the window's last step has finished
             if done == start + 1:
-                compile_s = _clock() - t_start
-                pending = functools.partial(finish, done, raw, fetched=True, compile_s=compile_s)
+                first_step_s = _clock() - t_start
+                pending = functools.partial(finish, done, raw, fetched=True, compile_s=first_step_s)
+                warm = _start_warmup(s, train, ckpt, console)
+                if warm is not None:  # its thread holds jax arrays: it ends before the loop does
+                    cleanup.callback(warm.wait)
             else:
                 pending = functools.partial(finish, done, raw, fetched=True,
                                             step_time=timer.close(done - opened), timed=done - opened)
@@ -434,7 +469,8 @@ def _train_steps(s: _Setup, train: TrainConfig, state, start, ckpt, writer, cons
                 pending()  # a saved step's row first: nothing can kill the run before it
                 pending = None
                 if saving:
-                    save = _save(ckpt, done, state, last, console)
+                    warm_wait = warm.wait() if warm is not None else 0.0
+                    save = _save(ckpt, done, state, last, console, warm_wait)
                     if save is not None:
                         saves.append(save)
                         unreported = save
@@ -443,9 +479,11 @@ def _train_steps(s: _Setup, train: TrainConfig, state, start, ckpt, writer, cons
                 ckpt.poll()
             opened = done
             timer.open()
+    if warm is not None and (warmed := warm.report()) is not None:  # it ended after the last row
+        console.print(warmed.line(), markup=False, soft_wrap=True)
     if monitor is not None and rows:
         monitor.check(rows[-1]["step"])  # what the last periodic check did not cover
-    return _Ran(state, rows, timer.windows, load_LE, compile_s, saves)
+    return _Ran(state, rows, timer.windows, load_LE, first_step_s, saves)
 
 
 def _overflow_monitor(s: _Setup, console):
@@ -488,6 +526,7 @@ def _result(s: _Setup, run_dir, writer, rows_all, ran: _Ran, resumed_from, num_p
         plot_path=plot_path,
         checkpoint_saves=len(ran.saves),
         checkpoint_blocked_s=sum(t.blocked_s for t in ran.saves),
+        checkpoint_first_blocked_s=ran.saves[0].blocked_s if ran.saves else None,
     )
 
 
