@@ -101,7 +101,7 @@ def _dot(a, b, dims, out_sharding=None):
 
 
 def _bf16_gemm():
-    """Whether the dequantized form dequantizes bf16 products to bf16 and dots in bf16: on GPU.
+    """Whether the dequantized form of a bf16-output product runs in bf16 (operands and dot): on GPU.
 
     There the rewriter's pattern needs it and cuBLASLt accumulates in float32
     before its one rounding. XLA:CPU's loop emitter accumulates a bf16-output
