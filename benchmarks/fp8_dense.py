@@ -1,6 +1,6 @@
 """Do FP8 dense layers pay? Each dense matmul of the proxy in bf16 and in FP8 (current scaling).
 
-    PYTHONPATH=src python3 benchmarks/fp8_dense.py [--iters 10] [--out DIR] [key=value ...]   # GPU
+    PYTHONPATH=src python3 benchmarks/fp8_dense.py [--iters 10] [--pow2] [--out DIR] [key=value ...]   # GPU
     JAX_PLATFORMS=cpu PYTHONPATH=src python3 benchmarks/fp8_dense.py --tiny                 # CPU smoke
 
 Legend: T tokens per device (``per_device_batch_size x max_target_length``),
@@ -31,6 +31,13 @@ wall-clock medians after warm-up (``perf.measure.time_fn``), and on the GPU
 the summed kernel time (CUPTI, ``mosaic.gpu.profiler.measure``), which the
 table uses when present. Matmuls of one shape are timed once.
 
+``--pow2`` adds a third variant per matmul, ``fp8_pow2``: the same FP8
+matmul with ``fp8_pow2_scales=true`` (power-of-two scales and the
+dequantized form, which XLA's GEMM rewriter can make one FP8 cuBLASLt call
+writing bf16), so one run times the direct form against it per matmul
+(``speedup_pow2_fwd_bwd`` = fp8 / fp8_pow2 fwd+bwd ms) and the totals give
+both as configured.
+
 Per step: ``count`` is how many times the matmul runs per training step;
 per-step ms = count x fwd+bwd ms (activation recomputation under remat is not
 counted), and share = its part of all dense matmul time. The FP8 total is
@@ -48,7 +55,9 @@ codes to f32 before its dot. So a silent bf16 fallback shows. ``hlo_check``
 is the parser's version: records without it (version 1) counted 0 FP8 dots on
 the GPU whatever ran, as that parser read only inline operand types. Also the
 FP8 output's and gradients' relative error against bf16 (zero would mean no
-FP8 rounding happened).
+FP8 rounding happened), and ``f8_dot_out``: the output dtypes of the FP8
+dots/GEMMs, counted (``{"f32": 3}`` for the direct form on the GPU, where a
+separate fusion converts to bf16; ``{"bf16": 3}`` when the GEMMs write bf16).
 
 Writes ``<out>/fp8_dense-<time>-<gpu>.json`` (kind ``fp8_dense``) and prints the table.
 """
@@ -128,9 +137,9 @@ def matmuls(cfg) -> list[dict]:
     return rows
 
 
-def linear_fns(k: int, n: int, quantization: str, dtype, param_dtype):
+def linear_fns(k: int, n: int, quantization: str, dtype, param_dtype, pow2_scales=False):
     """(fwd(w, x) -> y, fwd_bwd(w, x, dy) -> (y, dx, dw)) of the model's ``nnx.Linear``."""
-    dot = dense_dot_general(quantization) or jax.lax.dot_general
+    dot = dense_dot_general(quantization, pow2_scales) or jax.lax.dot_general
     layer = nnx.Linear(k, n, use_bias=False, dtype=dtype, param_dtype=param_dtype,
                        dot_general=dot, rngs=nnx.Rngs(0))
     graphdef, _ = nnx.split(layer)
@@ -161,7 +170,8 @@ GEMM_TARGETS = frozenset({"__cublas$gemm", "__cublas$lt$matmul", "__cublas$lt$ma
 
 
 def hlo_checks(hlo: str) -> dict:
-    """FP8 evidence in optimized HLO text: f8 types present, and dots/GEMMs with f8 operands.
+    """FP8 evidence in optimized HLO text: f8 types present, dots/GEMMs with f8 operands and
+    their output dtypes (``f8_dot_out``: dtype -> count).
 
     A dot is an HLO ``dot`` or a ``custom-call`` whose target is a cuBLAS/cuBLASLt GEMM
     (``GEMM_TARGETS``); it counts as FP8 when its first two (matrix) operands have f8 types,
@@ -169,14 +179,18 @@ def hlo_checks(hlo: str) -> dict:
     (``perf.hlo.Instruction.operand_types``).
     """
     dots = f8_dots = 0
+    f8_out = {}
     for inst in hlo_lib.instructions(hlo):
         if inst.opcode != "dot" and inst.custom_call_target not in GEMM_TARGETS:
             continue
         dots += 1
         matrices = inst.operand_types[:2]
-        f8_dots += len(matrices) == 2 and all(t.startswith("f8e") for t in matrices)
+        if len(matrices) == 2 and all(t.startswith("f8e") for t in matrices):
+            f8_dots += 1
+            out = inst.result_types[0].split("[")[0]
+            f8_out[out] = f8_out.get(out, 0) + 1
     return {"f8e4m3": "f8e4m3fn" in hlo, "f8e5m2": "f8e5m2" in hlo, "dots": dots,
-            "f8_dots": f8_dots, "hlo_check": HLO_CHECK}
+            "f8_dots": f8_dots, "f8_dot_out": f8_out, "hlo_check": HLO_CHECK}
 
 
 def cupti_ms(fn, args, iters):
@@ -197,13 +211,19 @@ def rel_err(a, b) -> float:
     return float(np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-30))
 
 
-def time_shape(b, s, k, n, cfg, iters, warmup, reps=None):
-    """bf16 and FP8 timings, HLO checks and FP8-vs-bf16 errors of one [B*S, K] x [K, N] shape."""
+def variants(pow2: bool) -> tuple:
+    """(name, quantization, pow2_scales) of each timed variant."""
+    return (("bf16", "", False), ("fp8", FP8, False)) + ((("fp8_pow2", FP8, True),) if pow2 else ())
+
+
+def time_shape(b, s, k, n, cfg, iters, warmup, reps=None, pow2=False):
+    """bf16 and FP8 (and FP8 pow2) timings, HLO checks and FP8-vs-bf16 errors of one
+    [B*S, K] x [K, N] shape."""
     dtype, param_dtype = jnp.dtype(cfg.dtype), jnp.dtype(cfg.weight_dtype)
     w, x, dy = inputs(b, s, k, n, dtype, param_dtype)
     out, results = {}, {}
-    for variant, quant in (("bf16", ""), ("fp8", FP8)):
-        fwd, fwd_bwd = linear_fns(k, n, quant, dtype, param_dtype)
+    for variant, quant, pow2_scales in variants(pow2):
+        fwd, fwd_bwd = linear_fns(k, n, quant, dtype, param_dtype, pow2_scales)
         r = {}
         for key, fn, args in (("fwd", fwd, (w, x)), ("fwd_bwd", fwd_bwd, (w, x, dy))):
             compiled = jax.jit(fn).lower(*args).compile()
@@ -215,25 +235,29 @@ def time_shape(b, s, k, n, cfg, iters, warmup, reps=None):
             r[f"{key}_kernel_ms"] = cupti_ms(jax.jit(fn), args, iters)
             r[f"{key}_ms"] = r[f"{key}_kernel_ms"] or r[f"{key}_wall_ms"]
         out[variant] = r
-    for i, name in enumerate(("y", "dx", "dw")):
-        out["fp8"][f"rel_err_{name}"] = rel_err(results["fp8"][i], results["bf16"][i])
-        out["fp8"][f"finite_{name}"] = bool(np.all(np.isfinite(
-            np.asarray(results["fp8"][i], np.float32))))
+    for variant in out.keys() - {"bf16"}:
+        for i, name in enumerate(("y", "dx", "dw")):
+            out[variant][f"rel_err_{name}"] = rel_err(results[variant][i], results["bf16"][i])
+            out[variant][f"finite_{name}"] = bool(np.all(np.isfinite(
+                np.asarray(results[variant][i], np.float32))))
     return out
 
 
 def run(tiny=False, overrides=(), iters=10, warmup=2, out_dir=measure.DEFAULT_RESULTS_DIR,
-        reps=None):
+        reps=None, pow2=False):
     """Time every dense matmul, write the record and return it.
 
     ``reps``: calls per timing sample (None: ``time_fn`` picks about 20 ms worth).
+    ``pow2``: add the ``fp8_pow2`` variant (``fp8_pow2_scales=true``).
 
     Raises:
       ConfigError: a bad override; ValueError: a fractional per_device_batch_size.
     """
     used = [*(TINY_BASE if tiny else BASE), *overrides]
     cfg = resolve(used)
-    resolve([*used, f"quantization={FP8}"])  # the FP8 variant must validate too
+    resolve([*used, f"quantization={FP8}"])  # the FP8 variants must validate too
+    if pow2:
+        resolve([*used, f"quantization={FP8}", "fp8_pow2_scales=true"])
     b, s = cfg.per_device_batch_size, cfg.max_target_length
     if b != int(b):
         raise ValueError(f"per_device_batch_size={b} must be whole for this benchmark")
@@ -243,7 +267,7 @@ def run(tiny=False, overrides=(), iters=10, warmup=2, out_dir=measure.DEFAULT_RE
     record = measure.new_record("fp8_dense", {
         "overrides": used, "tiny": tiny, "tokens": t, "batch": b, "seq": s,
         "dtype": cfg.dtype, "weight_dtype": cfg.weight_dtype, "iters": iters, "reps": reps,
-        "quantize_output_head": cfg.quantize_output_head, "fp8": FP8,
+        "quantize_output_head": cfg.quantize_output_head, "fp8": FP8, "pow2": pow2,
         "layers": {"decoder": cfg.num_decoder_layers, "dense": cfg.first_num_dense_layers,
                    "moe": cfg.num_decoder_layers - cfg.first_num_dense_layers,
                    "mtp": cfg.mtp_num_layers}})
@@ -252,7 +276,7 @@ def run(tiny=False, overrides=(), iters=10, warmup=2, out_dir=measure.DEFAULT_RE
         k, n = row["K"], row["N"]
         if (k, n) not in cache:
             try:
-                cache[(k, n)] = time_shape(b, s, k, n, cfg, iters, warmup, reps)
+                cache[(k, n)] = time_shape(b, s, k, n, cfg, iters, warmup, reps, pow2)
             except Exception as e:  # noqa: BLE001 - one shape failing (memory) keeps the others
                 cache[(k, n)] = {"error": f"{type(e).__name__}: {str(e).splitlines()[0][:300]}"}
         res = cache[(k, n)]
@@ -263,14 +287,17 @@ def run(tiny=False, overrides=(), iters=10, warmup=2, out_dir=measure.DEFAULT_RE
             record["rows"].append(row)
             continue
         # Copies: rows of one shape share the timings but not their per-step figures.
-        row.update(bf16=dict(res["bf16"]), fp8=dict(res["fp8"]))
-        for v in ("bf16", "fp8"):
+        row.update({v: dict(r) for v, r in res.items()})
+        for v in res:
             r = row[v]
             r["fwd_tflops"] = flops / r["fwd_ms"] / 1e9
             r["fwd_bwd_tflops"] = 3 * flops / r["fwd_bwd_ms"] / 1e9
             r["step_ms"] = row["count"] * r["fwd_bwd_ms"]
         row["speedup_fwd"] = row["bf16"]["fwd_ms"] / row["fp8"]["fwd_ms"]
         row["speedup_fwd_bwd"] = row["bf16"]["fwd_bwd_ms"] / row["fp8"]["fwd_bwd_ms"]
+        if pow2:
+            row["speedup_pow2_fwd"] = row["fp8"]["fwd_ms"] / row["fp8_pow2"]["fwd_ms"]
+            row["speedup_pow2_fwd_bwd"] = row["fp8"]["fwd_bwd_ms"] / row["fp8_pow2"]["fwd_bwd_ms"]
         record["rows"].append(row)
     record["totals"] = totals(record["rows"])
     record["path"] = str(measure.write_record(record, out_dir))
@@ -286,29 +313,47 @@ def totals(rows) -> dict:
     for r in ok:
         r["share_bf16_pct"] = 100 * r["bf16"]["step_ms"] / bf16 if bf16 else None
         r["share_fp8_pct"] = 100 * r["fp8"]["step_ms"] / fp8_all if fp8_all else None
-    return {"step_ms_bf16": bf16, "step_ms_fp8_as_configured": fp8_model,
-            "step_ms_fp8_all": fp8_all,
-            "speedup_as_configured": bf16 / fp8_model if fp8_model else None,
-            "speedup_all": bf16 / fp8_all if fp8_all else None,
-            "failed": [r["name"] for r in rows if "error" in r],
-            "time_source": "kernel (CUPTI)" if ok and ok[0]["bf16"]["fwd_kernel_ms"] else "wall"}
+    out = {"step_ms_bf16": bf16, "step_ms_fp8_as_configured": fp8_model,
+           "step_ms_fp8_all": fp8_all,
+           "speedup_as_configured": bf16 / fp8_model if fp8_model else None,
+           "speedup_all": bf16 / fp8_all if fp8_all else None,
+           "failed": [r["name"] for r in rows if "error" in r],
+           "time_source": "kernel (CUPTI)" if ok and ok[0]["bf16"]["fwd_kernel_ms"] else "wall"}
+    if ok and "fp8_pow2" in ok[0]:
+        pow2 = sum(r["fp8_pow2" if r["fp8_in_model"] else "bf16"]["step_ms"] for r in ok)
+        pow2_all = sum(r["fp8_pow2"]["step_ms"] for r in ok)
+        out.update(step_ms_fp8_pow2_as_configured=pow2, step_ms_fp8_pow2_all=pow2_all,
+                   speedup_pow2_as_configured=bf16 / pow2 if pow2 else None,
+                   speedup_pow2_all=bf16 / pow2_all if pow2_all else None)
+    return out
 
 
 def _f(x, spec=".2f"):
     return "-" if x is None else format(x, spec)
 
 
+def _pow2_cells(r) -> tuple:
+    p = r["fp8_pow2"]
+    outs = ",".join(f"{n} {t}" for t, n in sorted(p["f8_dot_out"].items())) or "none"
+    return (_f(p["fwd_bwd_ms"], ".3f"), _f(r["speedup_pow2_fwd_bwd"]) + "x",
+            f"{p['f8_dots']}/{p['dots']} -> {outs}")
+
+
 def print_table(record, console=None):
     from rich.console import Console
     from rich.table import Table
 
-    console = console or (Console() if sys.stdout.isatty() else Console(width=170))
     c, tot = record["config"], record["totals"]
+    console = console or (Console() if sys.stdout.isatty()
+                          else Console(width=210 if c.get("pow2") else 170))
     table = Table(title=f"Dense matmuls, bf16 vs {FP8} (scaling included), T={c['tokens']}, "
                         f"{tot['time_source']} ms, on {record['device']['gpu']}")
+    pow2 = c.get("pow2", False)
     cols = ("matmul", "K x N", "count", "bf16 fwd+bwd ms", "TF/s", "fp8 fwd+bwd ms", "TF/s ",
             "speed-up", "fwd speed-up", "bf16 ms/step", "share", "fp8 ms/step", "f8 dots",
             "fp8 rel err y/dx/dw")
+    if pow2:
+        cols += ("pow2 fwd+bwd ms", "pow2 vs fp8", "pow2 f8 dots -> out")
     for col in cols:
         table.add_column(col, justify="left" if col in ("matmul", "K x N") else "right")
     for r in record["rows"]:
@@ -324,14 +369,19 @@ def print_table(record, console=None):
                       _f(f["fwd_bwd_tflops"], ".0f"), _f(r["speedup_fwd_bwd"]) + "x",
                       _f(r["speedup_fwd"]) + "x", _f(b["step_ms"], ".2f"),
                       _f(r["share_bf16_pct"], ".1f") + "%", _f(f["step_ms"], ".2f"), f8,
-                      "/".join(f"{f[f'rel_err_{v}']:.1e}" for v in ("y", "dx", "dw")))
+                      "/".join(f"{f[f'rel_err_{v}']:.1e}" for v in ("y", "dx", "dw")),
+                      *(_pow2_cells(r) if pow2 else ()))
     table.add_row("total per step", "", "", "", "", "", "", _f(tot["speedup_as_configured"]) + "x",
                   "", _f(tot["step_ms_bf16"]), "100%", _f(tot["step_ms_fp8_as_configured"]), "", "",
+                  *((_f(tot["step_ms_fp8_pow2_as_configured"]), "", "") if pow2 else ()),
                   style="bold")
     table.caption = (f"* not FP8 in the model unless quantize_output_head (now "
                      f"{c['quantize_output_head']}); all matmuls in FP8: "
                      f"{_f(tot['step_ms_fp8_all'])} ms/step, {_f(tot['speedup_all'])}x. "
-                     f"f8 dots: dots with FP8 operands / all dots in the fwd+bwd HLO.")
+                     f"f8 dots: dots with FP8 operands / all dots in the fwd+bwd HLO."
+                     + (f" pow2 (fp8_pow2_scales) as configured: "
+                        f"{_f(tot.get('speedup_pow2_as_configured'))}x bf16; pow2 f8 dots -> out: "
+                        f"FP8 GEMMs by output dtype." if pow2 else ""))
     console.print(table)
 
 
@@ -347,6 +397,8 @@ def main(argv=None) -> int:
                    help="calls per timing sample (default: about 20 ms worth)")
     p.add_argument("--out", type=Path, default=measure.DEFAULT_RESULTS_DIR)
     p.add_argument("--quick", action="store_true", help="5 timed iterations")
+    p.add_argument("--pow2", action="store_true",
+                   help="also time each FP8 matmul with fp8_pow2_scales=true (variant fp8_pow2)")
     a = p.parse_args(argv)
     if a.quick:
         a.iters = min(a.iters, 5)
@@ -355,7 +407,7 @@ def main(argv=None) -> int:
               file=sys.stderr)
         return 2
     try:
-        record = run(a.tiny, a.overrides, a.iters, a.warmup, a.out, a.reps)
+        record = run(a.tiny, a.overrides, a.iters, a.warmup, a.out, a.reps, a.pow2)
     except (ConfigError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -30,6 +30,9 @@ only that attempt):
             users get them (``gmm_fp8_impl=auto``: on Hopper the FP8 Mosaic
             kernels with the Pallas quantizers, elsewhere the emulation; the
             row's ``gmm_fp8_impl_resolved`` says which)
+  ours_fp8_pow2  ``ours_fp8_blockwise`` with ``fp8_pow2_scales=true``:
+            power-of-two per-tensor scales, so the dense FP8 GEMMs can write
+            bf16 directly (``ops.fp8_dot``'s dequantized form)
   ours_fp8e ``ours_fp8_blockwise`` emulated (``gmm_fp8_impl=emulate``:
             quantize -> dequantize -> bf16 kernel)
   ours_fp8k ``ours_fp8_blockwise`` through the FP8 Mosaic kernels with XLA's
@@ -78,7 +81,7 @@ import time
 
 CASES = ("xla", "capacity", "ours", "ours_fp8", "ours_fp8_blockwise")
 QWEN3_CASE = "qwen3-moe-proxy"  # ``ours`` on the Qwen3-MoE proxy instead of the DeepSeek one
-EXTRA_CASES = ("ours_fp8e", "ours_fp8k", "ours_fp8kp", "ours_fp8kp_head", "ours_gfp8kp", "ours_mla_unpadded",
+EXTRA_CASES = ("ours_fp8_pow2", "ours_fp8e", "ours_fp8k", "ours_fp8kp", "ours_fp8kp_head", "ours_gfp8kp", "ours_mla_unpadded",
                "ours_mla_padded", "ours_scan", QWEN3_CASE)
 QUICK_CASES = ("xla", "capacity", "ours")
 FP8_DENSE = "te_fp8_currentscaling"
@@ -98,6 +101,8 @@ CASE_OVERRIDES = {
     "ours_fp8": ["gmm_backend=auto", "te_gmm_quantization=te_mxfp8", f"quantization={FP8_DENSE}"],
     "ours_fp8_blockwise": ["gmm_backend=auto", "te_gmm_quantization=te_fp8_blockwise",
                            f"quantization={FP8_DENSE}"],
+    "ours_fp8_pow2": ["gmm_backend=auto", "te_gmm_quantization=te_fp8_blockwise",
+                      f"quantization={FP8_DENSE}", "fp8_pow2_scales=true"],
     "ours_fp8e": ["gmm_backend=auto", "te_gmm_quantization=te_fp8_blockwise",
                   f"quantization={FP8_DENSE}", "gmm_fp8_impl=emulate"],
     "ours_fp8k": ["gmm_backend=auto", "te_gmm_quantization=te_fp8_blockwise",

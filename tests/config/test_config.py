@@ -144,6 +144,7 @@ BAD = [
     (["routed_bias=false", "routed_bias_update_rate=0.1"], "routed_bias is false"),
     (["sparse_matmul=false", "te_gmm_quantization=te_mxfp8"], "capacity baseline"),
     (["quantize_output_head=true"], "quantize_output_head"),
+    (["fp8_pow2_scales=true"], "fp8_pow2_scales=True (from command line): is true but quantization is ''"),
     (["gmm_fp8_impl=kernel"], "gmm_fp8_impl='kernel' (from command line): has FP8 kernels for te_gmm_quantization=te_fp8_blockwise only"),
     (["te_gmm_quantization=te_mxfp8", "gmm_fp8_impl=kernel"], "got te_gmm_quantization=te_mxfp8; allowed with it: auto or emulate"),
     (["te_gmm_quantization=te_fp8_blockwise", "gmm_fp8_impl=kernel", "hardware=cpu"], "with hardware=cpu only auto or emulate is allowed"),

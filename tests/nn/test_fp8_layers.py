@@ -17,6 +17,7 @@ ops-level tests hold the exact numerics; these check the wiring.
 """
 
 import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -151,3 +152,15 @@ def test_transformer_currentscaling_wiring(head):
         assert any(part in p for p in fp8), part
     assert {p for p in plain if "router" not in p} == (set() if head else {"head"})
     assert all("router" in p or p == "head" for p in plain)
+
+
+def test_transformer_pow2_scales_wiring():
+    """fp8_pow2_scales: every FP8 projection (the head too) gets pow2_scales=True."""
+    cfg = dataclasses.replace(SMALL, quantization="te_fp8_currentscaling", quantize_output_head=True,
+                              fp8_pow2_scales=True)
+    fns = _dot_generals(nnx.eval_shape(lambda: Transformer(cfg, rngs=nnx.Rngs(0))))
+    pow2 = {p for p, f in fns.items() if isinstance(f, functools.partial)
+            and f.func is fp8_dot.fp8_dot_general and f.keywords == {"pow2_scales": True}}
+    assert pow2 == {p for p in fns if "router" not in p} and "head" in pow2
+    with pytest.raises(ValueError, match="fp8_pow2_scales=True needs"):
+        Transformer(dataclasses.replace(SMALL, fp8_pow2_scales=True), rngs=nnx.Rngs(0))

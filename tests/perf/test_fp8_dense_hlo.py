@@ -67,7 +67,8 @@ def test_gpu_gemms_fed_by_name_resolve_their_operand_types(bench):
     before version 2 found 0 FP8 dots and 5 dots here (it read "gemm" in a backend_config)."""
     got = bench.hlo_checks(GPU_HLO)
     assert (got["dots"], got["f8_dots"]) == (4, 2)
-    assert got == {"f8e4m3": True, "f8e5m2": True, "dots": 4, "f8_dots": 2, "hlo_check": 2}
+    assert got == {"f8e4m3": True, "f8e5m2": True, "dots": 4, "f8_dots": 2,
+                   "f8_dot_out": {"bf16": 2}, "hlo_check": 2}
 
 
 def test_inline_operand_types(bench):
@@ -84,6 +85,7 @@ def test_inline_operand_types(bench):
     ])
     got = bench.hlo_checks(hlo)
     assert (got["dots"], got["f8_dots"]) == (4, 1)
+    assert got["f8_dot_out"] == {"f32": 1}  # the tuple result's first element
 
 
 def test_names_resolve_within_their_computation(bench):
@@ -131,4 +133,4 @@ def test_real_cpu_hlo(bench, dtype):
     assert ("f8e4m3fn" in hlo) == (dtype == jnp.float8_e4m3fn)
     got = bench.hlo_checks(hlo)
     assert got == {"f8e4m3": dtype == jnp.float8_e4m3fn, "f8e5m2": False, "dots": 1,
-                   "f8_dots": 0, "hlo_check": 2}
+                   "f8_dots": 0, "f8_dot_out": {}, "hlo_check": 2}

@@ -98,3 +98,14 @@ def test_instruction_custom_call_target_and_operand_types():
     # Not a custom-call: no target; an inline type wins over the scope.
     assert d.custom_call_target is None
     assert d.operand_types == ["bf16[8,32]{1,0}", "f8e5m2[32,16]{1,0}"]
+
+
+def test_result_types_of_tuple_and_plain_results():
+    text = "\n".join([
+        '  %g = (bf16[256,384]{1,0}, s8[4194304]{0}) custom-call(%a, %b), '
+        'custom_call_target="__cublas$lt$matmul$f8"',
+        "  %d = f32[8,16]{1,0} dot(%p, %q), lhs_contracting_dims={1}, rhs_contracting_dims={0}",
+    ])
+    g, d = hlo.instructions(text)
+    assert g.result_types == ["bf16[256,384]{1,0}", "s8[4194304]{0}"]
+    assert d.result_types == ["f32[8,16]{1,0}"]

@@ -127,6 +127,7 @@ class Config(BaseModel):
     gmm_fp8_quantizer: Literal["auto", "xla", "pallas"] = _f("auto", "How the FP8 grouped-GEMM kernels quantize their operands: pallas = single-pass quantization kernels (1.06x bf16 for fwd+dgrad+wgrad on an H200); xla = ops.quant fused by XLA (0.89x); the same codes and scales bit for bit; auto = pallas.")
     quantization: Literal["", "te_fp8_currentscaling"] = _f("", "Dense-matmul quantization ('' = bf16/fp32 as dtype; te_fp8_currentscaling: attention projections, dense MLP and shared experts in FP8 with per-tensor current scaling).")
     quantize_output_head: bool = _f(False, "With quantization=te_fp8_currentscaling, compute the output head in FP8 too.")
+    fp8_pow2_scales: bool = _f(False, "Power-of-two current scaling for quantization=te_fp8_currentscaling (Transformer Engine's force_pow_2_scales; up to 1 bit of E4M3 range less), so the FP8 GEMMs can write bf16 directly instead of float32 plus a convert. Off until measured on an H200.")
 
     # --- Remat / offload -------------------------------------------------------
     remat_policy: Literal["full", "minimal", "save_dot_except_mlp", "custom", "none"] = _f("full", "Activation rematerialisation policy.")
@@ -339,6 +340,8 @@ def _check_contradictions(c: Config):
         bad("te_moe_block", "dropless has one MoE block (the fused grouped-GEMM one); only true is allowed. For the capacity-based baseline set sparse_matmul=false")
     if c.quantize_output_head and not c.quantization:
         bad("quantize_output_head", "is true but quantization is '' (set quantization=te_fp8_currentscaling)")
+    if c.fp8_pow2_scales and c.quantization != "te_fp8_currentscaling":
+        bad("fp8_pow2_scales", "is true but quantization is '' (set quantization=te_fp8_currentscaling)")
     for axis in ("data", "fsdp", "expert", "tensor"):
         for kind in ("ici", "dcn"):
             key = f"{kind}_{axis}_parallelism"

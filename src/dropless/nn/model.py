@@ -30,11 +30,13 @@ passed in as a function wrapper, because ``nn`` does not import ``train``.
 
 ``quantization: te_fp8_currentscaling`` computes the dense projections (MLA's
 six or GQA's four, the dense MLP, the shared experts) with ``ops.fp8_dot.fp8_dot_general``;
-the output head too when ``quantize_output_head`` is set. The router, the
+the output head too when ``quantize_output_head`` is set, with power-of-two
+scales when ``fp8_pow2_scales`` is (bf16-output FP8 GEMMs). The router, the
 embedding, the attention scores and MTP's ``eh_proj`` stay in ``dtype``. The
 routed experts follow ``moe.gmm_quantization`` instead.
 """
 
+import functools
 from typing import Callable, NamedTuple
 
 import jax
@@ -55,15 +57,21 @@ SUPPORTED_QUANTIZATION = ("", "te_fp8_currentscaling")
 ATTENTION_TYPES = ("mla", "gqa")
 
 
-def dense_dot_general(quantization: str):
+def dense_dot_general(quantization: str, pow2_scales: bool = False):
     """The ``dot_general`` of the dense projections for ``quantization`` (None: plain).
 
+    ``pow2_scales``: ``fp8_dot_general``'s power-of-two scales (bf16-output FP8 GEMMs).
+
     Raises:
-      ValueError: an unknown quantization.
+      ValueError: an unknown quantization, or pow2_scales without FP8.
     """
     if quantization not in SUPPORTED_QUANTIZATION:
         raise ValueError(f"quantization={quantization!r} is not one of {SUPPORTED_QUANTIZATION}")
-    return fp8_dot_general if quantization == "te_fp8_currentscaling" else None
+    if quantization != "te_fp8_currentscaling":
+        if pow2_scales:
+            raise ValueError("fp8_pow2_scales=True needs quantization='te_fp8_currentscaling'")
+        return None
+    return functools.partial(fp8_dot_general, pow2_scales=True) if pow2_scales else fp8_dot_general
 
 
 def make_attention(cfg: ModelConfig, *, rngs: nnx.Rngs, dot_general=None) -> nnx.Module:
@@ -114,7 +122,7 @@ class DecoderLayer(nnx.Module):
     def __init__(self, cfg: ModelConfig, *, moe: bool, rngs: nnx.Rngs,
                  ep: ExpertParallel | None = None):
         dtype, param_dtype = jnp.dtype(cfg.dtype), jnp.dtype(cfg.weight_dtype)
-        dot_general = dense_dot_general(cfg.quantization)
+        dot_general = dense_dot_general(cfg.quantization, cfg.fp8_pow2_scales)
         self.is_moe = moe
         self.pre_attention_norm = _norm(cfg, rngs)
         self.attention = make_attention(cfg, rngs=rngs, dot_general=dot_general)
@@ -224,7 +232,7 @@ class Transformer(nnx.Module):
             )
         if cfg.mtp_num_layers < 0:
             raise ValueError(f"mtp_num_layers={cfg.mtp_num_layers} must be >= 0")
-        dot_general = dense_dot_general(cfg.quantization)  # raises for an unknown value
+        dot_general = dense_dot_general(cfg.quantization, cfg.fp8_pow2_scales)  # raises for an unknown value
         if cfg.quantize_output_head and dot_general is None:
             raise ValueError("quantize_output_head=True needs quantization='te_fp8_currentscaling'")
         head_dot_general = dot_general if cfg.quantize_output_head else None

@@ -60,6 +60,14 @@ class Instruction(NamedTuple):
         return m.group(1) if m else None
 
     @property
+    def result_types(self) -> list[str]:
+        """The result's type, or each element's of a tuple result (a cuBLAS GEMM returns
+        ``(bf16[M,N]{1,0}, s8[workspace]{0})``: its output first)."""
+        if self.type.startswith("("):
+            return _split_top(self.type[1:-1])
+        return [self.type]
+
+    @property
     def operand_types(self) -> list[str]:
         """Each operand's type: printed inline, else its definition's in the
         instruction's computation (``scope``), else ""."""
