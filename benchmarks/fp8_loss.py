@@ -26,7 +26,9 @@ overrides>`` trains exactly the curve a case recorded. Cases:
 
 Each case is built by the trainer itself (``train.loop.build``: the same
 initialisation from ``seed``, the same jitted step, the same batch stream
-from ``data_seed``) and stepped N times in this process. The record checks
+from ``data_seed``) and run N steps in this process by the trainer's own
+loop (``Built.run``: its metrics rows and step times, without checkpoints
+or files). The record checks
 that every case starts from bf16's parameters (per-leaf sums and sums of
 squares, compared exactly). Off an NVIDIA GPU, FP8 runs emulated (quantize
 to E4M3/E5M2 codes, dequantize, float matmul): the FP8 kernels' numerics up
@@ -103,27 +105,16 @@ def param_fingerprint(params) -> list[list[float]]:
 
 
 def train_case(cfg, steps: int) -> dict:
-    """Build the trainer for ``cfg`` and run ``steps`` steps; the curves and the final LM loss."""
-    import jax
-
+    """Build the trainer for ``cfg`` and run ``steps`` steps of its loop; the curves and the final LM loss."""
     from dropless.train import metrics as metrics_lib
     from dropless.train.loop import build
 
-    model, train = cfg.model(), cfg.train()
-    train = dataclasses.replace(train, steps=steps)
-    built = build(model, train, cfg.mesh())
+    train = dataclasses.replace(cfg.train(), steps=steps)
+    built = build(cfg.model(), train, cfg.mesh())
     fingerprint = param_fingerprint(built.state["params"])
-    tokens = built.global_batch * train.max_target_length * train.gradient_accumulation_steps
-    state, rows, t0, last = built.state, [], time.perf_counter(), None
-    for step in range(steps):
-        state, raw = built.step_fn(state, next(built.batches))
-        raw = jax.device_get(raw)  # waits for the step, as the trainer's loop does
-        now = time.perf_counter()
-        rows.append(metrics_lib.make_row(
-            step + 1, raw, step_time=None if last is None else now - last, tokens_per_step=tokens,
-            num_devices=jax.device_count(), tflops_per_step=built.tflops_per_step, peak_tflops=None))
-        last = now
-    times = [r["step_time_s"] for r in rows if "step_time_s" in r]
+    t0 = time.perf_counter()
+    ran = built.run(built.state)
+    rows = ran.rows
     return {
         "init_fingerprint": fingerprint,
         "entropy_floor": built.entropy_floor,
@@ -132,7 +123,7 @@ def train_case(cfg, steps: int) -> dict:
         "final_lm_loss": metrics_lib.final_lm_loss(rows),
         "skipped_steps": rows[-1]["skipped_steps"],
         "curves": {k: [r[k] for r in rows] for k in ("loss", "lm_loss", "grad_norm")},
-        "step_time_s": sorted(times)[len(times) // 2] if times else None,
+        "step_time_s": metrics_lib.median_step_time(ran.windows),
         "wall_s": time.perf_counter() - t0,
     }
 

@@ -53,9 +53,9 @@ def start_runtime(cfg):
     ``hardware=gpu_multiprocess`` with no cluster found (``distributed.find_cluster``)
     is a job of one process: it runs, and one line says so. Returns the mesh shape.
     """
-    from dropless.config.xla_flags import apply_runtime_settings, gpu_present
+    from dropless.config.xla_flags import apply_runtime_settings, targets_gpu
 
-    on_gpu = cfg.hardware in ("gpu", "gpu_multiprocess") or (cfg.hardware == "auto" and gpu_present())
+    on_gpu = targets_gpu(cfg.hardware)
     if cfg.hardware == "cpu":
         import os
 
@@ -75,8 +75,9 @@ def start_runtime(cfg):
         raise ConfigError(f"{asked}{e}") from e
     import jax
 
-    if cfg.hardware in ("gpu", "gpu_multiprocess") and jax.default_backend() != "gpu":
-        raise ConfigError(_no_gpu(cfg.hardware, jax.default_backend()))
+    from dropless.train.user_errors import check_hardware
+
+    check_hardware(cfg.hardware)
     if found is not None and found.cluster is None:  # a job of one process: said, not silent
         print(distributed.single_process_note(found, cfg.hardware, jax.local_device_count(),
                                               jax.default_backend()), flush=True)
@@ -89,15 +90,6 @@ def start_runtime(cfg):
     except ContradictionError as e:
         raise ConfigError(f"{e.key}={e.value!r}: {e}") from None
     return applied, shape
-
-
-def _no_gpu(hardware: str, backend: str) -> str:
-    import os
-
-    platforms = os.environ.get("JAX_PLATFORMS", "")
-    why = f"JAX_PLATFORMS={platforms!r}" if platforms else "is a CUDA build of jax installed, jax[cuda12] or jax[cuda13]?"
-    return (f"hardware={hardware!r} but JAX found no GPU (it runs on {backend}; {why}); "
-            "allowed on this machine: hardware=auto or cpu")
 
 
 def _cpu_devices(cfg) -> int:

@@ -208,7 +208,8 @@ def test_profile_bf16_and_fp8_side_by_side(tmp_path):
                                                              200.0, 0.0)))
     fp8 = profile_record(None, "2026-12-02T01:00:00+00:00", 150.0, 50.0, step_ms=450.0,
                          quantization="te_fp8_currentscaling",
-                         te_gmm_quantization="te_fp8_blockwise")
+                         te_gmm_quantization="te_fp8_blockwise", gmm_fp8_impl="auto",
+                         gmm_fp8_impl_resolved={"wi": "kernel", "wo": "kernel"})
     (d / "p-fp8.json").write_text(json.dumps(fp8))
     records = report.newest_records(d, log=lambda _: None)
     assert set(records) == {"profile:bf16", "profile:fp8"}
@@ -221,6 +222,7 @@ def test_profile_bf16_and_fp8_side_by_side(tmp_path):
     assert "| quantization | 0.00 | 0.0 | 0.0 | 50.00 | 12.5 | 11.1 |" in text
     assert "| **step (wall)** | 500.00 | - | - | 450.00 | - | - |" in text
     assert "`te_gmm_quantization=te_fp8_blockwise`" in text and "`p-fp8.json`" in text
+    assert "`gmm_fp8_impl=auto (ran: kernel)`" in text  # what auto ran as, one word: both agree
     assert ("- step profile (fp8): 450 ms/step, 400 TFLOPS/device; kernel time: grouped gemm 38%, "
             "dense gemm 25%, attention 20%, quantization 12%, other 5%") in text
     assert "- step profile (bf16): 500 ms/step" in text

@@ -78,6 +78,11 @@ def gpu_present() -> bool:
     return has_plugin and Path("/dev/nvidiactl").exists()
 
 
+def targets_gpu(hardware: str) -> bool:
+    """The job runs on GPUs: ``hardware`` asks for them, or (``auto``) one is present."""
+    return hardware in ("gpu", "gpu_multiprocess") or (hardware == "auto" and gpu_present())
+
+
 def _module_exists(name: str) -> bool:
     try:
         return importlib.util.find_spec(name) is not None

@@ -67,13 +67,9 @@ def parse_args(args: list[str], command: str):
 
 
 def _default_device(cfg) -> str:
-    if cfg.hardware in ("gpu", "gpu_multiprocess"):
-        return "h200"
-    if cfg.hardware == "auto":
-        from dropless.config.xla_flags import gpu_present
+    from dropless.config.xla_flags import targets_gpu
 
-        return "h200" if gpu_present() else "cpu"
-    return "cpu"
+    return "h200" if targets_gpu(cfg.hardware) else "cpu"
 
 
 def _default_devices(cfg) -> int:

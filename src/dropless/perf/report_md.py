@@ -40,6 +40,15 @@ def _num(x, spec=".1f") -> str:
     return "-" if x is None else format(x, spec)
 
 
+def fp8_impl_text(impl) -> str:
+    """``gmm_fp8_impl_resolved`` ({"wi": "kernel", "wo": "kernel"}) as one word when the
+    matmuls agree, else per matmul."""
+    if not isinstance(impl, dict) or not impl:
+        return "-" if impl is None else str(impl)
+    values = set(impl.values())
+    return values.pop() if len(values) == 1 else ", ".join(f"{k}={v}" for k, v in impl.items())
+
+
 def md_table(headers: list[str], rows: list[list], labels: int = 1) -> str:
     """A GitHub-flavoured markdown table: ``labels`` columns left-aligned, the rest right."""
     align = [":---" if i < labels else "---:" for i in range(len(headers))]

@@ -5,7 +5,8 @@ newest bf16 and FP8 profiles (``dropless profile --out``) side by side.
 import os
 from pathlib import Path
 
-from dropless.perf.report_md import TITLES, _num, _plt, _save, _source_line, md_table
+from dropless.perf.report_md import (TITLES, _num, _plt, _save, _source_line, fp8_impl_text,
+                                     md_table)
 
 
 def profile_precision(record: dict) -> str:
@@ -32,9 +33,8 @@ def _profile_facts(record: dict) -> str:
     cfg = dict(record.get("config") or {})
     if cfg.get("te_gmm_quantization") in (None, "te_no_quant"):  # the FP8 keys change nothing
         cfg.pop("gmm_fp8_impl", None)
-    elif isinstance(cfg.get("gmm_fp8_impl_resolved"), dict):  # what "auto" ran as
-        ran = sorted(set(cfg["gmm_fp8_impl_resolved"].values()))
-        cfg["gmm_fp8_impl"] = f"{cfg.get('gmm_fp8_impl')} (ran: {', '.join(ran)})"
+    elif isinstance(ran := cfg.get("gmm_fp8_impl_resolved"), dict):  # what "auto" ran as
+        cfg["gmm_fp8_impl"] = f"{cfg.get('gmm_fp8_impl')} (ran: {fp8_impl_text(ran)})"
     keys = ("model_name", "quantization", "te_gmm_quantization", "gmm_fp8_impl", "remat_policy",
             "attention", "per_device_batch_size", "max_target_length")
     return ", ".join(f"`{k}={cfg[k]}`" for k in keys if k in cfg and cfg[k] not in (None, ""))

@@ -9,7 +9,7 @@ import os
 from pathlib import Path
 
 from dropless.perf.report_md import (TITLES, _get, _num, _plt, _ratio, _save, _source_line,
-                                     md_table)
+                                     fp8_impl_text, md_table)
 
 STEP_BASELINES = ("xla", "capacity")  # benchmarks/step.py's baseline cases
 
@@ -105,22 +105,13 @@ def _step_baselines(record: dict, path: Path, fig_dir: Path, md_dir: Path) -> st
     return "\n".join(parts)
 
 
-def _fp8_impl_text(impl) -> str:
-    """``gmm_fp8_impl_resolved`` ({"wi": "kernel", "wo": "kernel"}) as one word when the
-    matmuls agree, else per matmul."""
-    if not isinstance(impl, dict) or not impl:
-        return "-" if impl is None else str(impl)
-    values = set(impl.values())
-    return values.pop() if len(values) == 1 else ", ".join(f"{k}={v}" for k, v in impl.items())
-
-
 def _step_fp8(record: dict, path: Path) -> str:
     """Variants of ours (FP8 recipes) from one run, each against that run's ``ours``."""
     rows = step_rows(record)
     ours = next((r["tflops"] for r in rows if r["name"] == "ours"), None)
     overrides = record.get("case_overrides") or {}
     base = set(overrides.get("ours") or [])
-    body = [[r["name"], _fp8_impl_text(r["fp8_impl"]),
+    body = [[r["name"], fp8_impl_text(r["fp8_impl"]),
              _cell(" ".join(f"`{o}`" for o in overrides.get(r["name"]) or [] if o not in base),
                    400) if r["name"] != "ours" else "-",
              _num(r["tflops"]), _ratio(r["tflops"], ours), _num(r["tokens_per_s"], ",.0f"),

@@ -50,6 +50,7 @@ import itertools
 import math
 import os
 import time
+import types
 from typing import Iterator, NamedTuple
 
 import jax
@@ -264,9 +265,13 @@ def _start_state(s: _Setup, train: TrainConfig) -> dict:
     return {**loaded, **rest(loaded["params"])}
 
 
+def _tokens_per_step(s: _Setup, train: TrainConfig) -> int:
+    return s.global_batch * train.max_target_length * train.gradient_accumulation_steps
+
+
 def _describe(console, model: ModelConfig, train: TrainConfig, s: _Setup, run_dir: str):
     num_params = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(s.abstract["params"]))
-    tokens = s.global_batch * train.max_target_length * train.gradient_accumulation_steps
+    tokens = _tokens_per_step(s, train)
     console.print(
         f"[bold]dropless train[/bold] -> {run_dir}\n"
         f"  model: {num_params / 1e6:,.2f}M params, {model.num_decoder_layers} layers "
@@ -301,6 +306,10 @@ class Built(NamedTuple):
     tflops_per_step: analytic TFLOPs per device per step (``train.flops``).
     global_batch: sequences per microbatch over all devices.
     entropy_floor: the data's loss floor in nats/token, or None.
+    run: ``(state, console=None) -> ran``: the trainer's own step loop over steps
+      0..``train.steps``-1 from ``state`` (donated), with no checkpoints and no
+      files; ``ran.rows`` are the metrics rows ``metrics.jsonl`` would hold,
+      ``ran.windows`` the timing windows (``metrics.median_step_time``).
     """
 
     state: dict
@@ -309,6 +318,7 @@ class Built(NamedTuple):
     tflops_per_step: float
     global_batch: int
     entropy_floor: float | None
+    run: object
 
 
 def build(model: ModelConfig, train: TrainConfig, mesh: MeshConfig) -> Built:
@@ -325,7 +335,8 @@ def build(model: ModelConfig, train: TrainConfig, mesh: MeshConfig) -> Built:
     s = _setup(model, train, mesh)
     batches = (s.feed(i) for i in itertools.count())
     state = _start_state(s, train)
-    return Built(state, _jit_step(s), batches, s.flops.total, s.global_batch, s.source.entropy_floor)
+    return Built(state, _jit_step(s), batches, s.flops.total, s.global_batch, s.source.entropy_floor,
+                 functools.partial(_run_steps, s, train))
 
 
 class _Ran(NamedTuple):
@@ -484,6 +495,13 @@ def _train_steps(s: _Setup, train: TrainConfig, state, start, ckpt, writer, cons
     if monitor is not None and rows:
         monitor.check(rows[-1]["step"])  # what the last periodic check did not cover
     return _Ran(state, rows, timer.windows, load_LE, first_step_s, saves)
+
+
+def _run_steps(s: _Setup, train: TrainConfig, state, console: Console | None = None) -> _Ran:
+    """``_train_steps`` from step 0 with no checkpoints and no files (``Built.run``)."""
+    console = console or Console()
+    no_files = types.SimpleNamespace(write=lambda row: None)
+    return _train_steps(s, train, state, 0, None, no_files, console, _tokens_per_step(s, train))
 
 
 def _overflow_monitor(s: _Setup, console):

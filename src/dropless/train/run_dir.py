@@ -19,6 +19,8 @@ import os
 import tempfile
 import time
 
+from flax.traverse_util import flatten_dict
+
 from dropless.config.loader import ConfigError
 
 CONFIG_FILE = "config.json"
@@ -58,17 +60,6 @@ def sections_dict(model, train, mesh) -> dict:
     return {"model": as_json(model), "train": as_json(train), "mesh": as_json(mesh)}
 
 
-def _flatten(tree: dict, prefix: str = "") -> dict:
-    out = {}
-    for key, value in tree.items():
-        path = f"{prefix}{key}"
-        if isinstance(value, dict):
-            out.update(_flatten(value, path + "."))
-        else:
-            out[path] = value
-    return out
-
-
 def _apply(flat: dict, changes: dict) -> dict:
     return {**flat, **{k: new for k, (_, new) in changes.items()}}
 
@@ -79,7 +70,7 @@ def recorded_config(run_dir: str) -> dict | None:
     if not os.path.exists(path):
         return None
     with open(path) as f:
-        flat = _flatten(json.load(f))
+        flat = flatten_dict(json.load(f), sep=".")
     changes_path = os.path.join(run_dir, CHANGES_FILE)
     if os.path.exists(changes_path):
         with open(changes_path) as f:
@@ -124,7 +115,7 @@ def record_config(run_dir: str, config: dict, *, allow_change: bool, primary: bo
                 json.dump(config, f, indent=1)
             os.replace(tmp, os.path.join(run_dir, CONFIG_FILE))
         return {}
-    diffs = differences(old, _flatten(config))
+    diffs = differences(old, flatten_dict(config, sep="."))
     if not diffs:
         return {}
     if not allow_change:

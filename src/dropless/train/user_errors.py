@@ -2,17 +2,30 @@
 
 The config layer refuses what it can see in the keys alone. What needs the
 machine or the data is checked here, when the trainer starts: the platform
-(cuDNN attention or the Mosaic kernels without a Hopper GPU), the data and
-tokenizer (``data_errors``) and device memory (``out_of_memory``). The CLI
-prints a ``ConfigError`` as one line and exits 2 (``--debug``: the traceback).
+(``hardware=gpu`` with no GPU found, cuDNN attention or the Mosaic kernels
+without a Hopper GPU), the data and tokenizer (``data_errors``) and device
+memory (``out_of_memory``). The CLI prints a ``ConfigError`` as one line and
+exits 2 (``--debug``: the traceback).
 """
 
 import contextlib
+import os
 
 import jax
 
 from dropless.config.loader import ConfigError
 from dropless.config.sections import ModelConfig, TrainConfig
+
+
+def check_hardware(hardware: str) -> None:
+    """Raises ConfigError for ``hardware=gpu``/``gpu_multiprocess`` when JAX found no GPU."""
+    backend = jax.default_backend()
+    if hardware not in ("gpu", "gpu_multiprocess") or backend == "gpu":
+        return
+    platforms = os.environ.get("JAX_PLATFORMS", "")
+    why = f"JAX_PLATFORMS={platforms!r}" if platforms else "is a CUDA build of jax installed, jax[cuda12] or jax[cuda13]?"
+    raise ConfigError(f"hardware={hardware!r} but JAX found no GPU (it runs on {backend}; {why}); "
+                      "allowed on this machine: hardware=auto or cpu")
 
 
 def check_platform(model: ModelConfig) -> None:
