@@ -61,7 +61,9 @@ tokens/s, TFLOP/s per device from the analytic MaxText-convention count
 (``dropless.train.flops``: useful dropless FLOPs, so the capacity baseline is
 credited with the same work whatever it computes), MFU against the device's
 bf16 peak (the FP8 peak for the FP8 cases), peak device memory, and beside it
-``perf.memory``'s estimate for the same config (``estimated_peak_gb``).
+``perf.memory``'s estimate for the same config (``estimated_peak_gb``), and
+the first step's wall time, compile and autotuning included (``first_step_s``:
+what a user waits for before training starts; unrolled layers compile longer).
 
 Writes ``<out>/step-<time>-<gpu>.json`` with the GPU, jax version, commit,
 environment, the base and case overrides, and every case with its overrides
@@ -207,8 +209,12 @@ def run_case(case: str, tiny: bool, batch, remat, steps: int, warmup: int, custo
     built = build(model, train, cfg.mesh())
     batches = [next(built.batches) for _ in range(2)]  # host data stays out of the timing
     state, metrics = built.state, None
+    first_step_s, t0 = None, time.perf_counter()
     for i in range(warmup):
         state, metrics = built.step_fn(state, batches[i % 2])
+        if i == 0:  # what a user waits before the first step's line: compile, autotune, one step
+            jax.block_until_ready((state, metrics))
+            first_step_s = time.perf_counter() - t0
     jax.block_until_ready((state, metrics))
     times, losses = [], []
     for i in range(steps):
@@ -235,6 +241,7 @@ def run_case(case: str, tiny: bool, batch, remat, steps: int, warmup: int, custo
         "remat_custom": [list(pair) for pair in model.remat_custom],
         "step_time_s": step_time,
         "step_times_s": times,
+        "first_step_s": first_step_s,
         "tokens_per_s": tokens / step_time,
         "tokens_per_s_per_device": tokens / step_time / jax.device_count(),
         "tflops_per_device": tflops,
@@ -312,12 +319,12 @@ def print_table(rows, tiny: bool = False) -> None:
     from rich.table import Table
 
     table = Table("case", "backend", "batch/dev", "step (ms)", "tokens/s", "TFLOP/s/dev", "MFU",
-                  "peak mem (GiB)", "est. (GiB)", "dropped", "note",
+                  "peak mem (GiB)", "est. (GiB)", "compile+1st (s)", "dropped", "note",
                   title="training step, " + ("tiny CPU model" if tiny else "deepseek3-proxy")
                   + f" (case {QWEN3_CASE}: that model)")
     for r in rows:
         if "step_time_s" not in r:
-            table.add_row(r["case"], "", "", "", "", "", "", "", "", "", r.get("error", "")[:80])
+            table.add_row(r["case"], "", "", "", "", "", "", "", "", "", "", r.get("error", "")[:80])
             continue
         notes = ["batch shrunk to fit"] * (len(r.get("batches_tried", [])) > 1)
         notes += ["MFU of the fp8 peak"] * (r.get("mfu_peak") == "fp8")
@@ -328,6 +335,7 @@ def print_table(rows, tiny: bool = False) -> None:
             f"{r['tflops_per_device']:.4g}", f"{r['mfu']:.1%}" if r["mfu"] else "-",
             f"{r['peak_memory_gb']:.1f}" if r["peak_memory_gb"] is not None else "-",
             f"{r['estimated_peak_gb']:.1f}" if r.get("estimated_peak_gb") is not None else "-",
+            f"{r['first_step_s']:.0f}" if r.get("first_step_s") is not None else "-",
             str(r["dropped_tokens_last_step"]), note,
         )
     Console(width=160).print(table)
