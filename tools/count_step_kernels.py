@@ -47,6 +47,17 @@ def _compiled_counts(hlo: str) -> dict[str, int]:
     return counts
 
 
+def _loop_trips(hlo: str) -> dict[str, int]:
+    """Each while loop's body computation and its known trip count (1 where XLA knows none)."""
+    trips = {}
+    for line in hlo.splitlines():
+        body = re.search(r" while\(.*body=%?([\w.\-]+)", line)
+        if body:
+            n = re.search(r'known_trip_count[^0-9]*(\d+)', line)
+            trips[body.group(1)] = int(n.group(1)) if n else 1
+    return trips
+
+
 def main(argv: list[str]) -> int:
     from dropless.config import loader
     from dropless.train import loop
@@ -65,10 +76,13 @@ def main(argv: list[str]) -> int:
     print(f"jaxpr: {sum(m for _, m in calls)} kernel executions per step")
     if jax.default_backend() == "gpu":
         hlo = step.lower(state, batch).compile().as_text()
+        trips, total = _loop_trips(hlo), 0
         for comp, n in _compiled_counts(hlo).items():
-            print(f"compiled: {n} mosaic custom-call(s) in {comp}")
-        for m in re.finditer(r'known_trip_count[^0-9]*(\d+)', hlo):
-            print(f"compiled: a while loop with known trip count {m.group(1)}")
+            runs = trips.get(comp, 1)
+            total += n * runs
+            print(f"compiled: {n} mosaic custom-call(s) in {comp}"
+                  + (f", a while body run {runs} times" if comp in trips else ""))
+        print(f"compiled: {total} kernel executions per step (loops nested in loops not multiplied)")
     return 0
 
 

@@ -30,6 +30,7 @@ ENTRY %main.9 (x.1: bf16[64,64]) -> bf16[64,64] {
 def test_compiled_counts_per_computation():
     """Mosaic custom-calls counted in the computation that holds them; cuBLAS calls are not."""
     assert tool._compiled_counts(HLO) == {"body.1": 2, "main.9": 1}
+    assert tool._loop_trips(HLO) == {"body.1": 3}
 
 
 def test_kernel_calls_multiply_by_the_scan_length():
