@@ -178,6 +178,18 @@ def test_breakdown_arithmetic():
     # Each launch's duration, in trace order, to tell launches of one kernel name apart.
     gmm = bd.top_by_category[GROUPED_GEMM][0]
     assert gmm["durations_us"] == [30.0, 30.0] and gmm["min_us"] == gmm["median_us"] == gmm["max_us"] == 30.0
+    # ... and the HLO op each launch ran for (both launches here are custom-call.1).
+    assert len(gmm["launch_ops"]["names"]) == 1 and gmm["launch_ops"]["names"][0].startswith("custom-call.1")
+    assert gmm["launch_ops"]["index"] == [0, 0]
+
+
+def test_launch_ops_tell_launches_of_one_name_apart():
+    """Distinct op texts once each, in first-seen order; one index per launch."""
+    from dropless.perf.breakdown import _launch_ops
+
+    assert _launch_ops(["custom-call.1 jvp(moe)", "custom-call.7 transpose(jvp(moe))",
+                        "custom-call.1 jvp(moe)"]) == {
+        "names": ["custom-call.1 jvp(moe)", "custom-call.7 transpose(jvp(moe))"], "index": [0, 1, 0]}
 
 
 def test_gpu_overlapping_kernels_count_in_full():

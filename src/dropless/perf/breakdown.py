@@ -168,7 +168,8 @@ class Breakdown:
       durations (``min_us``, ``median_us``, ``max_us``, ``durations_us`` in
       trace order, the first ``DURATIONS_KEPT``): launches of one kernel name
       that do different work (one Mosaic name serves every grouped GEMM) show
-      up as groups of durations.
+      up as groups of durations), and ``launch_ops`` (``_launch_ops``): the
+      HLO op each of those launches ran for.
     wall_us: span of the profiled steps; kernel_us: summed kernel time (all
       devices); busy_pct: time any kernel ran on a device / wall, averaged
       over devices.
@@ -231,6 +232,16 @@ OP_TEXT_CHARS = 240  # of a kernel's HLO op text kept in ``top_by_category``
 DURATIONS_KEPT = 256  # launch durations kept per kernel in ``top_by_category`` (in trace order)
 
 
+def _launch_ops(ops: list[str]) -> dict:
+    """Which HLO op (and jax name stack) each launch of one kernel name ran for, compactly:
+    the distinct op texts and, per launch in trace order, the index of its text. Launches
+    of one name from different HLO instructions (a forward GEMM and its recomputation,
+    say) differ here where their durations alone cannot tell them apart."""
+    names = list(dict.fromkeys(ops))
+    where = {op: i for i, op in enumerate(names)}
+    return {"names": names, "index": [where[op] for op in ops]}
+
+
 def compute(trace: Trace, top: int = 15, hlo_ops: dict | None = None) -> Breakdown:
     """Categorise and sum the kernels of ``trace``.
 
@@ -250,6 +261,7 @@ def compute(trace: Trace, top: int = 15, hlo_ops: dict | None = None) -> Breakdo
     per_cat = {c: [0.0, 0] for c in CATEGORIES}
     per_name = defaultdict(lambda: [0.0, 0, OTHER])
     durations = defaultdict(list)
+    launch_ops = defaultdict(list)
     op_text = {}
     hlo_ops = hlo_ops or {}
     for k in trace.kernels:
@@ -262,6 +274,7 @@ def compute(trace: Trace, top: int = 15, hlo_ops: dict | None = None) -> Breakdo
         agg[1] += 1
         agg[2] = cat
         durations[k.name].append(k.dur_us)
+        launch_ops[k.name].append(k.op[:OP_TEXT_CHARS])
         op_text.setdefault(k.name, f"{k.op} {extra}".strip()[:OP_TEXT_CHARS])
     total = sum(v[0] for v in per_cat.values())
     categories = [
@@ -283,6 +296,7 @@ def compute(trace: Trace, top: int = 15, hlo_ops: dict | None = None) -> Breakdo
                                      "min_us": min(d), "median_us": statistics.median(d),
                                      "max_us": max(d),
                                      "durations_us": [round(x, 1) for x in d[:DURATIONS_KEPT]],
+                                     "launch_ops": _launch_ops(launch_ops[name][:DURATIONS_KEPT]),
                                      "pct_kernel": _pct(t, total), "op": op_text.get(name, "")})
     by_device = defaultdict(list)
     for k in trace.kernels:
