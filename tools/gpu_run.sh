@@ -29,10 +29,12 @@ for cmd in "$@"; do
   bash -c "$cmd" 2>&1 | tee "$OUT/$n-$name.log" | tail -40
   echo "=== [$n] exit ${PIPESTATUS[0]} after $(( $(date +%s) - start )) s"
 done
-# The device returns at most 8 files from $OUT: the logs go back as one logs.tgz,
-# and the rest too as results.tgz when more than 7 remain (unpack both here).
+# The device returns at most 8 files from $OUT, counted in its folders too, and
+# none more than 2 folders down: the logs go back as one logs.tgz, and the rest
+# too as results.tgz when more than 7 files remain or one lies deeper (unpack both here).
 cd "$OUT" && tar czf logs.tgz --remove-files ./*.log gpu.txt 2>/dev/null
-if [ "$(find . -maxdepth 1 -mindepth 1 ! -name logs.tgz | wc -l)" -gt 7 ]; then
+if [ "$(find . -mindepth 1 ! -type d ! -path ./logs.tgz | wc -l)" -gt 7 ] \
+    || [ -n "$(find . -mindepth 4 ! -type d -print -quit)" ]; then
   find . -maxdepth 1 -mindepth 1 ! -name logs.tgz -printf '%P\n' | tar czf results.tgz --remove-files -T -
 fi
 ls -l "$OUT"
