@@ -23,7 +23,7 @@ import pytest
 from flax import nnx
 from jax import lax
 
-from dropless.ops import fp8_dot
+from dropless.ops import fp8_dot, quant
 from dropless.perf import hlo as hlo_lib
 
 DIMS = {
@@ -189,6 +189,36 @@ def test_pow2_form_equals_direct_form_with_pow2_scales(rng, case, dtype):
         np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32), name)
         # Not the plain scales in disguise: the codes (hence the bits) differ.
         assert not np.array_equal(np.asarray(a, np.float32), np.asarray(c, np.float32)), name
+
+
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32])
+def test_direct_form_is_the_plain_formula_bit_for_bit(rng, dtype):
+    """The default (direct) form is still the formula it had before ``pow2_scales`` existed,
+    written out here with ``lax.dot_general`` alone: FP8 codes into a float32 dot at
+    HIGHEST (the CPU's choice), times the product of the two scales, cast; the gradients
+    the same with the E5M2 codes of dy and the transposes spelled out for a [B, S, K] x
+    [K, N] linear. Same operations in the same order, so equal bits."""
+    x, w = (jnp.asarray(v, dtype) for v in _operands(rng, (4, 6, 16), (16, 8)))
+    g = jnp.asarray(rng.standard_normal((4, 6, 8)) * np.exp(rng.uniform(-4, 4, (4, 6, 8))), dtype)
+    dims = (((2,), (0,)), ((), ()))
+
+    def dot(a, b, d):
+        return lax.dot_general(a, b, d, precision=lax.Precision.HIGHEST,
+                               preferred_element_type=jnp.float32)
+
+    @jax.jit
+    def plain(x, w, g):
+        (qx, sx), (qw, sw) = (quant.quantize_tensor(v, quant.E4M3) for v in (x, w))
+        qg, sg = quant.quantize_tensor(g, quant.E5M2)
+        y = (dot(qx, qw, dims) * (sx * sw)).astype(dtype)
+        dx = (dot(qg, qw, (((2,), (1,)), ((), ()))) * (sg * sw)).astype(dtype)
+        dw = (dot(qg, qx, (((0, 1), (0, 1)), ((), ()))).T * (sg * sx)).astype(dtype)
+        return y, dx, dw
+
+    got = _vjp_outputs(lambda a, b: fp8_dot.fp8_dot_general(a, b, dims), x, w, g)
+    for name, a, b in zip(("y", "dx", "dw"), got, plain(x, w, g)):
+        assert a.dtype == b.dtype == dtype, name
+        np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32), name)
 
 
 def test_pow2_lowering_has_barrier_and_bf16_converts_of_fp8(rng, monkeypatch):
