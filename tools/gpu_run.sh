@@ -35,6 +35,9 @@ done
 cd "$OUT" && tar czf logs.tgz --remove-files ./*.log gpu.txt 2>/dev/null
 if [ "$(find . -mindepth 1 ! -type d ! -path ./logs.tgz | wc -l)" -gt 7 ] \
     || [ -n "$(find . -mindepth 4 ! -type d -print -quit)" ]; then
-  find . -maxdepth 1 -mindepth 1 ! -name logs.tgz -printf '%P\n' | tar czf results.tgz --remove-files -T -
+  # results.tgz left out of the list: tar creates it while find still lists (it
+  # would archive itself and then remove itself).
+  find . -maxdepth 1 -mindepth 1 ! -name logs.tgz ! -name results.tgz -printf '%P\n' \
+    | tar czf results.tgz --remove-files -T -
 fi
 ls -l "$OUT"
