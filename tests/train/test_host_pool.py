@@ -123,8 +123,8 @@ def test_training_is_unchanged_by_the_warmup(small_model, make_train, tmp_path, 
     assert "checkpoint: pinned host memory warmed in" in text
     warmed = [r for r in rows_on if "checkpoint_warm_s" in r]
     assert len(warmed) <= 1  # none if it ended after the last row (the line still says so)
-    if warmed:
-        assert warmed[0]["step"] >= 2 and warmed[0]["checkpoint_warm_gib"] > 0
+    if warmed:  # step 1's row is written while step 2 runs: a warm-up ended by then reports there
+        assert warmed[0]["step"] >= 1 and warmed[0]["checkpoint_warm_gib"] > 0
     assert on.checkpoint_saves == 2
     assert on.checkpoint_first_blocked_s is not None and on.checkpoint_first_blocked_s <= on.checkpoint_blocked_s
     assert rows_on[2]["checkpoint_blocked_s"] >= rows_on[2].get("checkpoint_warm_wait_s", 0.0)
