@@ -22,6 +22,11 @@ host buffer of zeros, not the train state: the loop donates the state to every
 step, so a copy from it in another thread would find it deleted or make the
 donation wait. The copies go to the same memory of the same devices as
 Orbax's and never touch device memory or the state, so training is unchanged.
+One difference: an array replicated over several local devices is copied by
+Orbax in slices, one per replica (``use_replica_parallel``, on unless
+``JAX_PLATFORMS`` names gpu or cuda, where an axis divides among the replicas), where
+the warm-up copies it whole on the first replica; the same bytes in all, in
+more, smaller buffers. With one device per process the buffers are the same.
 A save must not start while the warm-up runs (the two together would need twice
 the pool): the loop calls ``wait`` first.
 """
