@@ -95,7 +95,7 @@ def matmuls(cfg) -> list[dict]:
 
     ``count`` is the number of calls per training step (forward), ``fp8_in_model``
     whether ``quantization=te_fp8_currentscaling`` computes it in FP8 (the head
-    only with ``quantize_output_head``).
+    only with ``quantize_output_head``; none with K or N below ``fp8_min_dim``).
     """
     d, n_dense = cfg.emb_dim, cfg.first_num_dense_layers
     n_moe = cfg.num_decoder_layers - n_dense
@@ -104,9 +104,9 @@ def matmuls(cfg) -> list[dict]:
     rows = []
 
     def add(group, name, k, n, count, fp8=True):
-        if count > 0:
-            rows.append({"name": f"{group}.{name}", "group": group, "K": k, "N": n,
-                         "count": count, "fp8_in_model": fp8})
+        if count > 0:  # fp8_min_dim keeps the narrower products in bf16 (fp8_dot_general)
+            rows.append({"name": f"{group}.{name}", "group": group, "K": k, "N": n, "count": count,
+                         "fp8_in_model": fp8 and min(k, n) >= cfg.fp8_min_dim})
 
     if cfg.attention_type == "mla":
         m = cfg.mla()

@@ -33,6 +33,8 @@ only that attempt):
   ours_fp8_pow2  ``ours_fp8_blockwise`` with ``fp8_pow2_scales=true``:
             power-of-two per-tensor scales, so the dense FP8 GEMMs can write
             bf16 directly (``ops.fp8_dot``'s dequantized form)
+  ours_fp8_min4096  ``ours_fp8_blockwise`` with ``fp8_min_dim=4096``: MLA's
+            narrow projections and the shared experts stay bf16
   ours_fp8e ``ours_fp8_blockwise`` emulated (``gmm_fp8_impl=emulate``:
             quantize -> dequantize -> bf16 kernel)
   ours_fp8k ``ours_fp8_blockwise`` through the FP8 Mosaic kernels with XLA's
@@ -83,7 +85,7 @@ import time
 
 CASES = ("xla", "capacity", "ours", "ours_fp8", "ours_fp8_blockwise")
 QWEN3_CASE = "qwen3-moe-proxy"  # ``ours`` on the Qwen3-MoE proxy instead of the DeepSeek one
-EXTRA_CASES = ("ours_fp8_pow2", "ours_fp8e", "ours_fp8k", "ours_fp8kp", "ours_fp8kp_head", "ours_gfp8kp", "ours_mla_unpadded",
+EXTRA_CASES = ("ours_fp8_pow2", "ours_fp8_min4096", "ours_fp8e", "ours_fp8k", "ours_fp8kp", "ours_fp8kp_head", "ours_gfp8kp", "ours_mla_unpadded",
                "ours_mla_padded", "ours_scan", QWEN3_CASE)
 QUICK_CASES = ("xla", "capacity", "ours")
 FP8_DENSE = "te_fp8_currentscaling"
@@ -105,6 +107,8 @@ CASE_OVERRIDES = {
                            f"quantization={FP8_DENSE}"],
     "ours_fp8_pow2": ["gmm_backend=auto", "te_gmm_quantization=te_fp8_blockwise",
                       f"quantization={FP8_DENSE}", "fp8_pow2_scales=true"],
+    "ours_fp8_min4096": ["gmm_backend=auto", "te_gmm_quantization=te_fp8_blockwise",
+                         f"quantization={FP8_DENSE}", "fp8_min_dim=4096"],
     "ours_fp8e": ["gmm_backend=auto", "te_gmm_quantization=te_fp8_blockwise",
                   f"quantization={FP8_DENSE}", "gmm_fp8_impl=emulate"],
     "ours_fp8k": ["gmm_backend=auto", "te_gmm_quantization=te_fp8_blockwise",

@@ -145,6 +145,8 @@ BAD = [
     (["sparse_matmul=false", "te_gmm_quantization=te_mxfp8"], "capacity baseline"),
     (["quantize_output_head=true"], "quantize_output_head"),
     (["fp8_pow2_scales=true"], "fp8_pow2_scales=True (from command line): is true but quantization is ''"),
+    (["fp8_min_dim=4096"], "fp8_min_dim=4096 (from command line): is set but quantization is ''"),
+    (["quantization=te_fp8_currentscaling", "fp8_min_dim=-1"], "fp8_min_dim=-1 (from command line): is negative"),
     (["gmm_fp8_impl=kernel"], "gmm_fp8_impl='kernel' (from command line): has FP8 kernels for te_gmm_quantization=te_fp8_blockwise only"),
     (["te_gmm_quantization=te_mxfp8", "gmm_fp8_impl=kernel"], "got te_gmm_quantization=te_mxfp8; allowed with it: auto or emulate"),
     (["te_gmm_quantization=te_fp8_blockwise", "gmm_fp8_impl=kernel", "hardware=cpu"], "with hardware=cpu only auto or emulate is allowed"),

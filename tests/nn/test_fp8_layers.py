@@ -164,3 +164,14 @@ def test_transformer_pow2_scales_wiring():
     assert pow2 == {p for p in fns if "router" not in p} and "head" in pow2
     with pytest.raises(ValueError, match="fp8_pow2_scales=True needs"):
         Transformer(dataclasses.replace(SMALL, fp8_pow2_scales=True), rngs=nnx.Rngs(0))
+
+
+def test_transformer_min_dim_wiring():
+    """fp8_min_dim reaches every FP8 projection's dot_general; it needs FP8."""
+    cfg = dataclasses.replace(SMALL, quantization="te_fp8_currentscaling", fp8_min_dim=4096)
+    fns = _dot_generals(nnx.eval_shape(lambda: Transformer(cfg, rngs=nnx.Rngs(0))))
+    gated = {p for p, f in fns.items() if isinstance(f, functools.partial)
+             and f.func is fp8_dot.fp8_dot_general and f.keywords == {"min_dim": 4096}}
+    assert gated == {p for p in fns if "router" not in p and p != "head"}
+    with pytest.raises(ValueError, match="fp8_min_dim=4096 needs"):
+        Transformer(dataclasses.replace(SMALL, fp8_min_dim=4096), rngs=nnx.Rngs(0))

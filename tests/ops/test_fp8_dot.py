@@ -267,6 +267,30 @@ def test_as_nnx_linear_bf16_gradients_flow(rng):
     assert np.abs(np.asarray(gx, np.float32)).max() > 0
 
 
+def test_min_dim_keeps_narrow_products_plain_and_quantizes_the_rest(rng):
+    """``min_dim``: a product with K or N below it is ``lax.dot_general`` itself (the same
+    bits, forward and gradients); one at or above it is the FP8 product (not the plain
+    one: random data never survives E4M3 rounding unchanged)."""
+    x = jnp.asarray(rng.standard_normal((64, 256)), jnp.bfloat16)
+    w_narrow = jnp.asarray(rng.standard_normal((256, 128)), jnp.bfloat16)   # N = 128
+    w_wide = jnp.asarray(rng.standard_normal((256, 256)), jnp.bfloat16)     # K = N = 256
+    dims = (((1,), (0,)), ((), ()))
+
+    def run(f, w):
+        return jax.value_and_grad(lambda x, w: jnp.sum(f(x, w, dims).astype(jnp.float32) ** 2),
+                                  argnums=(0, 1))(x, w)
+
+    gated = lambda x, w, d: fp8_dot.fp8_dot_general(x, w, d, min_dim=256)  # noqa: E731
+    plain = lambda x, w, d: lax.dot_general(x, w, d)  # noqa: E731
+    for got, want in zip(jax.tree.leaves(run(gated, w_narrow)), jax.tree.leaves(run(plain, w_narrow)),
+                         strict=True):
+        np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(want, np.float32))
+    assert not np.array_equal(np.asarray(gated(x, w_wide, dims), np.float32),
+                              np.asarray(plain(x, w_wide, dims), np.float32))
+    np.testing.assert_array_equal(np.asarray(gated(x, w_wide, dims), np.float32),
+                                  np.asarray(fp8_dot.fp8_dot_general(x, w_wide, dims), np.float32))
+
+
 def test_shape_errors_come_from_lax():
     with pytest.raises(TypeError):
         fp8_dot.fp8_dot_general(jnp.ones((3, 4)), jnp.ones((5, 6)), (((1,), (0,)), ((), ())))

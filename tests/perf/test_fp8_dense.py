@@ -59,6 +59,16 @@ def test_mtp_adds_a_layer_and_a_head_call(bench):
     assert counts["head.head"] == 2
 
 
+def test_min_dim_marks_the_narrow_matmuls_bf16_in_the_model(bench):
+    """With fp8_min_dim, a matmul with K or N below it is not FP8 in the model (the totals
+    "as configured" then time it in bf16)."""
+    rows = bench.matmuls(bench.resolve([*bench.TINY_BASE, "quantization=te_fp8_currentscaling",
+                                        "fp8_min_dim=64"]))
+    assert rows and all(r["fp8_in_model"] == (min(r["K"], r["N"]) >= 64 and r["group"] != "head")
+                        for r in rows)
+    assert any(not r["fp8_in_model"] and r["group"] != "head" for r in rows)
+
+
 def test_record_rows_are_fp8_in_hlo_and_consistent(record):
     """FP8 rows carry E4M3 and E5M2 in their optimized HLO, bf16 rows none; each fwd+bwd has
     3 dots. XLA:CPU converts the FP8 codes to float before its dot (0 FP8-operand dots

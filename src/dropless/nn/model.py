@@ -57,21 +57,25 @@ SUPPORTED_QUANTIZATION = ("", "te_fp8_currentscaling")
 ATTENTION_TYPES = ("mla", "gqa")
 
 
-def dense_dot_general(quantization: str, pow2_scales: bool = False):
+def dense_dot_general(quantization: str, pow2_scales: bool = False, min_dim: int = 0):
     """The ``dot_general`` of the dense projections for ``quantization`` (None: plain).
 
-    ``pow2_scales``: ``fp8_dot_general``'s power-of-two scales (bf16-output FP8 GEMMs).
+    ``pow2_scales``: ``fp8_dot_general``'s power-of-two scales (bf16-output FP8 GEMMs);
+    ``min_dim``: its ``min_dim`` (products narrower than this stay plain).
 
     Raises:
-      ValueError: an unknown quantization, or pow2_scales without FP8.
+      ValueError: an unknown quantization, or pow2_scales or min_dim without FP8.
     """
     if quantization not in SUPPORTED_QUANTIZATION:
         raise ValueError(f"quantization={quantization!r} is not one of {SUPPORTED_QUANTIZATION}")
     if quantization != "te_fp8_currentscaling":
         if pow2_scales:
             raise ValueError("fp8_pow2_scales=True needs quantization='te_fp8_currentscaling'")
+        if min_dim:
+            raise ValueError(f"fp8_min_dim={min_dim} needs quantization='te_fp8_currentscaling'")
         return None
-    return functools.partial(fp8_dot_general, pow2_scales=True) if pow2_scales else fp8_dot_general
+    options = {k: v for k, v in (("pow2_scales", pow2_scales), ("min_dim", min_dim)) if v}
+    return functools.partial(fp8_dot_general, **options) if options else fp8_dot_general
 
 
 def make_attention(cfg: ModelConfig, *, rngs: nnx.Rngs, dot_general=None) -> nnx.Module:
@@ -122,7 +126,7 @@ class DecoderLayer(nnx.Module):
     def __init__(self, cfg: ModelConfig, *, moe: bool, rngs: nnx.Rngs,
                  ep: ExpertParallel | None = None):
         dtype, param_dtype = jnp.dtype(cfg.dtype), jnp.dtype(cfg.weight_dtype)
-        dot_general = dense_dot_general(cfg.quantization, cfg.fp8_pow2_scales)
+        dot_general = dense_dot_general(cfg.quantization, cfg.fp8_pow2_scales, cfg.fp8_min_dim)
         self.is_moe = moe
         self.pre_attention_norm = _norm(cfg, rngs)
         self.attention = make_attention(cfg, rngs=rngs, dot_general=dot_general)
@@ -232,7 +236,7 @@ class Transformer(nnx.Module):
             )
         if cfg.mtp_num_layers < 0:
             raise ValueError(f"mtp_num_layers={cfg.mtp_num_layers} must be >= 0")
-        dot_general = dense_dot_general(cfg.quantization, cfg.fp8_pow2_scales)  # raises for an unknown value
+        dot_general = dense_dot_general(cfg.quantization, cfg.fp8_pow2_scales, cfg.fp8_min_dim)  # raises for an unknown value
         if cfg.quantize_output_head and dot_general is None:
             raise ValueError("quantize_output_head=True needs quantization='te_fp8_currentscaling'")
         head_dot_general = dot_general if cfg.quantize_output_head else None

@@ -70,6 +70,7 @@ the quantized operands differ from the originals by at most u relative (plus
 """
 
 import functools
+import math
 
 import jax
 import jax.numpy as jnp
@@ -215,7 +216,7 @@ _fp8_dot.defvjp(_fp8_dot_fwd, _fp8_dot_bwd)
 
 
 def fp8_dot_general(lhs, rhs, dimension_numbers, precision=None, preferred_element_type=None,
-                    out_sharding=None, pow2_scales=False):
+                    out_sharding=None, pow2_scales=False, min_dim=0):
     """``lax.dot_general`` computed in FP8 with per-tensor current scaling.
 
     Args:
@@ -231,6 +232,13 @@ def fp8_dot_general(lhs, rhs, dimension_numbers, precision=None, preferred_eleme
         output dtype (bf16 for bf16 activations), which XLA's GEMM rewriter can
         make one FP8 GEMM writing that dtype. Bit for bit the direct form's
         result with the same scales (module docstring).
+      min_dim: a product whose contraction size K or output width N (the
+        product of rhs's free dimensions) is below this runs as the plain
+        ``lax.dot_general`` with the arguments given (config key
+        ``fp8_min_dim``): on an H200 the FP8 forms of MLA's narrow projections
+        and the shared experts were 0.57-0.97x their bf16 time
+        (``fp8_dense-20261202-001951``: quantization passes cost more than the
+        GEMM saves at these sizes). 0 quantizes every product.
 
     Returns:
       The product in ``preferred_element_type``. Differentiable in lhs and rhs
@@ -240,9 +248,17 @@ def fp8_dot_general(lhs, rhs, dimension_numbers, precision=None, preferred_eleme
     Raises:
       TypeError / ValueError from ``lax.dot_general`` for inconsistent shapes.
     """
+    dims = _canonical(dimension_numbers)
+    if min_dim:
+        (lc, rc), (_, rb) = dims
+        k = math.prod(lhs.shape[a] for a in lc)
+        n = math.prod(rhs.shape[a] for a in _remaining(rhs.ndim, rc, rb))
+        if min(k, n) < min_dim:
+            return lax.dot_general(lhs, rhs, dimension_numbers, precision=precision,
+                                   preferred_element_type=preferred_element_type,
+                                   out_sharding=out_sharding)
     del precision
     out_dtype = jnp.dtype(preferred_element_type or jnp.promote_types(lhs.dtype, rhs.dtype))
-    dims = _canonical(dimension_numbers)
     # Let lax check the shapes (and raise its usual errors) before quantizing.
     jax.eval_shape(functools.partial(lax.dot_general, dimension_numbers=dims), lhs, rhs)
     return _fp8_dot(lhs, rhs, dims, out_dtype, out_sharding, bool(pow2_scales),
