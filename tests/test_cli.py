@@ -202,3 +202,23 @@ def test_a_cluster_that_cannot_be_joined_is_one_line(capsys, tmp_path, monkeypat
     with pytest.raises(ConfigError, match="SLURM found"):
         cli.main(["train", "--debug", "model_name=deepseek3-tiny", "hardware=gpu_multiprocess",
                   f"base_output_directory={tmp_path / 'runs'}"])
+
+
+def test_jax_cache_dir_points_jax_at_the_directory(tmp_path, monkeypatch):
+    """jax_cache_dir: ~ expands, the directory is created, JAX's compilation cache uses it."""
+    monkeypatch.setenv("HOME", str(tmp_path))
+    before = jax.config.jax_compilation_cache_dir
+    try:
+        path = cli.use_compilation_cache("~/cache/jax")
+        assert path == str(tmp_path / "cache" / "jax") and os.path.isdir(path)
+        assert jax.config.jax_compilation_cache_dir == path
+    finally:
+        jax.config.update("jax_compilation_cache_dir", before)
+
+
+def test_jax_cache_dir_that_cannot_be_made_is_one_line(tmp_path):
+    (tmp_path / "file").write_text("x")
+    before = jax.config.jax_compilation_cache_dir
+    with pytest.raises(ConfigError, match=r"jax_cache_dir='.*file/jax': cannot use .* as the compilation cache"):
+        cli.use_compilation_cache(str(tmp_path / "file" / "jax"))
+    assert jax.config.jax_compilation_cache_dir == before

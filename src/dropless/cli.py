@@ -78,6 +78,8 @@ def start_runtime(cfg):
     from dropless.train.user_errors import check_hardware
 
     check_hardware(cfg.hardware)
+    if cfg.jax_cache_dir:
+        use_compilation_cache(cfg.jax_cache_dir)
     if found is not None and found.cluster is None:  # a job of one process: said, not silent
         print(distributed.single_process_note(found, cfg.hardware, jax.local_device_count(),
                                               jax.default_backend()), flush=True)
@@ -90,6 +92,31 @@ def start_runtime(cfg):
     except ContradictionError as e:
         raise ConfigError(f"{e.key}={e.value!r}: {e}") from None
     return applied, shape
+
+
+def use_compilation_cache(directory: str) -> str:
+    """Point JAX's persistent compilation cache at ``directory`` (``jax_cache_dir``; ~
+    expands), created if missing. Returns the path.
+
+    Raises:
+      ConfigError: the directory cannot be created or written (one line).
+    """
+    import os
+
+    import jax
+
+    from dropless.config.loader import ConfigError
+
+    path = os.path.abspath(os.path.expanduser(directory))
+    try:
+        os.makedirs(path, exist_ok=True)
+        if not os.access(path, os.W_OK):
+            raise PermissionError("not writable")
+    except OSError as e:
+        raise ConfigError(f"jax_cache_dir={directory!r}: cannot use {path} as the compilation "
+                          f"cache ({e.strerror or e}); give a writable directory, or '' for none") from None
+    jax.config.update("jax_compilation_cache_dir", path)
+    return path
 
 
 def _cpu_devices(cfg) -> int:
