@@ -94,7 +94,7 @@ RESULT_PREFIX = "STEP_RESULT "
 
 # The benchmark is the preset users run, plus overrides: the base below, then
 # the case's, then the command line's (--batch, --remat, --custom, --set).
-BASE = ["model_name=deepseek3-proxy", "dataset_type=synthetic", "attention=cudnn_flash_te",
+BASE = ["model_name=deepseek3-proxy", "dataset_type=synthetic",
         "XLA_PYTHON_CLIENT_MEM_FRACTION=0.92"]
 TINY_BASE = ["model_name=deepseek3-tiny", "dataset_type=synthetic", "per_device_batch_size=4",
              "max_target_length=64", "remat_policy=full"]
