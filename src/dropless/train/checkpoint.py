@@ -573,8 +573,7 @@ class Checkpointer:
 
     def complete_steps(self) -> list[int]:
         """Finalised steps that have a manifest, ascending."""
-        return [s for s in sorted(self._manager.all_steps())
-                if os.path.exists(os.path.join(self.step_dir(s), MANIFEST))]
+        return complete_steps_in(self.directory, sorted(self._manager.all_steps()))
 
     def incomplete_steps(self) -> list[int]:
         complete = set(self.complete_steps())
