@@ -57,8 +57,6 @@ def start_runtime(cfg):
 
     on_gpu = targets_gpu(cfg.hardware)
     if cfg.hardware == "cpu":
-        import os
-
         os.environ.setdefault("JAX_PLATFORMS", "cpu")
     applied = apply_runtime_settings(cfg.xla_flags, cfg.env, on_gpu=on_gpu)
     from dropless.config.loader import ConfigError
@@ -101,8 +99,6 @@ def use_compilation_cache(directory: str) -> str:
     Raises:
       ConfigError: the directory cannot be created or written (one line).
     """
-    import os
-
     import jax
 
     from dropless.config.loader import ConfigError

@@ -78,9 +78,12 @@ def gpu_present() -> bool:
     return has_plugin and Path("/dev/nvidiactl").exists()
 
 
+GPU_HARDWARE = ("gpu", "gpu_multiprocess")  # the ``hardware`` values that ask for GPUs
+
+
 def targets_gpu(hardware: str) -> bool:
     """The job runs on GPUs: ``hardware`` asks for them, or (``auto``) one is present."""
-    return hardware in ("gpu", "gpu_multiprocess") or (hardware == "auto" and gpu_present())
+    return hardware in GPU_HARDWARE or (hardware == "auto" and gpu_present())
 
 
 def _module_exists(name: str) -> bool:

@@ -261,14 +261,13 @@ def _gib(n: int) -> str:
 class DiskPlan:
     """Whether a run's saves fit on the checkpoint filesystem (``plan_disk``).
 
-    free: bytes free now; path: where that was measured (``directory`` or its
-    nearest existing parent). per_save: bytes of one save, ``measured`` from
+    free: bytes free now; path: where that was measured (the checkpoint
+    directory or its nearest existing parent). per_save: bytes of one save, ``measured`` from
     the newest existing checkpoint's manifest, else the uncompressed state (an
     upper bound). existing: step directories already there (Orbax counts them
     toward ``keep``). saves: the steps this run will save at.
     """
 
-    directory: str
     path: str
     free: int
     per_save: int
@@ -327,7 +326,7 @@ def plan_disk(directory: str, *, uncompressed_bytes: int, keep: int, period: int
     complete = complete_steps_in(directory, existing)
     measured = measured_bytes(os.path.join(directory, str(complete[-1]))) if complete else None
     free, path = free_bytes(directory)
-    return DiskPlan(directory=os.path.abspath(directory), path=path, free=free,
+    return DiskPlan(path=path, free=free,
                     per_save=measured or uncompressed_bytes, measured=measured is not None,
                     existing=len(existing), keep=keep, saves=tuple(save_steps(start, steps, period)))
 
@@ -573,8 +572,7 @@ class Checkpointer:
 
     def complete_steps(self) -> list[int]:
         """Finalised steps that have a manifest, ascending."""
-        return [s for s in sorted(self._manager.all_steps())
-                if os.path.exists(os.path.join(self.step_dir(s), MANIFEST))]
+        return complete_steps_in(self.directory, sorted(self._manager.all_steps()))
 
     def incomplete_steps(self) -> list[int]:
         complete = set(self.complete_steps())

@@ -15,12 +15,13 @@ import jax
 
 from dropless.config.loader import ConfigError
 from dropless.config.sections import ModelConfig, TrainConfig
+from dropless.config.xla_flags import GPU_HARDWARE
 
 
 def check_hardware(hardware: str) -> None:
     """Raises ConfigError for ``hardware=gpu``/``gpu_multiprocess`` when JAX found no GPU."""
     backend = jax.default_backend()
-    if hardware not in ("gpu", "gpu_multiprocess") or backend == "gpu":
+    if hardware not in GPU_HARDWARE or backend == "gpu":
         return
     platforms = os.environ.get("JAX_PLATFORMS", "")
     why = f"JAX_PLATFORMS={platforms!r}" if platforms else "is a CUDA build of jax installed, jax[cuda12] or jax[cuda13]?"
