@@ -344,11 +344,10 @@ def print_table(record, console=None):
     from rich.table import Table
 
     c, tot = record["config"], record["totals"]
-    console = console or (Console() if sys.stdout.isatty()
-                          else Console(width=210 if c.get("pow2") else 170))
+    pow2 = c.get("pow2", False)
+    console = console or (Console() if sys.stdout.isatty() else Console(width=210 if pow2 else 170))
     table = Table(title=f"Dense matmuls, bf16 vs {FP8} (scaling included), T={c['tokens']}, "
                         f"{tot['time_source']} ms, on {record['device']['gpu']}")
-    pow2 = c.get("pow2", False)
     cols = ("matmul", "K x N", "count", "bf16 fwd+bwd ms", "TF/s", "fp8 fwd+bwd ms", "TF/s ",
             "speed-up", "fwd speed-up", "bf16 ms/step", "share", "fp8 ms/step", "f8 dots",
             "fp8 rel err y/dx/dw")
