@@ -106,10 +106,12 @@ def _split_top(text: str) -> list[str]:
 def instructions(text: str) -> Iterator[Instruction]:
     """Each instruction of HLO text, in order; ``/*index=5*/`` comments dropped.
 
-    The one HLO text parser of dropless: ``parse`` (the profile's kernel op text)
-    and the FP8 dot count of ``benchmarks/fp8_dense.py`` (through
-    ``Instruction.custom_call_target`` and ``Instruction.operand_types``) read
-    its instructions.
+    The one HLO text parser of dropless: ``parse`` (the profile's kernel op text),
+    the FP8 dot count of ``benchmarks/fp8_dense.py`` (through
+    ``Instruction.custom_call_target`` and ``Instruction.operand_types``),
+    ``benchmarks/ep_overhead.py``'s instruction count and
+    ``tools/count_step_kernels.py``'s Mosaic calls per computation read its
+    instructions.
     """
     scope, computation = {}, ""
     for line in text.splitlines():
