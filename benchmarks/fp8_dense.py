@@ -304,12 +304,18 @@ def run(tiny=False, overrides=(), iters=10, warmup=2, out_dir=measure.DEFAULT_RE
     return record
 
 
+def _step_ms(ok, variant) -> tuple[float, float]:
+    """(as configured, all matmuls) per-step ms of an FP8 ``variant``: as configured, the
+    matmuls the model keeps in bf16 (``fp8_in_model`` false) count at their bf16 time."""
+    return (sum(r[variant if r["fp8_in_model"] else "bf16"]["step_ms"] for r in ok),
+            sum(r[variant]["step_ms"] for r in ok))
+
+
 def totals(rows) -> dict:
     """Per-step dense matmul ms in bf16, in FP8 as configured and all FP8; shares per row."""
     ok = [r for r in rows if "error" not in r]
     bf16 = sum(r["bf16"]["step_ms"] for r in ok)
-    fp8_all = sum(r["fp8"]["step_ms"] for r in ok)
-    fp8_model = sum(r["fp8" if r["fp8_in_model"] else "bf16"]["step_ms"] for r in ok)
+    fp8_model, fp8_all = _step_ms(ok, "fp8")
     for r in ok:
         r["share_bf16_pct"] = 100 * r["bf16"]["step_ms"] / bf16 if bf16 else None
         r["share_fp8_pct"] = 100 * r["fp8"]["step_ms"] / fp8_all if fp8_all else None
@@ -320,8 +326,7 @@ def totals(rows) -> dict:
            "failed": [r["name"] for r in rows if "error" in r],
            "time_source": "kernel (CUPTI)" if ok and ok[0]["bf16"]["fwd_kernel_ms"] else "wall"}
     if ok and "fp8_pow2" in ok[0]:
-        pow2 = sum(r["fp8_pow2" if r["fp8_in_model"] else "bf16"]["step_ms"] for r in ok)
-        pow2_all = sum(r["fp8_pow2"]["step_ms"] for r in ok)
+        pow2, pow2_all = _step_ms(ok, "fp8_pow2")
         out.update(step_ms_fp8_pow2_as_configured=pow2, step_ms_fp8_pow2_all=pow2_all,
                    speedup_pow2_as_configured=bf16 / pow2 if pow2 else None,
                    speedup_pow2_all=bf16 / pow2_all if pow2_all else None)
@@ -344,11 +349,10 @@ def print_table(record, console=None):
     from rich.table import Table
 
     c, tot = record["config"], record["totals"]
-    console = console or (Console() if sys.stdout.isatty()
-                          else Console(width=210 if c.get("pow2") else 170))
+    pow2 = c.get("pow2", False)
+    console = console or (Console() if sys.stdout.isatty() else Console(width=210 if pow2 else 170))
     table = Table(title=f"Dense matmuls, bf16 vs {FP8} (scaling included), T={c['tokens']}, "
                         f"{tot['time_source']} ms, on {record['device']['gpu']}")
-    pow2 = c.get("pow2", False)
     cols = ("matmul", "K x N", "count", "bf16 fwd+bwd ms", "TF/s", "fp8 fwd+bwd ms", "TF/s ",
             "speed-up", "fwd speed-up", "bf16 ms/step", "share", "fp8 ms/step", "f8 dots",
             "fp8 rel err y/dx/dw")

@@ -69,11 +69,18 @@ from dropless.ops.gmm import api, mosaic, tuning, xla  # noqa: E402
 def preset_expert_shapes(model_name: str, rows: int = 65536, ep: int = 1) -> list[tuple[int, int, int, int]]:
     """(M, G, K, N) of a preset's two expert GEMMs, gate|up [D, 2F] and down [F, D], on
     one device of expert parallelism ``ep`` (G = num_experts / ep)."""
+    d, f, e = _expert_dims(model_name)
+    g = e // ep
+    return [(rows, g, d, 2 * f), (rows, g, f, d)]
+
+
+@functools.cache
+def _expert_dims(model_name: str) -> tuple[int, int, int]:
+    """(D, F, E) of a preset, loaded once per preset (``deepseek_shapes`` asks three times)."""
     from dropless.config.loader import load_config
 
     cfg = load_config(None, [f"model_name={model_name}"], environ={}).config
-    d, f, g = cfg.emb_dim, cfg.moe_mlp_dim, cfg.num_experts // ep
-    return [(rows, g, d, 2 * f), (rows, g, f, d)]
+    return cfg.emb_dim, cfg.moe_mlp_dim, cfg.num_experts
 
 
 def deepseek_shapes() -> list[tuple[int, int, int, int]]:

@@ -17,6 +17,8 @@ import sys
 
 import jax
 
+from dropless.perf import hlo as hlo_lib
+
 
 def _kernel_calls(jaxpr, mult=1, path=""):
     """(path, executions) of each Pallas kernel call in ``jaxpr`` and its sub-jaxprs."""
@@ -37,23 +39,20 @@ def _kernel_calls(jaxpr, mult=1, path=""):
 
 def _compiled_counts(hlo: str) -> dict[str, int]:
     """Mosaic custom-calls per computation of an optimized HLO module's text."""
-    counts, current = {}, None
-    for line in hlo.splitlines():
-        head = re.match(r"^(?:ENTRY )?%?([\w.\-]+) .*\{$", line)
-        if head:
-            current = head.group(1)
-        elif "custom-call(" in line and "mosaic_gpu" in line:
-            counts[current] = counts.get(current, 0) + 1
+    counts = {}
+    for inst in hlo_lib.instructions(hlo):
+        if "mosaic_gpu" in (inst.custom_call_target or ""):
+            counts[inst.computation] = counts.get(inst.computation, 0) + 1
     return counts
 
 
 def _loop_trips(hlo: str) -> dict[str, int]:
     """Each while loop's body computation and its known trip count (1 where XLA knows none)."""
     trips = {}
-    for line in hlo.splitlines():
-        body = re.search(r" while\(.*body=%?([\w.\-]+)", line)
+    for inst in hlo_lib.instructions(hlo):
+        body = re.search(r"\bbody=%?([\w.\-]+)", inst.attrs) if inst.opcode == "while" else None
         if body:
-            n = re.search(r'known_trip_count[^0-9]*(\d+)', line)
+            n = re.search(r'known_trip_count[^0-9]*(\d+)', inst.attrs)
             trips[body.group(1)] = int(n.group(1)) if n else 1
     return trips
 

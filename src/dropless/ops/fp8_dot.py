@@ -160,9 +160,6 @@ def _canonical(dims):
     return ((tuple(lc), tuple(rc)), (tuple(lb), tuple(rb)))
 
 
-FORMS = ("direct", "dequantized")
-
-
 def _quantize(x, dtype, pow2, form):
     q, s = quant.quantize_tensor(x, dtype, pow2=pow2)
     # The dequantized form converts the codes back up before its dot: without the
@@ -262,4 +259,4 @@ def fp8_dot_general(lhs, rhs, dimension_numbers, precision=None, preferred_eleme
     # Let lax check the shapes (and raise its usual errors) before quantizing.
     jax.eval_shape(functools.partial(lax.dot_general, dimension_numbers=dims), lhs, rhs)
     return _fp8_dot(lhs, rhs, dims, out_dtype, out_sharding, bool(pow2_scales),
-                    FORMS[1] if pow2_scales else FORMS[0])
+                    "dequantized" if pow2_scales else "direct")

@@ -161,10 +161,8 @@ def quantize_tensor(x, dtype=E4M3, pow2=False):
     x32 = _read(x)
     amax = jnp.max(jnp.abs(x32)) if x32.size else jnp.float32(0)
     if pow2:
-        k = _pow2_exponent(amax, dtype)
-        finite = jnp.isfinite(amax)
-        inv = jnp.where(finite, _pow2(-k), jnp.float32(jnp.nan))
-        return _saturate(x32 * inv, dtype), jnp.where(finite, _pow2(k), jnp.float32(jnp.nan))
+        scale, inv = pow2_scale_parts(amax, dtype)
+        return _saturate(x32 * inv, dtype), scale
     # Multiply by the inverse, as Transformer Engine does: XLA rewrites a division
     # by a broadcast scalar into a multiplication anyway, so this is what runs.
     # The cap keeps 1 / inv a float32 normal (a subnormal scale would flush to 0).
@@ -236,6 +234,15 @@ def _pow2_exponent(amax, dtype):
     return jnp.clip(k, -126, 127)
 
 
+def pow2_scale_parts(amax, dtype):
+    """(scale, inverse) float32 powers of two ``2^k``, ``2^-k`` for amaxes (``_pow2_exponent``);
+    NaN both where an amax is not finite (a NaN or infinity in its tensor or block)."""
+    k = _pow2_exponent(amax, dtype)
+    finite = jnp.isfinite(amax)
+    nan = jnp.float32(jnp.nan)
+    return jnp.where(finite, _pow2(k), nan), jnp.where(finite, _pow2(-k), nan)
+
+
 @jax.named_scope(QUANT_SCOPE)
 def quantize_blocks(x, block, dtype=E4M3):
     """Blockwise scaling with power-of-two float32 scales: ``(q, scales)``.
@@ -257,10 +264,7 @@ def quantize_blocks(x, block, dtype=E4M3):
     _check_block(x.shape, block)
     x32 = _read(x)
     amax = _block_amax(x32, block)
-    k = _pow2_exponent(amax, dtype)
-    finite = jnp.isfinite(amax)
-    scales = jnp.where(finite, _pow2(k), jnp.float32(jnp.nan))
-    inv = jnp.where(finite, _pow2(-k), jnp.float32(jnp.nan))
+    scales, inv = pow2_scale_parts(amax, dtype)
     q = _saturate(x32 * _expand(inv, x.shape, block), dtype)
     return q, scales
 

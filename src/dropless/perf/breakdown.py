@@ -274,7 +274,8 @@ def compute(trace: Trace, top: int = 15, hlo_ops: dict | None = None) -> Breakdo
         agg[1] += 1
         agg[2] = cat
         durations[k.name].append(k.dur_us)
-        launch_ops[k.name].append(k.op[:OP_TEXT_CHARS])
+        if len(ops := launch_ops[k.name]) < DURATIONS_KEPT:  # only these are reported
+            ops.append(k.op[:OP_TEXT_CHARS])
         op_text.setdefault(k.name, f"{k.op} {extra}".strip()[:OP_TEXT_CHARS])
     total = sum(v[0] for v in per_cat.values())
     categories = [
@@ -296,7 +297,7 @@ def compute(trace: Trace, top: int = 15, hlo_ops: dict | None = None) -> Breakdo
                                      "min_us": min(d), "median_us": statistics.median(d),
                                      "max_us": max(d),
                                      "durations_us": [round(x, 1) for x in d[:DURATIONS_KEPT]],
-                                     "launch_ops": _launch_ops(launch_ops[name][:DURATIONS_KEPT]),
+                                     "launch_ops": _launch_ops(launch_ops[name]),
                                      "pct_kernel": _pct(t, total), "op": op_text.get(name, "")})
     by_device = defaultdict(list)
     for k in trace.kernels:

@@ -31,6 +31,7 @@ TAGGED_OPCODES = frozenset({"fusion", "convert"})
 _DEF = re.compile(r"^\s*(?:ROOT\s+)?%?([\w.\-]+)\s*=\s*")
 _OPCODE = re.compile(r"\s*([\w\-]+)\(")
 _COMMENT = re.compile(r"/\*.*?\*/")
+_HEADER = re.compile(r"^(?:ENTRY\s+)?%?([\w.\-]+)\s")  # "[ENTRY] %name (params) -> type {"
 
 
 class Instruction(NamedTuple):
@@ -41,7 +42,8 @@ class Instruction(NamedTuple):
     name)`` each (the GPU's optimized HLO prints operands by name only, other
     printers as ``f8e4m3fn[8,16]{1,0} %a``); attrs: the text after the operand
     list (``kind=``, ``custom_call_target=``, ``metadata=``); scope: the names
-    defined so far in the instruction's computation -> their result types.
+    defined so far in the instruction's computation -> their result types;
+    computation: that computation's name (without ``%``; "" before any header).
     """
 
     name: str
@@ -50,6 +52,7 @@ class Instruction(NamedTuple):
     operands: list
     attrs: str
     scope: dict
+    computation: str = ""
 
     @property
     def custom_call_target(self) -> str | None:
@@ -103,17 +106,21 @@ def _split_top(text: str) -> list[str]:
 def instructions(text: str) -> Iterator[Instruction]:
     """Each instruction of HLO text, in order; ``/*index=5*/`` comments dropped.
 
-    The one HLO text parser of dropless: ``parse`` (the profile's kernel op text)
-    and the FP8 dot count of ``benchmarks/fp8_dense.py`` (through
-    ``Instruction.custom_call_target`` and ``Instruction.operand_types``) read
-    its instructions.
+    The one HLO text parser of dropless: ``parse`` (the profile's kernel op text),
+    the FP8 dot count of ``benchmarks/fp8_dense.py`` (through
+    ``Instruction.custom_call_target`` and ``Instruction.operand_types``),
+    ``benchmarks/ep_overhead.py``'s instruction count and
+    ``tools/count_step_kernels.py``'s Mosaic calls per computation read its
+    instructions.
     """
-    scope = {}
+    scope, computation = {}, ""
     for line in text.splitlines():
         m = _DEF.match(line)
         if not m:
             if line.rstrip().endswith("{"):  # a computation's header: a new name scope
                 scope = {}
+                if header := _HEADER.match(line):
+                    computation = header.group(1)
             continue
         line = _COMMENT.sub("", line)
         m = _DEF.match(line)
@@ -130,7 +137,7 @@ def instructions(text: str) -> Iterator[Instruction]:
         for part in _split_top(line[op.end():close - 1]):
             inline, _, name = part.rpartition(" ")
             operands.append((inline.strip() or None, name.lstrip("%")))
-        yield Instruction(m.group(1), type_, op.group(1), operands, line[close:], scope)
+        yield Instruction(m.group(1), type_, op.group(1), operands, line[close:], scope, computation)
 
 
 def parse(text: str, f8_tag: str = "f8_result") -> dict[str, str]:

@@ -42,12 +42,8 @@ E4M3 = quant.E4M3
 
 
 def _scale_parts(amax):
-    """(scale, inverse) float32 powers of two of ``quantize_blocks``; NaN for a
-    non-finite amax (a NaN or infinity in the block)."""
-    k = quant._pow2_exponent(amax, E4M3)
-    finite = jnp.isfinite(amax)
-    nan = jnp.float32(jnp.nan)
-    return jnp.where(finite, quant._pow2(k), nan), jnp.where(finite, quant._pow2(-k), nan)
+    """(scale, inverse) float32 powers of two of ``quantize_blocks`` (``quant.pow2_scale_parts``)."""
+    return quant.pow2_scale_parts(amax, E4M3)
 
 
 def _amax(x32, axis):

@@ -333,6 +333,11 @@ def _dgrad_from_codes(dy, wq, sw, group_sizes, out_dtype, q: Quantizer):
     return dx[:dy.shape[0]]
 
 
+def _fwd(x, w, group_sizes, out_dtype, q: Quantizer):
+    _, wq_t, sw = q.weight_both(w)
+    return _fwd_from_codes(x, wq_t, sw, group_sizes, out_dtype, q)
+
+
 def _wgrad(x, dy, group_sizes, out_dtype, aligned, q: Quantizer):
     from dropless.ops.gmm import mosaic_fp8_tgmm
 
@@ -344,9 +349,7 @@ def _wgrad(x, dy, group_sizes, out_dtype, aligned, q: Quantizer):
 
 def kernel_fwd(x, w, group_sizes, out_dtype, quant_impl="xla"):
     """y [M, N] of ``impl="kernel"``: x 1x128, w 128x128 (codes as [G, N, K]), FP8 kernel."""
-    q = quantizer(quant_impl)
-    _, wq_t, sw = q.weight_both(w)
-    return _fwd_from_codes(x, wq_t, sw, group_sizes, out_dtype, q)
+    return _fwd(x, w, group_sizes, out_dtype, quantizer(quant_impl))
 
 
 def kernel_dgrad(dy, w, group_sizes, out_dtype, quant_impl="xla"):
@@ -370,8 +373,7 @@ def kernel_wgrad(x, dy, group_sizes, out_dtype, aligned=False, quant_impl="xla")
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5))
 def _kgmm(x, w, group_sizes, out_dtype, aligned, q: Quantizer):
-    _, wq_t, sw = q.weight_both(w)
-    return _fwd_from_codes(x, wq_t, sw, group_sizes, out_dtype, q)
+    return _fwd(x, w, group_sizes, out_dtype, q)
 
 
 def _kgmm_fwd(x, w, group_sizes, out_dtype, aligned, q: Quantizer):
