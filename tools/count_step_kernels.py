@@ -1,17 +1,20 @@
 """How many Mosaic GPU kernel launches one train step makes, counted two ways.
 
-    python tools/count_step_kernels.py model_name=deepseek3-proxy [key=value ...]
+    python tools/count_step_kernels.py model_name=deepseek3-proxy [key=value ...] [--dump=F.gz]
 
 - ``jaxpr``: the Pallas kernel calls in the step's jaxpr, each multiplied by
   the lengths of the scans around it (runs anywhere; on CPU the config needs
   ``gmm_backend=mosaic``, which lowers but never runs here).
 - ``compiled`` (GPU only): the ``mosaic_gpu`` custom-calls in XLA's optimized
-  HLO of the step, per computation, with each while loop's known trip count,
+  HLO of the step, each with its jax op name and its executions per step
+  through the call graph (while loops' known trip counts multiplied, nested
+  ones too); ``--dump=F.gz`` also writes that HLO text,
   so a launch count from a profile (``dropless profile``'s
   ``top_by_category.grouped_gemm[*].durations_us``) can be matched to the
   program: a difference between the two counts is XLA's doing.
 """
 
+import gzip
 import re
 import sys
 
@@ -37,30 +40,50 @@ def _kernel_calls(jaxpr, mult=1, path=""):
     return out
 
 
-def _compiled_counts(hlo: str) -> dict[str, int]:
-    """Mosaic custom-calls per computation of an optimized HLO module's text."""
-    counts = {}
-    for inst in hlo_lib.instructions(hlo):
+def _compiled_calls(hlo: str) -> list[tuple[str, str, int]]:
+    """(computation, op_name, executions per step) of each ``mosaic_gpu`` custom-call
+    in an optimized HLO module's text.
+
+    Executions follow the call graph from the entry: a computation runs as often
+    as all its call sites' computations together, times the known trip count
+    where it is a while body (1 where XLA knows none), so a kernel in a fusion
+    inside a loop inside a loop is multiplied by both loops.
+    """
+    insts = list(hlo_lib.instructions(hlo))
+    callers: dict[str, list[tuple[str, int]]] = {}
+    for inst in insts:
+        trips = 1
+        if inst.opcode == "while":
+            n = re.search(r"known_trip_count[^0-9]*(\d+)", inst.attrs)
+            trips = int(n.group(1)) if n else 1
+        for key, names in re.findall(
+                r"\b(calls|to_apply|body|condition|called_computations|branch_computations)="
+                r"(\{[^}]*\}|%?[\w.\-]+)", inst.attrs):
+            for callee in re.findall(r"%?([\w.\-]+)", names):
+                callers.setdefault(callee, []).append((inst.computation, trips if key == "body" else 1))
+    runs: dict[str, int] = {}
+
+    def executions(comp: str, depth: int = 0) -> int:
+        if comp not in runs:
+            sites = callers.get(comp)
+            runs[comp] = 1 if not sites or depth > 64 else sum(
+                executions(c, depth + 1) * t for c, t in sites)
+        return runs[comp]
+
+    out = []
+    for inst in insts:
         if "mosaic_gpu" in (inst.custom_call_target or ""):
-            counts[inst.computation] = counts.get(inst.computation, 0) + 1
-    return counts
-
-
-def _loop_trips(hlo: str) -> dict[str, int]:
-    """Each while loop's body computation and its known trip count (1 where XLA knows none)."""
-    trips = {}
-    for inst in hlo_lib.instructions(hlo):
-        body = re.search(r"\bbody=%?([\w.\-]+)", inst.attrs) if inst.opcode == "while" else None
-        if body:
-            n = re.search(r'known_trip_count[^0-9]*(\d+)', inst.attrs)
-            trips[body.group(1)] = int(n.group(1)) if n else 1
-    return trips
+            m = re.search(r'op_name="([^"]*)"', inst.attrs)
+            out.append((inst.computation, m.group(1) if m else "?", executions(inst.computation)))
+    return out
 
 
 def main(argv: list[str]) -> int:
     from dropless.config import loader
     from dropless.train import loop
 
+    dump = next((a.split("=", 1)[1] for a in argv if a.startswith("--dump=")), None)
+    argv = [a for a in argv if not a.startswith("--dump=")]
     cfg = loader.load_config(None, ["dataset_type=synthetic", *argv]).config
     s = loop._setup(cfg.model(), cfg.train(), cfg.mesh())
     state = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), s.abstract)
@@ -75,13 +98,14 @@ def main(argv: list[str]) -> int:
     print(f"jaxpr: {sum(m for _, m in calls)} kernel executions per step")
     if jax.default_backend() == "gpu":
         hlo = step.lower(state, batch).compile().as_text()
-        trips, total = _loop_trips(hlo), 0
-        for comp, n in _compiled_counts(hlo).items():
-            runs = trips.get(comp, 1)
-            total += n * runs
-            print(f"compiled: {n} mosaic custom-call(s) in {comp}"
-                  + (f", a while body run {runs} times" if comp in trips else ""))
-        print(f"compiled: {total} kernel executions per step (loops nested in loops not multiplied)")
+        if dump:
+            with gzip.open(dump, "wt") as f:
+                f.write(hlo)
+            print(f"compiled: optimized HLO written to {dump}")
+        calls = _compiled_calls(hlo)
+        for comp, op_name, runs in calls:
+            print(f"compiled: x{runs} in {comp}: {op_name}")
+        print(f"compiled: {sum(r for _, _, r in calls)} kernel executions per step")
     return 0
 
 
