@@ -51,7 +51,7 @@ class Config(BaseModel):
     async_checkpointing: bool = _f(True, "Save checkpoints in the background.")
     checkpoint_period: int = _f(1000, "Steps between checkpoints (the last step is always saved).", ge=1)
     max_num_checkpoints_to_keep: int = _f(3, "Keep the newest this many checkpoints, deleting older ones (0: keep all).", ge=0)
-    checkpoint_warm_host_memory: bool = _f(False, "Async saves on GPU: after the first step, grow XLA's pinned host memory pool to one save's size in a background thread, so the first save reuses it instead of pinning memory while the loop waits (later saves already do). Off until measured on the H200; the first save waits for a warm-up still running.")
+    checkpoint_warm_host_memory: bool = _f(False, "Async saves on GPU: from the start of the run, alongside the first step's compile, grow XLA's pinned host memory pool to one save's size in a background thread, so the first save reuses it instead of pinning memory while the loop waits (later saves already do). Off: on the H200, started after step 1, the 54 s of pinning held the loop as long as the first save it spared; the first save waits for a warm-up still running.")
     allow_config_change_on_resume: bool = _f(False, "Resume a run whose config.json differs from this config (the differences are printed and logged to config_changes.jsonl); false: refuse.")
     load_parameters_path: str = _f("", "Initialise parameters from this checkpoint directory.")
     hf_model_path: str = _f("", "A local Hugging Face model directory (config.json + *.safetensors, single or sharded with an index): the model keys come from its config.json (a key also given must agree) and the parameters from its tensors (train fine-tunes from them; forward and profile run them).")

@@ -30,9 +30,9 @@ unless ``allow_config_change_on_resume`` (``train.run_dir``). Each save's
 time holding the loop is reported on the next metrics row
 (``checkpoint_wait_s``, ``checkpoint_blocked_s``), is in no step time, and is
 summed in the summary. With ``checkpoint_warm_host_memory`` the pinned host
-memory the first save needs is allocated in a background thread after the
-first step (``host_pool``); its line and ``checkpoint_warm_s`` come with the
-next row after it ends, and a save that has to wait for it reports the wait as
+memory the first save needs is allocated in a background thread started
+before the first step, alongside its compile (``host_pool``); its line and
+``checkpoint_warm_s`` come with the next row after it ends, and a save that has to wait for it reports the wait as
 ``checkpoint_warm_wait_s`` (part of ``checkpoint_blocked_s``).
 
 Each process makes only the batch rows its devices hold (``BatchFeed``): the
@@ -408,13 +408,19 @@ def _train_steps(s: _Setup, train: TrainConfig, state, start, ckpt, writer, cons
     """
     step_fn = _jit_step(s)
     rows, saves, load_LE, first_step_s = [], [], None, None
-    pending, unreported, warm = None, None, None
+    pending, unreported = None, None
     timer = metrics_lib.StepWindows(_clock)
     monitor = _overflow_monitor(s, console)
     with concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="data") as pool, \
             metrics_lib.ProgressDisplay(console, train.steps, start) as progress, \
             contextlib.ExitStack() as cleanup:
         future = pool.submit(s.feed.local, start)
+        # Started before the first step, so pinning overlaps its compile (on the H200,
+        # 54 s of pinning started after step 1 held steps 2-15 for as long: the
+        # allocations stall the loop's launches; train-20261202-051929).
+        warm = _start_warmup(s, train, ckpt, console)
+        if warm is not None:  # its thread holds jax arrays: it ends before the loop does
+            cleanup.callback(warm.wait)
         t_start = _clock()
         opened = start  # steps done when the current window opened
 
@@ -470,9 +476,6 @@ def _train_steps(s: _Setup, train: TrainConfig, state, start, ckpt, writer, cons
             if done == start + 1:
                 first_step_s = _clock() - t_start
                 pending = functools.partial(finish, done, raw, fetched=True, compile_s=first_step_s)
-                warm = _start_warmup(s, train, ckpt, console)
-                if warm is not None:  # its thread holds jax arrays: it ends before the loop does
-                    cleanup.callback(warm.wait)
             else:
                 pending = functools.partial(finish, done, raw, fetched=True,
                                             step_time=timer.close(done - opened), timed=done - opened)
