@@ -21,8 +21,12 @@ backward pass), or recomputed from the layer input.
   of twice and spends 49.7 instead of 53.3 ms per step quantizing
   (profile-20261202-001355 against -005357), for about 4 GiB more saved
   activations. Its grouped-GEMM kernel time did not change (80.4 ms, 24
-  launches per step in both profiles), so whether the compiled program had
-  kept the recomputed GEMM is not settled.
+  launches per step in both profiles, layers in a scan). With the layers
+  unrolled (the proxy preset's default) the compiled bf16 step has exactly the
+  traced 18 kernel launches, 6 forward (``jvp``) and 12 backward
+  (``transpose``), none recomputed (``tools/count_step_kernels.py``,
+  ``benchmarks/results/logs/count-step-kernels-unrolled-20261202-0527-h200.log``);
+  the scan's 6 more are XLA's, not this policy's.
 * ``save_dot_except_mlp``: keep the attention projections (query/key/value,
   the MLA latents, the output projection); recompute the MLP/expert matmuls.
 * ``custom``: per-tensor choice from ``remat_custom``, pairs ``(name, action)``
