@@ -1,6 +1,6 @@
 """Do FP8 dense layers pay? Each dense matmul of the proxy in bf16 and in FP8 (current scaling).
 
-    PYTHONPATH=src python3 benchmarks/fp8_dense.py [--iters 10] [--pow2] [--out DIR] [key=value ...]   # GPU
+    PYTHONPATH=src python3 benchmarks/fp8_dense.py [--iters 10] [--out DIR] [key=value ...]   # GPU
     JAX_PLATFORMS=cpu PYTHONPATH=src python3 benchmarks/fp8_dense.py --tiny                 # CPU smoke
 
 Legend: T tokens per device (``per_device_batch_size x max_target_length``),
@@ -31,18 +31,12 @@ wall-clock medians after warm-up (``perf.measure.time_fn``), and on the GPU
 the summed kernel time (CUPTI, ``mosaic.gpu.profiler.measure``), which the
 table uses when present. Matmuls of one shape are timed once.
 
-``--pow2`` adds a third variant per matmul, ``fp8_pow2``: the same FP8
-matmul with ``fp8_pow2_scales=true`` (power-of-two scales and the
-dequantized form, which XLA's GEMM rewriter can make one FP8 cuBLASLt call
-writing bf16), so one run times the direct form against it per matmul
-(``speedup_pow2_fwd_bwd`` = fp8 / fp8_pow2 fwd+bwd ms) and the totals give
-both as configured.
-
 Per step: ``count`` is how many times the matmul runs per training step;
 per-step ms = count x fwd+bwd ms (activation recomputation under remat is not
 counted), and share = its part of all dense matmul time. The FP8 total is
-given twice: as ``quantization=te_fp8_currentscaling`` runs it (the head in
-FP8 only with ``quantize_output_head``) and with every matmul in FP8.
+given twice: as ``quantization=te_fp8_currentscaling`` runs it with the
+overrides given (the head in FP8 only with ``quantize_output_head``, matmuls
+with K or N below ``fp8_min_dim`` in bf16) and with every matmul in FP8.
 
 Checks recorded per row: the optimized HLO of each FP8 fwd+bwd holds E4M3
 and E5M2 values (``f8e4m3``, ``f8e5m2``) and how many of its dots/GEMMs take FP8
@@ -56,8 +50,8 @@ is the parser's version: records without it (version 1) counted 0 FP8 dots on
 the GPU whatever ran, as that parser read only inline operand types. Also the
 FP8 output's and gradients' relative error against bf16 (zero would mean no
 FP8 rounding happened), and ``f8_dot_out``: the output dtypes of the FP8
-dots/GEMMs, counted (``{"f32": 3}`` for the direct form on the GPU, where a
-separate fusion converts to bf16; ``{"bf16": 3}`` when the GEMMs write bf16).
+dots/GEMMs, counted (``{"f32": 3}`` on the GPU, where a separate fusion
+converts to bf16).
 
 Writes ``<out>/fp8_dense-<time>-<gpu>.json`` (kind ``fp8_dense``) and prints the table.
 """
@@ -137,9 +131,9 @@ def matmuls(cfg) -> list[dict]:
     return rows
 
 
-def linear_fns(k: int, n: int, quantization: str, dtype, param_dtype, pow2_scales=False):
+def linear_fns(k: int, n: int, quantization: str, dtype, param_dtype):
     """(fwd(w, x) -> y, fwd_bwd(w, x, dy) -> (y, dx, dw)) of the model's ``nnx.Linear``."""
-    dot = dense_dot_general(quantization, pow2_scales) or jax.lax.dot_general
+    dot = dense_dot_general(quantization) or jax.lax.dot_general
     layer = nnx.Linear(k, n, use_bias=False, dtype=dtype, param_dtype=param_dtype,
                        dot_general=dot, rngs=nnx.Rngs(0))
     graphdef, _ = nnx.split(layer)
@@ -211,19 +205,16 @@ def rel_err(a, b) -> float:
     return float(np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-30))
 
 
-def variants(pow2: bool) -> tuple:
-    """(name, quantization, pow2_scales) of each timed variant."""
-    return (("bf16", "", False), ("fp8", FP8, False)) + ((("fp8_pow2", FP8, True),) if pow2 else ())
+VARIANTS = (("bf16", ""), ("fp8", FP8))  # (name, quantization) of each timed variant
 
 
-def time_shape(b, s, k, n, cfg, iters, warmup, reps=None, pow2=False):
-    """bf16 and FP8 (and FP8 pow2) timings, HLO checks and FP8-vs-bf16 errors of one
-    [B*S, K] x [K, N] shape."""
+def time_shape(b, s, k, n, cfg, iters, warmup, reps=None):
+    """bf16 and FP8 timings, HLO checks and FP8-vs-bf16 errors of one [B*S, K] x [K, N] shape."""
     dtype, param_dtype = jnp.dtype(cfg.dtype), jnp.dtype(cfg.weight_dtype)
     w, x, dy = inputs(b, s, k, n, dtype, param_dtype)
     out, results = {}, {}
-    for variant, quant, pow2_scales in variants(pow2):
-        fwd, fwd_bwd = linear_fns(k, n, quant, dtype, param_dtype, pow2_scales)
+    for variant, quant in VARIANTS:
+        fwd, fwd_bwd = linear_fns(k, n, quant, dtype, param_dtype)
         r = {}
         for key, fn, args in (("fwd", fwd, (w, x)), ("fwd_bwd", fwd_bwd, (w, x, dy))):
             compiled = jax.jit(fn).lower(*args).compile()
@@ -244,20 +235,19 @@ def time_shape(b, s, k, n, cfg, iters, warmup, reps=None, pow2=False):
 
 
 def run(tiny=False, overrides=(), iters=10, warmup=2, out_dir=measure.DEFAULT_RESULTS_DIR,
-        reps=None, pow2=False):
+        reps=None):
     """Time every dense matmul, write the record and return it.
 
     ``reps``: calls per timing sample (None: ``time_fn`` picks about 20 ms worth).
-    ``pow2``: add the ``fp8_pow2`` variant (``fp8_pow2_scales=true``).
+    The shapes, dtypes and what FP8 covers come from the config with
+    ``quantization=te_fp8_currentscaling`` added after the overrides (so
+    ``fp8_min_dim`` and ``quantize_output_head`` overrides validate).
 
     Raises:
       ConfigError: a bad override; ValueError: a fractional per_device_batch_size.
     """
     used = [*(TINY_BASE if tiny else BASE), *overrides]
-    cfg = resolve(used)
-    resolve([*used, f"quantization={FP8}"])  # the FP8 variants must validate too
-    if pow2:
-        resolve([*used, f"quantization={FP8}", "fp8_pow2_scales=true"])
+    cfg = resolve([*used, f"quantization={FP8}"])
     b, s = cfg.per_device_batch_size, cfg.max_target_length
     if b != int(b):
         raise ValueError(f"per_device_batch_size={b} must be whole for this benchmark")
@@ -267,7 +257,7 @@ def run(tiny=False, overrides=(), iters=10, warmup=2, out_dir=measure.DEFAULT_RE
     record = measure.new_record("fp8_dense", {
         "overrides": used, "tiny": tiny, "tokens": t, "batch": b, "seq": s,
         "dtype": cfg.dtype, "weight_dtype": cfg.weight_dtype, "iters": iters, "reps": reps,
-        "quantize_output_head": cfg.quantize_output_head, "fp8": FP8, "pow2": pow2,
+        "quantize_output_head": cfg.quantize_output_head, "fp8_min_dim": cfg.fp8_min_dim, "fp8": FP8,
         "layers": {"decoder": cfg.num_decoder_layers, "dense": cfg.first_num_dense_layers,
                    "moe": cfg.num_decoder_layers - cfg.first_num_dense_layers,
                    "mtp": cfg.mtp_num_layers}})
@@ -276,7 +266,7 @@ def run(tiny=False, overrides=(), iters=10, warmup=2, out_dir=measure.DEFAULT_RE
         k, n = row["K"], row["N"]
         if (k, n) not in cache:
             try:
-                cache[(k, n)] = time_shape(b, s, k, n, cfg, iters, warmup, reps, pow2)
+                cache[(k, n)] = time_shape(b, s, k, n, cfg, iters, warmup, reps)
             except Exception as e:  # noqa: BLE001 - one shape failing (memory) keeps the others
                 cache[(k, n)] = {"error": f"{type(e).__name__}: {str(e).splitlines()[0][:300]}"}
         res = cache[(k, n)]
@@ -295,27 +285,19 @@ def run(tiny=False, overrides=(), iters=10, warmup=2, out_dir=measure.DEFAULT_RE
             r["step_ms"] = row["count"] * r["fwd_bwd_ms"]
         row["speedup_fwd"] = row["bf16"]["fwd_ms"] / row["fp8"]["fwd_ms"]
         row["speedup_fwd_bwd"] = row["bf16"]["fwd_bwd_ms"] / row["fp8"]["fwd_bwd_ms"]
-        if pow2:
-            row["speedup_pow2_fwd"] = row["fp8"]["fwd_ms"] / row["fp8_pow2"]["fwd_ms"]
-            row["speedup_pow2_fwd_bwd"] = row["fp8"]["fwd_bwd_ms"] / row["fp8_pow2"]["fwd_bwd_ms"]
         record["rows"].append(row)
     record["totals"] = totals(record["rows"])
     record["path"] = str(measure.write_record(record, out_dir))
     return record
 
 
-def _step_ms(ok, variant) -> tuple[float, float]:
-    """(as configured, all matmuls) per-step ms of an FP8 ``variant``: as configured, the
-    matmuls the model keeps in bf16 (``fp8_in_model`` false) count at their bf16 time."""
-    return (sum(r[variant if r["fp8_in_model"] else "bf16"]["step_ms"] for r in ok),
-            sum(r[variant]["step_ms"] for r in ok))
-
-
 def totals(rows) -> dict:
     """Per-step dense matmul ms in bf16, in FP8 as configured and all FP8; shares per row."""
     ok = [r for r in rows if "error" not in r]
     bf16 = sum(r["bf16"]["step_ms"] for r in ok)
-    fp8_model, fp8_all = _step_ms(ok, "fp8")
+    # As configured, the matmuls the model keeps in bf16 (fp8_in_model false) count at their bf16 time.
+    fp8_model = sum(r["fp8" if r["fp8_in_model"] else "bf16"]["step_ms"] for r in ok)
+    fp8_all = sum(r["fp8"]["step_ms"] for r in ok)
     for r in ok:
         r["share_bf16_pct"] = 100 * r["bf16"]["step_ms"] / bf16 if bf16 else None
         r["share_fp8_pct"] = 100 * r["fp8"]["step_ms"] / fp8_all if fp8_all else None
@@ -325,11 +307,6 @@ def totals(rows) -> dict:
            "speedup_all": bf16 / fp8_all if fp8_all else None,
            "failed": [r["name"] for r in rows if "error" in r],
            "time_source": "kernel (CUPTI)" if ok and ok[0]["bf16"]["fwd_kernel_ms"] else "wall"}
-    if ok and "fp8_pow2" in ok[0]:
-        pow2, pow2_all = _step_ms(ok, "fp8_pow2")
-        out.update(step_ms_fp8_pow2_as_configured=pow2, step_ms_fp8_pow2_all=pow2_all,
-                   speedup_pow2_as_configured=bf16 / pow2 if pow2 else None,
-                   speedup_pow2_all=bf16 / pow2_all if pow2_all else None)
     return out
 
 
@@ -337,27 +314,17 @@ def _f(x, spec=".2f"):
     return "-" if x is None else format(x, spec)
 
 
-def _pow2_cells(r) -> tuple:
-    p = r["fp8_pow2"]
-    outs = ",".join(f"{n} {t}" for t, n in sorted(p["f8_dot_out"].items())) or "none"
-    return (_f(p["fwd_bwd_ms"], ".3f"), _f(r["speedup_pow2_fwd_bwd"]) + "x",
-            f"{p['f8_dots']}/{p['dots']} -> {outs}")
-
-
 def print_table(record, console=None):
     from rich.console import Console
     from rich.table import Table
 
     c, tot = record["config"], record["totals"]
-    pow2 = c.get("pow2", False)
-    console = console or (Console() if sys.stdout.isatty() else Console(width=210 if pow2 else 170))
+    console = console or (Console() if sys.stdout.isatty() else Console(width=170))
     table = Table(title=f"Dense matmuls, bf16 vs {FP8} (scaling included), T={c['tokens']}, "
                         f"{tot['time_source']} ms, on {record['device']['gpu']}")
     cols = ("matmul", "K x N", "count", "bf16 fwd+bwd ms", "TF/s", "fp8 fwd+bwd ms", "TF/s ",
             "speed-up", "fwd speed-up", "bf16 ms/step", "share", "fp8 ms/step", "f8 dots",
             "fp8 rel err y/dx/dw")
-    if pow2:
-        cols += ("pow2 fwd+bwd ms", "pow2 vs fp8", "pow2 f8 dots -> out")
     for col in cols:
         table.add_column(col, justify="left" if col in ("matmul", "K x N") else "right")
     for r in record["rows"]:
@@ -373,19 +340,15 @@ def print_table(record, console=None):
                       _f(f["fwd_bwd_tflops"], ".0f"), _f(r["speedup_fwd_bwd"]) + "x",
                       _f(r["speedup_fwd"]) + "x", _f(b["step_ms"], ".2f"),
                       _f(r["share_bf16_pct"], ".1f") + "%", _f(f["step_ms"], ".2f"), f8,
-                      "/".join(f"{f[f'rel_err_{v}']:.1e}" for v in ("y", "dx", "dw")),
-                      *(_pow2_cells(r) if pow2 else ()))
+                      "/".join(f"{f[f'rel_err_{v}']:.1e}" for v in ("y", "dx", "dw")))
     table.add_row("total per step", "", "", "", "", "", "", _f(tot["speedup_as_configured"]) + "x",
                   "", _f(tot["step_ms_bf16"]), "100%", _f(tot["step_ms_fp8_as_configured"]), "", "",
-                  *((_f(tot["step_ms_fp8_pow2_as_configured"]), "", "") if pow2 else ()),
                   style="bold")
-    table.caption = (f"* not FP8 in the model unless quantize_output_head (now "
-                     f"{c['quantize_output_head']}); all matmuls in FP8: "
+    table.caption = (f"* not FP8 in the model: the head unless quantize_output_head (now "
+                     f"{c['quantize_output_head']}), K or N below fp8_min_dim (now "
+                     f"{c.get('fp8_min_dim', 0)}); all matmuls in FP8: "
                      f"{_f(tot['step_ms_fp8_all'])} ms/step, {_f(tot['speedup_all'])}x. "
-                     f"f8 dots: dots with FP8 operands / all dots in the fwd+bwd HLO."
-                     + (f" pow2 (fp8_pow2_scales) as configured: "
-                        f"{_f(tot.get('speedup_pow2_as_configured'))}x bf16; pow2 f8 dots -> out: "
-                        f"FP8 GEMMs by output dtype." if pow2 else ""))
+                     f"f8 dots: dots with FP8 operands / all dots in the fwd+bwd HLO.")
     console.print(table)
 
 
@@ -401,8 +364,6 @@ def main(argv=None) -> int:
                    help="calls per timing sample (default: about 20 ms worth)")
     p.add_argument("--out", type=Path, default=measure.DEFAULT_RESULTS_DIR)
     p.add_argument("--quick", action="store_true", help="5 timed iterations")
-    p.add_argument("--pow2", action="store_true",
-                   help="also time each FP8 matmul with fp8_pow2_scales=true (variant fp8_pow2)")
     a = p.parse_args(argv)
     if a.quick:
         a.iters = min(a.iters, 5)
@@ -411,7 +372,7 @@ def main(argv=None) -> int:
               file=sys.stderr)
         return 2
     try:
-        record = run(a.tiny, a.overrides, a.iters, a.warmup, a.out, a.reps, a.pow2)
+        record = run(a.tiny, a.overrides, a.iters, a.warmup, a.out, a.reps)
     except (ConfigError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -89,9 +89,6 @@ def passes(m, g, k, n):
         # columns, weight and weight2.
         "rows_pallas": (fp8_quant_kernels.quantize_rows, "x", 2 * e + e + 4 * e // 128),
         "columns_pallas": (fp8_quant_kernels.quantize_columns, "x", 2 * e + e + 4 * e // 128),
-        # The same, transposing the bf16 tile as read instead of the E4M3 codes.
-        "columns_pallas_t": (lambda x: fp8_quant_kernels.quantize_columns(x, transpose="input"),
-                             "x", 2 * e + e + 4 * e // 128),
         "weight_pallas": (lambda w: fp8_quant_kernels.quantize_weight(w, transposed=False), "w",
                           2 * wn + wn + 4 * wn // 128**2),
         "weight2_pallas": (fp8_quant_kernels.quantize_weight, "w",
@@ -100,8 +97,7 @@ def passes(m, g, k, n):
 
 
 # pass -> the XLA pass whose outputs it must equal bit for bit
-SAME_AS = {"rows_pallas": "rows", "columns_pallas": "columns", "columns_pallas_t": "columns",
-           "weight_pallas": "weight",
+SAME_AS = {"rows_pallas": "rows", "columns_pallas": "columns", "weight_pallas": "weight",
            "weight2_pallas": "weight2"}
 
 

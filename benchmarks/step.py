@@ -29,12 +29,11 @@ only that attempt):
   ours_fp8_blockwise  the same with ``te_fp8_blockwise`` grouped GEMMs as
             users get them (``gmm_fp8_impl=auto``: on Hopper the FP8 Mosaic
             kernels with the Pallas quantizers, elsewhere the emulation; the
-            row's ``gmm_fp8_impl_resolved`` says which)
-  ours_fp8_pow2  ``ours_fp8_blockwise`` with ``fp8_pow2_scales=true``:
-            power-of-two per-tensor scales, so the dense FP8 GEMMs can write
-            bf16 directly (``ops.fp8_dot``'s dequantized form)
-  ours_fp8_min4096  ``ours_fp8_blockwise`` with ``fp8_min_dim=4096``: MLA's
-            narrow projections and the shared experts stay bf16
+            row's ``gmm_fp8_impl_resolved`` says which) and the default
+            ``fp8_min_dim=4096`` (MLA's narrow projections and the shared
+            experts stay bf16)
+  ours_fp8_all  ``ours_fp8_blockwise`` with ``fp8_min_dim=0``: every dense
+            projection in FP8
   ours_fp8e ``ours_fp8_blockwise`` emulated (``gmm_fp8_impl=emulate``:
             quantize -> dequantize -> bf16 kernel)
   ours_fp8k ``ours_fp8_blockwise`` through the FP8 Mosaic kernels with XLA's
@@ -85,7 +84,7 @@ import time
 
 CASES = ("xla", "capacity", "ours", "ours_fp8", "ours_fp8_blockwise")
 QWEN3_CASE = "qwen3-moe-proxy"  # ``ours`` on the Qwen3-MoE proxy instead of the DeepSeek one
-EXTRA_CASES = ("ours_fp8_pow2", "ours_fp8_min4096", "ours_fp8e", "ours_fp8k", "ours_fp8kp", "ours_fp8kp_head", "ours_gfp8kp", "ours_mla_unpadded",
+EXTRA_CASES = ("ours_fp8_all", "ours_fp8e", "ours_fp8k", "ours_fp8kp", "ours_fp8kp_head", "ours_gfp8kp", "ours_mla_unpadded",
                "ours_mla_padded", "ours_scan", QWEN3_CASE)
 QUICK_CASES = ("xla", "capacity", "ours")
 FP8_DENSE = "te_fp8_currentscaling"
@@ -106,8 +105,7 @@ CASE_OVERRIDES = {
     "ours": ["gmm_backend=auto"],
     "ours_fp8": ["gmm_backend=auto", "te_gmm_quantization=te_mxfp8", f"quantization={FP8_DENSE}"],
     "ours_fp8_blockwise": [*FP8_BLOCKWISE],
-    "ours_fp8_pow2": [*FP8_BLOCKWISE, "fp8_pow2_scales=true"],
-    "ours_fp8_min4096": [*FP8_BLOCKWISE, "fp8_min_dim=4096"],
+    "ours_fp8_all": [*FP8_BLOCKWISE, "fp8_min_dim=0"],
     "ours_fp8e": [*FP8_BLOCKWISE, "gmm_fp8_impl=emulate"],
     "ours_fp8k": [*FP8_BLOCKWISE, "gmm_fp8_impl=kernel", "gmm_fp8_quantizer=xla"],
     "ours_fp8kp": [*FP8_BLOCKWISE, "gmm_fp8_impl=kernel", "gmm_fp8_quantizer=pallas"],
@@ -150,8 +148,9 @@ def case_overrides(case: str, tiny: bool, batch: float | None = None, remat: str
     out += [f"per_device_batch_size={batch:g}"] if batch else []
     out += [f"remat_policy={remat}"] if remat else []
     if custom:
-        if (remat or "full") != "custom":
-            raise ValueError(f"--custom needs --remat custom, not {remat or 'full'!r}")
+        if remat != "custom":
+            got = repr(remat) if remat else "the preset's remat_policy"
+            raise ValueError(f"--custom needs --remat custom, not {got}")
         out += parse_custom(custom)
     return out + list(extra)
 
@@ -396,7 +395,8 @@ def main(argv=None) -> int:
                    help=f"the bf16 cases {QUICK_CASES} with 3 timed steps (dropless bench --quick)")
     p.add_argument("--cases", default=",".join(CASES), help=f"comma list of {CASES + EXTRA_CASES}")
     p.add_argument("--batch", type=float, default=None, help="per-device batch (default: the config's)")
-    p.add_argument("--remat", default=None, help="remat_policy override (default: full)")
+    p.add_argument("--remat", default=None, help="remat_policy override (default: the case's preset's, e.g. "
+                   "minimal for deepseek3-proxy; --tiny sets full)")
     p.add_argument("--custom", default="", help="with --remat custom: name=remat|device|offload,... "
                    "(e.g. decoder_layer_input=offload,mlpwo=device)")
     p.add_argument("--set", nargs="+", default=[], metavar="KEY=VALUE",

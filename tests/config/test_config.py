@@ -144,8 +144,9 @@ BAD = [
     (["routed_bias=false", "routed_bias_update_rate=0.1"], "routed_bias is false"),
     (["sparse_matmul=false", "te_gmm_quantization=te_mxfp8"], "capacity baseline"),
     (["quantize_output_head=true"], "quantize_output_head"),
-    (["fp8_pow2_scales=true"], "fp8_pow2_scales=True (from command line): is true but quantization is ''"),
+    (["fp8_pow2_scales=true"], "unknown key 'fp8_pow2_scales' (from command line)"),
     (["fp8_min_dim=4096"], "fp8_min_dim=4096 (from command line): is set but quantization is ''"),
+    (["fp8_min_dim=0"], "fp8_min_dim=0 (from command line): is set but quantization is ''"),
     (["quantization=te_fp8_currentscaling", "fp8_min_dim=-1"], "fp8_min_dim=-1 (from command line): is negative"),
     (["gmm_fp8_impl=kernel"], "gmm_fp8_impl='kernel' (from command line): has FP8 kernels for te_gmm_quantization=te_fp8_blockwise only"),
     (["te_gmm_quantization=te_mxfp8", "gmm_fp8_impl=kernel"], "got te_gmm_quantization=te_mxfp8; allowed with it: auto or emulate"),
@@ -231,6 +232,22 @@ def test_bad_files(tmp_path):
     unknown.write_text("stepz: 3\n")
     with pytest.raises(ConfigError, match=f"unknown key 'stepz' \\(from {unknown}\\); did you mean 'steps'"):
         resolve(config_file=unknown)
+
+
+def test_fp8_min_dim_default_is_inert_without_fp8_and_checked_when_set(tmp_path):
+    """The default (4096) validates without FP8 and applies with it; a value the user gives
+    without quantization=te_fp8_currentscaling is refused, from any source; a recipe file
+    with the removed fp8_pow2_scales gets the unknown-key error."""
+    assert resolve().config.fp8_min_dim == 4096 and resolve().config.quantization == ""
+    fp8 = resolve("quantization=te_fp8_currentscaling").config
+    assert fp8.fp8_min_dim == fp8.model().fp8_min_dim == 4096
+    assert resolve("quantization=te_fp8_currentscaling", "fp8_min_dim=0").config.model().fp8_min_dim == 0
+    with pytest.raises(ConfigError, match="fp8_min_dim=4096 \\(from environment\\): is set but"):
+        resolve(environ={"DROPLESS_FP8_MIN_DIM": "4096"})
+    recipe = tmp_path / "recipe.yml"
+    recipe.write_text("quantization: te_fp8_currentscaling\nfp8_pow2_scales: true\n")
+    with pytest.raises(ConfigError, match=f"unknown key 'fp8_pow2_scales' \\(from {recipe}\\)"):
+        resolve(config_file=recipe)
 
 
 def test_bad_env_var():

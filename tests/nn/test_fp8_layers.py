@@ -28,7 +28,8 @@ from flax import nnx
 from dropless.config.sections import MLAConfig, ModelConfig, MoEConfig
 from dropless.nn import moe as moe_lib
 from dropless.nn.mlp import MLP
-from dropless.nn.model import Transformer
+from dropless.config.loader import load_config
+from dropless.nn.model import Transformer, bf16_dense_matmuls, bf16_dense_matmuls_line
 from dropless.ops import fp8_dot
 from dropless.ops.gmm import quantized
 
@@ -142,7 +143,8 @@ def _dot_generals(model):
 
 @pytest.mark.parametrize("head", [False, True])
 def test_transformer_currentscaling_wiring(head):
-    cfg = dataclasses.replace(SMALL, quantization="te_fp8_currentscaling", quantize_output_head=head)
+    cfg = dataclasses.replace(SMALL, quantization="te_fp8_currentscaling", quantize_output_head=head,
+                              fp8_min_dim=0)
     fns = _dot_generals(nnx.eval_shape(lambda: Transformer(cfg, rngs=nnx.Rngs(0))))
     fp8 = {p for p, f in fns.items() if f is fp8_dot.fp8_dot_general}
     plain = {p for p, f in fns.items() if f is jax.lax.dot_general}
@@ -154,24 +156,56 @@ def test_transformer_currentscaling_wiring(head):
     assert all("router" in p or p == "head" for p in plain)
 
 
-def test_transformer_pow2_scales_wiring():
-    """fp8_pow2_scales: every FP8 projection (the head too) gets pow2_scales=True."""
-    cfg = dataclasses.replace(SMALL, quantization="te_fp8_currentscaling", quantize_output_head=True,
-                              fp8_pow2_scales=True)
-    fns = _dot_generals(nnx.eval_shape(lambda: Transformer(cfg, rngs=nnx.Rngs(0))))
-    pow2 = {p for p, f in fns.items() if isinstance(f, functools.partial)
-            and f.func is fp8_dot.fp8_dot_general and f.keywords == {"pow2_scales": True}}
-    assert pow2 == {p for p in fns if "router" not in p} and "head" in pow2
-    with pytest.raises(ValueError, match="fp8_pow2_scales=True needs"):
-        Transformer(dataclasses.replace(SMALL, fp8_pow2_scales=True), rngs=nnx.Rngs(0))
-
-
 def test_transformer_min_dim_wiring():
-    """fp8_min_dim reaches every FP8 projection's dot_general; it needs FP8."""
+    """fp8_min_dim reaches every FP8 projection's dot_general; without FP8 it is inert (the
+    default, 4096, with quantization='': every projection plain)."""
     cfg = dataclasses.replace(SMALL, quantization="te_fp8_currentscaling", fp8_min_dim=4096)
     fns = _dot_generals(nnx.eval_shape(lambda: Transformer(cfg, rngs=nnx.Rngs(0))))
     gated = {p for p, f in fns.items() if isinstance(f, functools.partial)
              and f.func is fp8_dot.fp8_dot_general and f.keywords == {"min_dim": 4096}}
     assert gated == {p for p in fns if "router" not in p and p != "head"}
-    with pytest.raises(ValueError, match="fp8_min_dim=4096 needs"):
-        Transformer(dataclasses.replace(SMALL, fp8_min_dim=4096), rngs=nnx.Rngs(0))
+    assert SMALL.quantization == "" and SMALL.fp8_min_dim == 4096
+    fns = _dot_generals(nnx.eval_shape(lambda: Transformer(SMALL, rngs=nnx.Rngs(0))))
+    assert fns and all(f is jax.lax.dot_general for f in fns.values())
+    assert bf16_dense_matmuls(SMALL) == [] and bf16_dense_matmuls_line(SMALL) is None
+
+
+def _preset(name, *overrides):
+    return load_config(None, [f"model_name={name}", *overrides], environ={}).config.model()
+
+
+def test_bf16_dense_matmuls_of_the_proxy():
+    """deepseek3-proxy under FP8 at the default 4096: MLA's four narrow projections (q_lora_rank
+    1536, kv_lora_rank 512 + rope 64, 128 heads x (128 + 64) and x (128 + 128)) and the shared
+    expert (moe_mlp_dim 2048) stay bf16; wo (16384 x 7168) and the dense MLP (7168 x 18432)
+    are FP8, and so is the head when quantized (7168 x 129280). One line names them all."""
+    cfg = _preset("deepseek3-proxy", "quantization=te_fp8_currentscaling", "quantize_output_head=true")
+    assert cfg.fp8_min_dim == 4096
+    assert sorted(bf16_dense_matmuls(cfg)) == sorted([
+        ("attention/wq_a", 7168, 1536), ("attention/wq_b", 1536, 24576),
+        ("attention/wkv_a", 7168, 576), ("attention/wkv_b", 512, 32768),
+        ("shared_experts/wi_0", 7168, 2048), ("shared_experts/wi_1", 7168, 2048),
+        ("shared_experts/wo", 2048, 7168)])
+    line = bf16_dense_matmuls_line(cfg)
+    assert "\n" not in line and line.startswith("fp8_min_dim=4096: ")
+    assert "attention/wq_b 1536x24576" in line and line.endswith("fp8_min_dim=0 quantizes them all")
+    assert bf16_dense_matmuls(dataclasses.replace(cfg, fp8_min_dim=0)) == []
+    # A lower threshold keeps only what is below it: wkv_a's N = 576 and wkv_b's K = 512.
+    assert sorted(bf16_dense_matmuls(dataclasses.replace(cfg, fp8_min_dim=1024))) == [
+        ("attention/wkv_a", 7168, 576), ("attention/wkv_b", 512, 32768)]
+
+
+def test_bf16_dense_matmuls_of_tiny_and_without_fp8():
+    """deepseek3-tiny (every dim <= 256) under FP8 at 4096: every FP8-capable projection of
+    every layer kind (MLA, dense MLP, shared expert) once; the head only when quantized. No
+    FP8: nothing (the default is inert)."""
+    cfg = _preset("deepseek3-tiny", "quantization=te_fp8_currentscaling")
+    rows = bf16_dense_matmuls(cfg)
+    assert {name for name, _, _ in rows} == {
+        f"attention/{p}" for p in ("wq_a", "wq_b", "wkv_a", "wkv_b", "wo")} | {
+        f"{m}/{p}" for m in ("mlp", "shared_experts") for p in ("wi_0", "wi_1", "wo")}
+    assert len(rows) == len(set(rows)) == 11
+    assert ("mlp/wi_0", 64, 128) in rows and ("shared_experts/wo", 64, 64) in rows
+    head = bf16_dense_matmuls(dataclasses.replace(cfg, quantize_output_head=True))
+    assert sorted(head) == sorted(rows + [("head", 64, 256)])
+    assert bf16_dense_matmuls(_preset("deepseek3-tiny")) == []

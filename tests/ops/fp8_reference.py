@@ -67,18 +67,10 @@ def expand(s, shape, block):
     return s[tuple(slice(0, n) for n in shape)]
 
 
-def quantize_tensor(x, fmt=E4M3, pow2=False):
-    """Per-tensor current scaling in float32: inv = min(fmax / amax, 2^126), q = sat(x * inv), scale = 1 / inv.
-
-    pow2: scale = 2^k with k the blockwise rule's exponent for the whole tensor
-    (``pow2_block_exponent``), q = sat(x / 2^k).
-    """
+def quantize_tensor(x, fmt=E4M3):
+    """Per-tensor current scaling in float32: inv = min(fmax / amax, 2^126), q = sat(x * inv), scale = 1 / inv."""
     x64 = read(x)
     amax = np.max(np.abs(x64)) if x64.size else 0.0
-    if pow2:
-        k = pow2_block_exponent(np.array([amax]), fmt)[0]
-        scale = 2.0**k if np.isfinite(amax) else np.nan
-        return to_fp8(x64 / scale, fmt), np.float32(scale)
     if not np.isfinite(amax):
         inv = np.float32(np.nan)
     elif amax == 0:

@@ -13,8 +13,6 @@ GPU (marker ``gpu``): the compiled forward and gradient contain cuBLASLt's
 FP8 GEMM custom call.
 """
 
-import re
-
 import fp8_reference as ref
 import jax
 import jax.numpy as jnp
@@ -24,7 +22,6 @@ from flax import nnx
 from jax import lax
 
 from dropless.ops import fp8_dot, quant
-from dropless.perf import hlo as hlo_lib
 
 DIMS = {
     "linear": ((4, 6, 16), (16, 8), (((2,), (0,)), ((), ()))),
@@ -119,23 +116,21 @@ def _bound(product, a, ea, b, eb, n):
             + _acc(product, abs_a + ea, abs_b + eb, n))
 
 
-@pytest.mark.parametrize("pow2", [False, True], ids=["scaled", "pow2"])
 @pytest.mark.parametrize("case", sorted(DIMS))
-def test_forward_and_gradients_within_fp8_bound(rng, case, pow2):
-    """Per-tensor scales (pow2: power-of-two scales and the dequantized form) within the bound."""
+def test_forward_and_gradients_within_fp8_bound(rng, case):
     lshape, rshape, dims = DIMS[case]
     x, w = _operands(rng, lshape, rshape)
     y_shape = jax.eval_shape(lambda a, b: lax.dot_general(a, b, dims), x, w).shape
     g = (rng.standard_normal(y_shape) * np.exp(rng.uniform(-4, 4, y_shape))).astype(np.float32)
 
-    f = jax.jit(lambda a, b: fp8_dot.fp8_dot_general(a, b, dims, pow2_scales=pow2))
+    f = jax.jit(lambda a, b: fp8_dot.fp8_dot_general(a, b, dims))
     y, vjp = jax.vjp(f, x, w)
     dx, dw = vjp(jnp.asarray(g))
     assert y.dtype == dx.dtype == dw.dtype == jnp.float32
 
-    qx, sx = ref.quantize_tensor(x, ref.E4M3, pow2)
-    qw, sw = ref.quantize_tensor(w, ref.E4M3, pow2)
-    qg, sg = ref.quantize_tensor(g, ref.E5M2, pow2)
+    qx, sx = ref.quantize_tensor(x, ref.E4M3)
+    qw, sw = ref.quantize_tensor(w, ref.E4M3)
+    qg, sg = ref.quantize_tensor(g, ref.E5M2)
     fx, fw, fg = (np.asarray(q, np.float64) * float(s) for q, s in ((qx, sx), (qw, sw), (qg, sg)))
     ex, ew, eg = (ref.element_error_bound(v, np.full((1,) * v.ndim, float(s)), v.shape, fmt)
                   for v, s, fmt in ((x, sx, ref.E4M3), (w, sw, ref.E4M3), (g, sg, ref.E5M2)))
@@ -162,40 +157,11 @@ def _vjp_outputs(f, x, w, g):
     return (y, *vjp(g))
 
 
-POW2_CASES = {**DIMS, "long_k": ((8, 1000), (1000, 24), (((1,), (0,)), ((), ())))}
-
-
-@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32])
-@pytest.mark.parametrize("case", sorted(POW2_CASES))
-def test_pow2_form_equals_direct_form_with_pow2_scales(rng, case, dtype):
-    """``pow2_scales=True`` (dequantized operands q * 2^k into a dot) gives the direct form's
-    bits when the direct form uses the same power-of-two scales: the dequantized operands are
-    the FP8 values exactly, their products exact in float32, and scaling a float32 sum by 2^k
-    commutes with its roundings (no under/overflow here: the data spans e^+-3 around 1).
-    Forward and both gradients, bf16 and float32 in and out. Off the GPU the operands
-    dequantize to float32 (``fp8_dot._bf16_gemm``); the GPU's bf16 operands hold the same
-    values (test_quant: q * 2^k is exact in bf16)."""
-    lshape, rshape, dims = POW2_CASES[case]
-    x, w = (jnp.asarray(v, dtype) for v in _operands(rng, lshape, rshape))
-    y_shape = jax.eval_shape(lambda a, b: lax.dot_general(a, b, dims), x, w).shape
-    g = jnp.asarray(rng.standard_normal(y_shape) * np.exp(rng.uniform(-4, 4, y_shape)), dtype)
-    out = jnp.dtype(dtype)
-    got = _vjp_outputs(lambda a, b: fp8_dot.fp8_dot_general(a, b, dims, pow2_scales=True), x, w, g)
-    want = _vjp_outputs(lambda a, b: fp8_dot._fp8_dot(a, b, dims, out, None, True, "direct"),
-                        x, w, g)
-    plain = _vjp_outputs(lambda a, b: fp8_dot.fp8_dot_general(a, b, dims), x, w, g)
-    for name, a, b, c in zip(("y", "dx", "dw"), got, want, plain):
-        assert a.dtype == b.dtype == dtype, name
-        np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32), name)
-        # Not the plain scales in disguise: the codes (hence the bits) differ.
-        assert not np.array_equal(np.asarray(a, np.float32), np.asarray(c, np.float32)), name
-
-
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32])
 def test_direct_form_is_the_plain_formula_bit_for_bit(rng, dtype):
-    """The default (direct) form is still the formula it had before ``pow2_scales`` existed,
-    written out here with ``lax.dot_general`` alone: FP8 codes into a float32 dot at
-    HIGHEST (the CPU's choice), times the product of the two scales, cast; the gradients
+    """The FP8 product is the direct formula, written out here with ``lax.dot_general``
+    alone: FP8 codes into a float32 dot at HIGHEST (the CPU's choice), times the product
+    of the two scales, cast; the gradients
     the same with the E5M2 codes of dy and the transposes spelled out for a [B, S, K] x
     [K, N] linear. Same operations in the same order, so equal bits."""
     x, w = (jnp.asarray(v, dtype) for v in _operands(rng, (4, 6, 16), (16, 8)))
@@ -219,32 +185,6 @@ def test_direct_form_is_the_plain_formula_bit_for_bit(rng, dtype):
     for name, a, b in zip(("y", "dx", "dw"), got, plain(x, w, g)):
         assert a.dtype == b.dtype == dtype, name
         np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32), name)
-
-
-def test_pow2_lowering_has_barrier_and_bf16_converts_of_fp8(rng, monkeypatch):
-    """The pattern XLA's GEMM rewriter matches reaches XLA, as lowered for the GPU: the codes
-    behind an optimization barrier, converted from E4M3 (forward) and E5M2 (gradients) to bf16,
-    bf16 dots writing bf16 without an algorithm preset. (The GPU's choice of dot output is
-    forced here; that the GPU makes FP8 GEMMs of it is the GPU test's job.)"""
-    monkeypatch.setattr(fp8_dot, "_bf16_gemm", lambda: True)
-    x = jnp.asarray(rng.standard_normal((4, 6, 32)), jnp.bfloat16)
-    w = jnp.asarray(rng.standard_normal((32, 16)), jnp.bfloat16)
-    dims = (((2,), (0,)), ((), ()))
-
-    def loss(x, w):
-        return jnp.sum(fp8_dot.fp8_dot_general(x, w, dims, pow2_scales=True).astype(jnp.float32))
-
-    text = jax.jit(jax.value_and_grad(loss, argnums=(0, 1))).lower(x, w).as_text()
-    assert "stablehlo.optimization_barrier" in text
-    for fmt in ("f8E4M3FN", "f8E5M2"):
-        assert re.search(rf"stablehlo.convert %\S+ : \(tensor<[0-9x]+{fmt}>\) -> "
-                         r"tensor<[0-9x]+bf16>", text), fmt
-    dots = [ln for ln in text.splitlines() if "stablehlo.dot_general" in ln]
-    assert len(dots) == 3, dots
-    for ln in dots:
-        assert re.search(r": \(tensor<[0-9x]+bf16>, tensor<[0-9x]+bf16>\) -> tensor<[0-9x]+bf16>",
-                         ln), ln
-        assert "algorithm" not in ln and "HIGHEST" not in ln, ln
 
 
 def test_as_nnx_linear_bf16_gradients_flow(rng):
@@ -296,10 +236,9 @@ def test_shape_errors_come_from_lax():
         fp8_dot.fp8_dot_general(jnp.ones((3, 4)), jnp.ones((5, 6)), (((1,), (0,)), ((), ())))
 
 
-@pytest.mark.parametrize("pow2", [False, True])
-def test_nonfinite_input_gives_nan_output(pow2):
+def test_nonfinite_input_gives_nan_output():
     x = jnp.ones((4, 16)).at[1, 2].set(jnp.inf)
-    y = fp8_dot.fp8_dot_general(x, jnp.ones((16, 8)), (((1,), (0,)), ((), ())), pow2_scales=pow2)
+    y = fp8_dot.fp8_dot_general(x, jnp.ones((16, 8)), (((1,), (0,)), ((), ())))
     assert np.isnan(np.asarray(y)).all()
 
 
@@ -320,39 +259,3 @@ def test_compiles_to_cublaslt_fp8_gemm():
     assert both.count("__cublas$lt$matmul$f8") >= 2, both[:4000]
     full = jax.jit(jax.value_and_grad(loss, argnums=(0, 1))).lower(x, w).compile().as_text()
     assert full.count("__cublas$lt$matmul$f8") >= 3
-
-
-def _gemm_results(hlo):
-    """(what, first result type) of every GEMM in optimized GPU HLO: dots, cuBLAS/cuBLASLt
-    custom calls and Triton GEMM fusions."""
-    out = []
-    for inst in hlo_lib.instructions(hlo):
-        target = inst.custom_call_target or ""
-        if inst.opcode == "dot" or target.startswith("__cublas") or "__triton_gemm" in inst.attrs:
-            out.append((target or inst.opcode, inst.result_types[0]))
-    return out
-
-
-@pytest.mark.gpu
-@pytest.mark.skipif(jax.default_backend() != "gpu", reason="needs a CUDA GPU with FP8 (sm_89+)")
-def test_pow2_compiles_to_cublaslt_fp8_gemm_writing_bf16():
-    """``pow2_scales=True``: forward, dgrad and wgrad each run as ``__cublas$lt$matmul$f8``
-    writing bf16, and no GEMM writes float32. What the CPU cannot show: that XLA's GEMM
-    rewriter matches the dequantized pattern behind the barrier (an earlier dequantized form
-    without barrier and bf16 scales ran as a float32 GEMM on the H200)."""
-    x = jnp.ones((256, 512), jnp.bfloat16)
-    w = jnp.ones((512, 384), jnp.bfloat16)
-    dims = (((1,), (0,)), ((), ()))
-
-    def y(x, w):
-        return fp8_dot.fp8_dot_general(x, w, dims, pow2_scales=True)
-
-    def loss(x, w):
-        return jnp.sum(y(x, w).astype(jnp.float32))
-
-    for fn, n_fp8 in ((y, 1), (jax.value_and_grad(loss, argnums=(0, 1)), 3)):
-        hlo = jax.jit(fn).lower(x, w).compile().as_text()
-        gemms = _gemm_results(hlo)
-        fp8 = [t for what, t in gemms if what == "__cublas$lt$matmul$f8"]
-        assert len(fp8) == n_fp8 and all(t.startswith("bf16[") for t in fp8), (gemms, hlo[:4000])
-        assert not [g for g in gemms if g[1].startswith("f32[")], (gemms, hlo[:4000])

@@ -8,8 +8,6 @@ there is no tolerance. They are also lowered for CUDA at DeepSeek-V3 shapes
 the hardware, where the compiled Triton kernels run.
 """
 
-import functools
-
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -47,11 +45,10 @@ def test_rows_and_columns_equal_quant_bit_for_bit(rng, dtype):
     want_q, want_s = quant.quantize_blocks(a, (1, 128))
     _same(q, want_q)
     _same(s, want_s.T)
+    q, s = fq.quantize_columns(a)
     want_q, want_s = quant.quantize_blocks(a, (128, 1))
-    for transpose in ("codes", "input"):  # the tile transposed as codes or as read: same bits
-        q, s = fq.quantize_columns(a, transpose=transpose)
-        _same(q, want_q.T)
-        _same(s, want_s)
+    _same(q, want_q.T)
+    _same(s, want_s)
 
 
 def test_weight_both_layouts_equal_quant_bit_for_bit(rng):
@@ -97,11 +94,9 @@ def _abstract_h200():
 
 @pytest.mark.parametrize("name,shape", [("quantize_rows", (65536, 7168)),
                                         ("quantize_columns", (65536, 2048)),
-                                        ("quantize_columns_input", (65536, 2048)),
                                         ("quantize_weight", (32, 7168, 4096))])
 def test_lowers_for_cuda(name, shape):
-    fn = (functools.partial(fq.quantize_columns, transpose="input")
-          if name == "quantize_columns_input" else getattr(fq, name))
+    fn = getattr(fq, name)
     checks = [jax.export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")]
     with _abstract_h200():
         exported = jax.export.export(jax.jit(lambda a: fn(a, interpret=False)), platforms=["cuda"],
@@ -161,9 +156,8 @@ def test_gpu_kernels_equal_quant_bit_for_bit(rng):
     a = jnp.asarray(_data(rng, (4096, 2048)), jnp.bfloat16)
     _same(fq.quantize_rows(a)[0], mosaic_fp8.quantize_rows(a)[0])
     _same(fq.quantize_rows(a)[1], mosaic_fp8.quantize_rows(a)[1])
-    for transpose in ("codes", "input"):
-        _same(fq.quantize_columns(a, transpose=transpose)[0], mosaic_fp8_tgmm.quantize_columns(a)[0])
-        _same(fq.quantize_columns(a, transpose=transpose)[1], mosaic_fp8_tgmm.quantize_columns(a)[1])
+    _same(fq.quantize_columns(a)[0], mosaic_fp8_tgmm.quantize_columns(a)[0])
+    _same(fq.quantize_columns(a)[1], mosaic_fp8_tgmm.quantize_columns(a)[1])
     w = jnp.asarray(_data(rng, (4, 1024, 2048)), jnp.bfloat16)
     q, q_t, s = fq.quantize_weight(w)
     want_q, want_s = mosaic_fp8.quantize_weight(w)

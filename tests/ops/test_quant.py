@@ -18,7 +18,7 @@ from dropless.ops import quant
 
 
 # Jitted once per static configuration: far fewer compiles than op-by-op dispatch.
-quantize_tensor = jax.jit(quant.quantize_tensor, static_argnames=("dtype", "pow2"))
+quantize_tensor = jax.jit(quant.quantize_tensor, static_argnames="dtype")
 dequantize_tensor = jax.jit(quant.dequantize_tensor, static_argnames="out_dtype")
 quantize_blocks = jax.jit(quant.quantize_blocks, static_argnames=("block", "dtype"))
 dequantize_blocks = jax.jit(quant.dequantize_blocks, static_argnames=("block", "out_dtype"))
@@ -87,58 +87,6 @@ def test_quantize_tensor_zero_tiny_and_nonfinite():
     np.testing.assert_array_equal(np.asarray(q, np.float32), [1.0, -2.0])
     for bad in (np.nan, np.inf):
         q, s = quantize_tensor(jnp.array([1.0, bad, 2.0]))
-        assert np.isnan(float(s))
-        assert np.all(np.isnan(np.asarray(dequantize_tensor(q, s))))
-
-
-@pytest.mark.parametrize("fmt", [ref.E4M3, ref.E5M2])
-def test_quantize_tensor_pow2_matches_model(rng, fmt):
-    """pow2: the scale is a power of two 2^k and amax / 2^k lies in (fmax / 2, fmax]."""
-    x = _wide_random(rng, (64, 48))
-    x[0, :2] = [1e-40, 0.0]
-    q, s = quantize_tensor(x, jnp.dtype(fmt), pow2=True)
-    q_ref, s_ref = ref.quantize_tensor(x, fmt, pow2=True)
-    assert np.float32(s) == s_ref
-    np.testing.assert_array_equal(ref.codes(q), ref.codes(q_ref))
-    k = np.log2(float(s))
-    assert k == np.round(k)
-    scaled_amax = np.max(np.abs(ref.read(x))) / float(s)
-    assert ref.FMAX[fmt] / 2 < scaled_amax <= ref.FMAX[fmt]
-    back = np.asarray(dequantize_tensor(q, s), np.float64)
-    bound = ref.element_error_bound(x, np.full((1, 1), float(s)), x.shape, fmt)
-    assert np.all(np.abs(back - ref.read(x)) <= bound)
-    # code * 2^k is exact in bfloat16 (these values are all float32 normals or zero).
-    assert np.all((back == 0) | (np.abs(back) >= 2.0**-126))
-    np.testing.assert_array_equal(
-        np.asarray(dequantize_tensor(q, s, jnp.bfloat16), np.float64), back)
-
-
-@pytest.mark.parametrize("fmt", [ref.E4M3, ref.E5M2])
-def test_quantize_tensor_pow2_agrees_when_amax_is_fmax_times_pow2(rng, fmt):
-    """amax = fmax * 2^k makes fmax / amax = 2^-k exactly: both rules give the same codes and
-    scale; one float32 ulp more and the pow2 rule takes 2^(k + 1)."""
-    fmax = ref.FMAX[fmt]
-    for k in (-30, -1, 0, 7):
-        x = (rng.uniform(-1, 1, (8, 16)) * fmax * 2.0**k).astype(np.float32)
-        x[3, 5] = -fmax * 2.0**k
-        q2, s2 = quantize_tensor(x, jnp.dtype(fmt), pow2=True)
-        q1, s1 = quantize_tensor(x, jnp.dtype(fmt))
-        assert float(s2) == float(s1) == 2.0**k
-        np.testing.assert_array_equal(ref.codes(q2), ref.codes(q1))
-        x[3, 5] = np.nextafter(x[3, 5], np.float32(-np.inf))
-        assert float(quantize_tensor(x, jnp.dtype(fmt), pow2=True)[1]) == 2.0**(k + 1)
-
-
-def test_quantize_tensor_pow2_zero_tiny_and_nonfinite():
-    """The same special cases as the plain rule: scale 1 for zeros, 2^-126 at the cap, NaN."""
-    q, s = quantize_tensor(jnp.zeros((3, 5)), pow2=True)
-    assert float(s) == 1.0 and not np.any(np.asarray(q, np.float32))
-    tiny = np.array([2.0**-126, -2.0**-125], np.float32)
-    q, s = quantize_tensor(tiny, pow2=True)
-    assert float(s) == 2.0**-126
-    np.testing.assert_array_equal(np.asarray(q, np.float32), [1.0, -2.0])
-    for bad in (np.nan, np.inf, -np.inf):
-        q, s = quantize_tensor(jnp.array([1.0, bad, 2.0]), pow2=True)
         assert np.isnan(float(s))
         assert np.all(np.isnan(np.asarray(dequantize_tensor(q, s))))
 

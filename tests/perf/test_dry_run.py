@@ -44,6 +44,23 @@ def test_every_preset_dry_runs_on_its_hardware(name, capsys):
     assert "estimated peak" in out and "checkpoint:" in out and "fits:" in out
 
 
+def test_dry_run_names_the_dense_matmuls_fp8_min_dim_keeps_bf16(capsys):
+    """Under FP8 the dry run says, in one line, which dense matmuls fp8_min_dim keeps in
+    bf16 (on deepseek3-tiny at the default 4096: all of them) and how to quantize them all;
+    with fp8_min_dim=0 it says nothing of it. (The list itself: tests/nn/test_fp8_layers.py.)"""
+    def run(*keys):
+        code = cli.main(["train", "--dry-run", "model_name=deepseek3-tiny",
+                         "quantization=te_fp8_currentscaling", *keys])
+        out = capsys.readouterr().out
+        assert code == 0
+        return [ln for ln in out.splitlines() if "fp8_min_dim" in ln]
+
+    (line,) = run()
+    assert line.startswith("fp8_min_dim=4096: ") and line.endswith("fp8_min_dim=0 quantizes them all")
+    assert "attention/wkv_b 32x128" in line and "shared_experts/wo 64x64" in line
+    assert run("fp8_min_dim=0") == []
+
+
 def test_profile_dry_run_accepts_profile_flags(capsys):
     code = cli.main(["profile", "--dry-run", "--steps", "3", "--warmup", "1", "--out", "/tmp/x",
                      "model_name=deepseek3-tiny"])

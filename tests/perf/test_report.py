@@ -262,27 +262,6 @@ def test_fp8_dense_section(tmp_path):
     assert "n/c" not in text
 
 
-def test_fp8_dense_section_with_the_pow2_variant(tmp_path):
-    """fp8_dense.py --pow2: each row adds the pow2 form's time, its speed-up over the direct
-    FP8 form and what its FP8 GEMMs write; the totals add the pow2 step."""
-    d = tmp_path / "r"
-    d.mkdir()
-    row = {"name": "mla.wo", "K": 16384, "N": 7168, "count": 4, "fp8_in_model": True,
-           "bf16": {"fwd_bwd_ms": 2.0, "dots": 3, "f8_dots": 0},
-           "fp8": {"fwd_bwd_ms": 1.6, "dots": 3, "f8_dots": 3, "hlo_check": 2},
-           "fp8_pow2": {"fwd_bwd_ms": 1.28, "dots": 3, "f8_dots": 3, "f8_dot_out": {"bf16": 3},
-                        "hlo_check": 2},
-           "share_bf16_pct": 100.0}
-    rec = {"kind": "fp8_dense", "created": "2026-12-02T10:00:00+00:00", **PROV, "rows": [row],
-           "totals": {"step_ms_bf16": 8.0, "step_ms_fp8_as_configured": 6.4, "step_ms_fp8_all": 6.4,
-                      "step_ms_fp8_pow2_as_configured": 5.12, "step_ms_fp8_pow2_all": 5.12,
-                      "time_source": "cupti"}}
-    (d / "f.json").write_text(json.dumps(rec))
-    text = report.render(d, tmp_path / "R.md", log=lambda _: None).read_text()
-    assert "| mla.wo | 16384 x 7168 | 4 | 2.000 | 1.600 | 1.25x | 100.0 | 3/3 | 1.280 | 1.25x | 3/3 -> 3 bf16 |" in text
-    assert "With power-of-two scales (`fp8_pow2_scales`): 5.12 ms as configured (1.56x bf16), every matmul 5.12 ms." in text
-
-
 def test_fp8_dense_section_old_hlo_parser(tmp_path):
     """Rows checked by the parser before hlo_check 2 (no operand types seen on the GPU, so its
     0/3 was wrong) show n/c, with the f8 types and the error against bf16 as the evidence."""

@@ -287,3 +287,18 @@ def test_expert_parallel_training_on_four_devices(small_model, make_train, tmp_p
     initial, final, skipped, steps, warned = out["tight"]
     assert skipped == 6 and warned  # random routing is never perfectly balanced
 
+
+
+def test_fp8_run_says_once_which_dense_matmuls_stay_bf16(reference, small_model, make_train, tmp_path):
+    """quantization=te_fp8_currentscaling with fp8_min_dim above the small model's dims: the
+    start of the run names the bf16 matmuls in one line, once; a bf16 run says nothing of it."""
+    one_layer = dataclasses.replace(small_model, num_decoder_layers=1, first_num_dense_layers=1,
+                                    quantization="te_fp8_currentscaling", fp8_min_dim=4096)
+    console = _quiet()
+    run_training(one_layer, make_train(tmp_path, steps=1, enable_checkpointing=False,
+                                       enable_tensorboard=False), MeshConfig(), console=console)
+    lines = [ln for ln in console.file.getvalue().splitlines() if "fp8_min_dim" in ln]
+    assert len(lines) == 1, lines
+    assert "fp8_min_dim=4096: " in lines[0] and "mlp/wi_0 16x32" in lines[0]
+    assert lines[0].endswith("fp8_min_dim=0 quantizes them all")
+    assert "fp8_min_dim" not in reference[2]

@@ -30,10 +30,10 @@ passed in as a function wrapper, because ``nn`` does not import ``train``.
 
 ``quantization: te_fp8_currentscaling`` computes the dense projections (MLA's
 six or GQA's four, the dense MLP, the shared experts) with ``ops.fp8_dot.fp8_dot_general``;
-the output head too when ``quantize_output_head`` is set, with power-of-two
-scales when ``fp8_pow2_scales`` is (bf16-output FP8 GEMMs). The router, the
-embedding, the attention scores and MTP's ``eh_proj`` stay in ``dtype``. The
-routed experts follow ``moe.gmm_quantization`` instead.
+the output head too when ``quantize_output_head`` is set; those with K or N
+below ``fp8_min_dim`` stay in ``dtype`` (``bf16_dense_matmuls`` lists them).
+The router, the embedding, the attention scores and MTP's ``eh_proj`` stay in
+``dtype``. The routed experts follow ``moe.gmm_quantization`` instead.
 """
 
 import functools
@@ -57,25 +57,56 @@ SUPPORTED_QUANTIZATION = ("", "te_fp8_currentscaling")
 ATTENTION_TYPES = ("mla", "gqa")
 
 
-def dense_dot_general(quantization: str, pow2_scales: bool = False, min_dim: int = 0):
+def dense_dot_general(quantization: str, min_dim: int = 0):
     """The ``dot_general`` of the dense projections for ``quantization`` (None: plain).
 
-    ``pow2_scales``: ``fp8_dot_general``'s power-of-two scales (bf16-output FP8 GEMMs);
-    ``min_dim``: its ``min_dim`` (products narrower than this stay plain).
+    ``min_dim``: ``fp8_dot_general``'s ``min_dim`` (products narrower than this
+    stay plain); unused without FP8 (the config refuses a ``fp8_min_dim`` set
+    without it, and its default is inert).
 
     Raises:
-      ValueError: an unknown quantization, or pow2_scales or min_dim without FP8.
+      ValueError: an unknown quantization.
     """
     if quantization not in SUPPORTED_QUANTIZATION:
         raise ValueError(f"quantization={quantization!r} is not one of {SUPPORTED_QUANTIZATION}")
     if quantization != "te_fp8_currentscaling":
-        if pow2_scales:
-            raise ValueError("fp8_pow2_scales=True needs quantization='te_fp8_currentscaling'")
-        if min_dim:
-            raise ValueError(f"fp8_min_dim={min_dim} needs quantization='te_fp8_currentscaling'")
         return None
-    options = {k: v for k, v in (("pow2_scales", pow2_scales), ("min_dim", min_dim)) if v}
-    return functools.partial(fp8_dot_general, **options) if options else fp8_dot_general
+    return functools.partial(fp8_dot_general, min_dim=min_dim) if min_dim else fp8_dot_general
+
+
+def bf16_dense_matmuls(cfg: ModelConfig) -> list[tuple[str, int, int]]:
+    """``(name, K, N)`` of the dense matmuls that ``fp8_min_dim`` keeps out of FP8.
+
+    Under ``quantization: te_fp8_currentscaling`` a projection whose
+    contraction size K or output width N is below ``fp8_min_dim`` runs in
+    ``dtype`` (``fp8_dot_general``'s ``min_dim``). Read from the model's own
+    layers (built abstractly, no arrays): name is the module and projection
+    (``attention/wq_a``, ``shared_experts/wo``), each (name, K, N) once
+    whatever the number of layers. Empty without FP8 or with
+    ``fp8_min_dim: 0``.
+    """
+    if cfg.quantization != "te_fp8_currentscaling" or not cfg.fp8_min_dim:
+        return []
+    model = nnx.eval_shape(lambda: Transformer(cfg, rngs=nnx.Rngs(0)))
+    out = []
+    for path, node in nnx.iter_graph(model):
+        f = getattr(node, "dot_general", None) if isinstance(node, nnx.Linear) else None
+        if not (isinstance(f, functools.partial) and f.func is fp8_dot_general):
+            continue
+        row = ("/".join(map(str, path[-2:])), node.in_features, node.out_features)
+        if min(row[1:]) < f.keywords.get("min_dim", 0) and row not in out:
+            out.append(row)
+    return out
+
+
+def bf16_dense_matmuls_line(cfg: ModelConfig) -> str | None:
+    """One line naming ``bf16_dense_matmuls(cfg)`` and how to quantize them all; None if empty."""
+    rows = bf16_dense_matmuls(cfg)
+    if not rows:
+        return None
+    names = ", ".join(f"{name} {k}x{n}" for name, k, n in rows)
+    return (f"fp8_min_dim={cfg.fp8_min_dim}: these dense matmuls (K x N) stay bf16 under "
+            f"quantization=te_fp8_currentscaling: {names}; fp8_min_dim=0 quantizes them all")
 
 
 def make_attention(cfg: ModelConfig, *, rngs: nnx.Rngs, dot_general=None) -> nnx.Module:
@@ -126,7 +157,7 @@ class DecoderLayer(nnx.Module):
     def __init__(self, cfg: ModelConfig, *, moe: bool, rngs: nnx.Rngs,
                  ep: ExpertParallel | None = None):
         dtype, param_dtype = jnp.dtype(cfg.dtype), jnp.dtype(cfg.weight_dtype)
-        dot_general = dense_dot_general(cfg.quantization, cfg.fp8_pow2_scales, cfg.fp8_min_dim)
+        dot_general = dense_dot_general(cfg.quantization, cfg.fp8_min_dim)
         self.is_moe = moe
         self.pre_attention_norm = _norm(cfg, rngs)
         self.attention = make_attention(cfg, rngs=rngs, dot_general=dot_general)
@@ -236,7 +267,7 @@ class Transformer(nnx.Module):
             )
         if cfg.mtp_num_layers < 0:
             raise ValueError(f"mtp_num_layers={cfg.mtp_num_layers} must be >= 0")
-        dot_general = dense_dot_general(cfg.quantization, cfg.fp8_pow2_scales, cfg.fp8_min_dim)  # raises for an unknown value
+        dot_general = dense_dot_general(cfg.quantization, cfg.fp8_min_dim)  # raises for an unknown value
         if cfg.quantize_output_head and dot_general is None:
             raise ValueError("quantize_output_head=True needs quantization='te_fp8_currentscaling'")
         head_dot_general = dot_general if cfg.quantize_output_head else None

@@ -33,33 +33,18 @@ float32).
 The GEMM writes float32; the scales and the cast to the output dtype come
 after. XLA folds the scale into the cuBLASLt call (``F8ScaleD``), but its
 ``HandleConvert`` fuses a convert into an FP8 GEMM only when the output is
-FP8, so the float32 to bf16 convert is a separate fusion.
-
-``pow2_scales=True`` takes the other pattern XLA's GEMM rewriter knows (its
-test ``ScaledABUnscaledDApproxGeluActivationF8``): FP8 values converted to
-bf16, times a broadcast bf16 scalar scale, into a bf16 x bf16 -> bf16 dot,
-which it makes one ``__cublas$lt$matmul$f8`` call writing bf16 with the
-scales as operands ("dequantized form"). Two things make it usable:
-
-* the codes and scale pass ``quant.keep_codes`` (an optimization barrier).
-  An earlier dequantized form without it, f32 converts and f32 scales, was
-  not FP8 on the GPU: measured on an H200 at 182aad7, XLA folded the
-  f32 -> f8 -> f32 round trip, the dot ran as a float32 GEMM, and the proxy
-  step took 1524.7 ms against the direct form's 376.5 (step-20261202-022537);
-* power-of-two scales (``quant.quantize_tensor(pow2=True)``, Transformer
-  Engine's ``force_pow_2_scales``). A bf16 scale 2^k is then exact, and so is
-  ``code * 2^k`` in bf16 (E4M3's and E5M2's mantissas fit in bf16's, and
-  every nonzero product is a float32 normal unless the tensor's amax is
-  below about 2^-109 for E4M3, 2^-95 for E5M2, where the smallest
-  subnormal codes times the scale fall below 2^-126). The dequantized operands are the FP8 values exactly,
-  their products are exact in float32, and scaling every term of a float32
-  sum by a power of two commutes with its roundings: the bf16 result is the
-  direct form's (with the same scales) bit for bit, given the same
-  accumulation order and no float32 under- or overflow. The price is up to
-  one bit of range: amax maps into (fmax / 2, fmax] instead of onto fmax.
-
-Outputs other than bf16, and every output off the GPU (``_bf16_gemm``),
-dequantize to float32, which is as exact, and dot in float32.
+FP8, so the float32 to bf16 convert is a separate fusion. Two dequantized
+patterns, ``dot(convert(q_a) * s_a, convert(q_b) * s_b)`` in the output
+dtype, which the rewriter could make one FP8 call writing bf16, were built
+and measured on an H200, and neither gave an FP8 GEMM: with float32 converts
+and scales (at 182aad7) XLA folded the f32 -> f8 -> f32 round trip and the
+dot ran as a float32 GEMM, the proxy step at 0.25x the direct form (1524.7
+against 376.5 ms, step-20261202-022537); with power-of-two scales, bf16
+converts and the codes behind an optimization barrier (at d7a6e91) XLA
+compiled a plain ``dot`` writing float32, no ``__cublas$lt$matmul$f8``
+(gpu-tests-fp8-dot-pow2-20261202-0458-h200.log), the step at 0.988x bf16
+against the direct form's 1.062x (step-20261202-045852). So the direct form
+is the only one.
 
 Numerics (checked in tests/ops/test_fp8_dot.py against float64): with u the
 unit roundoff of the operand formats (E4M3 2^-4, E5M2 2^-3), each product is
@@ -101,55 +86,31 @@ def _dot(a, b, dims, out_sharding=None):
                            preferred_element_type=jnp.float32, out_sharding=out_sharding)
 
 
-def _bf16_gemm():
-    """Whether the dequantized form of a bf16-output product runs in bf16 (operands and dot): on GPU.
-
-    There the rewriter's pattern needs it and cuBLASLt accumulates in float32
-    before its one rounding. XLA:CPU's loop emitter accumulates a bf16-output
-    dot in bf16 (a transposed wgrad dot of a 4x6x16 test was off by up to 3
-    bf16 ulps in 75 of 128 elements) and its dot thunk has no bf16 x bf16 ->
-    float32, so elsewhere the operands dequantize to float32 (as exact) and
-    the dot writes float32; the cast to bf16 is the same single rounding.
-    """
-    return jax.default_backend() == "gpu"
-
-
-def _dequantized_dot(a, b, dims, out_sharding=None):
-    """The dequantized form's product, in the operands' dtype.
-
-    Precision is left at DEFAULT: the operands are bf16 or float32 here, and
-    XLA's GEMM rewriter, not an algorithm preset, decides that the product is
-    an FP8 GEMM (it finds the FP8 codes behind the converts).
-    """
-    return lax.dot_general(a, b, dims, preferred_element_type=a.dtype, out_sharding=out_sharding)
-
-
-def transpose_lhs(g, rhs, dims, lhs_ndim, dot=_dot):
+def transpose_lhs(g, rhs, dims, lhs_ndim):
     """Cotangent of the lhs of ``dot_general(lhs, rhs, dims)`` given the output cotangent g.
 
     g has the output layout [batch..., lhs kept..., rhs kept...]; the result
-    has lhs's layout, in the dtype ``dot`` writes (float32 for the direct FP8
-    product).
+    has lhs's layout, in float32.
     """
     (lc, rc), (lb, rb) = dims
     l_kept = _remaining(lhs_ndim, lc, lb)
     r_kept = _remaining(rhs.ndim, rc, rb)
     nb = len(lb)
     g_rkept = list(range(nb + len(l_kept), g.ndim))
-    out = dot(g, rhs, ((g_rkept, r_kept), (list(range(nb)), list(rb))))
+    out = _dot(g, rhs, ((g_rkept, r_kept), (list(range(nb)), list(rb))))
     # out: [batch..., lhs kept..., rhs contracting axes in rhs order] -> lhs axes.
     contract_in_rhs_order = [lc[list(rc).index(a)] for a in sorted(rc)]
     return lax.transpose(out, tuple(np.argsort(list(lb) + l_kept + contract_in_rhs_order)))
 
 
-def transpose_rhs(g, lhs, dims, rhs_ndim, dot=_dot):
-    """Cotangent of the rhs of ``dot_general(lhs, rhs, dims)``; rhs's layout, ``dot``'s dtype."""
+def transpose_rhs(g, lhs, dims, rhs_ndim):
+    """Cotangent of the rhs of ``dot_general(lhs, rhs, dims)``; float32, rhs's layout."""
     (lc, rc), (lb, rb) = dims
     l_kept = _remaining(lhs.ndim, lc, lb)
     r_kept = _remaining(rhs_ndim, rc, rb)
     nb = len(lb)
     g_lkept = list(range(nb, nb + len(l_kept)))
-    out = dot(g, lhs, ((g_lkept, l_kept), (list(range(nb)), list(lb))))
+    out = _dot(g, lhs, ((g_lkept, l_kept), (list(range(nb)), list(lb))))
     # out: [batch..., rhs kept..., lhs contracting axes in lhs order] -> rhs axes.
     contract_in_lhs_order = [rc[list(lc).index(a)] for a in sorted(lc)]
     return lax.transpose(out, tuple(np.argsort(list(rb) + r_kept + contract_in_lhs_order)))
@@ -160,60 +121,34 @@ def _canonical(dims):
     return ((tuple(lc), tuple(rc)), (tuple(lb), tuple(rb)))
 
 
-def _quantize(x, dtype, pow2, form):
-    q, s = quant.quantize_tensor(x, dtype, pow2=pow2)
-    # The dequantized form converts the codes back up before its dot: without the
-    # barrier XLA folds the f32 -> f8 -> f32 round trip and no FP8 GEMM remains.
-    return quant.keep_codes(q, s) if form == "dequantized" else (q, s)
-
-
-def _product(product, a, b, out_dtype, form):
-    """``product(a_operand, b_operand, dot)`` of two quantized operands ``(q, scale)``, in out_dtype.
-
-    direct: the FP8 codes into ``_dot`` (float32 out), times both scales, cast.
-    dequantized: ``q * scale`` in bf16 (bf16 outputs on GPU) or float32
-    (otherwise) into a dot writing that dtype; exact operands when the scales
-    are powers of two, so the result is the direct form's, rounded once.
-    """
-    (q_a, s_a), (q_b, s_b) = a, b
-    if form == "direct":
-        return (product(q_a, q_b, _dot) * (s_a * s_b)).astype(out_dtype)
-    dtype = jnp.bfloat16 if out_dtype == jnp.bfloat16 and _bf16_gemm() else jnp.float32
-    deq_a, deq_b = (q.astype(dtype) * s.astype(dtype) for q, s in ((q_a, s_a), (q_b, s_b)))
-    return product(deq_a, deq_b, _dequantized_dot).astype(out_dtype)
-
-
-@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3, 4, 5, 6))
-def _fp8_dot(lhs, rhs, dims, out_dtype, out_sharding, pow2, form):
-    y, _ = _fp8_dot_fwd(lhs, rhs, dims, out_dtype, out_sharding, pow2, form)
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3, 4))
+def _fp8_dot(lhs, rhs, dims, out_dtype, out_sharding):
+    y, _ = _fp8_dot_fwd(lhs, rhs, dims, out_dtype, out_sharding)
     return y
 
 
-def _fp8_dot_fwd(lhs, rhs, dims, out_dtype, out_sharding, pow2, form):
-    lhs_q = _quantize(lhs, FWD_DTYPE, pow2, form)
-    rhs_q = _quantize(rhs, FWD_DTYPE, pow2, form)
-    y = _product(lambda a, b, dot: dot(a, b, dims, out_sharding), lhs_q, rhs_q, out_dtype, form)
+def _fp8_dot_fwd(lhs, rhs, dims, out_dtype, out_sharding):
+    q_l, s_l = quant.quantize_tensor(lhs, FWD_DTYPE)
+    q_r, s_r = quant.quantize_tensor(rhs, FWD_DTYPE)
+    y = (_dot(q_l, q_r, dims, out_sharding) * (s_l * s_r)).astype(out_dtype)
     # Zero-size arrays carry the input dtypes (the cotangents must have them).
     dtypes = (jnp.zeros((0,), lhs.dtype), jnp.zeros((0,), rhs.dtype))
-    return y, (lhs_q, rhs_q, dtypes)
+    return y, (q_l, s_l, q_r, s_r, dtypes)
 
 
-def _fp8_dot_bwd(dims, out_dtype, out_sharding, pow2, form, res, g):
-    lhs_q, rhs_q, (lhs_like, rhs_like) = res
-    g_q = _quantize(g, GRAD_DTYPE, pow2, form)
-    lhs_ndim, rhs_ndim = lhs_q[0].ndim, rhs_q[0].ndim
-    d_lhs = _product(lambda g, r, dot: transpose_lhs(g, r, dims, lhs_ndim, dot),
-                     g_q, rhs_q, lhs_like.dtype, form)
-    d_rhs = _product(lambda g, l, dot: transpose_rhs(g, l, dims, rhs_ndim, dot),
-                     g_q, lhs_q, rhs_like.dtype, form)
-    return d_lhs, d_rhs
+def _fp8_dot_bwd(dims, out_dtype, out_sharding, res, g):
+    q_l, s_l, q_r, s_r, (lhs_like, rhs_like) = res
+    q_g, s_g = quant.quantize_tensor(g, GRAD_DTYPE)
+    d_lhs = transpose_lhs(q_g, q_r, dims, q_l.ndim) * (s_g * s_r)
+    d_rhs = transpose_rhs(q_g, q_l, dims, q_r.ndim) * (s_g * s_l)
+    return d_lhs.astype(lhs_like.dtype), d_rhs.astype(rhs_like.dtype)
 
 
 _fp8_dot.defvjp(_fp8_dot_fwd, _fp8_dot_bwd)
 
 
 def fp8_dot_general(lhs, rhs, dimension_numbers, precision=None, preferred_element_type=None,
-                    out_sharding=None, pow2_scales=False, min_dim=0):
+                    out_sharding=None, min_dim=0):
     """``lax.dot_general`` computed in FP8 with per-tensor current scaling.
 
     Args:
@@ -224,11 +159,6 @@ def fp8_dot_general(lhs, rhs, dimension_numbers, precision=None, preferred_eleme
         for the ``dot_general`` signature.
       preferred_element_type: output dtype (default: the promoted input dtype).
       out_sharding: passed to the forward product.
-      pow2_scales: power-of-two scales (``quant.quantize_tensor(pow2=True)``)
-        and the dequantized form: each product is a dot of ``q * scale`` in the
-        output dtype (bf16 for bf16 activations), which XLA's GEMM rewriter can
-        make one FP8 GEMM writing that dtype. Bit for bit the direct form's
-        result with the same scales (module docstring).
       min_dim: a product whose contraction size K or output width N (the
         product of rhs's free dimensions) is below this runs as the plain
         ``lax.dot_general`` with the arguments given (config key
@@ -258,5 +188,4 @@ def fp8_dot_general(lhs, rhs, dimension_numbers, precision=None, preferred_eleme
     out_dtype = jnp.dtype(preferred_element_type or jnp.promote_types(lhs.dtype, rhs.dtype))
     # Let lax check the shapes (and raise its usual errors) before quantizing.
     jax.eval_shape(functools.partial(lax.dot_general, dimension_numbers=dims), lhs, rhs)
-    return _fp8_dot(lhs, rhs, dims, out_dtype, out_sharding, bool(pow2_scales),
-                    "dequantized" if pow2_scales else "direct")
+    return _fp8_dot(lhs, rhs, dims, out_dtype, out_sharding)

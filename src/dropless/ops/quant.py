@@ -26,10 +26,7 @@ Scaling rules (``amax`` = largest |x| of the tensor or block, in float32):
   ``quantize_tensor`` (per-tensor current scaling, Transformer Engine's
     ``Float8CurrentScaling``): ``inv = fmax / amax`` (float32, not a power of
     two, capped at 2^126), ``q = sat(x * inv)``, ``scale = 1 / inv``, so amax
-    maps to the format's largest value. amax = 0 gives scale 1. With
-    ``pow2=True`` (Transformer Engine's ``force_pow_2_scales``) the scale is
-    the blockwise rule's power of two for the whole tensor, so ``q * scale``
-    is exact in bfloat16.
+    maps to the format's largest value. amax = 0 gives scale 1.
   ``quantize_blocks`` (blockwise, the DeepSeek-V3 recipe): one float32 scale
     per block (1x128 tiles of activations, 128x128 blocks of weights). The
     scale is the smallest power of two 2^k with amax <= fmax * 2^k (what
@@ -135,24 +132,17 @@ def _mantissa(a):
 
 
 @jax.named_scope(QUANT_SCOPE)
-def quantize_tensor(x, dtype=E4M3, pow2=False):
+def quantize_tensor(x, dtype=E4M3):
     """Per-tensor current scaling: ``(q, scale)`` with ``x ~= q * scale``.
 
     Args:
       x: any shape, any float dtype.
       dtype: E4M3 (default) or E5M2.
-      pow2: power-of-two scales (Transformer Engine's ``force_pow_2_scales``):
-        ``inv`` is the largest power of two with ``amax * inv <= fmax`` (so
-        ``amax * inv`` lies in (fmax / 2, fmax] unless the cap applies), at the
-        cost of up to one bit of the format's range. ``scale`` and every
-        ``q * scale`` are then exact in bfloat16 while the product is a float32
-        normal (E4M3's and E5M2's mantissas fit in bfloat16's).
 
     Returns:
       q: x's shape in ``dtype``, ``sat(x * inv)`` with ``inv = min(fmax / amax,
-      2^126)`` in float32 (pow2: ``inv = 2^-k``, ``k`` as ``quantize_blocks``
-      picks it for one block, clamped to [-126, 127]); scale: [] float32
-      ``1 / inv`` (1 when amax = 0, NaN when x holds a NaN or infinity).
+      2^126)`` in float32; scale: [] float32 ``1 / inv`` (1 when amax = 0, NaN
+      when x holds a NaN or infinity).
 
     Raises:
       ValueError: ``dtype`` is not an FP8 dtype.
@@ -160,9 +150,6 @@ def quantize_tensor(x, dtype=E4M3, pow2=False):
     fmax = fp8_max(dtype)
     x32 = _read(x)
     amax = jnp.max(jnp.abs(x32)) if x32.size else jnp.float32(0)
-    if pow2:
-        scale, inv = pow2_scale_parts(amax, dtype)
-        return _saturate(x32 * inv, dtype), scale
     # Multiply by the inverse, as Transformer Engine does: XLA rewrites a division
     # by a broadcast scalar into a multiplication anyway, so this is what runs.
     # The cap keeps 1 / inv a float32 normal (a subnormal scale would flush to 0).
@@ -236,7 +223,7 @@ def _pow2_exponent(amax, dtype):
 
 def pow2_scale_parts(amax, dtype):
     """(scale, inverse) float32 powers of two ``2^k``, ``2^-k`` for amaxes (``_pow2_exponent``);
-    NaN both where an amax is not finite (a NaN or infinity in its tensor or block)."""
+    NaN both where an amax is not finite (a NaN or infinity in its block)."""
     k = _pow2_exponent(amax, dtype)
     finite = jnp.isfinite(amax)
     nan = jnp.float32(jnp.nan)

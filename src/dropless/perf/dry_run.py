@@ -7,8 +7,9 @@ Resolves the config as ``train`` does, builds the data source and this
 device's part of the first batch, builds the model and train state
 abstractly (``eval_shape``) and prints a per-device memory estimate for the
 target hardware (``perf.memory``): parameters, gradients, optimizer state,
-activations under the remat/offload policy, and the checkpoint size. Nothing
-is trained and no run directory is written. With checkpointing on, it also
+activations under the remat/offload policy, and the checkpoint size, and, as
+``train`` does at start, the dense matmuls that ``fp8_min_dim`` keeps in bf16
+under FP8 (``nn.model.bf16_dense_matmuls_line``). Nothing is trained and no run directory is written. With checkpointing on, it also
 checks the free space on this machine's filesystem holding the run's
 checkpoint directory against the saves the run makes (as ``train`` does
 before its first step): too small for all that are on disk at once
@@ -138,6 +139,8 @@ def check_checkpoint_disk(cfg, checkpoint_bytes: int) -> tuple[str | None, str |
 def print_report(console, cfg, target, est, source, batch, global_batch, compiled=None):
     from rich.table import Table
 
+    from dropless.nn.model import bf16_dense_matmuls_line
+
     mesh = " x ".join(f"{a} {n}" for a, n in est.mesh.items() if n > 1) or "1 device"
     table = Table("part", "GiB / device", title=f"{cfg.model_name} on {target.name}: {mesh}")
     for name, nbytes in est.rows():
@@ -157,6 +160,9 @@ def print_report(console, cfg, target, est, source, batch, global_batch, compile
                   f"{cfg.gradient_accumulation_steps} accum)")
     console.print(f"model: {est.num_params / 1e9:.3f}B parameters, {cfg.remat_policy} remat, "
                   f"{est.per_device_batch} sequences per device")
+    kept_bf16 = bf16_dense_matmuls_line(cfg.model())
+    if kept_bf16:
+        console.print(kept_bf16, style="yellow", markup=False, soft_wrap=True)
     console.print(table)
     keep = getattr(cfg, "max_num_checkpoints_to_keep", 0)
     console.print(f"checkpoint: {est.checkpoint_bytes / GiB:.2f} GiB per save (all devices), every "

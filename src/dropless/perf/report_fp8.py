@@ -124,21 +124,10 @@ def fp8_dense_section(record: dict, path: Path, fig_dir: Path, md_dir: Path) -> 
              (f"{r['fp8'].get('f8_dots', '?')}/{r['fp8'].get('dots', '?')}"
               if r["name"] in checked else "n/c")
              + ("" if r.get("fp8_in_model", True) else " (bf16 in the model)")] for r in rows]
-    # fp8_dense.py --pow2: the power-of-two form beside the direct one, and what its FP8 GEMMs write.
-    pow2 = bool(rows) and all("fp8_pow2" in r for r in rows)
-    if pow2:
-        for line, r in zip(body, rows):
-            p = r["fp8_pow2"]
-            line += [_num(p.get("fwd_bwd_ms"), ".3f"), _ratio(r["fp8"].get("fwd_bwd_ms"), p.get("fwd_bwd_ms")),
-                     f"{p.get('f8_dots', '?')}/{p.get('dots', '?')} -> "
-                     + (", ".join(f"{n} {t}" for t, n in sorted((p.get("f8_dot_out") or {}).items()))
-                        or "none")]
     t = record.get("totals") or {}
     parts = [f"## {TITLES['fp8_dense']}", _source_line(record, path), "",
              md_table(["matmul", "K x N", "per step", "bf16 fwd+bwd ms", "FP8 fwd+bwd ms",
-                       "FP8 speed-up", "share of bf16 time %", "FP8 dots"]
-                      + (["pow2 fwd+bwd ms", "pow2 vs FP8", "pow2 FP8 dots -> out"] if pow2 else []),
-                      body)
+                       "FP8 speed-up", "share of bf16 time %", "FP8 dots"], body)
              if body else "_no rows in the record_"]
     if t:
         parts += ["", f"Per step: bf16 {_num(t.get('step_ms_bf16'), '.2f')} ms, FP8 as configured "
@@ -147,11 +136,6 @@ def fp8_dense_section(record: dict, path: Path, fig_dir: Path, md_dir: Path) -> 
                       f"matmul in FP8 {_num(t.get('step_ms_fp8_all'), '.2f')} ms "
                       f"({_ratio(t.get('step_ms_bf16'), t.get('step_ms_fp8_all'))}); times by "
                       f"{t.get('time_source', '?')}."]
-        if t.get("step_ms_fp8_pow2_as_configured"):
-            parts += ["", f"With power-of-two scales (`fp8_pow2_scales`): "
-                          f"{_num(t['step_ms_fp8_pow2_as_configured'], '.2f')} ms as configured "
-                          f"({_ratio(t.get('step_ms_bf16'), t['step_ms_fp8_pow2_as_configured'])} "
-                          f"bf16), every matmul {_num(t.get('step_ms_fp8_pow2_all'), '.2f')} ms."]
     if unchecked:
         errs = sorted({f"{r['fp8']['rel_err_y']:.1e}" for r in unchecked
                        if "rel_err_y" in r["fp8"]}, key=float)

@@ -59,7 +59,7 @@ from rich.console import Console
 
 from dropless.config.loader import ConfigError
 from dropless.config.sections import MeshConfig, ModelConfig, TrainConfig
-from dropless.nn.model import moe_layer_names
+from dropless.nn.model import bf16_dense_matmuls_line, moe_layer_names
 from dropless.parallel import ep as ep_lib
 from dropless.parallel import mesh as mesh_lib
 from dropless.parallel import overflow as overflow_lib
@@ -284,6 +284,9 @@ def _describe(console, model: ModelConfig, train: TrainConfig, s: _Setup, run_di
     )
     if s.source.entropy_floor is not None:
         console.print(f"  data entropy (loss floor): {s.source.entropy_floor:.4f} nats/token")
+    kept_bf16 = bf16_dense_matmuls_line(model)  # FP8 asked for, some matmuls not in it: say so
+    if kept_bf16:
+        console.print(f"  {kept_bf16}", style="yellow", markup=False, soft_wrap=True)
     return num_params, tokens
 
 

@@ -117,35 +117,14 @@ def _columns_kernel(a_ref, q_ref, s_ref):
     s_ref[...] = scale[None, :]
 
 
-def _columns_t_kernel(a_ref, q_ref, s_ref):
-    # The tile transposed as read (two bytes an element), then quantized along its rows:
-    # the same amax per column of a and the same codes, elementwise, as _columns_kernel,
-    # which transposes the one-byte codes instead.
-    x = quant._read(a_ref[...].T)  # [BLOCK (C), BLOCK (M)]
-    scale, inv = _scale_parts(_amax(x, 1))
-    q_ref[...] = _codes(x, inv[:, None])
-    s_ref[...] = scale[None, :]
-
-
-# Where the columns kernel transposes: "codes" (the E4M3 tile, _columns_kernel) or "input"
-# (the bf16 tile before quantizing, _columns_t_kernel). Bit-identical outputs; on the H200
-# the codes transpose ran at 0.92 ms against rows' 0.40 for the same bytes
-# (fp8_quant-20261201-220412); benchmarks/fp8_quant.py times both.
-COLUMNS_TRANSPOSE = "codes"
-
-
-@functools.partial(jax.jit, static_argnames=("interpret", "transpose"))
-def quantize_columns(a_MC, interpret=None, transpose=None):
+@functools.partial(jax.jit, static_argnames="interpret")
+def quantize_columns(a_MC, interpret=None):
     """(aq [C, M] E4M3, sa [Mb, C]): 128x1 blocks along M, codes M-major
-    (``mosaic_fp8_tgmm.quantize_columns``). ``transpose``: ``COLUMNS_TRANSPOSE``
-    when None, else "codes" or "input" (same bits)."""
+    (``mosaic_fp8_tgmm.quantize_columns``)."""
     _check("quantize_columns", a_MC.shape)
-    transpose = transpose or COLUMNS_TRANSPOSE
-    if transpose not in ("codes", "input"):
-        raise ValueError(f"quantize_columns: transpose={transpose!r} is not 'codes' or 'input'")
     m, c = a_MC.shape
     return _call(
-        _columns_kernel if transpose == "codes" else _columns_t_kernel, a_MC, (m // BLOCK, c // BLOCK),
+        _columns_kernel, a_MC, (m // BLOCK, c // BLOCK),
         [pl.BlockSpec((BLOCK, BLOCK), lambda i, j: (i, j))],
         [pl.BlockSpec((BLOCK, BLOCK), lambda i, j: (j, i)),
          pl.BlockSpec((1, BLOCK), lambda i, j: (i, j))],
