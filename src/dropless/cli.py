@@ -19,6 +19,7 @@ import sys
 
 EXIT_CONFIG = 2
 EXIT_RUN_FAILED = 1
+EXIT_INTERRUPTED = 130  # 128 + SIGINT, as shells report a Ctrl-C
 
 
 class _NoLibraryTracebacks(logging.Filter):
@@ -225,14 +226,24 @@ def main(argv: list[str] | None = None) -> int:
 
     try:
         return COMMANDS[ns.command][0](ns.args)
+    except KeyboardInterrupt:  # Ctrl-C outside train's steps (those say more: cmd_train)
+        if debug:
+            raise
+        print("dropless: interrupted", file=sys.stderr)
+        return EXIT_INTERRUPTED
     except ConfigError as e:
         if debug:
             raise
         print(f"dropless: error: {_one_line(e)}", file=sys.stderr)
         return EXIT_CONFIG
     except Exception as e:
-        # CheckpointError says which checkpoint is bad and how to fall back. Its module
-        # is loaded only if a checkpoint was touched (it imports JAX and Orbax).
+        # TrainingInterrupted (Ctrl-C in train's steps) says where the run stopped and
+        # what resumes it. CheckpointError says which checkpoint is bad and how to fall
+        # back. Their modules are loaded only if training started (they import JAX).
+        loop = sys.modules.get("dropless.train.loop")
+        if not debug and loop is not None and isinstance(e, loop.TrainingInterrupted):
+            print(f"dropless: {_one_line(e)}", file=sys.stderr)
+            return EXIT_INTERRUPTED
         ckpt = sys.modules.get("dropless.train.checkpoint")
         if debug or ckpt is None or not isinstance(e, (ckpt.CheckpointError, ckpt.CheckpointSaveError)):
             raise
