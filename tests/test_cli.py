@@ -222,3 +222,23 @@ def test_jax_cache_dir_that_cannot_be_made_is_one_line(tmp_path):
     with pytest.raises(ConfigError, match=r"jax_cache_dir='.*file/jax': cannot use .* as the compilation cache"):
         cli.use_compilation_cache(str(tmp_path / "file" / "jax"))
     assert jax.config.jax_compilation_cache_dir == before
+
+
+@pytest.mark.parametrize("command, flags", [
+    ("train", ["--dry-run", "--debug", "config.yml", "key=value", "dropless config --keys"]),
+    ("config", ["--changed", "--keys", "--debug", "config.yml", "key=value"]),
+])
+@pytest.mark.parametrize("asked", ["--help", "-h"])
+def test_help_lists_what_the_command_takes(capsys, command, flags, asked):
+    assert cli.main([command, asked]) == 0
+    out = capsys.readouterr().out
+    assert f"usage: dropless {command}" in out, out
+    for flag in flags:
+        assert flag in out, (flag, out)
+
+
+@pytest.mark.parametrize("command", ["train", "config"])
+def test_an_unknown_option_is_not_taken_for_a_config_file(capsys, command):
+    code = cli.main([command, "--stesp=3"])
+    _one_line_exit_2(code, capsys.readouterr().err.strip().splitlines(), "unknown option --stesp=3",
+                     f"dropless {command} --help")
