@@ -242,3 +242,39 @@ def test_an_unknown_option_is_not_taken_for_a_config_file(capsys, command):
     code = cli.main([command, "--stesp=3"])
     _one_line_exit_2(code, capsys.readouterr().err.strip().splitlines(), "unknown option --stesp=3",
                      f"dropless {command} --help")
+
+
+def _undocumented(help_text: str) -> list[str]:
+    """Options of an argparse help text with no description beside or below them."""
+    lines = help_text.splitlines()
+    bare = []
+    for i, line in enumerate(lines):
+        if not line.startswith("  -"):
+            continue
+        said = "  " in line.strip()  # the description follows on the same line
+        below = i + 1 < len(lines) and lines[i + 1].startswith("    ") and not lines[i + 1].strip().startswith("-")
+        if not (said or below):
+            bare.append(line.strip())
+    return bare
+
+
+# What each command takes besides its options: the config (file and keys) and, for
+# profile, the dry run that train has too.
+TAKES = {
+    "bench": [],
+    "profile": ["config.yml", "key=value", "--dry-run", "--debug"],
+    "forward": ["config.yml", "key=value", "load_parameters_path", "hf_model_path", "--debug"],
+    "export-hf": ["config.yml", "key=value", "(default bfloat16)", "--debug"],
+    "tokenize": [],
+}
+
+
+@pytest.mark.parametrize("command", sorted(TAKES))
+def test_every_option_says_what_it_does(capsys, command):
+    with pytest.raises(SystemExit) as done:
+        cli.main([command, "--help"])
+    assert done.value.code == 0
+    out = capsys.readouterr().out
+    assert _undocumented(out) == [], out
+    for needle in TAKES[command]:
+        assert needle in out, (needle, out)

@@ -34,6 +34,11 @@ class _NoLibraryTracebacks(logging.Filter):
 _QUIET_ORBAX = _NoLibraryTracebacks()
 
 
+CONFIG_ARGS_HELP = ("config.yml, key=value: the config, as for dropless train (every key, its default and "
+                    "what it does: dropless config --keys). --debug: show the traceback of an error "
+                    "instead of one line.")
+
+
 def _command_parser(command: str) -> argparse.ArgumentParser:
     """``dropless train|config --help``: what the command takes (the parsing is ``_options``)."""
     about = {"train": "Train a model; resumes <base_output_directory>/<run_name> if it holds checkpoints.",
