@@ -120,7 +120,7 @@ def _check_keys(layer: dict[str, Any], label: str):
     for key in layer:
         if key not in Config.model_fields:
             near = difflib.get_close_matches(key, Config.model_fields, n=1, cutoff=0.6)
-            hint = f"; did you mean '{near[0]}'?" if near else "; run 'dropless config' to list the keys"
+            hint = f"; did you mean '{near[0]}'?" if near else "; run 'dropless config --keys' to list the keys"
             raise ConfigError(f"unknown key '{key}' (from {label}){hint}")
 
 
