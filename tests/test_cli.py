@@ -278,3 +278,10 @@ def test_every_option_says_what_it_does(capsys, command):
     assert _undocumented(out) == [], out
     for needle in TAKES[command]:
         assert needle in out, (needle, out)
+
+
+def test_a_key_without_a_value_is_not_only_a_missing_file(capsys):
+    """``train steps`` reads "steps" as the config file (the first argument without '='):
+    the line says that a key needs =value."""
+    _one_line_exit_2(cli.main(["train", "steps"]), capsys.readouterr().err.strip().splitlines(),
+                     "config file steps not found", "key=value")

@@ -52,7 +52,8 @@ def _read_yaml(path: Path, label: str) -> dict[str, Any]:
     try:
         text = path.read_text()
     except FileNotFoundError:
-        raise ConfigError(f"config file {label} not found") from None
+        hint = "" if path.suffix in (".yml", ".yaml") else f" (a config key is key=value, e.g. {label}=...)"
+        raise ConfigError(f"config file {label} not found{hint}") from None
     except OSError as e:
         raise ConfigError(f"config file {label} cannot be read: {e.strerror}") from None
     try:
