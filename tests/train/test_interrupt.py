@@ -80,3 +80,12 @@ def test_ctrl_c_elsewhere_is_one_line(capsys, monkeypatch):
     assert cli.main(["config"]) == 130
     err = capsys.readouterr().err.strip()
     assert err == "dropless: interrupted", err
+
+
+def test_the_compile_is_announced_before_it_starts(capsys, tmp_path, monkeypatch):
+    """The first step compiles (minutes for a large model) and a log shows no progress bar:
+    a line says so before it starts. (Stopped at the first call: nothing compiles here.)"""
+    _interrupt_at_call(monkeypatch, 1)
+    assert cli.main(["train", *SMALL, "steps=8", f"base_output_directory={tmp_path}", "run_name=r"]) == 130
+    out = capsys.readouterr().out
+    assert "step 1: compiling the train step" in " ".join(out.split()), out

@@ -421,6 +421,9 @@ def _train_steps(s: _Setup, train: TrainConfig, state, start, ckpt, writer, cons
         warm = _start_warmup(s, train, ckpt, console)
         if warm is not None:  # its thread holds jax arrays: it ends before the loop does
             cleanup.callback(warm.wait)
+        if start < train.steps:  # the progress bar is not drawn in a log: say what the wait is
+            console.print(f"step {start + 1}: compiling the train step (its row gives compile_s) ...",
+                          markup=False)
         t_start = _clock()
         opened = start  # steps done when the current window opened
 
