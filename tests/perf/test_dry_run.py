@@ -7,6 +7,7 @@ and the residuals a remat policy keeps or offloads.
 """
 
 import dataclasses
+from types import SimpleNamespace
 
 import jax
 import numpy as np
@@ -62,6 +63,19 @@ def test_over_memory_exits_2_naming_keys(capsys):
     assert code == 2
     err = _one_line_error(capsys)
     assert "exceeds" in err and "per_device_batch_size" in err and "remat_policy=full" in err
+
+
+def test_over_memory_comes_before_a_short_disk(capsys, monkeypatch):
+    """A model too large for the device on a disk too small for its save: the error names the
+    device memory (fixing the disk alone would not let it run) and the disk line is printed too."""
+    import shutil
+
+    monkeypatch.setattr(shutil, "disk_usage", lambda path: SimpleNamespace(total=10**4, used=0, free=1000))
+    code = cli.main(["train", "--dry-run", "model_name=deepseek3-tiny", "emb_dim=16384",
+                     "moe_mlp_dim=16384", "base_output_directory=/tmp/unused"])
+    out, err = capsys.readouterr()
+    assert code == 2 and "\n" not in err.strip() and "exceeds" in err, err
+    assert "cannot hold one save" in out
 
 
 @pytest.mark.parametrize("args, words", [

@@ -217,14 +217,15 @@ def main(args: list[str], command: str = "train") -> int:
     print_report(console, cfg, target, est, source, batch, global_batch, compiled)
     disk_error, disk_warning = check_checkpoint_disk(cfg, est.checkpoint_bytes)
     this_machine = ns.compile or (ns.device, ns.devices, ns.memory_gib) == (None, None, None)
-    if disk_error and this_machine:
+    peak = compiled["peak"] if compiled else est.total
+    over = peak > target.usable_bytes  # the error then: a larger disk alone would not let it run
+    if disk_error and this_machine and not over:
         return _fail(disk_error)
     for line in (disk_error, disk_warning):
         if line:
             where = "" if this_machine else " (this machine's disk; the target's may differ)"
             console.print(line + where, style="yellow", markup=False, soft_wrap=True)
-    peak = compiled["peak"] if compiled else est.total
-    if peak > target.usable_bytes:
+    if over:
         keys = memory.keys_to_lower(cfg.model(), est, target.usable_bytes)
         return _fail(f"estimated {peak / GiB:.1f} GiB per device exceeds the "
                      f"{target.usable_bytes / GiB:.1f} GiB usable on {target.name}; lower or change: "
