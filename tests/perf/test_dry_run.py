@@ -7,6 +7,7 @@ and the residuals a remat policy keeps or offloads.
 """
 
 import dataclasses
+import os
 from types import SimpleNamespace
 
 import jax
@@ -76,6 +77,19 @@ def test_over_memory_comes_before_a_short_disk(capsys, monkeypatch):
     out, err = capsys.readouterr()
     assert code == 2 and "\n" not in err.strip() and "exceeds" in err, err
     assert "cannot hold one save" in out
+
+
+def test_paths_train_would_refuse_at_once(capsys, tmp_path):
+    """An output directory that cannot be made and a load_parameters_path that is not there:
+    train stops on them before its first step, so the dry run does too (writing nothing)."""
+    (tmp_path / "file").write_text("")
+    args = ["train", "--dry-run", "model_name=deepseek3-tiny"]
+    assert cli.main([*args, f"base_output_directory={tmp_path / 'file' / 'runs'}"]) == 2
+    err = _one_line_error(capsys)
+    assert "cannot write the run directory" in err and "is not a directory" in err, err
+    assert cli.main([*args, f"base_output_directory={tmp_path}", f"load_parameters_path={tmp_path / 'no'}"]) == 2
+    assert "no such checkpoint directory" in _one_line_error(capsys)
+    assert sorted(os.listdir(tmp_path)) == ["file"]
 
 
 @pytest.mark.parametrize("args, words", [
