@@ -222,3 +222,66 @@ def test_jax_cache_dir_that_cannot_be_made_is_one_line(tmp_path):
     with pytest.raises(ConfigError, match=r"jax_cache_dir='.*file/jax': cannot use .* as the compilation cache"):
         cli.use_compilation_cache(str(tmp_path / "file" / "jax"))
     assert jax.config.jax_compilation_cache_dir == before
+
+
+@pytest.mark.parametrize("command, flags", [
+    ("train", ["--dry-run", "--debug", "config.yml", "key=value", "dropless config --keys"]),
+    ("config", ["--changed", "--keys", "--debug", "config.yml", "key=value"]),
+])
+@pytest.mark.parametrize("asked", ["--help", "-h"])
+def test_help_lists_what_the_command_takes(capsys, command, flags, asked):
+    assert cli.main([command, asked]) == 0
+    out = capsys.readouterr().out
+    assert f"usage: dropless {command}" in out, out
+    for flag in flags:
+        assert flag in out, (flag, out)
+
+
+@pytest.mark.parametrize("command", ["train", "config"])
+def test_an_unknown_option_is_not_taken_for_a_config_file(capsys, command):
+    code = cli.main([command, "--stesp=3"])
+    _one_line_exit_2(code, capsys.readouterr().err.strip().splitlines(), "unknown option --stesp=3",
+                     f"dropless {command} --help")
+
+
+def _undocumented(help_text: str) -> list[str]:
+    """Options of an argparse help text with no description beside or below them."""
+    lines = help_text.splitlines()
+    bare = []
+    for i, line in enumerate(lines):
+        if not line.startswith("  -"):
+            continue
+        said = "  " in line.strip()  # the description follows on the same line
+        below = i + 1 < len(lines) and lines[i + 1].startswith("    ") and not lines[i + 1].strip().startswith("-")
+        if not (said or below):
+            bare.append(line.strip())
+    return bare
+
+
+# What each command takes besides its options: the config (file and keys) and, for
+# profile, the dry run that train has too.
+TAKES = {
+    "bench": [],
+    "profile": ["config.yml", "key=value", "--dry-run", "--debug"],
+    "forward": ["config.yml", "key=value", "load_parameters_path", "hf_model_path", "--debug"],
+    "export-hf": ["config.yml", "key=value", "(default bfloat16)", "--debug"],
+    "tokenize": [],
+}
+
+
+@pytest.mark.parametrize("command", sorted(TAKES))
+def test_every_option_says_what_it_does(capsys, command):
+    with pytest.raises(SystemExit) as done:
+        cli.main([command, "--help"])
+    assert done.value.code == 0
+    out = capsys.readouterr().out
+    assert _undocumented(out) == [], out
+    for needle in TAKES[command]:
+        assert needle in out, (needle, out)
+
+
+def test_a_key_without_a_value_is_not_only_a_missing_file(capsys):
+    """``train steps`` reads "steps" as the config file (the first argument without '='):
+    the line says that a key needs =value."""
+    _one_line_exit_2(cli.main(["train", "steps"]), capsys.readouterr().err.strip().splitlines(),
+                     "config file steps not found", "key=value")

@@ -19,6 +19,7 @@ import sys
 
 EXIT_CONFIG = 2
 EXIT_RUN_FAILED = 1
+EXIT_INTERRUPTED = 130  # 128 + SIGINT, as shells report a Ctrl-C
 
 
 class _NoLibraryTracebacks(logging.Filter):
@@ -31,6 +32,52 @@ class _NoLibraryTracebacks(logging.Filter):
 
 
 _QUIET_ORBAX = _NoLibraryTracebacks()
+
+
+CONFIG_ARGS_HELP = ("config.yml, key=value: the config, as for dropless train (every key, its default and "
+                    "what it does: dropless config --keys). --debug: show the traceback of an error "
+                    "instead of one line.")
+
+
+def _command_parser(command: str) -> argparse.ArgumentParser:
+    """``dropless train|config --help``: what the command takes (the parsing is ``_options``)."""
+    about = {"train": "Train a model; resumes <base_output_directory>/<run_name> if it holds checkpoints.",
+             "config": "Print the resolved config and where each value comes from."}
+    p = argparse.ArgumentParser(
+        prog=f"dropless {command}", description=about[command],
+        epilog="Precedence, lowest first: base.yml < models/<model_name>.yml < config.yml < key=value "
+               "< DROPLESS_<KEY> environment variables. Every key, its default and what it does: "
+               "dropless config --keys. Bad input prints one line and exits 2.")
+    p.add_argument("config", nargs="?", metavar="config.yml", help="a YAML file of key: value (optional)")
+    p.add_argument("overrides", nargs="*", metavar="key=value", help="config keys over the file's, e.g. steps=10")
+    if command == "train":
+        p.add_argument("--dry-run", action="store_true",
+                       help="check the config and data and print a per-device memory estimate; train "
+                            "nothing (its own flags: dropless train --dry-run --help)")
+    else:
+        p.add_argument("--changed", action="store_true", help="only the values that differ from the defaults")
+        p.add_argument("--keys", action="store_true", help="every key with its default and description")
+    p.add_argument("--debug", action="store_true", help="show the traceback of an error instead of one line")
+    return p
+
+
+def _options(command: str, args: list[str], allowed: tuple[str, ...]) -> bool:
+    """True when ``args`` ask for help (printed here). A ``-`` argument other than
+    ``allowed`` is an error, not a config file name.
+
+    Raises:
+      ConfigError: an unknown option (one line).
+    """
+    if "-h" in args or "--help" in args:
+        _command_parser(command).print_help()
+        return True
+    from dropless.config.loader import ConfigError
+
+    for a in args:
+        if a.startswith("-") and a not in allowed:
+            raise ConfigError(f"unknown option {a} for dropless {command} (takes {', '.join(allowed)} and "
+                              f"--debug; see dropless {command} --help)")
+    return False
 
 
 def _split_args(args: list[str]) -> tuple[str | None, list[str]]:
@@ -128,6 +175,8 @@ def cmd_train(args: list[str]) -> int:
         from dropless.perf import dry_run
 
         return dry_run.main([a for a in args if a != "--dry-run"], "train")
+    if _options("train", args, ("--dry-run",)):
+        return 0
     resolved = resolve_args(args)
     cfg = resolved.config
     applied, _ = start_runtime(cfg)  # also checks the mesh against the devices
@@ -150,6 +199,8 @@ def cmd_config(args: list[str]) -> int:
 
     from dropless.config.schema import Config
 
+    if _options("config", args, ("--changed", "--keys")):
+        return 0
     keys_only = "--keys" in args
     changed_only = "--changed" in args
     args = [a for a in args if a not in ("--keys", "--changed")]
@@ -225,14 +276,24 @@ def main(argv: list[str] | None = None) -> int:
 
     try:
         return COMMANDS[ns.command][0](ns.args)
+    except KeyboardInterrupt:  # Ctrl-C outside train's steps (those say more: cmd_train)
+        if debug:
+            raise
+        print("dropless: interrupted", file=sys.stderr)
+        return EXIT_INTERRUPTED
     except ConfigError as e:
         if debug:
             raise
         print(f"dropless: error: {_one_line(e)}", file=sys.stderr)
         return EXIT_CONFIG
     except Exception as e:
-        # CheckpointError says which checkpoint is bad and how to fall back. Its module
-        # is loaded only if a checkpoint was touched (it imports JAX and Orbax).
+        # TrainingInterrupted (Ctrl-C in train's steps) says where the run stopped and
+        # what resumes it. CheckpointError says which checkpoint is bad and how to fall
+        # back. Their modules are loaded only if training started (they import JAX).
+        loop = sys.modules.get("dropless.train.loop")
+        if not debug and loop is not None and isinstance(e, loop.TrainingInterrupted):
+            print(f"dropless: {_one_line(e)}", file=sys.stderr)
+            return EXIT_INTERRUPTED
         ckpt = sys.modules.get("dropless.train.checkpoint")
         if debug or ckpt is None or not isinstance(e, (ckpt.CheckpointError, ckpt.CheckpointSaveError)):
             raise

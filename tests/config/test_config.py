@@ -168,7 +168,11 @@ BAD = [
     (["learning_rate=-1"], "learning_rate=-1"),
     (["adam_b2=1.5"], "adam_b2=1.5"),
     (["steps"], "is not key=value"),
+    (["zzzqqq=1"], "unknown key 'zzzqqq' (from command line); run 'dropless config --keys' to list the keys"),
     (["dataset_type=imagenet"], "'synthetic', 'markov' or 'text'"),
+    # A path the data source would not read: training on Markov data instead is a silent downgrade.
+    (["dataset_path=tokens.npy"], "dataset_path='tokens.npy' (from command line): is set but dataset_type=markov does not read it; set dataset_type=text"),
+    (["dataset_type=synthetic", "tokenizer_path=tok.json"], "tokenizer_path='tok.json' (from command line): is set but dataset_type=synthetic"),
     (["hardware=abacus"], "hardware='abacus'"),
     (["ep_overflow_policy=ignore"], "'error' or 'warn'"),
     (["xla_gpu_not_a_real_flag_at_all=1"], "not an XLA flag"),

@@ -7,6 +7,8 @@ and the residuals a remat policy keeps or offloads.
 """
 
 import dataclasses
+import os
+from types import SimpleNamespace
 
 import jax
 import numpy as np
@@ -79,6 +81,32 @@ def test_over_memory_exits_2_naming_keys(capsys):
     assert code == 2
     err = _one_line_error(capsys)
     assert "exceeds" in err and "per_device_batch_size" in err and "remat_policy=full" in err
+
+
+def test_over_memory_comes_before_a_short_disk(capsys, monkeypatch):
+    """A model too large for the device on a disk too small for its save: the error names the
+    device memory (fixing the disk alone would not let it run) and the disk line is printed too."""
+    import shutil
+
+    monkeypatch.setattr(shutil, "disk_usage", lambda path: SimpleNamespace(total=10**4, used=0, free=1000))
+    code = cli.main(["train", "--dry-run", "model_name=deepseek3-tiny", "emb_dim=16384",
+                     "moe_mlp_dim=16384", "base_output_directory=/tmp/unused"])
+    out, err = capsys.readouterr()
+    assert code == 2 and "\n" not in err.strip() and "exceeds" in err, err
+    assert "cannot hold one save" in out
+
+
+def test_paths_train_would_refuse_at_once(capsys, tmp_path):
+    """An output directory that cannot be made and a load_parameters_path that is not there:
+    train stops on them before its first step, so the dry run does too (writing nothing)."""
+    (tmp_path / "file").write_text("")
+    args = ["train", "--dry-run", "model_name=deepseek3-tiny"]
+    assert cli.main([*args, f"base_output_directory={tmp_path / 'file' / 'runs'}"]) == 2
+    err = _one_line_error(capsys)
+    assert "cannot write the run directory" in err and "is not a directory" in err, err
+    assert cli.main([*args, f"base_output_directory={tmp_path}", f"load_parameters_path={tmp_path / 'no'}"]) == 2
+    assert "no such checkpoint directory" in _one_line_error(capsys)
+    assert sorted(os.listdir(tmp_path)) == ["file"]
 
 
 @pytest.mark.parametrize("args, words", [

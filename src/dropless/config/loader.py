@@ -52,7 +52,8 @@ def _read_yaml(path: Path, label: str) -> dict[str, Any]:
     try:
         text = path.read_text()
     except FileNotFoundError:
-        raise ConfigError(f"config file {label} not found") from None
+        hint = "" if path.suffix in (".yml", ".yaml") else f" (a config key is key=value, e.g. {label}=...)"
+        raise ConfigError(f"config file {label} not found{hint}") from None
     except OSError as e:
         raise ConfigError(f"config file {label} cannot be read: {e.strerror}") from None
     try:
@@ -120,7 +121,7 @@ def _check_keys(layer: dict[str, Any], label: str):
     for key in layer:
         if key not in Config.model_fields:
             near = difflib.get_close_matches(key, Config.model_fields, n=1, cutoff=0.6)
-            hint = f"; did you mean '{near[0]}'?" if near else "; run 'dropless config' to list the keys"
+            hint = f"; did you mean '{near[0]}'?" if near else "; run 'dropless config --keys' to list the keys"
             raise ConfigError(f"unknown key '{key}' (from {label}){hint}")
 
 

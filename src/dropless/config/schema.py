@@ -278,6 +278,10 @@ def _check_contradictions(c: Config):
     def bad(key, message):
         raise ContradictionError(key, getattr(c, key), message)
 
+    if c.dataset_type != "text":  # a path no data source reads would train on other data, unsaid
+        for key in ("dataset_path", "tokenizer_path"):
+            if getattr(c, key):
+                bad(key, f"is set but dataset_type={c.dataset_type} does not read it; set dataset_type=text (or drop {key})")
     if c.hf_model_path and c.load_parameters_path:
         bad("hf_model_path", f"and load_parameters_path={c.load_parameters_path!r} both give the parameters; set one")
     for key, (want, why) in DECODER_BLOCKS[c.decoder_block].items():

@@ -174,8 +174,10 @@ def main(args: list[str] | None = None) -> int:
                         help="results directory (default benchmarks/results)")
     parser.add_argument("--only", default=",".join(BENCHMARKS),
                         help=f"comma-separated subset of {','.join(BENCHMARKS)}")
-    parser.add_argument("--md", type=Path, default=None, help="results page to render")
-    parser.add_argument("--benchmarks-dir", type=Path, default=REPO_ROOT / "benchmarks")
+    parser.add_argument("--md", type=Path, default=None, help="results page to render (default "
+                        "benchmarks/RESULTS.md with the default --out, else OUT/RESULTS.md)")
+    parser.add_argument("--benchmarks-dir", type=Path, default=REPO_ROOT / "benchmarks",
+                        help="where the benchmark scripts are (default the repository's benchmarks/)")
     ns = parser.parse_args(sys.argv[1:] if args is None else args)
     kinds = [k for k in ns.only.split(",") if k]
     if unknown := sorted(set(kinds) - set(BENCHMARKS)):

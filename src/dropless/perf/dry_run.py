@@ -15,7 +15,9 @@ checkpoint directory against the saves the run makes (as ``train`` does
 before its first step): too small for all that are on disk at once
 (``max_num_checkpoints_to_keep`` + 1) warns; too small for one save exits 2
 when the dry run is for this machine (no ``--device``, ``--devices`` or
-``--memory-gib``, or ``--compile``) and warns when it describes another.
+``--memory-gib``, or ``--compile``) and warns when it describes another; so
+do a run directory that cannot be made under ``base_output_directory`` and a
+``load_parameters_path`` that is not there (``train`` stops on both at once).
 
 The target is ``--device`` (h100, h200, b200, cpu), by default h200 for
 ``hardware=gpu``/``gpu_multiprocess`` (or ``auto`` with a GPU present) and
@@ -115,6 +117,24 @@ def compile_step(cfg) -> tuple[dict, int | None]:
     compiled = loop._jit_step(s).lower(state, batch).compile()
     stats = jax.devices()[0].memory_stats() or {}
     return memory.compiled_bytes(compiled), stats.get("bytes_limit")
+
+
+def check_paths(cfg) -> str | None:
+    """Why ``train`` would stop before its first step on a path, in one line, or None: the run
+    directory cannot be made under ``base_output_directory`` (checked without writing), or
+    ``load_parameters_path`` is not a directory."""
+    run_dir = os.path.abspath(os.path.join(cfg.base_output_directory, cfg.run_name or "run"))
+    existing = run_dir
+    while not os.path.exists(existing):
+        existing = os.path.dirname(existing)
+    problem = ("is not a directory" if not os.path.isdir(existing)
+               else None if os.access(existing, os.W_OK | os.X_OK) else "is not writable")
+    if problem:
+        return (f"base_output_directory={cfg.base_output_directory!r}: cannot write the run directory "
+                f"{run_dir} ({existing} {problem}); choose a writable base_output_directory")
+    if cfg.load_parameters_path and not os.path.isdir(cfg.load_parameters_path):
+        return f"load_parameters_path={cfg.load_parameters_path!r}: no such checkpoint directory"
+    return None
 
 
 def check_checkpoint_disk(cfg, checkpoint_bytes: int) -> tuple[str | None, str | None]:
@@ -222,15 +242,17 @@ def main(args: list[str], command: str = "train") -> int:
     console = Console() if sys.stdout.isatty() else Console(width=120)
     print_report(console, cfg, target, est, source, batch, global_batch, compiled)
     disk_error, disk_warning = check_checkpoint_disk(cfg, est.checkpoint_bytes)
+    disk_error = check_paths(cfg) or disk_error
     this_machine = ns.compile or (ns.device, ns.devices, ns.memory_gib) == (None, None, None)
-    if disk_error and this_machine:
+    peak = compiled["peak"] if compiled else est.total
+    over = peak > target.usable_bytes  # the error then: a larger disk alone would not let it run
+    if disk_error and this_machine and not over:
         return _fail(disk_error)
     for line in (disk_error, disk_warning):
         if line:
             where = "" if this_machine else " (this machine's disk; the target's may differ)"
             console.print(line + where, style="yellow", markup=False, soft_wrap=True)
-    peak = compiled["peak"] if compiled else est.total
-    if peak > target.usable_bytes:
+    if over:
         keys = memory.keys_to_lower(cfg.model(), est, target.usable_bytes)
         return _fail(f"estimated {peak / GiB:.1f} GiB per device exceeds the "
                      f"{target.usable_bytes / GiB:.1f} GiB usable on {target.name}; lower or change: "

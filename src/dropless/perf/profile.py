@@ -55,7 +55,13 @@ def parse_args(args: list[str]):
     Raises:
       SystemExit: bad flag values (argparse), or an unknown ``--flag``.
     """
-    parser = argparse.ArgumentParser(prog="dropless profile", description=__doc__.splitlines()[0])
+    from dropless.cli import CONFIG_ARGS_HELP
+
+    parser = argparse.ArgumentParser(
+        prog="dropless profile", description=__doc__.splitlines()[0],
+        usage="dropless profile [--dry-run] [options] [config.yml] [key=value ...]",
+        epilog=f"{CONFIG_ARGS_HELP} --dry-run: check the config and data and print a per-device "
+               "memory estimate; run nothing (its flags: dropless profile --dry-run --help).")
     parser.add_argument("--steps", type=int, default=3, help="steps to trace (default 3)")
     parser.add_argument("--warmup", type=int, default=2, help="untraced steps first (default 2)")
     parser.add_argument("--top", type=int, default=15, help="kernels to list (default 15)")

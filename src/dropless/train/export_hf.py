@@ -22,10 +22,17 @@ from dropless.config.loader import ConfigError
 
 
 def parse_args(args: list[str]):
-    parser = argparse.ArgumentParser(prog="dropless export-hf", description=__doc__.splitlines()[0])
+    from dropless.cli import CONFIG_ARGS_HELP
+
+    parser = argparse.ArgumentParser(
+        prog="dropless export-hf", description=__doc__.splitlines()[0],
+        usage="dropless export-hf CKPT --out DIR [--dtype D] [--max-shard-gb G] [config.yml] [key=value ...]",
+        epilog="The model's config is the run's config.json above CKPT, or config.yml and key=value "
+               f"when given. {CONFIG_ARGS_HELP}")
     parser.add_argument("checkpoint", help="checkpoint step directory, e.g. runs/x/checkpoints/100")
     parser.add_argument("--out", required=True, help="output directory")
-    parser.add_argument("--dtype", choices=("bfloat16", "float32"), default="bfloat16")
+    parser.add_argument("--dtype", choices=("bfloat16", "float32"), default="bfloat16",
+                        help="dtype of the written tensors (default bfloat16)")
     parser.add_argument("--max-shard-gb", type=float, default=5.0, help="largest shard (GB, default 5)")
     ns, rest = parser.parse_known_args(args)
     unknown = [a for a in rest if a.startswith("--")]

@@ -25,7 +25,13 @@ from dropless.config.loader import ConfigError
 
 def parse_args(args: list[str]):
     """(namespace with tokens, out; the remaining config args)."""
-    parser = argparse.ArgumentParser(prog="dropless forward", description=__doc__.splitlines()[0])
+    from dropless.cli import CONFIG_ARGS_HELP
+
+    parser = argparse.ArgumentParser(
+        prog="dropless forward", description=__doc__.splitlines()[0],
+        usage="dropless forward [config.yml] [key=value ...] --tokens TOKENS --out OUT",
+        epilog="The parameters come from load_parameters_path (a dropless checkpoint step) or "
+               f"hf_model_path (a Hugging Face directory); one is required. {CONFIG_ARGS_HELP}")
     parser.add_argument("--tokens", required=True, help="int .npy [B, S]")
     parser.add_argument("--out", required=True, help="where to write float32 logits [B, S, V] (.npy)")
     ns, rest = parser.parse_known_args(args)

@@ -424,6 +424,9 @@ def _train_steps(s: _Setup, train: TrainConfig, state, start, ckpt, writer, cons
         warm = _start_warmup(s, train, ckpt, console)
         if warm is not None:  # its thread holds jax arrays: it ends before the loop does
             cleanup.callback(warm.wait)
+        if start < train.steps:  # the progress bar is not drawn in a log: say what the wait is
+            console.print(f"step {start + 1}: compiling the train step (its row gives compile_s) ...",
+                          markup=False)
         t_start = _clock()
         opened = start  # steps done when the current window opened
 
@@ -596,6 +599,28 @@ def write_run_record(result: TrainResult, sections: dict, tflop_per_step: float,
     return str(measure.write_record(record, os.path.join(result.run_dir, "records")))
 
 
+class TrainingInterrupted(Exception):
+    """Ctrl-C stopped the steps; the message (one line) names the last recorded step
+    and the checkpoint the same command resumes from."""
+
+
+def _interrupted_message(train: TrainConfig, run_dir: str, jsonl_path: str) -> str:
+    rows = metrics_lib.read_jsonl(jsonl_path)  # process 0's; the others say "before step 1"
+    where = f"after step {rows[-1]['step']} of {train.steps}" if rows else "before step 1 finished"
+    again = ("the same command" if train.run_name
+             else f"the same command with run_name={os.path.basename(run_dir)}")
+    ckpt_dir = os.path.join(run_dir, "checkpoints")
+    saved = ckpt_lib.complete_steps_in(ckpt_dir) if train.enable_checkpointing else []
+    if saved:
+        resume = f"checkpoint {os.path.join(ckpt_dir, str(saved[-1]))} is the newest; {again} resumes from step {saved[-1]}"
+    elif train.enable_checkpointing:
+        resume = (f"no checkpoint saved yet (checkpoint_period={train.checkpoint_period}): "
+                  f"{again} starts again from the beginning")
+    else:
+        resume = "nothing to resume from (enable_checkpointing=false)"
+    return f"interrupted {where}; run directory {run_dir}; {resume}"
+
+
 def run_training(model: ModelConfig, train: TrainConfig, mesh: MeshConfig, *,
                  console: Console | None = None) -> TrainResult:
     """Train ``model`` as ``train`` says on a mesh of all devices; see the module docstring.
@@ -613,6 +638,8 @@ def run_training(model: ModelConfig, train: TrainConfig, mesh: MeshConfig, *,
         before it are intact and the message names the one to resume from.
       parallel.overflow.EPOverflowError: an expert-parallel buffer overflowed
         under ``ep_overflow_policy="error"`` (checkpoints so far are kept).
+      TrainingInterrupted: Ctrl-C (SIGINT) during the steps, after the save in
+        flight finished; its one line says where the run stopped and what resumes it.
     """
     t0 = time.perf_counter()
     console = console or Console()
@@ -630,7 +657,7 @@ def run_training(model: ModelConfig, train: TrainConfig, mesh: MeshConfig, *,
         say=lambda msg: console.print(msg, style="yellow", markup=False),
     )
     num_params, tokens = _describe(console, model, train, s, run_dir)
-    ckpt = None
+    ckpt, interrupted = None, False
     if train.enable_checkpointing:
         ckpt = ckpt_lib.Checkpointer(
             os.path.join(run_dir, "checkpoints"), period=train.checkpoint_period,
@@ -648,11 +675,15 @@ def run_training(model: ModelConfig, train: TrainConfig, mesh: MeshConfig, *,
         try:
             with user_errors.memory_errors(model, train):
                 ran = _train_steps(s, train, state, start, ckpt, writer, console, tokens)
+        except KeyboardInterrupt:
+            interrupted = True
         finally:
             writer.close()
     finally:
         if ckpt is not None:
-            ckpt.close()
+            ckpt.close()  # a save in flight is finished first, interrupted or not
+    if interrupted:
+        raise TrainingInterrupted(_interrupted_message(train, run_dir, writer.jsonl_path))
     # Process 0 writes the run's files; the others report what they ran.
     rows_all = metrics_lib.read_jsonl(writer.jsonl_path) if primary else ran.rows
     plot_path = None
