@@ -177,22 +177,22 @@ def test_at_once_lines(tmp_path):
                    "resumes from step 4")
 
 
-def test_several_processes_ask_jax_with_this_invocations_step_count(monkeypatch, sentinel_handler):
-    """With several processes JAX's preemption service decides (every process the same step);
-    the counter is the step's number within this run (JAX's starts at 0), and no Python
-    handler replaces JAX's own SIGTERM handler."""
+def test_several_processes_ask_jax_at_every_step(monkeypatch, sentinel_handler):
+    """With several processes JAX's preemption service decides (every process the same step).
+    It is asked with the global step, as Orbax's saves ask it, first with the run's starting
+    step (JAX's counter starts at 0); no Python handler replaces JAX's own SIGTERM handler."""
     asked = []
 
     def reached_preemption_sync_point(n):
         asked.append(n)
-        return n == 2
+        return n == 12
 
     monkeypatch.setattr(jax, "process_count", lambda: 2)
     monkeypatch.setattr(multihost_utils, "reached_preemption_sync_point", reached_preemption_sync_point)
     with _watch(_Exits(), [], start=10) as w:
         assert signal.getsignal(signal.SIGTERM) is sentinel_handler
         assert [w.reached(step) for step in (11, 12)] == [False, True]
-    assert asked == [0, 1, 2]  # 0: the check that the service is on
+    assert asked == [10, 11, 12]  # 10: before the steps, also the check that the service is on
 
 
 def test_several_processes_without_the_preemption_service_say_so(monkeypatch, sentinel_handler):

@@ -31,15 +31,21 @@ mechanism answers ``reached`` depends on the number of processes:
   process at the same ``n`` (Orbax's ``CheckpointManager.reached_preemption``
   is this call; dropless keeps its own save schedule). No Python handler is
   installed on this path: it would replace JAX's. The counter passed is the
-  step's number within this invocation (1 for its first step), not the global
-  step: JAX's counter starts at 0, so a notice before the first call sets the
-  sync point to 1, which the global step of a resumed run would never equal.
+  global step, because Orbax's ``CheckpointManager.save`` and its finalize
+  thread pass the global step to the same call (a counter of our own would
+  mix with theirs). JAX's counter starts at 0, so ``watch`` sets it to the
+  run's starting step in every process before the steps: a notice during the
+  compile then makes the first step the sync point.
   What this path cannot do: TSL polls its flag once a second and the protocol
   has a barrier, so the run stops a few steps after the signal; a SIGTERM
-  during the compile waits for it (the sync point is then the first step); a
-  second SIGTERM is swallowed by JAX's handler. With the service turned off a
-  SIGTERM keeps its default action (the process dies; the checkpoints saved
-  before are intact) and a line says so when the steps start.
+  during the compile waits for it; a second SIGTERM is swallowed by JAX's
+  handler. A notice before the steps (during set-up or the restore of a
+  resumed run) sets the sync point from JAX's counter of 0, before any step
+  this run makes: the run is not stopped by it and the scheduler's kill ends
+  it, losing the steps made since the notice (the checkpoints are intact).
+  With the service turned off a SIGTERM keeps its default action (the
+  process dies; the checkpoints saved before are intact) and a line says so
+  when the steps start.
 """
 
 import contextlib
@@ -66,7 +72,6 @@ class Watch:
     """Whether to stop after a step; see the module docstring.
 
     Args:
-      start: steps done before this invocation (a resumed run's step).
       multi_process: use JAX's preemption sync point (every process agrees on
         the step) instead of a signal flag.
       at_once_line: ``(stopping_at) -> str``: the line printed when the process
@@ -77,9 +82,8 @@ class Watch:
       exit: ends the process (``os._exit``; tests replace it).
     """
 
-    def __init__(self, *, start: int, multi_process: bool, at_once_line: Callable[[int | None], str],
+    def __init__(self, *, multi_process: bool, at_once_line: Callable[[int | None], str],
                  exit: Callable[[int], None] = os._exit):
-        self.start = start
         self.multi_process = multi_process
         self._at_once_line = at_once_line
         self._exit = exit
@@ -94,7 +98,7 @@ class Watch:
         if self.multi_process:
             from jax.experimental import multihost_utils
 
-            stop = multihost_utils.reached_preemption_sync_point(step - self.start)
+            stop = multihost_utils.reached_preemption_sync_point(step)
         else:
             stop = self._requested
         if stop:
@@ -139,28 +143,31 @@ def watch(*, start: int, at_once_line: Callable[[int | None], str], say: Callabl
     """Handle SIGTERM for the duration of the ``with`` (the training steps); yields a ``Watch``,
     or None where SIGTERM is left as it is (said through ``say``).
 
-    Args: as ``Watch``; ``say(line)`` prints a warning.
+    Args:
+      start: the step the run starts from (steps done before this invocation).
+      at_once_line, exit: as ``Watch``.
+      say: ``(line)``: prints a warning.
     """
     import jax
 
     if jax.process_count() > 1:
         from jax.experimental import multihost_utils
 
-        try:  # 0: JAX's own starting value, so calling it changes nothing
-            multihost_utils.reached_preemption_sync_point(0)
+        try:  # every process's counter at ``start`` from here on (see the module docstring)
+            multihost_utils.reached_preemption_sync_point(start)
         except RuntimeError:  # raised when the service is off
             say("SIGTERM is not handled: jax_enable_preemption_service is off in this multi-process "
                 "run, so a SIGTERM ends the process at once (checkpoints already saved are kept)")
             yield None
             return
-        yield Watch(start=start, multi_process=True, at_once_line=at_once_line, exit=exit)
+        yield Watch(multi_process=True, at_once_line=at_once_line, exit=exit)
         return
     if threading.current_thread() is not threading.main_thread():
         say("SIGTERM is not handled: training runs outside the main thread, where Python "
             "cannot install a signal handler")
         yield None
         return
-    w = Watch(start=start, multi_process=False, at_once_line=at_once_line, exit=exit)
+    w = Watch(multi_process=False, at_once_line=at_once_line, exit=exit)
     reader, writer = socket.socketpair()
     writer.setblocking(False)  # set_wakeup_fd requires it
     thread = threading.Thread(target=w._watch, args=(reader,), name="sigterm-watch", daemon=True)
