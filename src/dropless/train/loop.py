@@ -19,7 +19,8 @@ What one call does, in order:
    after it resumes with no gap in ``metrics.jsonl``); before the first step it
    checks that the checkpoint disk has room (``checkpoint.plan_disk``: one save
    or exit, all of them or a warning), and a save that fails ends the run with
-   ``CheckpointSaveError``;
+   ``CheckpointSaveError``; a SIGTERM during the steps (``preemption``) saves
+   the step in progress, waits for that save and ends with ``TrainingPreempted``;
 4. prints a summary table and writes ``metrics.jsonl``, TensorBoard events and
    ``summary.png`` into the run directory.
 
