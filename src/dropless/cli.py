@@ -292,13 +292,14 @@ def main(argv: list[str] | None = None) -> int:
         return EXIT_CONFIG
     except Exception as e:
         # TrainingInterrupted (Ctrl-C in train's steps) and TrainingPreempted (SIGTERM
-        # there) say where the run stopped and what resumes it. CheckpointError says which checkpoint is bad and how to fall
-        # back. Their modules are loaded only if training started (they import JAX).
+        # there; one line even with --debug: a preemption is no error) say where the run
+        # stopped and what resumes it. CheckpointError says which checkpoint is bad and
+        # how to fall back. Their modules are loaded only if training started (they import JAX).
         loop = sys.modules.get("dropless.train.loop")
         if not debug and loop is not None and isinstance(e, loop.TrainingInterrupted):
             print(f"dropless: {_one_line(e)}", file=sys.stderr)
             return EXIT_INTERRUPTED
-        if loop is not None and isinstance(e, loop.TrainingPreempted):  # not an error: no traceback
+        if loop is not None and isinstance(e, loop.TrainingPreempted):
             print(f"dropless: {_one_line(e)}", file=sys.stderr)
             return EXIT_PREEMPTED
         ckpt = sys.modules.get("dropless.train.checkpoint")

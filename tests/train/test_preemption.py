@@ -10,8 +10,8 @@ so the step being dispatched is the one saved. The same small model as
 
 The multi-process path (JAX's preemption sync point) is checked here for its
 wiring (which counter it asks about, that no Python handler replaces JAX's);
-``tests/parallel/test_multiprocess_train.py`` has no preemption run, as two
-processes on CPU take longer than these tests' budget.
+``tests/parallel/test_multiprocess_preemption.py`` sends a real SIGTERM to one
+of two processes (``DROPLESS_SLOW=1``: it takes longer than these tests' budget).
 """
 
 import json
