@@ -8,7 +8,10 @@ run directory, a checkpoint, a checkpoint disk too small for one save)
 prints one line and exits with code 2; a run that fails partway (a checkpoint
 save failing, an expert-parallel overflow under the ``error`` policy) prints
 one line and exits 1. ``--debug`` anywhere on the command line shows the
-traceback instead (and Orbax's logged errors keep theirs).
+traceback instead (and Orbax's logged errors keep theirs). Ctrl-C during
+train's steps exits 130 and SIGTERM (a scheduler's preemption: the step in
+progress is finished and saved, ``train.preemption``) exits 143, each with one
+line naming the checkpoint to resume from.
 """
 
 import argparse
@@ -20,6 +23,7 @@ import sys
 EXIT_CONFIG = 2
 EXIT_RUN_FAILED = 1
 EXIT_INTERRUPTED = 130  # 128 + SIGINT, as shells report a Ctrl-C
+EXIT_PREEMPTED = 143  # 128 + SIGTERM (train.preemption.EXIT_CODE): a scheduler's preemption
 
 
 class _NoLibraryTracebacks(logging.Filter):
@@ -287,13 +291,17 @@ def main(argv: list[str] | None = None) -> int:
         print(f"dropless: error: {_one_line(e)}", file=sys.stderr)
         return EXIT_CONFIG
     except Exception as e:
-        # TrainingInterrupted (Ctrl-C in train's steps) says where the run stopped and
-        # what resumes it. CheckpointError says which checkpoint is bad and how to fall
-        # back. Their modules are loaded only if training started (they import JAX).
+        # TrainingInterrupted (Ctrl-C in train's steps) and TrainingPreempted (SIGTERM
+        # there; one line even with --debug: a preemption is no error) say where the run
+        # stopped and what resumes it. CheckpointError says which checkpoint is bad and
+        # how to fall back. Their modules are loaded only if training started (they import JAX).
         loop = sys.modules.get("dropless.train.loop")
         if not debug and loop is not None and isinstance(e, loop.TrainingInterrupted):
             print(f"dropless: {_one_line(e)}", file=sys.stderr)
             return EXIT_INTERRUPTED
+        if loop is not None and isinstance(e, loop.TrainingPreempted):
+            print(f"dropless: {_one_line(e)}", file=sys.stderr)
+            return EXIT_PREEMPTED
         ckpt = sys.modules.get("dropless.train.checkpoint")
         if debug or ckpt is None or not isinstance(e, (ckpt.CheckpointError, ckpt.CheckpointSaveError)):
             raise

@@ -19,7 +19,8 @@ What one call does, in order:
    after it resumes with no gap in ``metrics.jsonl``); before the first step it
    checks that the checkpoint disk has room (``checkpoint.plan_disk``: one save
    or exit, all of them or a warning), and a save that fails ends the run with
-   ``CheckpointSaveError``;
+   ``CheckpointSaveError``; a SIGTERM during the steps (``preemption``) saves
+   the step in progress, waits for that save and ends with ``TrainingPreempted``;
 4. prints a summary table and writes ``metrics.jsonl``, TensorBoard events and
    ``summary.png`` into the run directory.
 
@@ -70,6 +71,7 @@ from dropless.train import host_pool
 from dropless.train import metrics as metrics_lib
 from dropless.train import optimizer as opt_lib
 from dropless.train import plots
+from dropless.train import preemption
 from dropless.train import remat as remat_lib
 from dropless.train import run_dir as run_dir_lib
 from dropless.train import step as step_lib
@@ -396,7 +398,8 @@ def _start_warmup(s: _Setup, train: TrainConfig, ckpt, console):
     return host_pool.HostPoolWarmup(s.abstract, s.shardings).start()
 
 
-def _train_steps(s: _Setup, train: TrainConfig, state, start, ckpt, writer, console, tokens) -> _Ran:
+def _train_steps(s: _Setup, train: TrainConfig, state, start, ckpt, writer, console, tokens,
+                 preempt=None) -> _Ran:
     """Run steps start..steps-1.
 
     Step times are window means (``metrics.StepWindows``). A window ends at the
@@ -408,6 +411,14 @@ def _train_steps(s: _Setup, train: TrainConfig, state, start, ckpt, writer, cons
     and at the last step. Other rows are written one step late, without
     timing. A save's blocking time is in no step time: it is reported on the
     next row (``checkpoint_wait_s``, ``checkpoint_blocked_s``).
+
+    ``preempt``: a ``preemption.Watch`` or None. Where its ``reached`` is true
+    the step just dispatched is the last: its row is written, it is saved
+    (forced), the save is waited for until written and sealed, and
+    ``preemption.Preempted`` is raised.
+
+    Raises:
+      preemption.Preempted: as above.
     """
     step_fn = _jit_step(s)
     rows, saves, load_LE, first_step_s = [], [], None, None
@@ -471,8 +482,9 @@ def _train_steps(s: _Setup, train: TrainConfig, state, start, ckpt, writer, cons
                 pending = None
             done = step + 1
             last = done == train.steps
-            saving = ckpt is not None and ckpt.due(done, force=last)
-            if not (done == start + 1 or last or saving or done % TIMING_WINDOW_STEPS == 0
+            stop = preempt is not None and preempt.reached(done)
+            saving = ckpt is not None and ckpt.due(done, force=last or stop)
+            if not (done == start + 1 or last or saving or stop or done % TIMING_WINDOW_STEPS == 0
                     or progress.prints(done)):
                 pending = functools.partial(finish, done, raw)
                 if ckpt is not None:
@@ -481,19 +493,25 @@ def _train_steps(s: _Setup, train: TrainConfig, state, start, ckpt, writer, cons
             raw = _fetch(raw)  # the window's last step has finished
             if done == start + 1:
                 first_step_s = _clock() - t_start
+                if preempt is not None:
+                    preempt.first_step_done()
                 pending = functools.partial(finish, done, raw, fetched=True, compile_s=first_step_s)
             else:
                 pending = functools.partial(finish, done, raw, fetched=True,
                                             step_time=timer.close(done - opened), timed=done - opened)
-            if saving or last:
+            if saving or last or stop:
                 pending()  # a saved step's row first: nothing can kill the run before it
                 pending = None
                 if saving:
                     warm_wait = warm.wait() if warm is not None else 0.0
-                    save = _save(ckpt, done, state, last, console, warm_wait)
+                    save = _save(ckpt, done, state, last or stop, console, warm_wait)
                     if save is not None:
                         saves.append(save)
                         unreported = save
+                if stop:
+                    if ckpt is not None:
+                        ckpt.wait()  # written and sealed: the exit must not cut the async save off
+                    raise preemption.Preempted(done)
             # else the row is written while the next step runs
             if ckpt is not None:
                 ckpt.poll()
@@ -604,21 +622,61 @@ class TrainingInterrupted(Exception):
     and the checkpoint the same command resumes from."""
 
 
-def _interrupted_message(train: TrainConfig, run_dir: str, jsonl_path: str) -> str:
-    rows = metrics_lib.read_jsonl(jsonl_path)  # process 0's; the others say "before step 1"
-    where = f"after step {rows[-1]['step']} of {train.steps}" if rows else "before step 1 finished"
-    again = ("the same command" if train.run_name
-             else f"the same command with run_name={os.path.basename(run_dir)}")
+class TrainingPreempted(Exception):
+    """SIGTERM stopped the steps (``preemption``); the message (one line) names the step
+    saved and what resumes from it."""
+
+
+def _same_command(train: TrainConfig, run_dir: str) -> str:
+    return ("the same command" if train.run_name
+            else f"the same command with run_name={os.path.basename(run_dir)}")
+
+
+def _resume_clause(train: TrainConfig, run_dir: str) -> str:
+    """What resumes the run from its newest complete checkpoint, or that nothing can."""
+    again = _same_command(train, run_dir)
     ckpt_dir = os.path.join(run_dir, "checkpoints")
     saved = ckpt_lib.complete_steps_in(ckpt_dir) if train.enable_checkpointing else []
     if saved:
-        resume = f"checkpoint {os.path.join(ckpt_dir, str(saved[-1]))} is the newest; {again} resumes from step {saved[-1]}"
-    elif train.enable_checkpointing:
-        resume = (f"no checkpoint saved yet (checkpoint_period={train.checkpoint_period}): "
-                  f"{again} starts again from the beginning")
+        return f"checkpoint {os.path.join(ckpt_dir, str(saved[-1]))} is the newest; {again} resumes from step {saved[-1]}"
+    if train.enable_checkpointing:
+        return (f"no checkpoint saved yet (checkpoint_period={train.checkpoint_period}): "
+                f"{again} starts again from the beginning")
+    return "nothing to resume from (enable_checkpointing=false)"
+
+
+def _interrupted_message(train: TrainConfig, run_dir: str, jsonl_path: str) -> str:
+    rows = metrics_lib.read_jsonl(jsonl_path)  # process 0's; the others say "before step 1"
+    where = f"after step {rows[-1]['step']} of {train.steps}" if rows else "before step 1 finished"
+    return f"interrupted {where}; run directory {run_dir}; {_resume_clause(train, run_dir)}"
+
+
+def _preempted_message(train: TrainConfig, run_dir: str, step: int) -> str:
+    """The line of a run stopped by SIGTERM after ``step``, that step saved if checkpointing is on."""
+    where = f"preempted (SIGTERM) after step {step} of {train.steps}"
+    if not train.enable_checkpointing:
+        return (f"{where}; nothing saved (enable_checkpointing=false): {_same_command(train, run_dir)} "
+                f"starts again from the beginning; run directory {run_dir}")
+    step_dir = os.path.join(run_dir, "checkpoints", str(step))
+    then = ("the run is complete" if step == train.steps
+            else f"{_same_command(train, run_dir)} resumes from step {step}")
+    return f"{where}; saved checkpoint {step_dir}; {then}"
+
+
+def _preempted_at_once_message(train: TrainConfig, run_dir: str, start: int,
+                               stopping_at: int | None) -> str:
+    """The line of a SIGTERM that ends the process at once (``preemption.Watch``'s ``at_once_line``)."""
+    if stopping_at is None:
+        what = f"preempted (SIGTERM) before step {start + 1} finished (compiling); nothing to save"
+    elif stopping_at == 0:
+        what = "preempted by a second SIGTERM before the step in progress finished; it is not saved"
+    elif train.enable_checkpointing and stopping_at not in ckpt_lib.complete_steps_in(
+            os.path.join(run_dir, "checkpoints")):
+        what = (f"preempted by a second SIGTERM while saving step {stopping_at}: that save was still in "
+                "progress and is not used")
     else:
-        resume = "nothing to resume from (enable_checkpointing=false)"
-    return f"interrupted {where}; run directory {run_dir}; {resume}"
+        what = f"preempted by a second SIGTERM after step {stopping_at}"
+    return f"{what}; {_resume_clause(train, run_dir)}"
 
 
 def run_training(model: ModelConfig, train: TrainConfig, mesh: MeshConfig, *,
@@ -640,6 +698,10 @@ def run_training(model: ModelConfig, train: TrainConfig, mesh: MeshConfig, *,
         under ``ep_overflow_policy="error"`` (checkpoints so far are kept).
       TrainingInterrupted: Ctrl-C (SIGINT) during the steps, after the save in
         flight finished; its one line says where the run stopped and what resumes it.
+      TrainingPreempted: SIGTERM during the steps (``preemption``): the step in
+        progress was finished, saved and its save written; one line names it.
+        (A SIGTERM during the first step's compile, or a second one, ends the
+        process at once with one line and exit code 143.)
     """
     t0 = time.perf_counter()
     console = console or Console()
@@ -657,7 +719,7 @@ def run_training(model: ModelConfig, train: TrainConfig, mesh: MeshConfig, *,
         say=lambda msg: console.print(msg, style="yellow", markup=False),
     )
     num_params, tokens = _describe(console, model, train, s, run_dir)
-    ckpt, interrupted = None, False
+    ckpt, interrupted, preempted = None, False, None
     if train.enable_checkpointing:
         ckpt = ckpt_lib.Checkpointer(
             os.path.join(run_dir, "checkpoints"), period=train.checkpoint_period,
@@ -672,11 +734,16 @@ def run_training(model: ModelConfig, train: TrainConfig, mesh: MeshConfig, *,
                                            enabled=primary)
         if start >= train.steps:
             console.print(f"run already complete at step {start} (steps={train.steps})")
+        at_once = functools.partial(_preempted_at_once_message, train, run_dir, start)
         try:
-            with user_errors.memory_errors(model, train):
-                ran = _train_steps(s, train, state, start, ckpt, writer, console, tokens)
+            with user_errors.memory_errors(model, train), preemption.watch(
+                    start=start, at_once_line=at_once,
+                    say=lambda msg: console.print(msg, style="yellow", markup=False)) as preempt:
+                ran = _train_steps(s, train, state, start, ckpt, writer, console, tokens, preempt)
         except KeyboardInterrupt:
             interrupted = True
+        except preemption.Preempted as e:
+            preempted = e.step
         finally:
             writer.close()
     finally:
@@ -684,6 +751,8 @@ def run_training(model: ModelConfig, train: TrainConfig, mesh: MeshConfig, *,
             ckpt.close()  # a save in flight is finished first, interrupted or not
     if interrupted:
         raise TrainingInterrupted(_interrupted_message(train, run_dir, writer.jsonl_path))
+    if preempted is not None:
+        raise TrainingPreempted(_preempted_message(train, run_dir, preempted))
     # Process 0 writes the run's files; the others report what they ran.
     rows_all = metrics_lib.read_jsonl(writer.jsonl_path) if primary else ran.rows
     plot_path = None
