@@ -13,7 +13,13 @@ written as the published checkpoint has them. State with no HF tensor (a
 routing bias Qwen3-MoE does not have) must be zero.
 
 A float32 export of float32 parameters is exact, so import -> export ->
-import gives the same bits.
+import gives the same bits. A bfloat16 export rounds each float32 weight to
+the nearest bfloat16 (ties to even, relative error at most 2^-8) and changes
+nothing else: loaded back, the parameters are exactly ``jnp.asarray(p,
+jnp.bfloat16)`` (``tests/hf/test_export_precision.py``). On a small, briefly
+trained model that rounding can flip a token's routed experts, which moves
+its logits by far more than 2^-8; ``precision_note`` is the line the command
+prints about it.
 """
 
 import json
@@ -65,6 +71,31 @@ def _tensors(state: dict, cfg: ModelConfig, dtype):
                     for alias, target in mapping.aliases.items():
                         if target == part.name:
                             yield alias, piece.astype(out_dtype)
+
+
+def precision_note(state: dict, cfg: ModelConfig, dtype: str) -> str | None:
+    """One line saying which parameters a ``dtype`` export rounds, or None if it writes them exactly.
+
+    Raises:
+      ValueError: an unknown dtype.
+    """
+    if dtype not in EXPORT_DTYPES:
+        raise ValueError(f"dtype={dtype!r} is not one of {tuple(EXPORT_DTYPES)}")
+    out = ml_dtypes.finfo(EXPORT_DTYPES[dtype])
+    narrowed, kept = set(), False
+    for leaf in architecture_of(cfg).mapping(cfg, "published").leaves:
+        if leaf.absent:
+            continue
+        kept |= leaf.float32
+        src = np.dtype(_leaf_value(state, leaf.path).dtype)
+        if not leaf.float32 and ml_dtypes.finfo(src).nmant > out.nmant:
+            narrowed.add(src.name)
+    if not narrowed:
+        return None
+    return (f"{dtype} export of {'/'.join(sorted(narrowed))} parameters: weights rounded to the nearest "
+            f"{dtype} (relative error <= 2^-{out.nmant + 1})"
+            + ("; the router and its bias stay float32" if kept else "")
+            + "; --dtype float32 writes them exactly")
 
 
 def write_hf(state: dict, cfg: ModelConfig, out: str, *, dtype: str = "bfloat16",

@@ -32,7 +32,10 @@ def parse_args(args: list[str]):
     parser.add_argument("checkpoint", help="checkpoint step directory, e.g. runs/x/checkpoints/100")
     parser.add_argument("--out", required=True, help="output directory")
     parser.add_argument("--dtype", choices=("bfloat16", "float32"), default="bfloat16",
-                        help="dtype of the written tensors (default bfloat16)")
+                        help="dtype of the written tensors (default bfloat16). bfloat16 rounds float32 "
+                             "weights to nearest (DeepSeek-V3's router and its bias stay float32); on a small "
+                             "briefly trained model that can flip routing choices and move logits visibly. "
+                             "float32 round-trips bit for bit")
     parser.add_argument("--max-shard-gb", type=float, default=5.0, help="largest shard (GB, default 5)")
     ns, rest = parser.parse_known_args(args)
     unknown = [a for a in rest if a.startswith("--")]
@@ -87,7 +90,7 @@ def main(args: list[str]) -> int:
     from flax import nnx
 
     from dropless.config.hf_config import HFConfigError
-    from dropless.hf.export import write_hf
+    from dropless.hf.export import precision_note, write_hf
     from dropless.train import checkpoint as ckpt_lib
     from dropless.train import step as step_lib
 
@@ -101,11 +104,14 @@ def main(args: list[str]) -> int:
     shardings = jax.tree.map(lambda _: jax.sharding.SingleDeviceSharding(jax.devices()[0]), abstract)
     try:
         state = ckpt_lib.load_parameters(ns.checkpoint, abstract, shardings)
+        note = precision_note(state, model_cfg, ns.dtype)
         index = write_hf(state, model_cfg, ns.out, dtype=ns.dtype,
                          max_shard_bytes=int(ns.max_shard_gb * 2**30))
     except (ckpt_lib.CheckpointError, HFConfigError) as e:
         print(f"dropless: {e}", file=sys.stderr)
         return 2
+    if note:
+        print(note)
     files = sorted(set(index["weight_map"].values()))
     print(f"wrote {ns.out}: {len(index['weight_map'])} tensors, "
           f"{index['metadata']['total_size'] / 1e9:.3f} GB in {len(files)} file(s), {ns.dtype}")
