@@ -27,7 +27,7 @@ import pytest
 from hf_fixture import FIXTURES, QWEN3, assert_bitwise_equal, load_params, model_cfg
 
 from dropless import cli
-from dropless.hf.export import write_hf
+from dropless.hf.export import precision_note, write_hf
 from dropless.hf.safetensors_io import TensorDir
 from dropless.train.checkpoint import write_manifest
 
@@ -105,3 +105,14 @@ def test_export_hf_says_when_it_rounds_the_weights(float32_checkpoint, tmp_path,
     assert len(lines) == 1 and "float32" in lines[0] and "bfloat16" in lines[0], lines
     assert cli.main(["export-hf", float32_checkpoint, "--out", str(tmp_path / "f32"), "--dtype", "float32"]) == 0
     assert "rounded" not in capsys.readouterr().out
+
+
+def test_no_rounding_note_when_the_parameters_are_already_bf16():
+    """bf16 parameters (``weight_dtype=bfloat16``) lose nothing in a bf16 export: no note.
+    Qwen3-MoE keeps nothing in float32, so its note names no router."""
+    cfg, state = _random_state(SOURCES["qwen3_moe"])
+    note = precision_note(state, cfg, "bfloat16")
+    assert "rounded" in note and "router" not in note, note
+    bf16 = jax.tree.map(lambda x: np.asarray(jnp.asarray(x, jnp.bfloat16)), state)
+    assert precision_note(bf16, cfg, "bfloat16") is None
+    assert precision_note(state, cfg, "float32") is None
