@@ -104,9 +104,9 @@ def main(args: list[str]) -> int:
     shardings = jax.tree.map(lambda _: jax.sharding.SingleDeviceSharding(jax.devices()[0]), abstract)
     try:
         state = ckpt_lib.load_parameters(ns.checkpoint, abstract, shardings)
-        note = precision_note(state, model_cfg, ns.dtype)
         index = write_hf(state, model_cfg, ns.out, dtype=ns.dtype,
                          max_shard_bytes=int(ns.max_shard_gb * 2**30))
+        note = precision_note(state, model_cfg, ns.dtype)  # after write_hf has checked the architecture
     except (ckpt_lib.CheckpointError, HFConfigError) as e:
         print(f"dropless: {e}", file=sys.stderr)
         return 2
