@@ -37,6 +37,12 @@ def test_presets_have_the_published_shapes(name, d, layers, heads, vocab, f, par
     assert total == pytest.approx(params, rel=5e-3), total
 
 
+def test_proxy_has_the_8x7b_layer_shapes():
+    full, proxy = resolve("model_name=mixtral-8x7b").model(), resolve("model_name=mixtral-proxy").model()
+    assert proxy.gqa == full.gqa and proxy.moe == full.moe and proxy.emb_dim == full.emb_dim
+    assert proxy.vocab_size == full.vocab_size and proxy.num_decoder_layers < full.num_decoder_layers
+
+
 def test_tiny_resolves_to_the_same_structure():
     tiny, full = resolve("model_name=mixtral-tiny").model(), resolve("model_name=mixtral-8x7b").model()
     assert tiny.attention_type == "gqa" and not tiny.gqa.use_qk_norm
