@@ -97,6 +97,7 @@ SHAPE_SETS = {  # name -> its shapes, built when chosen
     "deepseek": deepseek_shapes,
     "qwen3-30b": functools.partial(preset_expert_shapes, "qwen3-30b-a3b"),  # D=2048, F=768
     "qwen3-235b": functools.partial(preset_expert_shapes, "qwen3-235b-a22b"),  # D=4096, F=1536
+    "mixtral-8x7b": functools.partial(preset_expert_shapes, "mixtral-8x7b"),  # D=4096, F=14336, G=8
 }
 
 
@@ -597,7 +598,7 @@ def main():
                    help="also time an FP8 recipe (ours_q) and the dense FP8 GEMM (dense8)")
     p.add_argument("--shapes", default="", help="comma list of indices into the shape set (deepseek unless --shape-set)")
     p.add_argument("--shape-set", default="", choices=["", *SHAPE_SETS],
-                   help="a named set of shapes instead of deepseek (qwen3-30b: the 30B's expert GEMMs)")
+                   help="a named set of shapes instead of deepseek (qwen3-30b: the 30B's expert GEMMs; mixtral-8x7b: the 8x7B's)")
     p.add_argument("--shape", action="append", default=[], help="M,G,K,N (repeatable)")
     p.add_argument("--out", default=os.environ.get("OUT", "benchmarks/results"))
     p.add_argument("--commit", default="unknown")

@@ -84,8 +84,9 @@ import time
 
 CASES = ("xla", "capacity", "ours", "ours_fp8", "ours_fp8_blockwise")
 QWEN3_CASE = "qwen3-moe-proxy"  # ``ours`` on the Qwen3-MoE proxy instead of the DeepSeek one
+MIXTRAL_CASE = "mixtral-proxy"  # ``ours`` on the Mixtral proxy
 EXTRA_CASES = ("ours_fp8_all", "ours_fp8e", "ours_fp8k", "ours_fp8kp", "ours_fp8kp_head", "ours_gfp8kp", "ours_mla_unpadded",
-               "ours_mla_padded", "ours_scan", QWEN3_CASE)
+               "ours_mla_padded", "ours_scan", QWEN3_CASE, MIXTRAL_CASE)
 QUICK_CASES = ("xla", "capacity", "ours")
 FP8_DENSE = "te_fp8_currentscaling"
 RESULT_PREFIX = "STEP_RESULT "
@@ -117,9 +118,10 @@ CASE_OVERRIDES = {
     "ours_mla_padded": ["gmm_backend=auto", "cudnn_mla_unpadded_v=false"],
     "ours_scan": ["gmm_backend=auto", "scan_layers=true"],
     QWEN3_CASE: ["gmm_backend=auto"],
+    MIXTRAL_CASE: ["gmm_backend=auto"],
 }
 # Cases on another preset than the base's: (full-size, tiny) model_name.
-CASE_MODEL = {QWEN3_CASE: ("qwen3-moe-proxy", "qwen3-moe-tiny")}
+CASE_MODEL = {QWEN3_CASE: ("qwen3-moe-proxy", "qwen3-moe-tiny"), MIXTRAL_CASE: ("mixtral-proxy", "mixtral-tiny")}
 
 
 def parse_custom(text: str) -> list[str]:
@@ -319,7 +321,7 @@ def print_table(rows, tiny: bool = False) -> None:
     table = Table("case", "backend", "batch/dev", "step (ms)", "tokens/s", "TFLOP/s/dev", "MFU",
                   "peak mem (GiB)", "est. (GiB)", "compile+1st (s)", "dropped", "note",
                   title="training step, " + ("tiny CPU model" if tiny else "deepseek3-proxy")
-                  + f" (case {QWEN3_CASE}: that model)")
+                  + f" (cases {QWEN3_CASE}, {MIXTRAL_CASE}: those models)")
     for r in rows:
         if "step_time_s" not in r:
             table.add_row(r["case"], "", "", "", "", "", "", "", "", "", "", r.get("error", "")[:80])

@@ -1,5 +1,6 @@
-"""Helpers of the Hugging Face tests: read the committed tiny DeepSeek-V3 and
-Qwen3-MoE (see ``tools/make_hf_fixture.py``, ``tools/make_hf_fixture_qwen3.py``),
+"""Helpers of the Hugging Face tests: read the committed tiny DeepSeek-V3,
+Qwen3-MoE and Mixtral (see ``tools/make_hf_fixture.py``,
+``tools/make_hf_fixture_qwen3.py``, ``tools/make_hf_fixture_mixtral.py``),
 write altered copies, load them into dropless's parameters."""
 
 import json
@@ -20,6 +21,7 @@ from dropless.train import step as step_lib
 
 FIXTURES = os.path.join(os.path.dirname(__file__), "fixtures")
 QWEN3 = os.path.join(FIXTURES, "qwen3_moe")
+MIXTRAL = os.path.join(FIXTURES, "mixtral")
 
 
 def rel_fro(a, b) -> float:

@@ -20,3 +20,4 @@ def test_deepseek_shapes_are_the_ones_measured_before():
         (65536, 256, 2048, 7168),
     ]
     assert gmm.shape_set("qwen3-30b") == [(65536, 128, 2048, 1536), (65536, 128, 768, 2048)]
+    assert gmm.shape_set("mixtral-8x7b") == [(65536, 8, 4096, 28672), (65536, 8, 14336, 4096)]

@@ -10,8 +10,8 @@ not loaded), never higher.
 
 One reader per ``model_type`` (``READERS``), each a function
 ``config.json dict -> {key: value}``, and one writer (``WRITERS``, a model
-section -> the published config.json) for ``export-hf``: DeepSeek-V3's and
-Qwen3-MoE's. Anything of the file that dropless's model cannot compute the
+section -> the published config.json) for ``export-hf``: DeepSeek-V3's,
+Qwen3-MoE's and Mixtral's. Anything of the file that dropless's model cannot compute the
 same way is a ``HFConfigError`` naming it, never a
 silently different model.
 """
@@ -351,9 +351,108 @@ def qwen3_moe_config(model, *, torch_dtype: str) -> dict:
     }
 
 
-READERS: dict[str, Callable[[dict], dict]] = {"deepseek_v3": deepseek_v3_keys, "qwen3_moe": qwen3_moe_keys}
+# --- Mixtral ----------------------------------------------------------------------
+
+# dropless key <- config.json key, for values copied as they are.
+MIXTRAL_KEYS = {
+    "vocab_size": "vocab_size",
+    "emb_dim": "hidden_size",
+    "num_decoder_layers": "num_hidden_layers",
+    "moe_mlp_dim": "intermediate_size",
+    "num_query_heads": "num_attention_heads",
+    "num_kv_heads": "num_key_value_heads",
+    "normalization_layer_epsilon": "rms_norm_eps",
+    "num_experts": "num_local_experts",
+    "num_experts_per_tok": "num_experts_per_tok",
+}
+# What decoder_block=mixtral fixes (config.schema.DECODER_BLOCKS), set so that a
+# preset's other values give way to the directory's model.
+_MIXTRAL_FIXED = {
+    "decoder_block": "mixtral", "attention_type": "gqa", "use_qk_norm": False, "shared_experts": 0,
+    "first_num_dense_layers": 0, "routed_score_func": "softmax", "norm_topk_prob": True,
+    "routed_bias": False, "routed_scaling_factor": 1.0, "routed_bias_update_rate": 0.0,
+    "mtp_num_layers": 0, "n_routing_groups": -1, "topk_routing_group": -1, "rope_factor": 1.0,
+}
+
+
+def mixtral_keys(hf: dict) -> dict[str, Any]:
+    """dropless keys of a Mixtral config.json (published or transformers 5).
+
+    Every layer is MoE, routed by a softmax over all experts, top-k,
+    renormalised (transformers' ``MixtralTopKRouter`` has no switch for it).
+    ``mlp_dim`` (the width of a dense layer, which Mixtral has none of) is set
+    to the experts' ``intermediate_size``. Absent optional keys take
+    ``MixtralConfig``'s defaults (``head_dim`` hidden_size // num_attention_heads).
+
+    Raises:
+      HFConfigError: a missing key or a feature dropless's model does not
+        compute the same way (named, with its value), e.g. a sliding window.
+    """
+    if hf.get("sliding_window") is not None:
+        raise HFConfigError(f"config.json sliding_window={hf['sliding_window']!r} is not supported "
+                            "(only null: dropless's attention is full causal)")
+    checks = (("hidden_act", "silu"), ("tie_word_embeddings", False), ("router_jitter_noise", 0.0))
+    _require(hf, checks, MIXTRAL_KEYS.values(), "mixtral")
+    rope = _rope(hf)
+    if rope["rope_type"] != "default":
+        raise HFConfigError(f"config.json rope type {rope['rope_type']!r} (rope_scaling / rope_parameters) "
+                            "is not supported for mixtral (only default RoPE)")
+    keys = {ours: hf[theirs] for ours, theirs in MIXTRAL_KEYS.items()}
+    keys.update(_MIXTRAL_FIXED)
+    keys["mlp_dim"] = hf["intermediate_size"]
+    keys["head_dim"] = hf.get("head_dim") or hf["hidden_size"] // hf["num_attention_heads"]
+    keys["rope_max_timescale"] = float(rope["rope_theta"])
+    return keys
+
+
+def mixtral_config(model, *, torch_dtype: str) -> dict:
+    """The published Mixtral config.json of a ``sections.ModelConfig``.
+
+    Raises:
+      HFConfigError: a model the Mixtral layout cannot describe (named key).
+    """
+    moe, gqa = model.moe, model.gqa
+    needs = (
+        ("attention_type", model.attention_type, "gqa"), ("use_qk_norm", gqa.use_qk_norm, False),
+        ("first_num_dense_layers", model.first_num_dense_layers, 0),
+        ("shared_experts", moe.shared_experts, 0), ("routed_score_func", moe.routed_score_func, "softmax"),
+        ("norm_topk_prob", moe.norm_topk_prob, True), ("routed_bias", moe.routed_bias, False),
+        ("routed_scaling_factor", moe.routed_scaling_factor, 1.0),
+        ("n_routing_groups", moe.n_routing_groups, -1), ("mtp_num_layers", model.mtp_num_layers, 0),
+    )
+    for key, value, want in needs:
+        if value != want:
+            raise HFConfigError(f"export to mixtral needs {key}={want!r}, got {value!r}")
+    return {
+        "architectures": ["MixtralForCausalLM"],
+        "model_type": "mixtral",
+        "vocab_size": model.vocab_size,
+        "hidden_size": model.emb_dim,
+        "intermediate_size": moe.moe_mlp_dim,
+        "num_hidden_layers": model.num_decoder_layers,
+        "num_attention_heads": gqa.num_heads,
+        "num_key_value_heads": gqa.num_kv_heads,
+        "head_dim": gqa.head_dim,
+        "num_local_experts": moe.num_experts,
+        "num_experts_per_tok": moe.num_experts_per_tok,
+        # transformers' balancing loss sums over the k slots: k times dropless's.
+        "router_aux_loss_coef": moe.load_balance_loss_weight / moe.num_experts_per_tok,
+        "output_router_logits": False,
+        "hidden_act": "silu",
+        "rms_norm_eps": model.normalization_layer_epsilon,
+        "tie_word_embeddings": False,
+        "rope_theta": gqa.rope_theta,
+        "sliding_window": None,
+        "attention_dropout": 0.0,
+        "torch_dtype": torch_dtype,
+    }
+
+
+READERS: dict[str, Callable[[dict], dict]] = {
+    "deepseek_v3": deepseek_v3_keys, "qwen3_moe": qwen3_moe_keys, "mixtral": mixtral_keys}
 # The published config.json of a model section, by model_type (``hf.export``).
-WRITERS: dict[str, Callable[..., dict]] = {"deepseek_v3": deepseek_v3_config, "qwen3_moe": qwen3_moe_config}
+WRITERS: dict[str, Callable[..., dict]] = {
+    "deepseek_v3": deepseek_v3_config, "qwen3_moe": qwen3_moe_config, "mixtral": mixtral_config}
 
 
 def model_keys(hf: dict) -> dict[str, Any]:

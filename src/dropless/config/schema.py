@@ -83,7 +83,7 @@ class Config(BaseModel):
     scan_layers: bool = _f(True, "Stack layers with scan (compile time independent of depth).")
     attention: Literal["dot_product", "cudnn_flash_te"] = _f("dot_product", "Attention kernel: XLA dot-product or cuDNN flash attention.")
     cudnn_mla_unpadded_v: Literal["auto"] | bool = _f("auto", "attention=cudnn_flash_te with MLA: give cuDNN v at its own head dim (v_head_dim, 128 in DeepSeek-V3) instead of zero-padded to the q/k head dim (192), saving the padded part of P.V and its gradients (deepseek3-proxy on an H200: 1.06x the step). Uses a private JAX API (jax._src.cudnn, jax 0.11.2 as pinned) and needs cuDNN >= 9.10 on a Hopper or newer GPU. auto = unpadded where that runs, else padded, and the log says which and why; true = unpadded or an error naming this key; false = padded. No effect with attention_type=gqa (q, k and v share one head dim there) or attention=dot_product.")
-    decoder_block: Literal["custom", "deepseek", "qwen3_moe"] = _f("custom", "Layer structure the other keys must describe: deepseek (MLA attention), qwen3_moe (transformers' Qwen3MoeForCausalLM: GQA with q/k RMSNorm, softmax top-k routing over all experts, no shared expert, no routing bias or scaling, no MTP), custom (any combination). Checked only; layers read the keys themselves.")
+    decoder_block: Literal["custom", "deepseek", "qwen3_moe", "mixtral"] = _f("custom", "Layer structure the other keys must describe: deepseek (MLA attention), qwen3_moe (transformers' Qwen3MoeForCausalLM: GQA with q/k RMSNorm, softmax top-k routing over all experts, no shared expert, no routing bias or scaling, no MTP), mixtral (transformers' MixtralForCausalLM: as qwen3_moe but without q/k norm, every layer MoE, the top-k weights always renormalised), custom (any combination). Checked only; layers read the keys themselves.")
     attention_type: Literal["mla", "gqa"] = _f("mla", "Attention module: mla (DeepSeek latent attention; the MLA keys) or gqa (grouped-query attention; num_kv_heads, head_dim, use_qk_norm).")
     # GQA
     num_kv_heads: int = _f(-1, "GQA: key/value heads, dividing num_query_heads (-1: num_query_heads, plain multi-head attention).", ge=-1)
@@ -248,9 +248,10 @@ def _head_dim(c) -> int:
     return c.emb_dim // c.num_query_heads if c.head_dim == -1 else c.head_dim
 
 
-# What each decoder_block fixes: key -> (required value, why). qwen3_moe is the
-# structure of transformers' Qwen3MoeForCausalLM, so a model of that block can
-# be written as one; n_routing_groups has its own message (see below).
+# What each decoder_block fixes: key -> (required value, why). qwen3_moe and
+# mixtral are the structures of transformers' Qwen3MoeForCausalLM and
+# MixtralForCausalLM, so a model of either block can be written as one;
+# n_routing_groups has its own message (see below).
 DECODER_BLOCKS = {
     "custom": {},
     "deepseek": {"attention_type": ("mla", "DeepSeek-V3 uses MLA attention")},
@@ -263,7 +264,20 @@ DECODER_BLOCKS = {
         "routed_scaling_factor": (1.0, "Qwen3-MoE does not scale routing weights"),
         "mtp_num_layers": (0, "Qwen3-MoE has no multi-token prediction"),
     },
+    "mixtral": {
+        "attention_type": ("gqa", "Mixtral uses grouped-query attention"),
+        "use_qk_norm": (False, "Mixtral does not normalise q and k heads"),
+        "first_num_dense_layers": (0, "every Mixtral layer is MoE"),
+        "shared_experts": (0, "Mixtral has no shared expert"),
+        "routed_score_func": ("softmax", "Mixtral routes with a softmax"),
+        "norm_topk_prob": (True, "Mixtral renormalises its top-k weights"),
+        "routed_bias": (False, "Mixtral has no selection bias"),
+        "routed_scaling_factor": (1.0, "Mixtral does not scale routing weights"),
+        "mtp_num_layers": (0, "Mixtral has no multi-token prediction"),
+    },
 }
+# The blocks that route over all experts, for the group-limited-routing message.
+_ALL_EXPERT_ROUTING = {"qwen3_moe": "Qwen3-MoE", "mixtral": "Mixtral"}
 
 
 class ContradictionError(ValueError):
@@ -288,8 +302,8 @@ def _check_contradictions(c: Config):
         if getattr(c, key) != want:
             shown = str(want).lower() if isinstance(want, bool) else want
             bad(key, f"must be {shown} with decoder_block={c.decoder_block} ({why}; decoder_block=custom allows any)")
-    if c.decoder_block == "qwen3_moe" and c.n_routing_groups != -1:
-        bad("n_routing_groups", "group-limited routing is DeepSeek's; Qwen3-MoE (decoder_block=qwen3_moe) routes over all experts, so set n_routing_groups=-1 and topk_routing_group=-1")
+    if c.decoder_block in _ALL_EXPERT_ROUTING and c.n_routing_groups != -1:
+        bad("n_routing_groups", f"group-limited routing is DeepSeek's; {_ALL_EXPERT_ROUTING[c.decoder_block]} (decoder_block={c.decoder_block}) routes over all experts, so set n_routing_groups=-1 and topk_routing_group=-1")
     if c.attention_type == "gqa":
         kv, hd = _kv_heads(c), _head_dim(c)
         if kv < 1 or c.num_query_heads % kv:

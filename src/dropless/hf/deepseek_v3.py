@@ -24,8 +24,12 @@ from dropless.hf import leaves as L
 from dropless.hf.leaves import Entry, Mapping, detect_layout, leaf, linear, vector
 
 MODEL_TYPE = "deepseek_v3"
-ATTENTION_TYPE = "mla"  # export writes models of this attention type as this architecture
-__all__ = ["MODEL_TYPE", "ATTENTION_TYPE", "mapping", "detect_layout"]
+__all__ = ["MODEL_TYPE", "writes", "mapping", "detect_layout"]
+
+
+def writes(cfg: ModelConfig) -> bool:
+    """Whether export writes ``cfg``'s model as DeepSeek-V3: every MLA model."""
+    return cfg.attention_type == "mla"
 
 
 def _attention(cfg: ModelConfig, p: str) -> list[Entry]:

@@ -14,11 +14,13 @@ transpose. The gate|up fused expert weight ``wi [L, E, D, 2F]`` is thus
 whose cells hold no Part is state the HF model does not have (the routing
 bias of a model without one): loaded as zeros, and it must be zero to export.
 
-The pieces both DeepSeek-V3 and Qwen3-MoE use live here: the embedding,
-final norm and head; a dense SwiGLU MLP; the routed experts in either layout
+The pieces the architectures share live here: the embedding, final norm and
+head; a dense SwiGLU MLP; GQA attention (Qwen3-MoE, Mixtral); the routed
+experts in either layout
 
 * ``published`` (as released): per-expert
-  ``model.layers.i.mlp.experts.j.{gate,up,down}_proj.weight``;
+  ``model.layers.i.mlp.experts.j.{gate,up,down}_proj.weight`` (Mixtral's
+  names differ: ``ExpertNames``);
 * ``fused`` (transformers 5): ``mlp.experts.gate_up_proj [E, 2F, D]`` (gate
   rows first) and ``mlp.experts.down_proj [E, D, F]`` per layer;
 
@@ -131,13 +133,26 @@ def mlp(path, p: str, d: int, f: int) -> list[Entry]:
     ]
 
 
-def experts(cfg: ModelConfig, p: str, layout: str) -> list[Entry]:
+@dataclasses.dataclass(frozen=True)
+class ExpertNames:
+    """The per-expert (published) tensor names: ``{prefix}{j}.{gate|up|down}.weight``
+    under the layer prefix. The fused (transformers 5) names are the same for
+    every architecture: ``mlp.experts.gate_up_proj`` and ``mlp.experts.down_proj``."""
+
+    prefix: str = "mlp.experts."
+    gate: str = "gate_proj"
+    up: str = "up_proj"
+    down: str = "down_proj"
+
+
+def experts(cfg: ModelConfig, p: str, layout: str, names: ExpertNames = ExpertNames()) -> list[Entry]:
     """The routed experts of layer prefix ``p`` in ``layout`` (``wi`` or ``wi_0``/``wi_1``, ``wo``)."""
     moe, d = cfg.moe, cfg.emb_dim
     e, f = moe.num_experts, moe.moe_mlp_dim
-    x = p + "mlp.experts."
+    x = p + names.prefix
     fused = moe.prefuse_moe_weights
     if layout == "fused":
+        x = p + "mlp.experts."
         gate_up, down = Part(x + "gate_up_proj", (e, 2 * f, d)), Part(x + "down_proj", (e, d, f))
         rows = lambda lo, hi: dataclasses.replace(gate_up, rows=(lo, hi))  # noqa: E731
         wi = ([entry(("moe", "wi"), cell(gate_up), (e, d, 2 * f))] if fused else [
@@ -151,19 +166,39 @@ def experts(cfg: ModelConfig, p: str, layout: str) -> list[Entry]:
             grid[j] = tuple(Part(f"{x}{j}.{name}.weight", shape) for name, shape in projs)
         return grid
 
-    gate, up = ("gate_proj", (f, d)), ("up_proj", (f, d))
+    gate, up = (names.gate, (f, d)), (names.up, (f, d))
     wi = ([entry(("moe", "wi"), per_expert(gate, up), (d, 2 * f))] if fused else [
         entry(("moe", "wi_0"), per_expert(gate), (d, f)),
         entry(("moe", "wi_1"), per_expert(up), (d, f))])
-    return wi + [entry(("moe", "wo"), per_expert(("down_proj", (d, f))), (f, d))]
+    return wi + [entry(("moe", "wo"), per_expert((names.down, (d, f))), (f, d))]
+
+
+def gqa_attention(cfg: ModelConfig, p: str) -> list[Entry]:
+    """GQA's ``self_attn.{q,k,v,o}_proj.weight`` (no biases) of layer prefix ``p``,
+    and its per-head ``q_norm``/``k_norm`` with ``use_qk_norm`` (Qwen3)."""
+    gqa, d = cfg.gqa, cfg.emb_dim
+    q, kv, hd = gqa.num_heads * gqa.head_dim, gqa.num_kv_heads * gqa.head_dim, gqa.head_dim
+    a = p + "self_attn."
+    out = [
+        linear(("attention", "wq", "kernel"), a + "q_proj.weight", d, q),
+        linear(("attention", "wk", "kernel"), a + "k_proj.weight", d, kv),
+        linear(("attention", "wv", "kernel"), a + "v_proj.weight", d, kv),
+        linear(("attention", "wo", "kernel"), a + "o_proj.weight", q, d),
+    ]
+    if gqa.use_qk_norm:
+        out += [vector(("attention", "q_norm", "scale"), a + "q_norm.weight", hd),
+                vector(("attention", "k_norm", "scale"), a + "k_norm.weight", hd)]
+    return out
 
 
 def decoder_layer(cfg: ModelConfig, p: str, moe: bool, layout: str,
                   attention: Callable[[ModelConfig, str], list[Entry]],
-                  router: Callable[[ModelConfig, str], list[Entry]]) -> list[Entry]:
+                  router: Callable[[ModelConfig, str], list[Entry]],
+                  expert_names: ExpertNames = ExpertNames()) -> list[Entry]:
     """The entries of ``model.layers.i`` (``p``) every architecture shares: the two
     norms, ``attention``'s entries, then the dense MLP, or ``router``'s entries
-    (router, balancing bias, shared experts) and the routed experts."""
+    (router, balancing bias, shared experts) and the routed experts
+    (``expert_names`` in the published layout)."""
     d = cfg.emb_dim
     out = [
         vector(("pre_attention_norm", "scale"), p + "input_layernorm.weight", d),
@@ -172,7 +207,7 @@ def decoder_layer(cfg: ModelConfig, p: str, moe: bool, layout: str,
     ]
     if not moe:
         return out + mlp(("mlp",), p + "mlp.", d, cfg.mlp_dim)
-    return out + [*router(cfg, p), *experts(cfg, p, layout)]
+    return out + [*router(cfg, p), *experts(cfg, p, layout, expert_names)]
 
 
 def leaf(prefix: tuple, ent: Entry, cells: list[np.ndarray] | None = None) -> Leaf:
@@ -224,16 +259,16 @@ def decoder(cfg: ModelConfig, layout: str, layer_entries: LayerEntries) -> list[
     return leaves
 
 
-_PER_EXPERT = re.compile(r"\.mlp\.experts\.\d+\.")
-
-
-def detect_layout(names) -> str:
+def detect_layout(names, per_expert_prefix: str = "mlp.experts.") -> str:
     """``published`` or ``fused`` from the tensor names (published when there is no MoE layer).
+
+    ``per_expert_prefix``: ``ExpertNames.prefix`` of the architecture.
 
     Raises:
       ValueError: names of both layouts.
     """
-    published = any(_PER_EXPERT.search(n) for n in names)
+    per_expert = re.compile(r"\." + re.escape(per_expert_prefix) + r"\d+\.")
+    published = any(per_expert.search(n) for n in names)
     fused = any(n.endswith(".mlp.experts.gate_up_proj") for n in names)
     if published and fused:
         raise ValueError("the directory mixes per-expert (published) and fused (transformers 5) expert tensors")

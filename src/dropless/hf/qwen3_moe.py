@@ -22,27 +22,15 @@ permutation.
 
 from dropless.config.sections import ModelConfig
 from dropless.hf import leaves as L
-from dropless.hf.leaves import Entry, Mapping, detect_layout, linear, vector
+from dropless.hf.leaves import Entry, Mapping, detect_layout, linear
 
 MODEL_TYPE = "qwen3_moe"
-ATTENTION_TYPE = "gqa"  # export writes models of this attention type as this architecture
-__all__ = ["MODEL_TYPE", "ATTENTION_TYPE", "mapping", "detect_layout"]
+__all__ = ["MODEL_TYPE", "writes", "mapping", "detect_layout"]
 
 
-def _attention(cfg: ModelConfig, p: str) -> list[Entry]:
-    gqa, d = cfg.gqa, cfg.emb_dim
-    q, kv, hd = gqa.num_heads * gqa.head_dim, gqa.num_kv_heads * gqa.head_dim, gqa.head_dim
-    a = p + "self_attn."
-    out = [
-        linear(("attention", "wq", "kernel"), a + "q_proj.weight", d, q),
-        linear(("attention", "wk", "kernel"), a + "k_proj.weight", d, kv),
-        linear(("attention", "wv", "kernel"), a + "v_proj.weight", d, kv),
-        linear(("attention", "wo", "kernel"), a + "o_proj.weight", q, d),
-    ]
-    if gqa.use_qk_norm:
-        out += [vector(("attention", "q_norm", "scale"), a + "q_norm.weight", hd),
-                vector(("attention", "k_norm", "scale"), a + "k_norm.weight", hd)]
-    return out
+def writes(cfg: ModelConfig) -> bool:
+    """Whether export writes ``cfg``'s model as Qwen3-MoE: GQA with q/k norm."""
+    return cfg.attention_type == "gqa" and cfg.gqa.use_qk_norm
 
 
 def _router(cfg: ModelConfig, p: str) -> list[Entry]:
@@ -54,7 +42,7 @@ def _router(cfg: ModelConfig, p: str) -> list[Entry]:
 
 def _decoder_layer(cfg: ModelConfig, p: str, moe: bool, layout: str) -> list[Entry]:
     """The entries of ``model.layers.i`` (``p``), dense (``mlp_only_layers``) or MoE."""
-    return L.decoder_layer(cfg, p, moe, layout, _attention, _router)
+    return L.decoder_layer(cfg, p, moe, layout, L.gqa_attention, _router)
 
 
 def mapping(cfg: ModelConfig, layout: str, hf_mtp_layers: int = 0) -> Mapping:

@@ -1,4 +1,4 @@
-"""Grouped-query attention (GQA; Llama, Qwen3) with optional per-head q/k RMSNorm.
+"""Grouped-query attention (GQA; Llama, Qwen3, Mixtral) with optional per-head q/k RMSNorm.
 
 Legend: B batch, S sequence, D model dim, H query heads, K kv heads (K
 divides H), G = H // K query heads per kv head, Dh head dim (q, k and v).
@@ -9,7 +9,8 @@ divides H), G = H // K query heads per kv head, Dh head dim (q, k and v).
     y      = wo(softmax(q k^T / sqrt(Dh), causal) v)     query head h reads kv head h // G
 
 This is transformers' ``Qwen3MoeAttention`` (no projection biases, RMSNorm
-over the head dim before RoPE, scale ``Dh**-0.5``). The attention itself is
+over the head dim before RoPE, scale ``Dh**-0.5``) and, without
+``use_qk_norm``, its ``MixtralAttention`` (with ``sliding_window: null``). The attention itself is
 ``attention.dot_product_attention`` or ``attention.fused_attention``, which
 take k and v with K heads and never repeat them H // K times in memory.
 

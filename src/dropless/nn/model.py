@@ -9,10 +9,11 @@ of one stack, E routed experts.
     logits = head(final_norm(h))                       untied output head
 
 Each decoder layer is pre-norm: ``h += attention(norm(h)); h += FFN(norm(h))``,
-the attention MLA (DeepSeek-V3) or GQA (Qwen3) by ``attention_type``. The two
+the attention MLA (DeepSeek-V3) or GQA (Qwen3, Mixtral) by ``attention_type``. The
 shapes the configs describe come from the same blocks: DeepSeek-V3 is MLA,
 dense-first, MoE with a shared expert and sigmoid group-limited routing, MTP;
-Qwen3-MoE is GQA with q/k norm, all MoE layers, softmax top-k routing.
+Qwen3-MoE is GQA with q/k norm, all MoE layers, softmax top-k routing; Mixtral
+is Qwen3-MoE's blocks without the q/k norm (8 experts top-2).
 Layers of one kind are built once with ``nnx.vmap`` (parameters stacked on a
 leading [L] axis) and applied with ``jax.lax.scan``, so the traced and compiled
 program holds one layer per stack whatever the depth.
@@ -242,7 +243,7 @@ class MTPModule(nnx.Module):
 
 
 class Transformer(nnx.Module):
-    """Decoder-only MoE language model (DeepSeek-V3- or Qwen3-MoE-style by its config).
+    """Decoder-only MoE language model (DeepSeek-V3-, Qwen3-MoE- or Mixtral-style by its config).
 
     Args:
       cfg: the model section; parameters in ``weight_dtype``, activations in ``dtype``.

@@ -52,7 +52,7 @@ def test_sharded_load_equals_single_device_load():
     assert split >= 10  # the expert weights and the larger kernels are split over devices
 
 
-@pytest.mark.parametrize("fixture", [".", "qwen3_moe"])  # DeepSeek-V3, Qwen3-MoE
+@pytest.mark.parametrize("fixture", [".", "qwen3_moe", "mixtral"])  # DeepSeek-V3, Qwen3-MoE, Mixtral
 def test_expert_parallel_forward_matches_transformers(fixture):
     cfg = _config(os.path.join(fixture, "published"))
     tokens = np.load(os.path.join(FIXTURES, fixture, "tokens.npy"))
