@@ -8,6 +8,7 @@ Imported by those scripts (run from this folder's parent as
 Needs torch, transformers >= 5 and safetensors, not dropless's environment.
 """
 
+import argparse
 import json
 import os
 import platform
@@ -17,6 +18,20 @@ import safetensors
 import torch
 import transformers
 from safetensors.torch import save_file
+
+
+def out_dir(argv, description: str) -> str:
+    """The command line's one argument OUT, the fixture directory, created."""
+    ap = argparse.ArgumentParser(description=description)
+    ap.add_argument("out")
+    out = ap.parse_args(argv).out
+    os.makedirs(out, exist_ok=True)
+    return out
+
+
+def random_tokens(seed: int, vocab_size: int, batch: int, seq: int) -> np.ndarray:
+    """int32 [batch, seq] tokens drawn uniformly by numpy's generator of ``seed``."""
+    return np.random.default_rng(seed).integers(0, vocab_size, (batch, seq)).astype(np.int32)
 
 
 def randomize_bf16(model, std: float) -> None:

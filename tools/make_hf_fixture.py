@@ -32,14 +32,13 @@ Written under OUT:
     meta.json       versions and the config used
 """
 
-import argparse
 import os
 import sys
 
 import numpy as np
 import torch
-from hf_fixture_common import (meta, published_tensors, randomize_bf16, run, write_fused, write_meta,
-                               write_outputs, write_published)
+from hf_fixture_common import (meta, out_dir, published_tensors, random_tokens, randomize_bf16, run, write_fused,
+                               write_meta, write_outputs, write_published)
 from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
 
 SEED = 0
@@ -177,13 +176,9 @@ def mtp_tensors(model, layer: int, gen: torch.Generator) -> dict:
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("out")
-    out = ap.parse_args(argv).out
-    os.makedirs(out, exist_ok=True)
+    out = out_dir(argv, __doc__.splitlines()[0])
     model = build_model()
-    rng = np.random.default_rng(SEED)
-    tokens = rng.integers(0, HF_CONFIG["vocab_size"], (BATCH, SEQ)).astype(np.int32)
+    tokens = random_tokens(SEED, HF_CONFIG["vocab_size"], BATCH, SEQ)
     logits, experts = run(model, tokens, ROUTER)
     state = {k: v.detach() for k, v in model.state_dict().items()}
 

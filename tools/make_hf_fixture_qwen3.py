@@ -30,14 +30,12 @@ Written under OUT:
                     (k-th minus (k+1)-th router probability over all tokens)
 """
 
-import argparse
 import os
 import sys
 
-import numpy as np
 import torch
-from hf_fixture_common import (meta, published_tensors, randomize_bf16, routing_margin, run, write_fused,
-                               write_meta, write_outputs, write_published)
+from hf_fixture_common import (meta, out_dir, published_tensors, random_tokens, randomize_bf16, routing_margin,
+                               run, write_fused, write_meta, write_outputs, write_published)
 from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
 
 SEED = 0
@@ -90,13 +88,9 @@ def build_model() -> Qwen3MoeForCausalLM:
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("out")
-    out = ap.parse_args(argv).out
-    os.makedirs(out, exist_ok=True)
+    out = out_dir(argv, __doc__.splitlines()[0])
     model = build_model()
-    rng = np.random.default_rng(SEED)
-    tokens = rng.integers(0, HF_CONFIG["vocab_size"], (BATCH, SEQ)).astype(np.int32)
+    tokens = random_tokens(SEED, HF_CONFIG["vocab_size"], BATCH, SEQ)
     logits, experts = run(model, tokens, router=ROUTER)
     state = {k: v.detach().bfloat16().contiguous() for k, v in model.state_dict().items()}
 
