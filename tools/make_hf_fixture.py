@@ -32,22 +32,19 @@ Written under OUT:
     meta.json       versions and the config used
 """
 
-import argparse
-import json
 import os
-import platform
 import sys
 
 import numpy as np
-import safetensors
 import torch
-import transformers
-from safetensors.torch import save_file
+from hf_fixture_common import (meta, out_dir, published_tensors, random_tokens, randomize_bf16, run, write_fused,
+                               write_meta, write_outputs, write_published)
 from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
 
 SEED = 0
 BATCH, SEQ = 2, 24
 BLOCK = 128  # DeepSeek-V3's FP8 weight block (quantization_config.weight_block_size)
+ROUTER = "DeepseekV3TopkRouter"
 
 HF_CONFIG = dict(
     vocab_size=128,
@@ -104,37 +101,15 @@ def build_model() -> DeepseekV3ForCausalLM:
     cfg = DeepseekV3Config(**HF_CONFIG, rope_parameters={"rope_theta": ROPE_THETA, **ROPE},
                            attn_implementation="eager")
     model = DeepseekV3ForCausalLM(cfg).float().eval()
+    randomize_bf16(model, HF_CONFIG["initializer_range"])
     with torch.no_grad():
-        for name, p in model.named_parameters():
-            if name.endswith("norm.weight") or "layernorm" in name:
-                p.copy_(1.0 + 0.2 * torch.randn_like(p))
-            else:
-                p.copy_(HF_CONFIG["initializer_range"] * torch.randn_like(p))
         for name, b in model.named_buffers():
             if name.endswith("e_score_correction_bias"):
                 b.copy_(0.05 * torch.randn_like(b))
-        for t in list(model.parameters()) + [b for n, b in model.named_buffers() if "bias" in n]:
-            t.copy_(t.bfloat16().float())  # bf16 files then hold the model exactly
+        for b in [b for n, b in model.named_buffers() if "bias" in n]:
+            b.copy_(b.bfloat16().float())  # bf16 files then hold the model exactly
     return model
 
-
-def run(model, tokens, router: str = "DeepseekV3TopkRouter"):
-    """(logits [B, S, V] float32, experts [L_moe, B*S, K] int32 sorted per token).
-
-    ``router``: the class name of the model's router module, whose output
-    ``[2]`` is the chosen experts [B*S, K].
-    """
-    experts = []
-
-    def hook(_module, _inputs, outputs):
-        experts.append(torch.sort(outputs[2], dim=-1).values.to(torch.int32).numpy())
-
-    handles = [m.register_forward_hook(hook) for m in model.modules() if type(m).__name__ == router]
-    with torch.no_grad():
-        logits = model(torch.from_numpy(tokens).long()).logits.float().numpy()
-    for h in handles:
-        h.remove()
-    return logits, np.stack(experts)
 
 
 def to_file_dtype(name: str, t: torch.Tensor) -> torch.Tensor:
@@ -144,37 +119,6 @@ def to_file_dtype(name: str, t: torch.Tensor) -> torch.Tensor:
     return t.bfloat16().contiguous()
 
 
-def published_tensors(state: dict) -> dict:
-    """transformers' state_dict -> published names (per-expert weights split out)."""
-    out = {}
-    for name, t in state.items():
-        if name.endswith("mlp.experts.gate_up_proj"):
-            base, f = name[: -len("gate_up_proj")], t.shape[1] // 2
-            for e in range(t.shape[0]):
-                out[f"{base}{e}.gate_proj.weight"] = t[e, :f]
-                out[f"{base}{e}.up_proj.weight"] = t[e, f:]
-        elif name.endswith("mlp.experts.down_proj"):
-            base = name[: -len("down_proj")]
-            for e in range(t.shape[0]):
-                out[f"{base}{e}.down_proj.weight"] = t[e]
-        else:
-            out[name] = t
-    return out
-
-
-def save_sharded(tensors: dict, out: str, shards: int) -> None:
-    os.makedirs(out, exist_ok=True)
-    names = sorted(tensors)
-    weight_map, total = {}, 0
-    for i in range(shards):
-        part = names[i::shards]
-        fname = f"model-{i + 1:05d}-of-{shards:05d}.safetensors"
-        save_file({n: tensors[n].contiguous() for n in part}, os.path.join(out, fname), metadata={"format": "pt"})
-        for n in part:
-            weight_map[n] = fname
-            total += tensors[n].numel() * tensors[n].element_size()
-    with open(os.path.join(out, "model.safetensors.index.json"), "w") as fh:
-        json.dump({"metadata": {"total_size": total}, "weight_map": weight_map}, fh, indent=1, sort_keys=True)
 
 
 def is_fp8_weight(name: str) -> bool:
@@ -232,27 +176,19 @@ def mtp_tensors(model, layer: int, gen: torch.Generator) -> dict:
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("out")
-    out = ap.parse_args(argv).out
-    os.makedirs(out, exist_ok=True)
+    out = out_dir(argv, __doc__.splitlines()[0])
     model = build_model()
-    rng = np.random.default_rng(SEED)
-    tokens = rng.integers(0, HF_CONFIG["vocab_size"], (BATCH, SEQ)).astype(np.int32)
-    logits, experts = run(model, tokens)
+    tokens = random_tokens(SEED, HF_CONFIG["vocab_size"], BATCH, SEQ)
+    logits, experts = run(model, tokens, ROUTER)
     state = {k: v.detach() for k, v in model.state_dict().items()}
 
     # transformers 5 layout: its own names and config.json.
-    os.makedirs(os.path.join(out, "fused"), exist_ok=True)
-    model.config.to_json_file(os.path.join(out, "fused", "config.json"))
-    save_file({k: to_file_dtype(k, v) for k, v in state.items()},
-              os.path.join(out, "fused", "model.safetensors"), metadata={"format": "pt"})
+    write_fused(out, model, {k: to_file_dtype(k, v) for k, v in state.items()})
 
     # Published layout, sharded.
     pub = published_tensors(state)
-    save_sharded({k: to_file_dtype(k, v) for k, v in pub.items()}, os.path.join(out, "published"), 3)
-    with open(os.path.join(out, "published", "config.json"), "w") as fh:
-        json.dump(published_config(0, fp8=False), fh, indent=1)
+    write_published(os.path.join(out, "published"), {k: to_file_dtype(k, v) for k, v in pub.items()},
+                    published_config(0, fp8=False), 3)
 
     # FP8 + MTP: quantize the projections; the reference model runs their dequantized values.
     gen = torch.Generator().manual_seed(SEED + 1)
@@ -266,9 +202,7 @@ def main(argv=None) -> int:
         else:
             files[name] = to_file_dtype(name, t)
             deq[name] = t
-    save_sharded(files, os.path.join(out, "fp8_mtp"), 2)
-    with open(os.path.join(out, "fp8_mtp", "config.json"), "w") as fh:
-        json.dump(published_config(1, fp8=True), fh, indent=1)
+    write_published(os.path.join(out, "fp8_mtp"), files, published_config(1, fp8=True), 2)
     ref = build_model()
     ref_state = ref.state_dict()
     with torch.no_grad():
@@ -283,23 +217,14 @@ def main(argv=None) -> int:
                 t.copy_(torch.stack([deq[f"{base}{e}.down_proj.weight"] for e in range(t.shape[0])]))
             else:
                 t.copy_(deq[name])
-    logits_fp8, experts_fp8 = run(ref, tokens)
+    logits_fp8, experts_fp8 = run(ref, tokens, ROUTER)
 
-    np.save(os.path.join(out, "tokens.npy"), tokens)
-    np.save(os.path.join(out, "logits.npy"), logits.astype(np.float32))
-    np.save(os.path.join(out, "experts.npy"), experts)
+    write_outputs(out, tokens, logits, experts)
     np.save(os.path.join(out, "logits_fp8.npy"), logits_fp8.astype(np.float32))
     np.save(os.path.join(out, "experts_fp8.npy"), experts_fp8)
-    meta = {
-        "generator": "tools/make_hf_fixture.py", "seed": SEED, "batch": BATCH, "seq": SEQ,
-        "python": platform.python_version(), "torch": torch.__version__,
-        "transformers": transformers.__version__, "safetensors": safetensors.__version__,
-        "numpy": np.__version__, "hf_config": HF_CONFIG, "rope_parameters": {"rope_theta": ROPE_THETA, **ROPE},
-        "attn_implementation": "eager", "dtype": "float32 compute, bf16-representable weights",
-    }
-    with open(os.path.join(out, "meta.json"), "w") as fh:
-        json.dump(meta, fh, indent=1)
-    size = sum(os.path.getsize(os.path.join(r, n)) for r, _, ns in os.walk(out) for n in ns)
+    record = meta("tools/make_hf_fixture.py", SEED, BATCH, SEQ, HF_CONFIG,
+                  {"rope_parameters": {"rope_theta": ROPE_THETA, **ROPE}})
+    size = write_meta(out, record)
     print(f"wrote {out}: {size / 1e6:.3f} MB; logits {logits.shape}, experts {experts.shape}")
     return 0
 

@@ -35,20 +35,15 @@ Before writing, transformers loads published/ back (its conversion of the
 per-expert names) and must give the same logits bit for bit.
 """
 
-import argparse
-import json
 import os
-import platform
 import sys
 import tempfile
 
 import numpy as np
-import safetensors
 import torch
-import transformers
-from make_hf_fixture import run, save_sharded
+from hf_fixture_common import (meta, out_dir, published_tensors, random_tokens, randomize_bf16, routing_margin,
+                               run, write_fused, write_meta, write_outputs, write_published)
 from safetensors import safe_open
-from safetensors.torch import save_file
 from transformers import AutoModelForCausalLM, MixtralConfig, MixtralForCausalLM
 
 SEED = 0
@@ -90,50 +85,15 @@ def build_model() -> MixtralForCausalLM:
     cfg = MixtralConfig(**HF_CONFIG, rope_parameters={"rope_type": "default", "rope_theta": ROPE_THETA},
                         attn_implementation="eager")
     model = MixtralForCausalLM(cfg).float().eval()
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if name.endswith("norm.weight"):
-                p.copy_(1.0 + 0.2 * torch.randn_like(p))
-            else:
-                p.copy_(HF_CONFIG["initializer_range"] * torch.randn_like(p))
-            p.copy_(p.bfloat16().float())  # bf16 files then hold the model exactly
+    randomize_bf16(model, HF_CONFIG["initializer_range"])
     return model
 
 
-def published_tensors(state: dict) -> dict:
+def mixtral_tensors(state: dict) -> dict:
     """transformers 5's state_dict -> Mixtral's published names (per-expert w1/w3/w2)."""
-    out = {}
-    for name, t in state.items():
-        name = name.replace(".mlp.", ".block_sparse_moe.")
-        if name.endswith("experts.gate_up_proj"):
-            base, f = name[: -len("gate_up_proj")], t.shape[1] // 2
-            for e in range(t.shape[0]):
-                out[f"{base}{e}.w1.weight"] = t[e, :f]
-                out[f"{base}{e}.w3.weight"] = t[e, f:]
-        elif name.endswith("experts.down_proj"):
-            base = name[: -len("down_proj")]
-            for e in range(t.shape[0]):
-                out[f"{base}{e}.w2.weight"] = t[e]
-        else:
-            out[name] = t
-    return out
+    return published_tensors({k.replace(".mlp.", ".block_sparse_moe."): v for k, v in state.items()},
+                             gate="w1", up="w3", down="w2")
 
-
-def routing_margin(model, tokens) -> float:
-    """Smallest gap between the k-th and (k+1)-th router probability of any token and layer."""
-    gaps = []
-
-    def hook(module, _inputs, outputs):
-        probs = torch.softmax(outputs[0].float(), dim=-1)
-        top = torch.topk(probs, module.top_k + 1, dim=-1).values
-        gaps.append(float((top[:, -2] - top[:, -1]).min()))
-
-    handles = [m.register_forward_hook(hook) for m in model.modules() if type(m).__name__ == ROUTER]
-    with torch.no_grad():
-        model(torch.from_numpy(tokens).long())
-    for h in handles:
-        h.remove()
-    return min(gaps)
 
 
 def saved_names(model) -> list[str]:
@@ -157,42 +117,23 @@ def check_published_loads(path: str, tokens, logits) -> None:
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("out")
-    out = ap.parse_args(argv).out
-    os.makedirs(out, exist_ok=True)
+    out = out_dir(argv, __doc__.splitlines()[0])
     model = build_model()
-    rng = np.random.default_rng(SEED)
-    tokens = rng.integers(0, HF_CONFIG["vocab_size"], (BATCH, SEQ)).astype(np.int32)
+    tokens = random_tokens(SEED, HF_CONFIG["vocab_size"], BATCH, SEQ)
     logits, experts = run(model, tokens, router=ROUTER)
     state = {k: v.detach().bfloat16().contiguous() for k, v in model.state_dict().items()}
 
-    os.makedirs(os.path.join(out, "fused"), exist_ok=True)
-    model.config.to_json_file(os.path.join(out, "fused", "config.json"))
-    save_file(state, os.path.join(out, "fused", "model.safetensors"), metadata={"format": "pt"})
-
-    save_sharded(published_tensors(state), os.path.join(out, "published"), 2)
-    with open(os.path.join(out, "published", "config.json"), "w") as fh:
-        json.dump(published_config(), fh, indent=1)
+    write_fused(out, model, state)
+    write_published(os.path.join(out, "published"), mixtral_tensors(state), published_config(), 2)
     check_published_loads(os.path.join(out, "published"), tokens, logits)
 
-    np.save(os.path.join(out, "tokens.npy"), tokens)
-    np.save(os.path.join(out, "logits.npy"), logits.astype(np.float32))
-    np.save(os.path.join(out, "experts.npy"), experts)
-    meta = {
-        "generator": "tools/make_hf_fixture_mixtral.py", "seed": SEED, "batch": BATCH, "seq": SEQ,
-        "python": platform.python_version(), "torch": torch.__version__,
-        "transformers": transformers.__version__, "safetensors": safetensors.__version__,
-        "numpy": np.__version__, "hf_config": HF_CONFIG, "rope_theta": ROPE_THETA,
-        "attn_implementation": "eager", "dtype": "float32 compute, bf16-representable weights",
-        "min_routing_margin": routing_margin(model, tokens),
-        "save_pretrained_layer0_names": saved_names(model),
-    }
-    with open(os.path.join(out, "meta.json"), "w") as fh:
-        json.dump(meta, fh, indent=1)
-    size = sum(os.path.getsize(os.path.join(r, n)) for r, _, ns in os.walk(out) for n in ns)
+    write_outputs(out, tokens, logits, experts)
+    record = meta("tools/make_hf_fixture_mixtral.py", SEED, BATCH, SEQ, HF_CONFIG, {"rope_theta": ROPE_THETA},
+                  min_routing_margin=routing_margin(model, tokens, ROUTER),
+                  save_pretrained_layer0_names=saved_names(model))
+    size = write_meta(out, record)
     print(f"wrote {out}: {size / 1e6:.3f} MB; logits {logits.shape}, experts {experts.shape}, "
-          f"min routing margin {meta['min_routing_margin']:.2e}")
+          f"min routing margin {record['min_routing_margin']:.2e}")
     return 0
 
 

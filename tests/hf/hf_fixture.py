@@ -3,6 +3,7 @@ Qwen3-MoE and Mixtral (see ``tools/make_hf_fixture.py``,
 ``tools/make_hf_fixture_qwen3.py``, ``tools/make_hf_fixture_mixtral.py``),
 write altered copies, load them into dropless's parameters."""
 
+import dataclasses
 import json
 import os
 import shutil
@@ -10,6 +11,7 @@ import shutil
 import jax
 import jax.numpy as jnp
 import numpy as np
+import orbax.checkpoint as ocp
 from flax import nnx
 from safetensors.numpy import save_file
 
@@ -18,6 +20,7 @@ from dropless.hf.load import load_hf
 from dropless.hf.safetensors_io import TensorDir
 from dropless.nn.moe import MoEBlock, RouterBias
 from dropless.train import step as step_lib
+from dropless.train.checkpoint import write_manifest
 
 FIXTURES = os.path.join(os.path.dirname(__file__), "fixtures")
 QWEN3 = os.path.join(FIXTURES, "qwen3_moe")
@@ -107,3 +110,15 @@ def write_variant(src: str, out: str, tensors: dict[str, np.ndarray], config: di
         with open(os.path.join(out, "config.json"), "w") as f:
             json.dump(config, f)
     return out
+
+
+def save_checkpoint(run, cfg, state) -> str:
+    """Step 0 of a dropless run directory ``run`` (a ``pathlib.Path``) holding ``state``,
+    as ``export-hf`` reads it: ``checkpoints/0`` with its manifest, and the run's
+    ``config.json`` with the model section ``cfg``. Returns the step directory."""
+    step = run / "checkpoints" / "0"
+    with ocp.StandardCheckpointer() as ckptr:
+        ckptr.save(str(step / "model"), state)
+    write_manifest(str(step))
+    (run / "config.json").write_text(json.dumps({"model": dataclasses.asdict(cfg)}))
+    return str(step)

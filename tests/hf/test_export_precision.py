@@ -15,21 +15,17 @@ same computation: the logit gap of a bf16 export against its checkpoint is the
 rounding of the weights alone.
 """
 
-import dataclasses
-import json
 import os
 
 import jax
 import jax.numpy as jnp
 import numpy as np
-import orbax.checkpoint as ocp
 import pytest
-from hf_fixture import FIXTURES, QWEN3, assert_bitwise_equal, load_params, model_cfg
+from hf_fixture import FIXTURES, QWEN3, assert_bitwise_equal, load_params, model_cfg, save_checkpoint
 
 from dropless import cli
 from dropless.hf.export import precision_note, write_hf
 from dropless.hf.safetensors_io import TensorDir
-from dropless.train.checkpoint import write_manifest
 
 SOURCES = {"deepseek_v3": os.path.join(FIXTURES, "published"), "qwen3_moe": os.path.join(QWEN3, "published")}
 # The tensors DeepSeek-V3 ships (and transformers keeps) in float32; Qwen3-MoE ships its router in bf16.
@@ -89,13 +85,7 @@ def test_bf16_export_is_the_parameters_rounded_to_nearest_even(arch, tmp_path):
 def float32_checkpoint(tmp_path):
     """A dropless checkpoint step of float32 parameters (the DeepSeek-V3 fixture's model)."""
     cfg, state = _random_state(SOURCES["deepseek_v3"])
-    run = tmp_path / "run"
-    step = run / "checkpoints" / "0"
-    with ocp.StandardCheckpointer() as ckptr:
-        ckptr.save(str(step / "model"), state)
-    write_manifest(str(step))
-    (run / "config.json").write_text(json.dumps({"model": dataclasses.asdict(cfg)}))
-    return str(step)
+    return save_checkpoint(tmp_path / "run", cfg, state)
 
 
 def test_export_hf_says_when_it_rounds_the_weights(float32_checkpoint, tmp_path, capsys):

@@ -24,20 +24,17 @@ import os
 
 import jax
 import numpy as np
-import orbax.checkpoint as ocp
+import parity
 import pytest
-from hf_fixture import (QWEN3, assert_bitwise_equal, assert_same_tensors, load_model, load_params,
-                        logits_and_experts, model_cfg, read_all, rel_fro)
+from hf_fixture import QWEN3, load_params, model_cfg, read_all
 
-from dropless import cli
 from dropless.config import hf_config
 from dropless.config.loader import ConfigError, load_config
 from dropless.hf.export import write_hf
 from dropless.train import loop
-from dropless.train.checkpoint import write_manifest
 
 LAYOUTS = ("published", "fused")
-TOKENS = os.path.join(QWEN3, "tokens.npy")
+BOUND = 1e-4  # relative Frobenius error of the logits, derived above
 
 
 def _config_json(layout="published") -> dict:
@@ -70,11 +67,7 @@ def test_both_layouts_give_the_qwen3_model_keys():
     ({"rope_scaling": {"type": "default", "partial_rotary_factor": 0.25}}, "partial_rotary_factor=0.25"),
 ])
 def test_what_dropless_cannot_compute_is_refused_naming_the_key(tmp_path, change, words):
-    (tmp_path / "config.json").write_text(json.dumps({**_config_json(), **change}))
-    with pytest.raises(ConfigError) as e:
-        load_config(None, [f"hf_model_path={tmp_path}"])
-    msg = str(e.value)
-    assert "\n" not in msg and words in msg and "not supported" in msg, msg
+    parity.assert_refused(tmp_path, {**_config_json(), **change}, words)
 
 
 @pytest.mark.parametrize("preset", ["qwen3-30b-a3b", "qwen3-235b-a22b"])
@@ -99,23 +92,13 @@ def test_a_key_given_against_the_directory_is_a_contradiction():
 
 @pytest.mark.parametrize("layout", LAYOUTS)
 def test_forward_command_matches_transformers_logits(tmp_path, layout):
-    out = tmp_path / "logits.npy"
-    code = cli.main(["forward", f"hf_model_path={os.path.join(QWEN3, layout)}", "hardware=cpu",
-                     "--tokens", TOKENS, "--out", str(out)])
-    assert code == 0
-    logits, ref = np.load(out), np.load(os.path.join(QWEN3, "logits.npy"))
-    assert logits.dtype == np.float32 and logits.shape == ref.shape
-    assert rel_fro(logits, ref) < 1e-4
-    np.testing.assert_array_equal(logits.argmax(-1), ref.argmax(-1))
+    parity.assert_forward_command_matches(QWEN3, layout, tmp_path, bound=BOUND)
 
 
 @pytest.mark.parametrize("layout", LAYOUTS)
 def test_routed_experts_match_transformers(monkeypatch, layout):
     """Each MoE layer sends each token to the experts transformers' router picked."""
-    model, loaded = load_model(os.path.join(QWEN3, layout))
-    logits, experts = logits_and_experts(model, np.load(TOKENS), monkeypatch)
-    np.testing.assert_array_equal(experts, np.load(os.path.join(QWEN3, "experts.npy")))
-    assert rel_fro(logits, np.load(os.path.join(QWEN3, "logits.npy"))) < 1e-4
+    loaded = parity.assert_routes_as_transformers(QWEN3, layout, monkeypatch, bound=BOUND)
     # Qwen3 has no routing bias: the state dropless keeps for one is zeros.
     assert not np.any(np.asarray(loaded["router_bias"]["moe_layers"]["layers"]["moe"]["router_bias"]))
 
@@ -125,20 +108,12 @@ def test_routed_experts_match_transformers(monkeypatch, layout):
 def test_bf16_export_is_the_published_directory(tmp_path):
     """Export of the imported published fixture writes transformers' own tensors
     back: same names, dtypes (all bf16, the router too) and bytes."""
-    src = os.path.join(QWEN3, "published")
-    cfg = model_cfg(src)
-    write_hf(load_params(src, cfg), cfg, str(tmp_path), dtype="bfloat16", max_shard_bytes=40_000)
-    assert_same_tensors(read_all(str(tmp_path)), read_all(src))
-    written = json.load(open(tmp_path / "config.json"))
+    written = parity.bf16_export_of_published(QWEN3, tmp_path)
     assert hf_config.model_keys(written) == hf_config.model_keys(_config_json())
 
 
 def test_fused_import_export_import_is_bitwise(tmp_path):
-    src = os.path.join(QWEN3, "fused")
-    cfg = model_cfg(src)
-    first = load_params(src, cfg)
-    write_hf(first, cfg, str(tmp_path), dtype="float32")
-    assert_bitwise_equal(load_params(str(tmp_path), model_cfg(str(tmp_path))), first)
+    parity.assert_import_export_import_bitwise(os.path.join(QWEN3, "fused"), tmp_path)
 
 
 def test_export_refuses_what_qwen3_cannot_hold(tmp_path):
@@ -157,41 +132,18 @@ def test_export_refuses_what_qwen3_cannot_hold(tmp_path):
 @pytest.fixture(scope="module")
 def checkpoint(tmp_path_factory):
     """A dropless checkpoint step holding the published fixture's parameters."""
-    src = os.path.join(QWEN3, "published")
-    cfg = model_cfg(src)
-    state = load_params(src, cfg)
-    step = tmp_path_factory.mktemp("run") / "checkpoints" / "0"
-    with ocp.StandardCheckpointer() as ckptr:
-        ckptr.save(str(step / "model"), state)
-    write_manifest(str(step))
-    (step.parent.parent / "config.json").write_text(json.dumps({"model": dataclasses.asdict(cfg)}))
-    return str(step), state
+    return parity.published_checkpoint(QWEN3, tmp_path_factory.mktemp("run"))
 
 
 def test_export_hf_command_writes_qwen3(checkpoint, tmp_path):
     """export-hf reads the run's config.json (GQA section included) and writes Qwen3-MoE."""
-    step, state = checkpoint
-    out = tmp_path / "hf"
-    assert cli.main(["export-hf", step, "--out", str(out), "--dtype", "float32"]) == 0
-    config = json.load(open(out / "config.json"))
+    config = parity.export_hf_command(*checkpoint, tmp_path / "hf")
     assert config["model_type"] == "qwen3_moe" and config["mlp_only_layers"] == [0]
-    assert_bitwise_equal(load_params(str(out), model_cfg(str(out))), state)
 
 
 def test_transformers_loads_the_export(checkpoint, tmp_path):
     """Only where torch and transformers are installed (not dropless dependencies)."""
-    torch = pytest.importorskip("torch")
-    transformers = pytest.importorskip("transformers")
-    out = tmp_path / "hf"
-    assert cli.main(["export-hf", checkpoint[0], "--out", str(out), "--dtype", "float32"]) == 0
-    model, info = transformers.AutoModelForCausalLM.from_pretrained(
-        str(out), dtype=torch.float32, attn_implementation="eager", output_loading_info=True)
-    assert type(model).__name__ == "Qwen3MoeForCausalLM"
-    assert not (info["missing_keys"] or info["unexpected_keys"] or info["mismatched_keys"]), info
-    model.eval()
-    with torch.no_grad():
-        logits = model(torch.from_numpy(np.load(TOKENS)).long()).logits.numpy()
-    np.testing.assert_array_equal(logits, np.load(os.path.join(QWEN3, "logits.npy")))
+    parity.assert_transformers_loads_export(QWEN3, checkpoint[0], tmp_path / "hf", "Qwen3MoeForCausalLM")
 
 
 # --- fine-tuning ------------------------------------------------------------------

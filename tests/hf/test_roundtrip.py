@@ -1,18 +1,16 @@
 """export-hf and back: the written directory is the published layout transformers
 wrote, and import -> export -> import gives the same bits."""
 
-import dataclasses
 import json
 import os
 
 import numpy as np
-import orbax.checkpoint as ocp
+import parity
 import pytest
-from hf_fixture import assert_bitwise_equal, assert_same_tensors, load_params, model_cfg, read_all
+from hf_fixture import assert_same_tensors, load_params, model_cfg, read_all, save_checkpoint
 
 from dropless import cli
 from dropless.hf.export import write_hf
-from dropless.train.checkpoint import write_manifest
 
 
 def test_bf16_export_is_the_published_directory(fixtures, tmp_path):
@@ -27,11 +25,7 @@ def test_bf16_export_is_the_published_directory(fixtures, tmp_path):
 
 @pytest.mark.parametrize("layout", ["fused", "fp8_mtp"])
 def test_import_export_import_is_bitwise(fixtures, tmp_path, layout):
-    src = os.path.join(fixtures, layout)
-    cfg = model_cfg(src)
-    first = load_params(src, cfg)
-    write_hf(first, cfg, str(tmp_path), dtype="float32")
-    assert_bitwise_equal(load_params(str(tmp_path), model_cfg(str(tmp_path))), first)
+    parity.assert_import_export_import_bitwise(os.path.join(fixtures, layout), tmp_path)
 
 
 @pytest.fixture
@@ -40,22 +34,13 @@ def checkpoint(fixtures, tmp_path):
     src = os.path.join(fixtures, "published")
     cfg = model_cfg(src)
     state = load_params(src, cfg)
-    run = tmp_path / "run"
-    step = run / "checkpoints" / "0"
-    with ocp.StandardCheckpointer() as ckptr:
-        ckptr.save(str(step / "model"), state)
-    write_manifest(str(step))
-    (run / "config.json").write_text(json.dumps({"model": dataclasses.asdict(cfg)}))
-    return str(step), cfg, state
+    return save_checkpoint(tmp_path / "run", cfg, state), cfg, state
 
 
 def test_export_hf_command_round_trips(checkpoint, tmp_path):
-    step, cfg, state = checkpoint
-    out = tmp_path / "hf"
-    assert cli.main(["export-hf", step, "--out", str(out), "--dtype", "float32"]) == 0
-    config = json.load(open(out / "config.json"))
+    step, _, state = checkpoint
+    config = parity.export_hf_command(step, state, tmp_path / "hf")
     assert config["model_type"] == "deepseek_v3" and config["rope_scaling"]["type"] == "yarn"
-    assert_bitwise_equal(load_params(str(out), model_cfg(str(out))), state)
 
 
 def test_transformers_loads_the_export(fixtures, checkpoint, tmp_path):

@@ -256,6 +256,43 @@ _QWEN3_MOE_FIXED = {
 }
 
 
+def _default_rope_theta(hf: dict, model_type: str) -> float:
+    """``rope_theta`` of a GQA config.json (either layout) whose RoPE is the default.
+
+    Raises:
+      HFConfigError: any other rope type (YaRN, linear, ...), or as ``_rope``.
+    """
+    rope = _rope(hf)
+    if rope["rope_type"] != "default":
+        raise HFConfigError(f"config.json rope type {rope['rope_type']!r} (rope_scaling / rope_parameters) "
+                            f"is not supported for {model_type} (only default RoPE)")
+    return float(rope["rope_theta"])
+
+
+def _gqa_head_dim(hf: dict) -> int:
+    """``head_dim``, or transformers' default hidden_size // num_attention_heads
+    where the key is absent or null (Mixtral's published config.json)."""
+    return hf.get("head_dim") or hf["hidden_size"] // hf["num_attention_heads"]
+
+
+def _require_export(needs, model_type: str) -> None:
+    """Refuse an export whose ``needs`` (key, the model's value, the only value
+    ``model_type`` can hold) differ.
+
+    Raises:
+      HFConfigError: the first such key, both values named.
+    """
+    for key, value, want in needs:
+        if value != want:
+            raise HFConfigError(f"export to {model_type} needs {key}={want!r}, got {value!r}")
+
+
+def _router_aux_loss_coef(moe) -> float:
+    """transformers' ``router_aux_loss_coef`` of dropless's balancing-loss weight:
+    transformers' loss sums over the k slots, k times dropless's."""
+    return moe.load_balance_loss_weight / moe.num_experts_per_tok
+
+
 def _dense_prefix(hf: dict) -> int:
     """``first_num_dense_layers`` of ``mlp_only_layers``, which must be ``[0, n)``."""
     dense = sorted(set(hf.get("mlp_only_layers") or []))
@@ -290,16 +327,13 @@ def qwen3_moe_keys(hf: dict) -> dict[str, Any]:
     if hf["num_experts"] < 1:
         raise HFConfigError(f"config.json num_experts={hf['num_experts']} is not supported "
                             "(a Qwen3-MoE with experts; dense Qwen3 is model_type qwen3)")
-    rope = _rope(hf)
-    if rope["rope_type"] != "default":
-        raise HFConfigError(f"config.json rope type {rope['rope_type']!r} (rope_scaling / rope_parameters) "
-                            "is not supported for qwen3_moe (only default RoPE)")
+    rope_theta = _default_rope_theta(hf, "qwen3_moe")
     keys = {ours: hf[theirs] for ours, theirs in QWEN3_MOE_KEYS.items()}
     keys.update(_QWEN3_MOE_FIXED)
-    keys["head_dim"] = hf.get("head_dim") or hf["hidden_size"] // hf["num_attention_heads"]
+    keys["head_dim"] = _gqa_head_dim(hf)
     keys["norm_topk_prob"] = bool(hf.get("norm_topk_prob", False))
     keys["first_num_dense_layers"] = _dense_prefix(hf)
-    keys["rope_max_timescale"] = float(rope["rope_theta"])
+    keys["rope_max_timescale"] = rope_theta
     return keys
 
 
@@ -316,9 +350,7 @@ def qwen3_moe_config(model, *, torch_dtype: str) -> dict:
         ("routed_bias", moe.routed_bias, False), ("routed_scaling_factor", moe.routed_scaling_factor, 1.0),
         ("n_routing_groups", moe.n_routing_groups, -1), ("mtp_num_layers", model.mtp_num_layers, 0),
     )
-    for key, value, want in needs:
-        if value != want:
-            raise HFConfigError(f"export to qwen3_moe needs {key}={want!r}, got {value!r}")
+    _require_export(needs, "qwen3_moe")
     return {
         "architectures": ["Qwen3MoeForCausalLM"],
         "model_type": "qwen3_moe",
@@ -335,8 +367,7 @@ def qwen3_moe_config(model, *, torch_dtype: str) -> dict:
         "num_experts": moe.num_experts,
         "num_experts_per_tok": moe.num_experts_per_tok,
         "norm_topk_prob": moe.norm_topk_prob,
-        # transformers' balancing loss sums over the k slots: k times dropless's.
-        "router_aux_loss_coef": moe.load_balance_loss_weight / moe.num_experts_per_tok,
+        "router_aux_loss_coef": _router_aux_loss_coef(moe),
         "output_router_logits": False,
         "hidden_act": "silu",
         "rms_norm_eps": model.normalization_layer_epsilon,
@@ -393,15 +424,12 @@ def mixtral_keys(hf: dict) -> dict[str, Any]:
                             "(only null: dropless's attention is full causal)")
     checks = (("hidden_act", "silu"), ("tie_word_embeddings", False), ("router_jitter_noise", 0.0))
     _require(hf, checks, MIXTRAL_KEYS.values(), "mixtral")
-    rope = _rope(hf)
-    if rope["rope_type"] != "default":
-        raise HFConfigError(f"config.json rope type {rope['rope_type']!r} (rope_scaling / rope_parameters) "
-                            "is not supported for mixtral (only default RoPE)")
+    rope_theta = _default_rope_theta(hf, "mixtral")
     keys = {ours: hf[theirs] for ours, theirs in MIXTRAL_KEYS.items()}
     keys.update(_MIXTRAL_FIXED)
     keys["mlp_dim"] = hf["intermediate_size"]
-    keys["head_dim"] = hf.get("head_dim") or hf["hidden_size"] // hf["num_attention_heads"]
-    keys["rope_max_timescale"] = float(rope["rope_theta"])
+    keys["head_dim"] = _gqa_head_dim(hf)
+    keys["rope_max_timescale"] = rope_theta
     return keys
 
 
@@ -420,9 +448,7 @@ def mixtral_config(model, *, torch_dtype: str) -> dict:
         ("routed_scaling_factor", moe.routed_scaling_factor, 1.0),
         ("n_routing_groups", moe.n_routing_groups, -1), ("mtp_num_layers", model.mtp_num_layers, 0),
     )
-    for key, value, want in needs:
-        if value != want:
-            raise HFConfigError(f"export to mixtral needs {key}={want!r}, got {value!r}")
+    _require_export(needs, "mixtral")
     return {
         "architectures": ["MixtralForCausalLM"],
         "model_type": "mixtral",
@@ -435,8 +461,7 @@ def mixtral_config(model, *, torch_dtype: str) -> dict:
         "head_dim": gqa.head_dim,
         "num_local_experts": moe.num_experts,
         "num_experts_per_tok": moe.num_experts_per_tok,
-        # transformers' balancing loss sums over the k slots: k times dropless's.
-        "router_aux_loss_coef": moe.load_balance_loss_weight / moe.num_experts_per_tok,
+        "router_aux_loss_coef": _router_aux_loss_coef(moe),
         "output_router_logits": False,
         "hidden_act": "silu",
         "rms_norm_eps": model.normalization_layer_epsilon,
