@@ -161,15 +161,24 @@ def test_backward_uses_gathers_not_scatter_add(alignment, rng):
     assert "scatter-add" not in _primitives(ours.jaxpr)
 
 
-def test_bf16_combine_accumulates_in_float32(rng):
-    t, k, e = 4, 4, 4
+def test_bf16_combine_accumulates_in_float32():
+    """Each token's two copies are +1 and -1 (bf16) with weights 1 + j 2^-10 and 1 (float32).
+
+    In float32 the combine is exact: (1 + j 2^-10) - 1 = j 2^-10, a bf16 number, so the
+    result must equal it exactly. Rounding the weights or the products to bf16 (8 bits)
+    turns 1 + j 2^-10 into 1 and the result into 0, whatever the order of the sum.
+    """
+    t, k = 4, 2
     experts = jnp.tile(jnp.arange(k, dtype=jnp.int32), (t, 1))
-    plan = P.make_plan(experts, e)
-    y = jnp.full((t * k, 2), 1.0 + 2.0**-7, jnp.bfloat16)  # exactly representable
-    w = jnp.full((t, k), 0.25, jnp.float32)
+    plan = P.make_plan(experts, k)
+    # Buffer: expert 0's copies (token order) then expert 1's.
+    y = jnp.asarray(np.repeat([1.0, -1.0], t)[:, None] * np.ones((1, 2)), jnp.bfloat16)
+    np.testing.assert_array_equal(np.asarray(plan.row_of_copy_C).reshape(t, k)[:, 1] // t, 1)
+    j = np.arange(1, t + 1, dtype=np.float32)
+    w = jnp.asarray(np.stack([1.0 + j * 2.0**-10, np.ones(t, np.float32)], axis=1))
     out = P.unpermute(y, w, plan)
     assert out.dtype == jnp.bfloat16
-    np.testing.assert_array_equal(np.float32(out), 1.0 + 2.0**-7)
+    np.testing.assert_array_equal(np.float32(out), np.repeat((j * 2.0**-10)[:, None], 2, 1))
 
 
 def test_bad_args_raise():
