@@ -28,6 +28,10 @@ PRESET_TARGETS = {
     "qwen3-moe-proxy": ["--device", "h200"],
     "qwen3-30b-a3b": ["--device", "h200", "--devices", "8"],
     "qwen3-235b-a22b": ["--device", "h200", "--devices", "64"],
+    "mixtral-tiny": [],
+    "mixtral-proxy": ["--device", "h200"],
+    "mixtral-8x7b": ["--device", "h200", "--devices", "8"],
+    "mixtral-8x22b": ["--device", "h200", "--devices", "32"],
 }
 ONE = {"data": 1, "fsdp": 1, "expert": 1, "tensor": 1}
 
