@@ -67,6 +67,7 @@ import numpy as np
 from flax import nnx
 
 from dropless.nn.model import dense_dot_general
+from dropless.ops.fp8_dot import stays_plain
 from dropless.perf import hlo as hlo_lib
 from dropless.perf import measure
 
@@ -100,7 +101,7 @@ def matmuls(cfg) -> list[dict]:
     def add(group, name, k, n, count, fp8=True):
         if count > 0:  # fp8_min_dim keeps the narrower products in bf16 (fp8_dot_general)
             rows.append({"name": f"{group}.{name}", "group": group, "K": k, "N": n, "count": count,
-                         "fp8_in_model": fp8 and min(k, n) >= cfg.fp8_min_dim})
+                         "fp8_in_model": fp8 and not stays_plain(k, n, cfg.fp8_min_dim)})
 
     if cfg.attention_type == "mla":
         m = cfg.mla()
