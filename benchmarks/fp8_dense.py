@@ -67,6 +67,7 @@ import numpy as np
 from flax import nnx
 
 from dropless.nn.model import dense_dot_general
+from dropless.ops.fp8_dot import stays_plain
 from dropless.perf import hlo as hlo_lib
 from dropless.perf import measure
 
@@ -100,7 +101,7 @@ def matmuls(cfg) -> list[dict]:
     def add(group, name, k, n, count, fp8=True):
         if count > 0:  # fp8_min_dim keeps the narrower products in bf16 (fp8_dot_general)
             rows.append({"name": f"{group}.{name}", "group": group, "K": k, "N": n, "count": count,
-                         "fp8_in_model": fp8 and min(k, n) >= cfg.fp8_min_dim})
+                         "fp8_in_model": fp8 and not stays_plain(k, n, cfg.fp8_min_dim)})
 
     if cfg.attention_type == "mla":
         m = cfg.mla()
@@ -301,13 +302,12 @@ def totals(rows) -> dict:
     for r in ok:
         r["share_bf16_pct"] = 100 * r["bf16"]["step_ms"] / bf16 if bf16 else None
         r["share_fp8_pct"] = 100 * r["fp8"]["step_ms"] / fp8_all if fp8_all else None
-    out = {"step_ms_bf16": bf16, "step_ms_fp8_as_configured": fp8_model,
-           "step_ms_fp8_all": fp8_all,
-           "speedup_as_configured": bf16 / fp8_model if fp8_model else None,
-           "speedup_all": bf16 / fp8_all if fp8_all else None,
-           "failed": [r["name"] for r in rows if "error" in r],
-           "time_source": "kernel (CUPTI)" if ok and ok[0]["bf16"]["fwd_kernel_ms"] else "wall"}
-    return out
+    return {"step_ms_bf16": bf16, "step_ms_fp8_as_configured": fp8_model,
+            "step_ms_fp8_all": fp8_all,
+            "speedup_as_configured": bf16 / fp8_model if fp8_model else None,
+            "speedup_all": bf16 / fp8_all if fp8_all else None,
+            "failed": [r["name"] for r in rows if "error" in r],
+            "time_source": "kernel (CUPTI)" if ok and ok[0]["bf16"]["fwd_kernel_ms"] else "wall"}
 
 
 def _f(x, spec=".2f"):

@@ -73,7 +73,7 @@ def _compiled_calls(hlo: str) -> list[tuple[str, str, int]]:
     out = []
     for inst in insts:
         if "mosaic_gpu" in (inst.custom_call_target or ""):
-            m = re.search(r'op_name="([^"]*)"', inst.attrs)
+            m = hlo_lib.OP_NAME.search(inst.attrs)
             out.append((inst.computation, m.group(1) if m else "?", executions(inst.computation)))
     return out
 

@@ -50,7 +50,7 @@ from dropless.nn.attention import MLA, default_kernel_init
 from dropless.nn.gqa import GQA
 from dropless.nn.mlp import MLP
 from dropless.nn.moe import MoEBlock, MoEStats
-from dropless.ops.fp8_dot import fp8_dot_general
+from dropless.ops.fp8_dot import fp8_dot_general, stays_plain
 from dropless.parallel.ep import ExpertParallel
 
 Remat = Callable[[Callable], Callable]
@@ -95,7 +95,7 @@ def bf16_dense_matmuls(cfg: ModelConfig) -> list[tuple[str, int, int]]:
         if not (isinstance(f, functools.partial) and f.func is fp8_dot_general):
             continue
         row = ("/".join(map(str, path[-2:])), node.in_features, node.out_features)
-        if min(row[1:]) < f.keywords.get("min_dim", 0) and row not in out:
+        if stays_plain(*row[1:], f.keywords.get("min_dim", 0)) and row not in out:
             out.append(row)
     return out
 

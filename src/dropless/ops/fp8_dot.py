@@ -147,6 +147,12 @@ def _fp8_dot_bwd(dims, out_dtype, out_sharding, res, g):
 _fp8_dot.defvjp(_fp8_dot_fwd, _fp8_dot_bwd)
 
 
+def stays_plain(k: int, n: int, min_dim: int) -> bool:
+    """A product of contraction size ``k`` and output width ``n`` that ``fp8_dot_general``
+    with ``min_dim`` computes as the plain ``lax.dot_general`` (either below ``min_dim``)."""
+    return min(k, n) < min_dim
+
+
 def fp8_dot_general(lhs, rhs, dimension_numbers, precision=None, preferred_element_type=None,
                     out_sharding=None, min_dim=0):
     """``lax.dot_general`` computed in FP8 with per-tensor current scaling.
@@ -180,7 +186,7 @@ def fp8_dot_general(lhs, rhs, dimension_numbers, precision=None, preferred_eleme
         (lc, rc), (_, rb) = dims
         k = math.prod(lhs.shape[a] for a in lc)
         n = math.prod(rhs.shape[a] for a in _remaining(rhs.ndim, rc, rb))
-        if min(k, n) < min_dim:
+        if stays_plain(k, n, min_dim):
             return lax.dot_general(lhs, rhs, dimension_numbers, precision=precision,
                                    preferred_element_type=preferred_element_type,
                                    out_sharding=out_sharding)

@@ -41,11 +41,6 @@ BLOCK = quant.BLOCKWISE_TILE  # 128
 E4M3 = quant.E4M3
 
 
-def _scale_parts(amax):
-    """(scale, inverse) float32 powers of two of ``quantize_blocks`` (``quant.pow2_scale_parts``)."""
-    return quant.pow2_scale_parts(amax, E4M3)
-
-
 def _amax(x32, axis):
     """Largest |x| along ``axis``, NaN where that line holds a NaN (a max reduction on
     the GPU need not propagate NaN, so it is checked on its own)."""
@@ -91,7 +86,7 @@ def _compiler_params():
 
 def _rows_kernel(a_ref, q_ref, s_ref):
     x = quant._read(a_ref[...])  # [BLOCK rows, BLOCK cols]
-    scale, inv = _scale_parts(_amax(x, 1))
+    scale, inv = quant.pow2_scale_parts(_amax(x, 1), E4M3)
     q_ref[...] = _codes(x, inv[:, None])
     s_ref[...] = scale[None, :]
 
@@ -112,7 +107,7 @@ def quantize_rows(a_MC, interpret=None):
 
 def _columns_kernel(a_ref, q_ref, s_ref):
     x = quant._read(a_ref[...])  # [BLOCK rows (M), BLOCK cols (C)]
-    scale, inv = _scale_parts(_amax(x, 0))
+    scale, inv = quant.pow2_scale_parts(_amax(x, 0), E4M3)
     q_ref[...] = _codes(x, inv[None, :]).T
     s_ref[...] = scale[None, :]
 
@@ -134,7 +129,7 @@ def quantize_columns(a_MC, interpret=None):
 
 def _weight_kernel(w_ref, *out_refs):
     x = quant._read(w_ref[0])  # [BLOCK (K), BLOCK (N)]
-    scale, inv = _scale_parts(_amax(_amax(x, 1), 0))
+    scale, inv = quant.pow2_scale_parts(_amax(_amax(x, 1), 0), E4M3)
     q = _codes(x, inv)
     out_refs[0][0] = q
     if len(out_refs) == 3:
