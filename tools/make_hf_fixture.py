@@ -106,10 +106,9 @@ def build_model() -> DeepseekV3ForCausalLM:
         for name, b in model.named_buffers():
             if name.endswith("e_score_correction_bias"):
                 b.copy_(0.05 * torch.randn_like(b))
-        for b in [b for n, b in model.named_buffers() if "bias" in n]:
-            b.copy_(b.bfloat16().float())  # bf16 files then hold the model exactly
+            if "bias" in name:
+                b.copy_(b.bfloat16().float())  # bf16 files then hold the model exactly
     return model
-
 
 
 def to_file_dtype(name: str, t: torch.Tensor) -> torch.Tensor:
@@ -117,8 +116,6 @@ def to_file_dtype(name: str, t: torch.Tensor) -> torch.Tensor:
     if name.endswith("e_score_correction_bias") or name.endswith("mlp.gate.weight"):
         return t.float().contiguous()
     return t.bfloat16().contiguous()
-
-
 
 
 def is_fp8_weight(name: str) -> bool:

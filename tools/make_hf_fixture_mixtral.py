@@ -95,7 +95,6 @@ def mixtral_tensors(state: dict) -> dict:
                              gate="w1", up="w3", down="w2")
 
 
-
 def saved_names(model) -> list[str]:
     """The tensor names transformers' own save_pretrained writes (for meta.json)."""
     with tempfile.TemporaryDirectory() as d:

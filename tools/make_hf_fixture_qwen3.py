@@ -86,7 +86,6 @@ def build_model() -> Qwen3MoeForCausalLM:
     return model
 
 
-
 def main(argv=None) -> int:
     out = out_dir(argv, __doc__.splitlines()[0])
     model = build_model()

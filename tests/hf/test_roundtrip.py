@@ -7,19 +7,14 @@ import os
 import numpy as np
 import parity
 import pytest
-from hf_fixture import assert_same_tensors, load_params, model_cfg, read_all, save_checkpoint
 
 from dropless import cli
-from dropless.hf.export import write_hf
 
 
 def test_bf16_export_is_the_published_directory(fixtures, tmp_path):
     """Export of the imported published fixture writes transformers' own tensors
     back: same names, shapes, dtypes (router float32) and bytes."""
-    src = os.path.join(fixtures, "published")
-    cfg = model_cfg(src)
-    write_hf(load_params(src, cfg), cfg, str(tmp_path), dtype="bfloat16", max_shard_bytes=40_000)
-    assert_same_tensors(read_all(str(tmp_path)), read_all(src))
+    parity.bf16_export_of_published(fixtures, tmp_path)
     assert len(set(json.load(open(tmp_path / "model.safetensors.index.json"))["weight_map"].values())) > 1
 
 
@@ -31,14 +26,11 @@ def test_import_export_import_is_bitwise(fixtures, tmp_path, layout):
 @pytest.fixture
 def checkpoint(fixtures, tmp_path):
     """A dropless checkpoint step holding the published fixture's parameters."""
-    src = os.path.join(fixtures, "published")
-    cfg = model_cfg(src)
-    state = load_params(src, cfg)
-    return save_checkpoint(tmp_path / "run", cfg, state), cfg, state
+    return parity.published_checkpoint(fixtures, tmp_path / "run")
 
 
 def test_export_hf_command_round_trips(checkpoint, tmp_path):
-    step, _, state = checkpoint
+    step, state = checkpoint
     config = parity.export_hf_command(step, state, tmp_path / "hf")
     assert config["model_type"] == "deepseek_v3" and config["rope_scaling"]["type"] == "yarn"
 
@@ -47,7 +39,7 @@ def test_transformers_loads_the_export(fixtures, checkpoint, tmp_path):
     """Only where torch and transformers are installed (not dropless dependencies)."""
     torch = pytest.importorskip("torch")
     transformers = pytest.importorskip("transformers")
-    step, _, _ = checkpoint
+    step, _ = checkpoint
     out = tmp_path / "hf"
     assert cli.main(["export-hf", step, "--out", str(out), "--dtype", "float32"]) == 0
     model = transformers.AutoModelForCausalLM.from_pretrained(

@@ -149,7 +149,6 @@ def experts(cfg: ModelConfig, p: str, layout: str, names: ExpertNames = ExpertNa
     """The routed experts of layer prefix ``p`` in ``layout`` (``wi`` or ``wi_0``/``wi_1``, ``wo``)."""
     moe, d = cfg.moe, cfg.emb_dim
     e, f = moe.num_experts, moe.moe_mlp_dim
-    x = p + names.prefix
     fused = moe.prefuse_moe_weights
     if layout == "fused":
         x = p + "mlp.experts."
@@ -159,6 +158,8 @@ def experts(cfg: ModelConfig, p: str, layout: str, names: ExpertNames = ExpertNa
             entry(("moe", "wi_0"), cell(rows(0, f)), (e, d, f)),
             entry(("moe", "wi_1"), cell(rows(f, 2 * f)), (e, d, f))])
         return wi + [entry(("moe", "wo"), cell(down), (e, f, d))]
+
+    x = p + names.prefix
 
     def per_expert(*projs):
         grid = np.empty((e,), object)
