@@ -19,22 +19,31 @@ SMALL = ["model_name=deepseek3-tiny", "num_decoder_layers=2", "emb_dim=16", "mlp
          "per_device_batch_size=4", "vocab_size=32", "enable_tensorboard=false"]
 
 
-def _interrupt_at_call(monkeypatch, n: int):
-    """Make the ``n``-th call of the train step raise KeyboardInterrupt."""
+def before_call(monkeypatch, n: int, act):
+    """Run ``act()`` just before the ``n``-th call of the train step."""
     real = loop._jit_step
 
     def jit_step(s):
         step_fn, calls = real(s), [0]
 
-        def interrupted(state, batch):
+        def step(state, batch):
             calls[0] += 1
             if calls[0] == n:
-                raise KeyboardInterrupt
+                act()
             return step_fn(state, batch)
 
-        return interrupted
+        return step
 
     monkeypatch.setattr(loop, "_jit_step", jit_step)
+
+
+def _interrupt_at_call(monkeypatch, n: int):
+    """Make the ``n``-th call of the train step raise KeyboardInterrupt."""
+
+    def interrupt():
+        raise KeyboardInterrupt
+
+    before_call(monkeypatch, n, interrupt)
 
 
 def test_ctrl_c_names_the_checkpoint_and_the_same_command_resumes(capsys, tmp_path, monkeypatch):

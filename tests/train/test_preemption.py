@@ -27,25 +27,12 @@ from dropless import cli
 from dropless.config.sections import TrainConfig
 from dropless.train import checkpoint as ckpt_lib
 from dropless.train import loop, preemption
-from test_interrupt import SMALL
+from test_interrupt import SMALL, before_call
 
 
 def _sigterm_at_call(monkeypatch, n: int):
     """Send this process SIGTERM just before the ``n``-th call of the train step."""
-    real = loop._jit_step
-
-    def jit_step(s):
-        step_fn, calls = real(s), [0]
-
-        def step(state, batch):
-            calls[0] += 1
-            if calls[0] == n:
-                os.kill(os.getpid(), signal.SIGTERM)
-            return step_fn(state, batch)
-
-        return step
-
-    monkeypatch.setattr(loop, "_jit_step", jit_step)
+    before_call(monkeypatch, n, lambda: os.kill(os.getpid(), signal.SIGTERM))
 
 
 @pytest.fixture

@@ -398,6 +398,14 @@ def _start_warmup(s: _Setup, train: TrainConfig, ckpt, console):
     return host_pool.HostPoolWarmup(s.abstract, s.shardings).start()
 
 
+def _report_warmup(warm, console):
+    """Print the warm-up's line the first time it is asked after the warm-up ended; returns its result, else None."""
+    if warm is None or (warmed := warm.report()) is None:
+        return None
+    console.print(warmed.line(), markup=False, soft_wrap=True)
+    return warmed
+
+
 def _train_steps(s: _Setup, train: TrainConfig, state, start, ckpt, writer, console, tokens,
                  preempt=None) -> _Ran:
     """Run steps start..steps-1.
@@ -459,10 +467,8 @@ def _train_steps(s: _Setup, train: TrainConfig, state, start, ckpt, writer, cons
                 if unreported.warm_wait_s:
                     row["checkpoint_warm_wait_s"] = unreported.warm_wait_s
                 unreported = None
-            if warm is not None and (warmed := warm.report()) is not None:
-                console.print(warmed.line(), markup=False, soft_wrap=True)
-                if warmed.error is None:
-                    row.update(checkpoint_warm_s=warmed.seconds, checkpoint_warm_gib=warmed.nbytes / ckpt_lib.GiB)
+            if (warmed := _report_warmup(warm, console)) is not None and warmed.error is None:
+                row.update(checkpoint_warm_s=warmed.seconds, checkpoint_warm_gib=warmed.nbytes / ckpt_lib.GiB)
             if "tokens_per_expert" in raw:
                 tpe = np.asarray(raw["tokens_per_expert"], np.int64)
                 load_LE = tpe if load_LE is None else load_LE + tpe
@@ -517,8 +523,7 @@ def _train_steps(s: _Setup, train: TrainConfig, state, start, ckpt, writer, cons
                 ckpt.poll()
             opened = done
             timer.open()
-    if warm is not None and (warmed := warm.report()) is not None:  # it ended after the last row
-        console.print(warmed.line(), markup=False, soft_wrap=True)
+    _report_warmup(warm, console)  # if it ended after the last row
     if monitor is not None and rows:
         monitor.check(rows[-1]["step"])  # what the last periodic check did not cover
     return _Ran(state, rows, timer.windows, load_LE, first_step_s, saves)
