@@ -601,11 +601,17 @@ def main():
                    help="a named set of shapes instead of deepseek (qwen3-30b: the 30B's expert GEMMs; mixtral-8x7b: the 8x7B's)")
     p.add_argument("--shape", action="append", default=[], help="M,G,K,N (repeatable)")
     p.add_argument("--out", default=os.environ.get("OUT", "benchmarks/results"))
-    p.add_argument("--commit", default="unknown")
+    p.add_argument("--commit", default="",
+                   help="the commit measured (default: $DROPLESS_COMMIT, else git's HEAD)")
     p.add_argument("--budget-s", type=float, default=0, help="stop starting children after this")
     p.add_argument("--inner", default="", help=argparse.SUPPRESS)  # child: write record here
     p.add_argument("--tune-only", action="store_true", help=argparse.SUPPRESS)
     args = p.parse_args()
+    if not args.commit:
+        from dropless.perf.measure import git_commit
+
+        info = git_commit()
+        args.commit = info["commit"] + ("-dirty" if info["dirty"] else "")
     impls = args.impls.split(",")
     if args.shape:
         shapes = [tuple(int(v) for v in spec.split(",")) for spec in args.shape]
@@ -622,6 +628,7 @@ def main():
         "gpu": dev.device_kind, "num_sms": getattr(dev, "core_count", None),
         "jax": jax.__version__, "jaxlib": _jaxlib_version(),
         "torch": getattr(torch, "__version__", None), "commit": args.commit,
+        "shape_set": args.shape_set or ("custom" if args.shape else "deepseek"),
         "dtype": "bfloat16", "iters": args.iters, "quick": args.quick,
         "timing": "jax: CUPTI kernel time (profiler.measure), median; torch: do_bench median",
         "flops": "2 * sum(group_sizes) * K * N per product; x3 for fwd+dgrad+wgrad",

@@ -155,7 +155,9 @@ def shape_overrides(shape: dict) -> dict:
     return {SHAPE_KEYS[k]: v for k, v in shape.items() if k in SHAPE_KEYS and known[k] != v}
 
 
-TARGETS = {"fwd_bwd_ms": 36.0, "routing_share_pct": 15.0, "torchtitan_fwd_bwd_ms": 43.6,
+# fwd_bwd_ms: within 15% of the expert GEMMs' physical time (24.7 ms at 790 TF/s); it
+# was 36 ms before the bf16 work of issue 15 (34.4 ms measured then).
+TARGETS = {"fwd_bwd_ms": 28.5, "routing_share_pct": 15.0, "torchtitan_fwd_bwd_ms": 43.6,
            "torchtitan_tflops": 447.0, "torchtitan_gemm_ms": 31.7}
 ROUTING_PIECES = ("router", "permute", "combine")
 

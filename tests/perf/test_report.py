@@ -86,7 +86,7 @@ def results(tmp_path):
 def test_newest_valid_record_of_each_kind(results):
     logged = []
     records = report.newest_records(results, log=logged.append)
-    assert set(records) == {"gmm", "moe_layer", "step:baselines"}
+    assert set(records) == {"gmm:deepseek", "moe_layer", "step:baselines"}
     assert records["moe_layer"][1].name == "20261129-090000-nvidia-h200.json"  # the bundle's is newer
     assert records["moe_layer"][0]["rows"][0]["fwd_bwd_ms"] == 34.0
     assert records["step:baselines"][1].name == "step-1.json"  # step-2 has no commit
@@ -414,3 +414,47 @@ def test_step_rows_name_the_runs_extra_overrides_and_a_partial_run():
     notes = [r["note"] for r in step_rows(record)]
     assert notes == ["`scan_layers=false` (partial run)", "timed out"]
     assert [r["note"] for r in step_rows({"cases": [{"case": "ours", "tflops_per_device": 1}]})] == [""]
+
+
+def test_step_fp8_with_set_overrides_is_its_own_variant(tmp_path):
+    """A run whose every case took ``--set`` overrides (a smaller vocabulary, say) does not
+    replace the plain FP8 comparison: both render, the overrides named in the title."""
+    d = tmp_path / "r"
+    d.mkdir()
+    plain = step_py_record("2026-12-02T05:09:29", [("ours", 484.5, {}), ("ours_fp8_blockwise",
+                                                                         503.8, {})])
+    small = step_py_record("2026-12-02T07:31:54", [("ours", 465.4, {}), ("ours_fp8_blockwise",
+                                                                         489.3, {})])
+    small["extra_overrides"] = ["vocab_size=16384"]
+    (d / "step-plain.json").write_text(json.dumps(plain))
+    (d / "step-small.json").write_text(json.dumps(small))
+    newest = report.newest_records(d, log=lambda _: None)
+    assert {k: p.name for k, (_, p) in newest.items()} == {
+        "step:fp8": "step-plain.json", "step:fp8 vocab_size=16384": "step-small.json"}
+    text = report.render(d, tmp_path / "R.md", log=lambda _: None).read_text()
+    assert "### FP8 and other variants of ours\n" in text
+    assert "### FP8 and other variants of ours, every case with `vocab_size=16384`" in text
+    assert "- training step, variant ours_fp8_blockwise 504 TFLOPS/device = 1.04x ours" in text
+    assert ("- training step (vocab_size=16384), variant ours_fp8_blockwise 489 TFLOPS/device "
+            "= 1.05x ours (same run)") in text
+
+
+def test_gmm_shape_sets_render_side_by_side(tmp_path):
+    """A newer record of another shape set (``--shape-set qwen3-30b``) does not hide the
+    DeepSeek-V3 shapes: each set renders its newest record, DeepSeek's first."""
+    d = tmp_path / "r"
+    d.mkdir()
+    qwen = gmm_record(ours_fwd=574.0)
+    qwen.update(date="2026-12-02T07:52:00", shape_set="qwen3-30b")
+    qwen["results"][0].update(G=128, K=768, N=2048)
+    (d / "gmm-a.json").write_text(json.dumps(gmm_record()))
+    (d / "gmm-b.json").write_text(json.dumps(qwen))
+    newest = report.newest_records(d, log=lambda _: None)
+    assert {k: p.name for k, (_, p) in newest.items()} == {
+        "gmm:deepseek": "gmm-a.json", "gmm:qwen3-30b": "gmm-b.json"}
+    text = report.render(d, tmp_path / "R.md", log=lambda _: None).read_text()
+    first, second = text.index("### Shapes: deepseek"), text.index("### Shapes: qwen3-30b")
+    assert first < second
+    assert "| 600.0 |" in text[first:second] and "| 574.0 |" in text[second:]
+    assert (tmp_path / "figures" / "gmm_tflops.png").exists()
+    assert (tmp_path / "figures" / "gmm_tflops_qwen3-30b.png").exists()

@@ -59,7 +59,8 @@ DEFAULT_MD = REPO_ROOT / "benchmarks" / "RESULTS.md"
 KINDS = ("gmm", "moe_layer", "step", "fp8_kernels", "fp8_quant", "profile", "fp8_dense",
          "fp8_loss")  # fp8_loss: a headline, no section
 # Kinds whose newest record is kept per variant (key "<kind>:<variant>"), rendered together.
-VARIANTS = {"profile": profile_precision, "step": step_variant}
+VARIANTS = {"profile": profile_precision, "step": step_variant,
+            "gmm": lambda record: record.get("shape_set") or "deepseek"}
 GMM_IMPLS = {"ours": "ours", "dense": "dense cuBLAS (ceiling)", "torch": "torch._grouped_mm",
              "jaxex": "jax example kernels", "ragged": "lax.ragged_dot"}
 GMM_OPS = ("fwd", "dgrad", "wgrad", "fwd+dgrad+wgrad")
@@ -167,8 +168,23 @@ def _pivot(rows):
     return table
 
 
-def gmm_section(record: dict, path: Path, fig_dir: Path, md_dir: Path) -> str:
-    """Markdown for the grouped GEMM benchmark, with its plot."""
+def gmm_section(variants: dict, fig_dir: Path, md_dir: Path) -> str:
+    """Markdown for the grouped GEMM benchmark: the newest record of each shape set
+    (``--shape-set``; DeepSeek-V3's first), each with its table and plot.
+
+    Args:
+      variants: shape set -> (record, path).
+    """
+    names = sorted(variants, key=lambda v: (v != "deepseek", v))
+    parts = [f"## {TITLES['gmm']}", "",
+             "TF/s count real rows only (2 x rows x K x N per product, x3 for fwd+dgrad+wgrad). "
+             "The dense cuBLAS matmul at equal FLOPs is the ceiling."]
+    for name in names:
+        parts += ["", _gmm_shape_set(name, *variants[name], fig_dir, md_dir)]
+    return "\n".join(parts)
+
+
+def _gmm_shape_set(name: str, record: dict, path: Path, fig_dir: Path, md_dir: Path) -> str:
     pivot = _pivot(gmm_rows(record))
     impls = [i for i in GMM_IMPLS if any(i in v for v in pivot.values())]
     impls += sorted({i for v in pivot.values() for i in v} - set(impls))
@@ -178,12 +194,11 @@ def gmm_section(record: dict, path: Path, fig_dir: Path, md_dir: Path) -> str:
     for (shape, layout, op), v in pivot.items():
         body.append([shape, layout, op, *[_num(v.get(i)) for i in impls],
                      _ratio(v.get("ours"), v.get("dense")), _ratio(v.get("ours"), v.get("torch"))])
-    parts = [f"## {TITLES['gmm']}", _source_line(record, path), "",
-             "TF/s count real rows only (2 x rows x K x N per product, x3 for fwd+dgrad+wgrad). "
-             "The dense cuBLAS matmul at equal FLOPs is the ceiling.", ""]
+    parts = [f"### Shapes: {name}", _source_line(record, path), ""]
     if pivot:
-        fig = _gmm_plot(pivot, impls, fig_dir / "gmm_tflops.png")
-        parts += [f"![grouped GEMM TF/s]({os.path.relpath(fig, md_dir)})", ""]
+        png = "gmm_tflops.png" if name == "deepseek" else f"gmm_tflops_{name}.png"
+        fig = _gmm_plot(pivot, impls, fig_dir / png)
+        parts += [f"![grouped GEMM TF/s, {name}]({os.path.relpath(fig, md_dir)})", ""]
     parts.append(md_table(headers, body, labels=3) if body else "_no rows in the record_")
     errors = [f"- {r.get('M')}x{r.get('K')}x{r.get('N')} G={r.get('G')} {r.get('layout')}: "
               f"{k}: {v}" for r in record.get("results") or []
@@ -332,7 +347,7 @@ def _moe_plot(record: dict, out: Path) -> Path:
 
 def headlines(kind: str, record: dict) -> list[str]:
     """One-line summaries of a record (for the page's top and ``dropless bench``'s table)."""
-    if kind == "gmm":
+    if kind.split(":")[0] == "gmm":
         pivot = _pivot(gmm_rows(record))
         keys = [k for k in pivot if k[2] == "fwd" and pivot[k].get("ours")]
         key = next((k for k in keys if k[1] == "balanced"), keys[0] if keys else None)

@@ -45,7 +45,8 @@ def step_rows(record: dict) -> list[dict]:
 def step_variant(record: dict) -> str:
     """What a step record compares, from its cases that have a TFLOPS result:
     "baselines" (an ``xla`` or ``capacity`` case, or a row with role baseline),
-    "fp8" (``ours`` and ``ours_*`` cases: FP8 and other variants of ours in one run),
+    "fp8" (``ours`` and ``ours_*`` cases: FP8 and other variants of ours in one run; a run
+    with ``--set`` overrides on every case is its own variant, "fp8 <overrides>"),
     else "models" (``ours`` alone, another model such as ``qwen3-moe-proxy``, ...)."""
     rows = [r for r in step_rows(record) if r["tflops"]]
     names = {r["name"] for r in rows}
@@ -53,7 +54,8 @@ def step_variant(record: dict) -> str:
                                           for r in rows):
         return "baselines"
     if "ours" in names and any(n.startswith("ours_") for n in names):
-        return "fp8"
+        extra = record.get("extra_overrides") or []
+        return "fp8" + (" " + " ".join(extra) if extra else "")
     return "models"
 
 
@@ -76,8 +78,8 @@ def step_section(variants: dict, fig_dir: Path, md_dir: Path, models=None) -> st
     parts = [f"## {TITLES['step']}"]
     if "baselines" in variants:
         parts += ["", _step_baselines(*variants["baselines"], fig_dir, md_dir)]
-    if "fp8" in variants:
-        parts += ["", _step_fp8(*variants["fp8"])]
+    for name in sorted(v for v in variants if v.split(" ")[0] == "fp8"):
+        parts += ["", _step_fp8(*variants[name])]
     if models:
         parts += ["", _step_models(models)]
     return "\n".join(parts)
@@ -117,8 +119,11 @@ def _step_fp8(record: dict, path: Path) -> str:
              _num(r["tflops"]), _ratio(r["tflops"], ours), _num(r["tokens_per_s"], ",.0f"),
              _num(r["step_ms"], ".1f"), _num(r["memory"], ".1f"), _num(r["batch"], "g"),
              _cell(r["note"])] for r in rows]
+    extra = record.get("extra_overrides") or []
+    title = "### FP8 and other variants of ours" + (
+        ", every case with " + " ".join(f"`{o}`" for o in extra) if extra else "")
     return "\n".join([
-        "### FP8 and other variants of ours", _source_line(record, path), "",
+        title, _source_line(record, path), "",
         "Each case against `ours` of the same run; overrides are the case's beyond `ours`'s, "
         "FP8 impl the grouped GEMMs' resolved `gmm_fp8_impl`.", "",
         md_table(["case", "FP8 impl", "overrides", "TFLOPS/device", "vs ours (same run)",
@@ -174,9 +179,11 @@ def step_headline(variant: str, record: dict) -> list[str]:
         return [f"training step: {r['name']} {r['tflops']:.0f} TFLOPS/device"
                 + (f" = {r['tflops'] / best:.1f}x the best baseline" if best else "")
                 for r in rows if r["role"] == "ours" and r["tflops"]]
-    if variant == "fp8":
+    if variant.split(" ")[0] == "fp8":
         ours = next((r["tflops"] for r in rows if r["name"] == "ours"), None)
-        return [f"training step, variant {r['name']} {r['tflops']:.0f} TFLOPS/device = "
+        extra = variant.partition(" ")[2]
+        where = f" ({extra})" if extra else ""
+        return [f"training step{where}, variant {r['name']} {r['tflops']:.0f} TFLOPS/device = "
                 f"{r['tflops'] / ours:.2f}x ours (same run)"
                 for r in rows if r["name"].startswith("ours_") and r["tflops"] and ours]
     return []
