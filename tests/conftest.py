@@ -16,6 +16,10 @@ first file pytest loads, so it is in place before any test starts the backend.
 import os
 
 os.environ.setdefault("XLA_FLAGS", "--xla_backend_optimization_level=0")
+# The CLI's default compilation cache is ~/jax_cache (MaxText's); the suite's runs
+# must not write into the home directory, so they run without it unless a test
+# names its own directory.
+os.environ.setdefault("DROPLESS_JAX_CACHE_DIR", "")
 import secrets
 
 import numpy as np

@@ -216,6 +216,25 @@ def test_jax_cache_dir_points_jax_at_the_directory(tmp_path, monkeypatch):
         jax.config.update("jax_compilation_cache_dir", before)
 
 
+def test_jax_cache_dir_defaults_to_maxtexts_and_is_said(tmp_path, monkeypatch, capsys):
+    """Unset, jax_cache_dir is MaxText's ~/jax_cache; the run names the directory once."""
+    from dropless.config.loader import load_config
+
+    monkeypatch.setenv("HOME", str(tmp_path))
+    cfg = load_config(None, ["model_name=deepseek3-tiny"], environ={}).config
+    assert cfg.jax_cache_dir == "~/jax_cache"
+    before = jax.config.jax_compilation_cache_dir
+    try:
+        cli.start_runtime(cfg)
+        assert jax.config.jax_compilation_cache_dir == str(tmp_path / "jax_cache")
+    finally:
+        jax.config.update("jax_compilation_cache_dir", before)
+    assert f"compilation cache: {tmp_path / 'jax_cache'} (jax_cache_dir; '' for none)" in \
+        capsys.readouterr().out
+    off = load_config(None, ["model_name=deepseek3-tiny", "jax_cache_dir="], environ={}).config
+    assert off.jax_cache_dir == ""
+
+
 def test_jax_cache_dir_that_cannot_be_made_is_one_line(tmp_path):
     (tmp_path / "file").write_text("x")
     before = jax.config.jax_compilation_cache_dir

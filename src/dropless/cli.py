@@ -128,7 +128,8 @@ def start_runtime(cfg):
 
     check_hardware(cfg.hardware)
     if cfg.jax_cache_dir:
-        use_compilation_cache(cfg.jax_cache_dir)
+        path = use_compilation_cache(cfg.jax_cache_dir)
+        print(f"compilation cache: {path} (jax_cache_dir; '' for none)", flush=True)
     if found is not None and found.cluster is None:  # a job of one process: said, not silent
         print(distributed.single_process_note(found, cfg.hardware, jax.local_device_count(),
                                               jax.default_backend()), flush=True)

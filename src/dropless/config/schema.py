@@ -40,7 +40,7 @@ class Config(BaseModel):
     model_name: str = _f("deepseek3-tiny", "Model preset: loads config/models/<model_name>.yml.")
     run_name: str = _f("", "Run directory name under base_output_directory (default: derived from the model and time).")
     base_output_directory: str = _f("runs", "Where run directories (checkpoints, metrics, TensorBoard) go.")
-    jax_cache_dir: str = _f("", "JAX's persistent compilation cache directory (MaxText's key; ~ expands): a run whose step was compiled before loads it instead of compiling again. Empty: no cache (MaxText's default is ~/jax_cache; ours stays off until a GPU run shows our Mosaic and Triton kernels load from it).")
+    jax_cache_dir: str = _f("~/jax_cache", "JAX's persistent compilation cache directory (MaxText's key and default; ~ expands): a run whose step was compiled before loads it instead of compiling again (the proxy on an H200: compile and first step 91.9 s, then 36.7 s). Empty: no cache.")
     hardware: Literal["auto", "cpu", "gpu", "gpu_multiprocess", "tpu"] = _f("auto", "Target hardware (auto: GPU if present, else CPU); gpu_multiprocess joins the job through jax.distributed (JAX_COORDINATOR_ADDRESS/JAX_NUM_PROCESSES/JAX_PROCESS_ID, or a cluster JAX detects: SLURM, Open MPI, Kubernetes); with none found it runs as one process on this host's GPUs and says so.")
     num_cpu_devices: int = _f(-1, "CPU only: devices per process (-1: the product of the fixed ici_*_parallelism axes, so ici_expert_parallelism=8 gives 8).", ge=-1)
     steps: int = _f(100, "Optimizer steps to run.", ge=1)
