@@ -107,3 +107,29 @@ def test_torch_speedups_are_the_torch_time_over_the_case_time(bench):
     assert bench.torch_speedups(rows) == {"ours": {"fwd": 2.0, "fwd_bwd": 1.5},
                                           "capacity-1.0": {"fwd": 0.5, "fwd_bwd": None}}
     assert bench.torch_speedups(rows[2:]) == {}
+
+
+def test_large_copies_reads_copy_instructions_and_their_sizes(bench):
+    """Only copy / copy-start results of at least the threshold, sized from dtype and dims."""
+    hlo = "\n".join([
+        "  %copy.3 = bf16[65536,7168]{1,0} copy(bf16[65536,7168]{0,1} %p0)",
+        "  copy-start.1 = (f32[32,7168,4096]{2,1,0}, f32[32,7168,4096]{2,1,0}, u32[]) "
+        "copy-start(f32[32,7168,4096]{2,1,0} %w)",
+        "  %copy.4 = bf16[128,128]{1,0} copy(bf16[128,128]{0,1} %p1)",
+        "  %add.1 = bf16[65536,7168]{1,0} add(%a, %b)",
+        "  ROOT %copy.9 = f8e4m3fn[4096,65536]{1,0} copy(%q)",
+    ])
+    copies = bench.large_copies(hlo)
+    assert [(c["name"], c["op"], c["mib"]) for c in copies] == [
+        ("copy-start.1", "copy-start", 3584.0), ("copy.3", "copy", 896.0), ("copy.9", "copy", 256.0)]
+    assert bench.large_copies(hlo, min_bytes=1)[-1]["name"] == "copy.4"
+
+
+def test_dump_hlo_writes_the_compiled_fwd_bwd(bench, tmp_path):
+    import gzip
+
+    layer = bench.Layer(bench.TINY, bench.moe_config(bench.TINY, gmm_backend="xla"))
+    out = bench.dump_hlo(layer, tmp_path / "hlo" / "moe.txt.gz")
+    text = gzip.open(out["path"], "rt").read()
+    assert text.startswith("HloModule") and "ENTRY" in text
+    assert isinstance(out["large_copies"], list)
