@@ -75,6 +75,42 @@ def test_round_trip(saved, tmp_path):
     ckpt.close()
 
 
+@pytest.mark.parametrize("pinned", [True, False])
+def test_pinned_host_transfer_reaches_orbax_and_files_stay_the_same(saved, tmp_path, monkeypatch,
+                                                                     pinned):
+    """checkpoint_pinned_host_transfer: the copies to host are asked as pinned (Orbax's GPU
+    default, forced on here since the CPU has no pinned_host memory to choose) or pageable;
+    either checkpoint restores bit for bit, by the other setting too."""
+    from orbax.checkpoint._src.handlers import base_pytree_checkpoint_handler as base
+    from orbax.checkpoint._src.serialization import replica_slices
+
+    _, state4, abstract, shardings = saved
+    asked = []
+    transfer = replica_slices.transfer_arrays_to_host
+
+    def spy(*args, **kwargs):
+        asked.append(kwargs.get("enable_pinned_host_transfer"))
+        return transfer(*args, **kwargs)
+
+    monkeypatch.setattr(replica_slices, "transfer_arrays_to_host", spy)
+    init = base.BasePyTreeCheckpointHandler.__init__
+
+    def gpu_default(self, *args, enable_pinned_host_transfer=None, **kwargs):
+        # Orbax's default on a GPU backend: on unless the caller says otherwise.
+        on = True if enable_pinned_host_transfer is None else enable_pinned_host_transfer
+        init(self, *args, enable_pinned_host_transfer=on, **kwargs)
+
+    monkeypatch.setattr(base.BasePyTreeCheckpointHandler, "__init__", gpu_default)
+    directory = str(tmp_path / "checkpoints")
+    ckpt = ckpt_lib.Checkpointer(directory, period=2, pinned_host_transfer=pinned)
+    assert ckpt.save(4, state4)
+    ckpt.close()
+    assert asked and set(asked) == {pinned}
+    ckpt = ckpt_lib.Checkpointer(directory, period=2, pinned_host_transfer=not pinned)
+    jax.tree.map(np.testing.assert_array_equal, ckpt.restore(4, abstract, shardings), state4)
+    ckpt.close()
+
+
 def test_checkpoint_without_manifest_counts_as_incomplete(saved, tmp_path):
     ckpt = _copy(saved, tmp_path)
     os.remove(os.path.join(ckpt.step_dir(4), ckpt_lib.MANIFEST))

@@ -197,6 +197,24 @@ def verify_everywhere(step_dir: str) -> None:
 # --- disk space ---------------------------------------------------------------------------------
 
 
+def pageable_standard_handler() -> ocp.StandardCheckpointHandler:
+    """Orbax's ``StandardCheckpointHandler`` with its copies to host in pageable memory.
+
+    Orbax 0.12.4 copies each saved array to ``pinned_host`` memory on GPU
+    (``BasePyTreeCheckpointHandler``: ``enable_pinned_host_transfer`` defaults to
+    ``jax.default_backend() == "gpu"``), and ``StandardCheckpointHandler`` passes no
+    such switch to the ``PyTreeCheckpointHandler`` it wraps. This is the standard
+    handler (same type, so ``StandardSave`` / ``StandardRestore`` still reach it;
+    same files) with that inner handler built again with the switch off and the
+    standard handler's other defaults.
+    """
+    handler = ocp.StandardCheckpointHandler()
+    handler._impl = ocp.PyTreeCheckpointHandler(  # noqa: SLF001 - no public switch
+        save_concurrent_gb=96, restore_concurrent_gb=96, use_ocdbt=True,
+        enable_pinned_host_transfer=False)
+    return handler
+
+
 def save_bytes(abstract_state) -> int:
     """Bytes of every array of the train state (all devices together): one save before compression.
 
@@ -380,7 +398,7 @@ class Checkpointer:
     _instances = itertools.count()  # the same sequence in every process: key-value store names
 
     def __init__(self, directory: str, *, period: int, async_save: bool = True, max_to_keep: int = 0,
-                 per_save_bytes: int = 0):
+                 per_save_bytes: int = 0, pinned_host_transfer: bool = True):
         if period < 1:
             raise ValueError(f"checkpoint_period={period} must be >= 1")
         self.directory = os.path.abspath(directory)
@@ -402,7 +420,12 @@ class Checkpointer:
             enable_async_checkpointing=async_save,
             create=True,
         )
-        self._manager = ocp.CheckpointManager(self.directory, options=options, item_names=ITEMS)
+        if pinned_host_transfer:  # Orbax's default handlers: pinned copies on GPU
+            self._manager = ocp.CheckpointManager(self.directory, options=options, item_names=ITEMS)
+        else:
+            self._manager = ocp.CheckpointManager(
+                self.directory, options=options,
+                item_handlers={name: pageable_standard_handler() for name in ITEMS})
 
     def step_dir(self, step: int) -> str:
         return os.path.join(self.directory, str(step))

@@ -730,6 +730,7 @@ def run_training(model: ModelConfig, train: TrainConfig, mesh: MeshConfig, *,
             os.path.join(run_dir, "checkpoints"), period=train.checkpoint_period,
             async_save=train.async_checkpointing, max_to_keep=train.max_num_checkpoints_to_keep,
             per_save_bytes=ckpt_lib.save_bytes(s.abstract),
+            pinned_host_transfer=train.checkpoint_pinned_host_transfer,
         )
     try:
         state, resumed_from = _initial_state(s, train, ckpt, console)
