@@ -60,7 +60,8 @@ def kernel_calls(module_text: str, target_prefix: str = "mosaic_gpu") -> list[Ke
                     if name == "stablehlo.custom_call":
                         target = ir.StringAttr(inner.attributes["call_target_name"]).value
                         if target.startswith(target_prefix):
-                            out.append(KernelCall(loops, tuple(sorted(user(u) for u in inner.results[0].uses))))
+                            users = sorted(user(u) for u in inner.results[0].uses)
+                            out.append(KernelCall(loops, tuple(users)))
                     elif name == "func.call":
                         walk(funcs[ir.FlatSymbolRefAttr(inner.attributes["callee"]).value], loops)
                     elif name == "stablehlo.while":
