@@ -5,6 +5,11 @@
 - ``jaxpr``: the Pallas kernel calls in the step's jaxpr, each multiplied by
   the lengths of the scans around it (runs anywhere; on CPU the config needs
   ``gmm_backend=mosaic``, which lowers but never runs here).
+- ``lowered``: the ``mosaic_gpu`` custom calls in the StableHLO that JAX hands
+  XLA (lowered for CUDA, so it runs anywhere too), per while loop, with the ops
+  reading each result (``perf.stablehlo``): a result both stacked by a scan
+  (``dynamic_update_index_in_dim``) and read by another op is one XLA's GPU
+  dynamic-slice fusion runs twice (``benchmarks/notes/scan.md``).
 - ``compiled`` (GPU only): the ``mosaic_gpu`` custom-calls in XLA's optimized
   HLO of the step, each with its jax op name and its executions per step
   through the call graph (while loops' known trip counts multiplied, nested
@@ -21,6 +26,7 @@ import sys
 import jax
 
 from dropless.perf import hlo as hlo_lib
+from dropless.perf import stablehlo
 
 
 def _kernel_calls(jaxpr, mult=1, path=""):
@@ -96,6 +102,10 @@ def main(argv: list[str]) -> int:
     for (path, mult), n in sorted(by_path.items()):
         print(f"jaxpr: {n} call(s) x {mult} at {path}")
     print(f"jaxpr: {sum(m for _, m in calls)} kernel executions per step")
+    lowered = jax.export.export(step, platforms=["cuda"])(state, batch).mlir_module()
+    for call in stablehlo.kernel_calls(lowered):
+        where = "/".join(f"while#{i}" for i in call.loops) or "outside loops"
+        print(f"lowered: in {where}, read by {', '.join(call.users) or 'nothing'}")
     if jax.default_backend() == "gpu":
         hlo = step.lower(state, batch).compile().as_text()
         if dump:

@@ -142,7 +142,13 @@ def grouped_swiglu(x_PD, group_sizes_G, weights, *, backend, quantization="te_no
         y = quantized.gmm(x, w, group_sizes_G, recipe=quantization, backend=backend,
                           impl=fp8_impl, groups_aligned=True,  # the contract above
                           quant_impl=fp8_quantizer)
-        return checkpoint_name(y, name)
+        # The barrier gives the kernel's output one user. In a scan that saves it
+        # (remat ``minimal``) it would also feed the dynamic-update-slice into the
+        # stacked residual, and XLA's GPU dynamic-slice fusion then runs a second
+        # copy of the kernel that writes the residual in place while the first
+        # feeds the layer: each forward grouped GEMM twice per layer
+        # (benchmarks/notes/scan.md). At run time the barrier is a no-op.
+        return checkpoint_name(jax.lax.optimization_barrier(y), name)
 
     *gate_up, w_out = weights
     if len(gate_up) == 1:

@@ -26,7 +26,10 @@ backward pass), or recomputed from the layer input.
   traced 18 kernel launches, 6 forward (``jvp``) and 12 backward
   (``transpose``), none recomputed (``tools/count_step_kernels.py``,
   ``benchmarks/results/logs/count-step-kernels-unrolled-20261202-0527-h200.log``);
-  the scan's 6 more are XLA's, not this policy's.
+  the scan's 6 more were XLA's dynamic-slice fusion running each forward GEMM
+  a second time to write the stacked residual in place, not this policy's
+  (``nn.moe.grouped_swiglu`` now gives it nothing to duplicate;
+  ``benchmarks/notes/scan.md``).
 * ``save_dot_except_mlp``: keep the attention projections (query/key/value,
   the MLA latents, the output projection); recompute the MLP/expert matmuls.
 * ``custom``: per-tensor choice from ``remat_custom``, pairs ``(name, action)``
