@@ -25,9 +25,20 @@ Run on the GPU machine:
   PYTHONPATH=src python3 benchmarks/fp8_quant.py [--shape M,G,K,N] [--out DIR]
 ``--smoke`` runs a tiny shape on CPU (interpret mode for the kernels is too
 slow: the kernel rows are skipped there) to check the script.
+
+``--columns-variants`` runs a sweep instead, for each activation shape of
+``--variant-shapes`` (default [65536, C] bf16 for C = 7168, 4096, 2048): the
+Pallas columns kernel in each transpose variant and warp count
+(``fp8_quant_kernels.TRANSPOSES``, ``NUM_WARPS``), the rows kernel, rows +
+columns as two kernels, and the fused ``quantize_rows_and_columns`` in each
+variant, each against a plain bf16 copy of the same array in the same run
+(CUPTI and wall-clock, GB/s, the outputs checked bit for bit against the
+default kernels). Its record is of kind ``fp8_quant_columns`` (the report's
+FP8 section keeps reading the passes record).
 """
 
 import argparse
+import functools
 import os
 import statistics
 import sys
@@ -140,6 +151,73 @@ def products(x, w, gs, dy):
     }
 
 
+def column_variants(m, c):
+    """name -> (fn of a [M, C], bytes moved, the name whose outputs it must equal or None)."""
+    fq = fp8_quant_kernels
+    e = m * c
+    one = 2 * e + e + 4 * e // 128  # read a once, write one copy of codes and its scales
+    out = {"copy": (lambda a: a * 2, 4 * e, None), "rows": (fq.quantize_rows, one, None)}
+    default = "columns codes w8"  # the kernel's defaults, timed first: the others equal it
+    variants = [(t, w) for t in fq.TRANSPOSES for w in sorted(fq.NUM_WARPS, reverse=True)]
+    for t, w in variants:
+        out[f"columns {t} w{w}"] = (
+            functools.partial(fq.quantize_columns, transpose=t, num_warps=w), one,
+            None if f"columns {t} w{w}" == default else default)
+    out["rows + columns"] = (lambda a: (*fq.quantize_rows(a), *fq.quantize_columns(a)), 2 * one, None)
+    for t, w in variants:
+        out[f"rows_and_columns {t} w{w}"] = (
+            functools.partial(fq.quantize_rows_and_columns, transpose=t, num_warps=w),
+            one + e + 4 * e // 128, "rows + columns")  # one read, both copies written
+    return out
+
+
+def columns_sweep(shapes, iters, record):
+    """Times ``column_variants`` at each [M, C] of ``shapes`` into ``record["rows"]``."""
+    print(f"{'M x C':<12} {'variant':<30} {'kernel ms':>10} {'wall ms':>9} {'GB/s kern':>10} "
+          f"{'vs copy':>8} {'GB/s wall':>10} {'vs copy':>8}  bits")
+    rng = np.random.default_rng(0)
+    for m, c in shapes:
+        # Every 128-block its own magnitude, as in the tests.
+        a = jnp.asarray(rng.standard_normal((m, c), np.float32)
+                        * np.exp(rng.uniform(-6, 6, (m // 128, 1, c // 128, 1))).astype(np.float32)
+                        .repeat(128, 1).repeat(128, 3).reshape(m, c), jnp.bfloat16)
+        copy = {}
+        refs = {}
+        for name, (fn, nbytes, same_as) in column_variants(m, c).items():
+            f = jax.jit(fn)
+            row = {"section": "columns_variant", "M": m, "C": c, "name": name, "gbytes": nbytes / 1e9}
+            try:
+                got = jax.block_until_ready(f(a))
+                if same_as is None and name != "copy":
+                    refs[name] = got
+                elif same_as is not None:
+                    row["bitwise_equal_to"] = same_as
+                    row["equal"] = all(bool(jnp.array_equal(_bits(x_), _bits(y_)))
+                                       for x_, y_ in zip(got, refs[same_as], strict=True))
+                del got
+                kms = cupti_ms(f, (a,), iters)
+                wms = wall_ms(f, (a,), iters)
+            except Exception as e:  # noqa: BLE001 - one variant failing must not lose the others
+                print(f"{m}x{c:<7} {name:<30} failed: {type(e).__name__}: {str(e)[:300]}")
+                record["rows"].append({**row, "error": str(e)[:1000]})
+                continue
+            row.update(kernel_ms=kms, wall_ms=wms, gbps_kernel=kms and nbytes / kms / 1e6,
+                       gbps_wall=nbytes / wms / 1e6)
+            if name == "copy":
+                copy = row
+            row["vs_copy_kernel"] = (row["gbps_kernel"] / copy["gbps_kernel"]
+                                     if row["gbps_kernel"] and copy.get("gbps_kernel") else None)
+            row["vs_copy_wall"] = row["gbps_wall"] / copy["gbps_wall"] if copy else None
+            record["rows"].append(row)
+            nan = float("nan")
+            print(f"{m}x{c:<7} {name:<30} {kms or nan:>10.3f} {wms:>9.3f} "
+                  f"{row['gbps_kernel'] or nan:>10.0f} {row['vs_copy_kernel'] or nan:>8.2f} "
+                  f"{row['gbps_wall']:>10.0f} {row['vs_copy_wall'] or nan:>8.2f}  "
+                  f"{'' if same_as is None else ('==' if row['equal'] else 'DIFFER from') + ' ' + same_as}")
+        refs.clear()
+    return all(r.get("equal", True) for r in record["rows"] if "error" not in r)
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--shape", default="65536,32,7168,4096", help="M,G,K,N")
@@ -148,9 +226,28 @@ def main(argv=None):
     p.add_argument("--smoke", action="store_true", help="tiny shape, passes only (CPU check)")
     p.add_argument("--no-breakdown", action="store_true", help="skip the profiler breakdown")
     p.add_argument("--quick", action="store_true", help="5 iterations, no breakdown")
+    p.add_argument("--columns-variants", action="store_true",
+                   help="only the sweep of the columns kernel's variants and the fused kernel")
+    p.add_argument("--variant-shapes", default="65536x7168,65536x4096,65536x2048",
+                   help="the sweep's activation shapes, MxC,... (multiples of 128)")
     a = p.parse_args(argv)
     if a.quick:
         a.iters, a.no_breakdown = min(a.iters, 5), True
+    if a.columns_variants:
+        try:
+            shapes = [(256, 384)] if a.smoke else [
+                tuple(int(d) for d in s_.split("x")) for s_ in a.variant_shapes.split(",")]
+            if any(len(s_) != 2 or s_[0] % 128 or s_[1] % 128 or 0 in s_ for s_ in shapes):
+                raise ValueError
+        except ValueError:
+            print(f"error: --variant-shapes {a.variant_shapes!r}: want MxC,... with M and C positive "
+                  "multiples of 128", file=sys.stderr)
+            return 2
+        record = measure.new_record("fp8_quant_columns", {"shapes": [list(s_) for s_ in shapes],
+                                                          "iters": a.iters, "dtype": "bfloat16"})
+        equal = columns_sweep(shapes, a.iters, record)
+        print(f"\nrecord: {measure.write_record(record, a.out)}")
+        return 0 if equal else 1
     m, g, k, n = (256, 2, 256, 256) if a.smoke else map(int, a.shape.split(","))
     rng = np.random.default_rng(0)
     x = jnp.asarray(rng.standard_normal((m, k)), jnp.bfloat16)

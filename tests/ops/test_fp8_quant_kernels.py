@@ -8,6 +8,8 @@ there is no tolerance. They are also lowered for CUDA at DeepSeek-V3 shapes
 the hardware, where the compiled Triton kernels run.
 """
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -84,6 +86,68 @@ def test_shape_errors():
         fq.quantize_weight(jnp.zeros((1, 100, 128)), interpret=True)
 
 
+def _bits(a):
+    """a's bytes as unsigned integers: NaN codes and NaN scales compare bit for bit."""
+    a = np.asarray(a)
+    return a.view({1: np.uint8, 4: np.uint32}[a.dtype.itemsize])
+
+
+def _same_bits(got, want):
+    assert len(got) == len(want)
+    for g_, w_ in zip(got, want):
+        assert g_.shape == w_.shape and g_.dtype == w_.dtype
+        np.testing.assert_array_equal(_bits(g_), _bits(w_))
+
+
+def _special_blocks(rng, shape):
+    """``_data`` plus an all-zero 128x128 block, and a NaN, a +inf and a -inf each in
+    their own row block and column block (so each poisons one 1x128 and one 128x1
+    block of its own)."""
+    a = np.asarray(_data(rng, shape), np.float32)
+    a[128:256, :128] = 0.0
+    a[3, 130], a[140, 200], a[20, 250] = np.nan, np.inf, -np.inf
+    return a
+
+
+@pytest.mark.parametrize("transpose", fq.TRANSPOSES)
+def test_fused_rows_and_columns_equal_the_two_kernels_bit_for_bit(rng, transpose):
+    """``quantize_rows_and_columns`` (each transpose variant) returns exactly what
+    ``quantize_rows`` and ``quantize_columns`` return, and ``quantize_columns``'s
+    variants exactly what its default returns, on blocks of every magnitude with zero,
+    NaN and infinite blocks, at M != C. Bits, no tolerance: the same exponent
+    arithmetic and an exact max, only the order of a transpose differs."""
+    a = jnp.asarray(_special_blocks(rng, (384, 256)), jnp.bfloat16)
+    rows, cols = fq.quantize_rows(a), fq.quantize_columns(a)
+    assert np.isnan(np.asarray(rows[1])).sum() == 3 and np.isnan(np.asarray(cols[1])).sum() == 3
+    _same_bits(fq.quantize_rows_and_columns(a, transpose=transpose), (*rows, *cols))
+    _same_bits(fq.quantize_columns(a, transpose=transpose), cols)
+
+
+def test_fused_equals_quant_in_float32(rng):
+    """On a float32 operand (no bf16 rounding first) the fused kernel, with the
+    "input" transpose (the one that reduces a transposed tile), equals ``ops.quant``.
+    Without the NaN: XLA:CPU's max reduction drops NaN over larger arrays, so
+    ``quantize_blocks`` gives a NaN's block a finite scale there (the kernels check
+    NaN on their own; ``test_nan_makes_its_block_nan``)."""
+    a = _special_blocks(rng, (256, 384))
+    a[np.isnan(a)] = 1.0
+    a = jnp.asarray(a, jnp.float32)
+    want_r, want_rs = quant.quantize_blocks(a, (1, 128))
+    want_c, want_cs = quant.quantize_blocks(a, (128, 1))
+    _same_bits(fq.quantize_rows_and_columns(a, transpose="input"),
+               (want_r, want_rs.T, want_c.T, want_cs))
+
+
+def test_variant_errors():
+    a = jnp.zeros((128, 128), jnp.bfloat16)
+    with pytest.raises(ValueError, match="transpose='rows' is not one of"):
+        fq.quantize_columns(a, interpret=True, transpose="rows")
+    with pytest.raises(ValueError, match="num_warps=2 is not one of"):
+        fq.quantize_rows_and_columns(a, interpret=True, num_warps=2)
+    with pytest.raises(ValueError, match="multiples of 128"):
+        fq.quantize_rows_and_columns(jnp.zeros((256, 100)), interpret=True)
+
+
 def _abstract_h200():
     from jax._src import mesh as mesh_lib
 
@@ -92,17 +156,37 @@ def _abstract_h200():
         jax.sharding.AbstractMesh((1,), ("x",), abstract_device=device))
 
 
-@pytest.mark.parametrize("name,shape", [("quantize_rows", (65536, 7168)),
-                                        ("quantize_columns", (65536, 2048)),
-                                        ("quantize_weight", (32, 7168, 4096))])
-def test_lowers_for_cuda(name, shape):
-    fn = getattr(fq, name)
+def _export_for_cuda(fn, shape):
     checks = [jax.export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")]
     with _abstract_h200():
         exported = jax.export.export(jax.jit(lambda a: fn(a, interpret=False)), platforms=["cuda"],
                                      disabled_checks=checks)(S(shape, jnp.bfloat16))
-    text = exported.mlir_module()
+    return exported.mlir_module()
+
+
+@pytest.mark.parametrize("name,shape", [("quantize_rows", (65536, 7168)),
+                                        ("quantize_columns", (65536, 2048)),
+                                        ("quantize_rows_and_columns", (65536, 7168)),
+                                        ("quantize_weight", (32, 7168, 4096))])
+def test_lowers_for_cuda(name, shape):
+    text = _export_for_cuda(getattr(fq, name), shape)
     assert "xla.gpu.triton" in text and "f8E4M3FN" in text
+
+
+def test_variants_lower_for_cuda_to_different_kernels():
+    """Each (transpose, num_warps) of the columns and fused kernels lowers to Triton
+    for CUDA, and each to its own kernel: the benchmark's variants are really distinct."""
+    import re
+
+    kernels = set()
+    for fn in (fq.quantize_columns, fq.quantize_rows_and_columns):
+        for transpose in fq.TRANSPOSES:
+            for num_warps in fq.NUM_WARPS:
+                text = _export_for_cuda(
+                    functools.partial(fn, transpose=transpose, num_warps=num_warps), (65536, 4096))
+                assert text.count("xla.gpu.triton") == 1 and f"num_warps = {num_warps} " in text
+                kernels.add((re.search(r'ir = "(.*?)", num_stages', text).group(1), num_warps))
+    assert len(kernels) == 2 * len(fq.TRANSPOSES) * len(fq.NUM_WARPS)
 
 
 def test_inside_shard_map_equal_outside(rng):
@@ -149,15 +233,60 @@ def test_kernel_impl_with_pallas_quantizers_equals_xla_quantizers(rng, monkeypat
         _same(g_, w_)
 
 
+@pytest.mark.parametrize("aligned", [True, False])
+def test_backward_reads_dy_once_where_groups_are_aligned(monkeypatch, aligned):
+    """With ``groups_aligned`` the backward quantizes dy once into both layouts
+    (``rows_and_columns``); without it wgrad's dy is a regrouped copy, so dgrad's and
+    wgrad's copies come from two passes, as before. (That the fused path gives the same
+    bits: ``test_kernel_impl_with_pallas_quantizers_equals_xla_quantizers``.)"""
+    monkeypatch.setattr(mosaic, "is_available", lambda: True)
+    monkeypatch.setattr(mosaic_fp8, "gmm_fp8_blockwise", mosaic_fp8.reference)
+    monkeypatch.setattr(mosaic_fp8_tgmm, "tgmm_fp8_blockwise", mosaic_fp8_tgmm.reference)
+    calls = []
+
+    def spy(name, fn):
+        return lambda a: calls.append((name, a.shape)) or fn(a)
+
+    q = quantized.quantizer("xla")
+    q = q._replace(**{f: spy(f, getattr(q, f)) for f in ("rows", "columns", "rows_and_columns")})
+    m, k, n = 256, 256, 512
+    gs = jnp.array([128, 0, 128], jnp.int32)
+    f = lambda x, w: quantized._kgmm(x, w, gs, jnp.float32, aligned, q)  # noqa: E731
+    y, vjp = jax.vjp(f, jnp.ones((m, k)), jnp.ones((3, k, n)))
+    calls.clear()
+    jax.eval_shape(vjp, y)
+    if aligned:
+        assert calls == [("rows_and_columns", (m, n)), ("columns", (m, k))]
+    else:
+        p = 640  # align_groups' rows: M + G * 127 rounded up to 128
+        assert sorted(calls) == [("columns", (p, k)), ("columns", (p, n)), ("rows", (m, n))]
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not mosaic.is_available(), reason="needs a Hopper (sm_90) GPU")
 def test_gpu_kernels_equal_quant_bit_for_bit(rng):
-    """On the hardware: the compiled kernels against XLA's quantization at a real shape."""
+    """On the hardware: the compiled kernels (every columns and fused variant) against
+    XLA's quantization at a real shape."""
     a = jnp.asarray(_data(rng, (4096, 2048)), jnp.bfloat16)
     _same(fq.quantize_rows(a)[0], mosaic_fp8.quantize_rows(a)[0])
     _same(fq.quantize_rows(a)[1], mosaic_fp8.quantize_rows(a)[1])
     _same(fq.quantize_columns(a)[0], mosaic_fp8_tgmm.quantize_columns(a)[0])
     _same(fq.quantize_columns(a)[1], mosaic_fp8_tgmm.quantize_columns(a)[1])
+    rows, cols = mosaic_fp8.quantize_rows(a), mosaic_fp8_tgmm.quantize_columns(a)
+    for transpose in fq.TRANSPOSES:
+        for num_warps in fq.NUM_WARPS:
+            _same_bits(fq.quantize_columns(a, transpose=transpose, num_warps=num_warps), cols)
+            _same_bits(fq.quantize_rows_and_columns(a, transpose=transpose, num_warps=num_warps),
+                       (*rows, *cols))
+    # NaN, infinite and zero blocks: against the default kernels (XLA's max reduction
+    # need not propagate NaN, the kernels' does).
+    b = jnp.asarray(_special_blocks(rng, (4096, 2048)), jnp.bfloat16)
+    rows, cols = fq.quantize_rows(b), fq.quantize_columns(b)
+    for transpose in fq.TRANSPOSES:
+        for num_warps in fq.NUM_WARPS:
+            _same_bits(fq.quantize_columns(b, transpose=transpose, num_warps=num_warps), cols)
+            _same_bits(fq.quantize_rows_and_columns(b, transpose=transpose, num_warps=num_warps),
+                       (*rows, *cols))
     w = jnp.asarray(_data(rng, (4, 1024, 2048)), jnp.bfloat16)
     q, q_t, s = fq.quantize_weight(w)
     want_q, want_s = mosaic_fp8.quantize_weight(w)

@@ -12,6 +12,8 @@ for bit, tested):
   rows     a [M, C] -> codes [M, C], scales [Cb, M]     (1x128; fwd's x, dgrad's dy)
   columns  a [M, C] -> codes [C, M], scales [Mb, C]     (128x1 along M, codes M-major;
                                                          wgrad's x and dy)
+  rows_and_columns  a [M, C] -> both of the above       (from one read: the backward's
+                                                         dy, which dgrad and wgrad read)
   weight   w [G, K, N] -> codes [G, K, N], codes [G, N, K], scales [G, Kb, Nb]
                                                         (128x128; dgrad's and fwd's layouts
                                                          from one read)
@@ -64,7 +66,7 @@ def default_interpret() -> bool:
     return jax.devices()[0].platform != "gpu"
 
 
-def _call(kernel, operand, grid, in_specs, out_specs, out_shape, interpret):
+def _call(kernel, operand, grid, in_specs, out_specs, out_shape, interpret, num_warps=8):
     if interpret is None:
         interpret = default_interpret()
     # Inside shard_map (the MoE layer's experts run there) pallas_call needs
@@ -73,21 +75,73 @@ def _call(kernel, operand, grid, in_specs, out_specs, out_shape, interpret):
     out_shape = [jax.ShapeDtypeStruct(o.shape, o.dtype, manual_axis_type=axis_type) for o in out_shape]
     return pl.pallas_call(kernel, grid=grid, in_specs=in_specs, out_specs=out_specs,
                           out_shape=out_shape, interpret=interpret,
-                          compiler_params=_compiler_params())(operand)
+                          compiler_params=_compiler_params(num_warps))(operand)
 
 
-def _compiler_params():
+def _compiler_params(num_warps=8):
     from jax.experimental.pallas import triton as pltriton
 
     # 8 warps: a 128x128 tile held in float32 is 64 values per thread (4 warps would
-    # hold 128 and spill).
-    return pltriton.CompilerParams(num_warps=8, num_stages=1)
+    # hold 128 and may spill; the columns kernel takes 4 for benchmarking).
+    return pltriton.CompilerParams(num_warps=num_warps, num_stages=1)
+
+
+# The (M/128, C/128) grid of the activation kernels reads a in 128x128 tiles and
+# writes each layout's tile of codes and its 128 scales.
+_TILE = pl.BlockSpec((BLOCK, BLOCK), lambda i, j: (i, j))
+
+
+def _rows_out(m, c):
+    """(out_specs, out_shape) of the rows layout: codes [M, C], scales [Cb, M]."""
+    return ([_TILE, pl.BlockSpec((1, BLOCK), lambda i, j: (j, i))],
+            [jax.ShapeDtypeStruct((m, c), E4M3), jax.ShapeDtypeStruct((c // BLOCK, m), jnp.float32)])
+
+
+def _columns_out(m, c):
+    """(out_specs, out_shape) of the columns layout: codes [C, M], scales [Mb, C]."""
+    return ([pl.BlockSpec((BLOCK, BLOCK), lambda i, j: (j, i)),
+             pl.BlockSpec((1, BLOCK), lambda i, j: (i, j))],
+            [jax.ShapeDtypeStruct((c, m), E4M3), jax.ShapeDtypeStruct((m // BLOCK, c), jnp.float32)])
+
+
+def _row_codes(x):
+    """(codes [M, C] E4M3, scales [M]) of one read tile x [M, C]: 1x128 blocks."""
+    scale, inv = quant.pow2_scale_parts(_amax(x, 1), E4M3)
+    return _codes(x, inv[:, None]), scale
+
+
+# How the columns kernel turns its [M, C] tile into M-major codes [C, M]: "codes"
+# transposes the E4M3 codes (one byte per element through the transpose), "scaled_f32"
+# the float32 scaled values before the cast, "input" the tile as read (bf16) before
+# anything, then reduces along axis 1 as the rows kernel does. Every step around the
+# transpose is elementwise or an exact max, so all three give the same bits (tested);
+# they differ in what the transpose moves, which only a GPU can rank
+# (``benchmarks/fp8_quant.py --columns-variants``).
+TRANSPOSES = ("codes", "scaled_f32", "input")
+NUM_WARPS = (4, 8)
+
+
+def _column_codes(a, x, transpose):
+    """(codes [C, M] E4M3, scales [C]) of one tile: a [M, C] as stored, x = ``_read(a)``
+    (unused by ``"input"``)."""
+    if transpose == "input":
+        return _row_codes(quant._read(a.T))
+    scale, inv = quant.pow2_scale_parts(_amax(x, 0), E4M3)
+    if transpose == "scaled_f32":
+        return quant._saturate((x * inv[None, :]).T, E4M3), scale
+    return _codes(x, inv[None, :]).T, scale
+
+
+def _check_variant(name, transpose, num_warps):
+    if transpose not in TRANSPOSES:
+        raise ValueError(f"fp8_quant_kernels.{name}: transpose={transpose!r} is not one of {TRANSPOSES}")
+    if num_warps not in NUM_WARPS:
+        raise ValueError(f"fp8_quant_kernels.{name}: num_warps={num_warps!r} is not one of {NUM_WARPS}")
 
 
 def _rows_kernel(a_ref, q_ref, s_ref):
-    x = quant._read(a_ref[...])  # [BLOCK rows, BLOCK cols]
-    scale, inv = quant.pow2_scale_parts(_amax(x, 1), E4M3)
-    q_ref[...] = _codes(x, inv[:, None])
+    q, scale = _row_codes(quant._read(a_ref[...]))
+    q_ref[...] = q
     s_ref[...] = scale[None, :]
 
 
@@ -96,35 +150,63 @@ def quantize_rows(a_MC, interpret=None):
     """(aq [M, C] E4M3, sa [Cb, M]): 1x128 blocks along C (``mosaic_fp8.quantize_rows``)."""
     _check("quantize_rows", a_MC.shape)
     m, c = a_MC.shape
-    return _call(
-        _rows_kernel, a_MC, (m // BLOCK, c // BLOCK),
-        [pl.BlockSpec((BLOCK, BLOCK), lambda i, j: (i, j))],
-        [pl.BlockSpec((BLOCK, BLOCK), lambda i, j: (i, j)),
-         pl.BlockSpec((1, BLOCK), lambda i, j: (j, i))],
-        [jax.ShapeDtypeStruct((m, c), E4M3), jax.ShapeDtypeStruct((c // BLOCK, m), jnp.float32)],
-        interpret)
+    return _call(_rows_kernel, a_MC, (m // BLOCK, c // BLOCK), [_TILE], *_rows_out(m, c), interpret)
 
 
-def _columns_kernel(a_ref, q_ref, s_ref):
-    x = quant._read(a_ref[...])  # [BLOCK rows (M), BLOCK cols (C)]
-    scale, inv = quant.pow2_scale_parts(_amax(x, 0), E4M3)
-    q_ref[...] = _codes(x, inv[None, :]).T
+def _columns_kernel(a_ref, q_ref, s_ref, *, transpose):
+    a = a_ref[...]  # [BLOCK rows (M), BLOCK cols (C)]
+    q, scale = _column_codes(a, None if transpose == "input" else quant._read(a), transpose)
+    q_ref[...] = q
     s_ref[...] = scale[None, :]
 
 
-@functools.partial(jax.jit, static_argnames="interpret")
-def quantize_columns(a_MC, interpret=None):
+@functools.partial(jax.jit, static_argnames=("interpret", "transpose", "num_warps"))
+def quantize_columns(a_MC, interpret=None, transpose="codes", num_warps=8):
     """(aq [C, M] E4M3, sa [Mb, C]): 128x1 blocks along M, codes M-major
-    (``mosaic_fp8_tgmm.quantize_columns``)."""
+    (``mosaic_fp8_tgmm.quantize_columns``).
+
+    ``transpose`` (``TRANSPOSES``) and ``num_warps`` (``NUM_WARPS``) choose how the
+    kernel runs, not what it returns (the same bits); they are there to be timed.
+
+    Raises:
+      ValueError: M or C not a positive multiple of 128; an unknown variant.
+    """
     _check("quantize_columns", a_MC.shape)
+    _check_variant("quantize_columns", transpose, num_warps)
     m, c = a_MC.shape
-    return _call(
-        _columns_kernel, a_MC, (m // BLOCK, c // BLOCK),
-        [pl.BlockSpec((BLOCK, BLOCK), lambda i, j: (i, j))],
-        [pl.BlockSpec((BLOCK, BLOCK), lambda i, j: (j, i)),
-         pl.BlockSpec((1, BLOCK), lambda i, j: (i, j))],
-        [jax.ShapeDtypeStruct((c, m), E4M3), jax.ShapeDtypeStruct((m // BLOCK, c), jnp.float32)],
-        interpret)
+    return _call(functools.partial(_columns_kernel, transpose=transpose), a_MC,
+                 (m // BLOCK, c // BLOCK), [_TILE], *_columns_out(m, c), interpret, num_warps)
+
+
+def _rows_and_columns_kernel(a_ref, qr_ref, sr_ref, qc_ref, sc_ref, *, transpose):
+    a = a_ref[...]
+    x = quant._read(a)
+    q, scale = _row_codes(x)
+    qr_ref[...] = q
+    sr_ref[...] = scale[None, :]
+    q, scale = _column_codes(a, x, transpose)
+    qc_ref[...] = q
+    sc_ref[...] = scale[None, :]
+
+
+@functools.partial(jax.jit, static_argnames=("interpret", "transpose", "num_warps"))
+def quantize_rows_and_columns(a_MC, interpret=None, transpose="codes", num_warps=8):
+    """``(*quantize_rows(a), *quantize_columns(a))`` from one read of a:
+    (aq [M, C] E4M3, sa [Cb, M], aq's 128x1 codes [C, M] E4M3, their scales [Mb, C]),
+    the same bits as the two kernels (tested). For the backward's dy, which dgrad
+    reads in 1x128 blocks and wgrad in 128x1 blocks. ``transpose`` and
+    ``num_warps`` as in ``quantize_columns``.
+
+    Raises:
+      ValueError: M or C not a positive multiple of 128; an unknown variant.
+    """
+    _check("quantize_rows_and_columns", a_MC.shape)
+    _check_variant("quantize_rows_and_columns", transpose, num_warps)
+    m, c = a_MC.shape
+    (rows_specs, rows_shape), (cols_specs, cols_shape) = _rows_out(m, c), _columns_out(m, c)
+    return tuple(_call(functools.partial(_rows_and_columns_kernel, transpose=transpose), a_MC,
+                       (m // BLOCK, c // BLOCK), [_TILE], rows_specs + cols_specs,
+                       rows_shape + cols_shape, interpret, num_warps))
 
 
 def _weight_kernel(w_ref, *out_refs):

@@ -65,7 +65,9 @@ kernel reads:
 
 (the weight is quantized once, in the forward, into both byte layouts,
 because FP8 wgmma reads both operands K-major; dgrad reuses the forward's
-codes, kept as the backward's residual at one byte per weight). The
+codes, kept as the backward's residual at one byte per weight; with
+``groups_aligned`` dgrad and wgrad read the same dy rows, so dy is quantized
+into both of its layouts by one call, ``Quantizer.rows_and_columns``). The
 numerics are the emulation's up to float32 accumulation order and Hopper's
 FP8 accumulation (tested on an H200): the same codes, the same scales.
 Measured on an H200 (``benchmarks/notes/fp8.md``): fwd+dgrad+wgrad at
@@ -278,6 +280,7 @@ class Quantizer(NamedTuple):
     weight_both: w -> (wq, wq as [G, N, K], sw): both byte layouts from one read
     rows:        a [M, C], M a multiple of 128 -> (aq [M, C], sa [Cb, M]), 1x128 blocks
     columns:     a [M, C] -> (aq [C, M], sa [Mb, C]), 128x1 blocks, codes M-major
+    rows_and_columns: a -> (*rows(a), *columns(a)); the Pallas one reads a once
     """
 
     name: str
@@ -285,6 +288,7 @@ class Quantizer(NamedTuple):
     weight_both: Callable
     rows: Callable
     columns: Callable
+    rows_and_columns: Callable
 
 
 def quantizer(quant_impl: str) -> Quantizer:
@@ -309,11 +313,14 @@ def _quantizer(name: str) -> Quantizer:
             wq, sw = mosaic_fp8.quantize_weight(w)
             return wq, jnp.swapaxes(wq, 1, 2), sw
 
+        def rows_and_columns(a):
+            return (*mosaic_fp8.quantize_rows(a), *mosaic_fp8_tgmm.quantize_columns(a))
+
         return Quantizer("xla", mosaic_fp8.quantize_weight, both, mosaic_fp8.quantize_rows,
-                         mosaic_fp8_tgmm.quantize_columns)
+                         mosaic_fp8_tgmm.quantize_columns, rows_and_columns)
     return Quantizer("pallas", functools.partial(fp8_quant_kernels.quantize_weight, transposed=False),
                      fp8_quant_kernels.quantize_weight, fp8_quant_kernels.quantize_rows,
-                     fp8_quant_kernels.quantize_columns)
+                     fp8_quant_kernels.quantize_columns, fp8_quant_kernels.quantize_rows_and_columns)
 
 
 def _fwd_from_codes(x, wq_t, sw, group_sizes, out_dtype, q: Quantizer):
@@ -324,10 +331,11 @@ def _fwd_from_codes(x, wq_t, sw, group_sizes, out_dtype, q: Quantizer):
     return y[:x.shape[0]]
 
 
-def _dgrad_from_codes(dy, wq, sw, group_sizes, out_dtype, q: Quantizer):
+def _dgrad_from_codes(dy, wq, sw, group_sizes, out_dtype, q: Quantizer, dy_rows=None):
+    """dx [M, K]; ``dy_rows``: dy's 1x128 codes and scales when already quantized."""
     from dropless.ops.gmm import mosaic_fp8
 
-    dyq, sdy = q.rows(pad_kernel_rows(dy))
+    dyq, sdy = dy_rows or q.rows(pad_kernel_rows(dy))
     dx = mosaic_fp8.gmm_fp8_blockwise(dyq, sdy, wq, jnp.swapaxes(sw, 1, 2), group_sizes,
                                       out_dtype=out_dtype)
     return dx[:dy.shape[0]]
@@ -338,13 +346,15 @@ def _fwd(x, w, group_sizes, out_dtype, q: Quantizer):
     return _fwd_from_codes(x, wq_t, sw, group_sizes, out_dtype, q)
 
 
-def _wgrad(x, dy, group_sizes, out_dtype, aligned, q: Quantizer):
+def _wgrad(x, dy, group_sizes, out_dtype, aligned, q: Quantizer, dy_columns=None):
+    """dw [G, K, N]; ``dy_columns``: dy's 128x1 codes and scales when already quantized
+    (only where ``aligned``: otherwise wgrad's dy is a regrouped copy)."""
     from dropless.ops.gmm import mosaic_fp8_tgmm
 
     x, dy, group_sizes = _wgrad_rows(x, dy, group_sizes, quant.BLOCKWISE_TILE, aligned)
-    x, dy = pad_kernel_rows(x), pad_kernel_rows(dy)
-    return mosaic_fp8_tgmm.tgmm_fp8_blockwise(*q.columns(x), *q.columns(dy), group_sizes,
-                                               out_dtype=out_dtype)
+    dy_columns = dy_columns or q.columns(pad_kernel_rows(dy))
+    return mosaic_fp8_tgmm.tgmm_fp8_blockwise(*q.columns(pad_kernel_rows(x)), *dy_columns,
+                                               group_sizes, out_dtype=out_dtype)
 
 
 def kernel_fwd(x, w, group_sizes, out_dtype, quant_impl="xla"):
@@ -391,8 +401,14 @@ def _kgmm_fwd(x, w, group_sizes, out_dtype, aligned, q: Quantizer):
 
 def _kgmm_bwd(out_dtype, aligned, q: Quantizer, res, dy):
     x, wq, sw, group_sizes, w_dtype = res
-    dx = _dgrad_from_codes(dy, wq, sw, group_sizes, x.dtype, q)
-    dw = _wgrad(x, dy, group_sizes, w_dtype.dtype, aligned, q)
+    dy_rows = dy_columns = None
+    if aligned:
+        # wgrad reads the same dy rows as dgrad (no regrouping): both copies of dy
+        # (1x128 and 128x1) from one read of it, the same bits as two passes.
+        dyq, sdy, dyq_c, sdy_c = q.rows_and_columns(pad_kernel_rows(dy))
+        dy_rows, dy_columns = (dyq, sdy), (dyq_c, sdy_c)
+    dx = _dgrad_from_codes(dy, wq, sw, group_sizes, x.dtype, q, dy_rows)
+    dw = _wgrad(x, dy, group_sizes, w_dtype.dtype, aligned, q, dy_columns)
     return dx, dw, jnp.zeros(group_sizes.shape, jax.dtypes.float0)
 
 
