@@ -137,6 +137,18 @@ def test_blockwise_bf16_dequant_is_exact(rng):
     assert qdq.dtype == jnp.bfloat16
 
 
+@pytest.mark.parametrize("block", [(128, 1), (128, 128), (1, 128)])
+def test_block_nan_poisons_its_scale_at_any_block_height(block):
+    """A NaN anywhere in a block gives that block a NaN scale, also in blocks of 128 rows
+    (XLA:CPU's max reduction drops NaN once it spans 16 or more rows)."""
+    x = np.ones((256, 256), np.float32)
+    x[200, 130] = np.nan
+    _, s = quantize_blocks(x, block)
+    s = np.asarray(s)
+    nan_at = (200 // block[0], 130 // block[1])
+    assert np.isnan(s[nan_at]) and np.isnan(s).sum() == 1
+
+
 def test_blockwise_nonfinite_poisons_only_its_block():
     x = np.ones((3, 256), np.float32)
     x[1, 5] = np.nan

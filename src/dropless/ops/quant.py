@@ -188,7 +188,10 @@ def _block_amax(x32, block):
     """Largest |x| per block -> shape ceil(x.shape / block); NaN if a block holds a NaN."""
     xb = _blocked(jnp.abs(x32), block)
     inner = tuple(range(1, xb.ndim, 2))
-    return jnp.max(xb, axis=inner)
+    # A max reduction need not propagate NaN (XLA:CPU's drops it once a block spans 16
+    # or more rows), so a block's NaN is found on its own.
+    has_nan = jnp.any(jnp.isnan(xb), axis=inner)
+    return jnp.where(has_nan, jnp.float32(jnp.nan), jnp.max(xb, axis=inner))
 
 
 def _expand(s, shape, block):
