@@ -159,14 +159,17 @@ def column_variants(m, c):
     out = {"copy": (lambda a: a * 2, 4 * e, None), "rows": (fq.quantize_rows, one, None)}
     default = "columns codes w8"  # the kernel's defaults, timed first: the others equal it
     variants = [(t, w) for t in fq.TRANSPOSES for w in sorted(fq.NUM_WARPS, reverse=True)]
-    for t, w in variants:
-        out[f"columns {t} w{w}"] = (
-            functools.partial(fq.quantize_columns, transpose=t, num_warps=w), one,
-            None if f"columns {t} w{w}" == default else default)
+    variants += [(t, w, "cm") for t, w in variants[:2]]  # C fastest: the codes transpose only
+    name = lambda v: " ".join((v[0], f"w{v[1]}", *v[2:]))  # noqa: E731
+    kwargs = lambda v: dict(transpose=v[0], num_warps=v[1], grid_order=(v[2:] or ("mc",))[0])  # noqa: E731
+    for v in variants:
+        out[f"columns {name(v)}"] = (
+            functools.partial(fq.quantize_columns, **kwargs(v)), one,
+            None if f"columns {name(v)}" == default else default)
     out["rows + columns"] = (lambda a: (*fq.quantize_rows(a), *fq.quantize_columns(a)), 2 * one, None)
-    for t, w in variants:
-        out[f"rows_and_columns {t} w{w}"] = (
-            functools.partial(fq.quantize_rows_and_columns, transpose=t, num_warps=w),
+    for v in variants:
+        out[f"rows_and_columns {name(v)}"] = (
+            functools.partial(fq.quantize_rows_and_columns, **kwargs(v)),
             one + e + 4 * e // 128, "rows + columns")  # one read, both copies written
     return out
 

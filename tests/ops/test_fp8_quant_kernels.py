@@ -109,29 +109,28 @@ def _special_blocks(rng, shape):
     return a
 
 
+@pytest.mark.parametrize("grid_order", fq.GRID_ORDERS)
 @pytest.mark.parametrize("transpose", fq.TRANSPOSES)
-def test_fused_rows_and_columns_equal_the_two_kernels_bit_for_bit(rng, transpose):
-    """``quantize_rows_and_columns`` (each transpose variant) returns exactly what
-    ``quantize_rows`` and ``quantize_columns`` return, and ``quantize_columns``'s
-    variants exactly what its default returns, on blocks of every magnitude with zero,
-    NaN and infinite blocks, at M != C. Bits, no tolerance: the same exponent
-    arithmetic and an exact max, only the order of a transpose differs."""
+def test_fused_rows_and_columns_equal_the_two_kernels_bit_for_bit(rng, transpose, grid_order):
+    """``quantize_rows_and_columns`` (each transpose variant and grid order) returns
+    exactly what ``quantize_rows`` and ``quantize_columns`` return, and
+    ``quantize_columns``'s variants exactly what its default returns, on blocks of every
+    magnitude with zero, NaN and infinite blocks, at M != C. Bits, no tolerance: the
+    same exponent arithmetic and an exact max, only the order of a transpose or of the
+    tiles differs."""
     a = jnp.asarray(_special_blocks(rng, (384, 256)), jnp.bfloat16)
     rows, cols = fq.quantize_rows(a), fq.quantize_columns(a)
     assert np.isnan(np.asarray(rows[1])).sum() == 3 and np.isnan(np.asarray(cols[1])).sum() == 3
-    _same_bits(fq.quantize_rows_and_columns(a, transpose=transpose), (*rows, *cols))
-    _same_bits(fq.quantize_columns(a, transpose=transpose), cols)
+    _same_bits(fq.quantize_rows_and_columns(a, transpose=transpose, grid_order=grid_order),
+               (*rows, *cols))
+    _same_bits(fq.quantize_columns(a, transpose=transpose, grid_order=grid_order), cols)
 
 
 def test_fused_equals_quant_in_float32(rng):
     """On a float32 operand (no bf16 rounding first) the fused kernel, with the
-    "input" transpose (the one that reduces a transposed tile), equals ``ops.quant``.
-    Without the NaN: XLA:CPU's max reduction drops NaN over larger arrays, so
-    ``quantize_blocks`` gives a NaN's block a finite scale there (the kernels check
-    NaN on their own; ``test_nan_makes_its_block_nan``)."""
-    a = _special_blocks(rng, (256, 384))
-    a[np.isnan(a)] = 1.0
-    a = jnp.asarray(a, jnp.float32)
+    "input" transpose (the one that reduces a transposed tile), equals ``ops.quant``,
+    NaN, infinite and zero blocks included."""
+    a = jnp.asarray(_special_blocks(rng, (256, 384)), jnp.float32)
     want_r, want_rs = quant.quantize_blocks(a, (1, 128))
     want_c, want_cs = quant.quantize_blocks(a, (128, 1))
     _same_bits(fq.quantize_rows_and_columns(a, transpose="input"),
@@ -144,6 +143,8 @@ def test_variant_errors():
         fq.quantize_columns(a, interpret=True, transpose="rows")
     with pytest.raises(ValueError, match="num_warps=2 is not one of"):
         fq.quantize_rows_and_columns(a, interpret=True, num_warps=2)
+    with pytest.raises(ValueError, match="grid_order='nm' is not one of"):
+        fq.quantize_columns(a, interpret=True, grid_order="nm")
     with pytest.raises(ValueError, match="multiples of 128"):
         fq.quantize_rows_and_columns(jnp.zeros((256, 100)), interpret=True)
 
@@ -187,6 +188,11 @@ def test_variants_lower_for_cuda_to_different_kernels():
                 assert text.count("xla.gpu.triton") == 1 and f"num_warps = {num_warps} " in text
                 kernels.add((re.search(r'ir = "(.*?)", num_stages', text).group(1), num_warps))
     assert len(kernels) == 2 * len(fq.TRANSPOSES) * len(fq.NUM_WARPS)
+    # The grid order changes the launch grid, not the kernel: the same tiles, swapped axes.
+    for fn in (fq.quantize_columns, fq.quantize_rows_and_columns):
+        mc, cm = (_export_for_cuda(functools.partial(fn, grid_order=o), (65536, 4096))
+                  for o in fq.GRID_ORDERS)
+        assert cm.count("xla.gpu.triton") == 1 and "grid_x = 512" in mc and "grid_x = 32" in cm
 
 
 def test_inside_shard_map_equal_outside(rng):
@@ -284,9 +290,12 @@ def test_gpu_kernels_equal_quant_bit_for_bit(rng):
     rows, cols = fq.quantize_rows(b), fq.quantize_columns(b)
     for transpose in fq.TRANSPOSES:
         for num_warps in fq.NUM_WARPS:
-            _same_bits(fq.quantize_columns(b, transpose=transpose, num_warps=num_warps), cols)
-            _same_bits(fq.quantize_rows_and_columns(b, transpose=transpose, num_warps=num_warps),
-                       (*rows, *cols))
+            for order in fq.GRID_ORDERS:
+                _same_bits(fq.quantize_columns(b, transpose=transpose, num_warps=num_warps,
+                                               grid_order=order), cols)
+                _same_bits(fq.quantize_rows_and_columns(b, transpose=transpose,
+                                                        num_warps=num_warps, grid_order=order),
+                           (*rows, *cols))
     w = jnp.asarray(_data(rng, (4, 1024, 2048)), jnp.bfloat16)
     q, q_t, s = fq.quantize_weight(w)
     want_q, want_s = mosaic_fp8.quantize_weight(w)

@@ -66,9 +66,14 @@ def default_interpret() -> bool:
     return jax.devices()[0].platform != "gpu"
 
 
-def _call(kernel, operand, grid, in_specs, out_specs, out_shape, interpret, num_warps=8):
+def _call(kernel, operand, grid, in_specs, out_specs, out_shape, interpret, num_warps=8,
+          grid_order="mc"):
     if interpret is None:
         interpret = default_interpret()
+    if grid_order == "cm":  # the same tiles, the second grid axis the faster one
+        swap = lambda spec: pl.BlockSpec(  # noqa: E731
+            spec.block_shape, lambda j, i, index_map=spec.index_map: index_map(i, j))
+        grid, in_specs, out_specs = grid[::-1], [swap(s) for s in in_specs], [swap(s) for s in out_specs]
     # Inside shard_map (the MoE layer's experts run there) pallas_call needs
     # each output's manual-axis type: the codes and scales vary as the operand.
     axis_type = getattr(jax.typeof(operand), "manual_axis_type", None)
@@ -119,6 +124,10 @@ def _row_codes(x):
 # (``benchmarks/fp8_quant.py --columns-variants``).
 TRANSPOSES = ("codes", "scaled_f32", "input")
 NUM_WARPS = (4, 8)
+# The order the 128x128 tiles run in: "mc" walks M fastest (a column of input tiles,
+# so the codes' [C, M] rows are written contiguously), "cm" walks C fastest (a row of
+# input tiles read contiguously, the codes written 128 rows apart). Same bits.
+GRID_ORDERS = ("mc", "cm")
 
 
 def _column_codes(a, x, transpose):
@@ -132,7 +141,9 @@ def _column_codes(a, x, transpose):
     return _codes(x, inv[None, :]).T, scale
 
 
-def _check_variant(name, transpose, num_warps):
+def _check_variant(name, transpose, num_warps, grid_order="mc"):
+    if grid_order not in GRID_ORDERS:
+        raise ValueError(f"fp8_quant_kernels.{name}: grid_order={grid_order!r} is not one of {GRID_ORDERS}")
     if transpose not in TRANSPOSES:
         raise ValueError(f"fp8_quant_kernels.{name}: transpose={transpose!r} is not one of {TRANSPOSES}")
     if num_warps not in NUM_WARPS:
@@ -160,22 +171,24 @@ def _columns_kernel(a_ref, q_ref, s_ref, *, transpose):
     s_ref[...] = scale[None, :]
 
 
-@functools.partial(jax.jit, static_argnames=("interpret", "transpose", "num_warps"))
-def quantize_columns(a_MC, interpret=None, transpose="codes", num_warps=8):
+@functools.partial(jax.jit, static_argnames=("interpret", "transpose", "num_warps", "grid_order"))
+def quantize_columns(a_MC, interpret=None, transpose="codes", num_warps=8, grid_order="mc"):
     """(aq [C, M] E4M3, sa [Mb, C]): 128x1 blocks along M, codes M-major
     (``mosaic_fp8_tgmm.quantize_columns``).
 
-    ``transpose`` (``TRANSPOSES``) and ``num_warps`` (``NUM_WARPS``) choose how the
-    kernel runs, not what it returns (the same bits); they are there to be timed.
+    ``transpose`` (``TRANSPOSES``), ``num_warps`` (``NUM_WARPS``) and ``grid_order``
+    (``GRID_ORDERS``) choose how the kernel runs, not what it returns (the same bits);
+    they are there to be timed.
 
     Raises:
       ValueError: M or C not a positive multiple of 128; an unknown variant.
     """
     _check("quantize_columns", a_MC.shape)
-    _check_variant("quantize_columns", transpose, num_warps)
+    _check_variant("quantize_columns", transpose, num_warps, grid_order)
     m, c = a_MC.shape
     return _call(functools.partial(_columns_kernel, transpose=transpose), a_MC,
-                 (m // BLOCK, c // BLOCK), [_TILE], *_columns_out(m, c), interpret, num_warps)
+                 (m // BLOCK, c // BLOCK), [_TILE], *_columns_out(m, c), interpret, num_warps,
+                 grid_order)
 
 
 def _rows_and_columns_kernel(a_ref, qr_ref, sr_ref, qc_ref, sc_ref, *, transpose):
@@ -189,24 +202,25 @@ def _rows_and_columns_kernel(a_ref, qr_ref, sr_ref, qc_ref, sc_ref, *, transpose
     sc_ref[...] = scale[None, :]
 
 
-@functools.partial(jax.jit, static_argnames=("interpret", "transpose", "num_warps"))
-def quantize_rows_and_columns(a_MC, interpret=None, transpose="codes", num_warps=8):
+@functools.partial(jax.jit, static_argnames=("interpret", "transpose", "num_warps", "grid_order"))
+def quantize_rows_and_columns(a_MC, interpret=None, transpose="codes", num_warps=8,
+                              grid_order="mc"):
     """``(*quantize_rows(a), *quantize_columns(a))`` from one read of a:
     (aq [M, C] E4M3, sa [Cb, M], aq's 128x1 codes [C, M] E4M3, their scales [Mb, C]),
     the same bits as the two kernels (tested). For the backward's dy, which dgrad
-    reads in 1x128 blocks and wgrad in 128x1 blocks. ``transpose`` and
-    ``num_warps`` as in ``quantize_columns``.
+    reads in 1x128 blocks and wgrad in 128x1 blocks. ``transpose``, ``num_warps``
+    and ``grid_order`` as in ``quantize_columns``.
 
     Raises:
       ValueError: M or C not a positive multiple of 128; an unknown variant.
     """
     _check("quantize_rows_and_columns", a_MC.shape)
-    _check_variant("quantize_rows_and_columns", transpose, num_warps)
+    _check_variant("quantize_rows_and_columns", transpose, num_warps, grid_order)
     m, c = a_MC.shape
     (rows_specs, rows_shape), (cols_specs, cols_shape) = _rows_out(m, c), _columns_out(m, c)
     return tuple(_call(functools.partial(_rows_and_columns_kernel, transpose=transpose), a_MC,
                        (m // BLOCK, c // BLOCK), [_TILE], rows_specs + cols_specs,
-                       rows_shape + cols_shape, interpret, num_warps))
+                       rows_shape + cols_shape, interpret, num_warps, grid_order))
 
 
 def _weight_kernel(w_ref, *out_refs):
