@@ -65,6 +65,10 @@ bf16 peak (the FP8 peak for the FP8 cases), peak device memory, and beside it
 ``perf.memory``'s estimate for the same config (``estimated_peak_gb``), and
 the first step's wall time, compile and autotuning included (``first_step_s``:
 what a user waits for before training starts; unrolled layers compile longer).
+Like ``dropless train``, each case uses the compilation cache of its
+``jax_cache_dir`` (default ``~/jax_cache``; ``--set jax_cache_dir=`` for none),
+so a case compiled before loads its step and its first step is the cached
+user's wait (the row's ``jax_cache_dir`` says which cache).
 
 Writes ``<out>/step-<time>-<gpu>.json`` with the GPU, jax version, commit,
 environment, the base and case overrides, and every case with its overrides
@@ -199,6 +203,16 @@ def run_case(case: str, tiny: bool, batch, remat, steps: int, warmup: int, custo
     estimate = memory_estimate(cfg)
     import jax
 
+    # The compilation cache as ``dropless train`` uses it (``jax_cache_dir``, default
+    # ~/jax_cache): a case compiled before in this cache loads its step, so its
+    # compile+1st time is the cached one (the row names the directory). Not for the
+    # CPU smoke run (--tiny), which must leave the home directory alone.
+    cache_dir = None
+    if cfg.jax_cache_dir and not tiny:
+        from dropless.cli import use_compilation_cache
+
+        cache_dir = use_compilation_cache(cfg.jax_cache_dir)
+
     from dropless.ops.gmm import resolve_backend
     from dropless.perf import profile
     from dropless.train import flops as flops_lib
@@ -254,6 +268,7 @@ def run_case(case: str, tiny: bool, batch, remat, steps: int, warmup: int, custo
         "overrides": overrides,
         "config": cfg.model_dump(mode="json"),
         "xla_flags_applied": applied,
+        "jax_cache_dir": cache_dir,
         "gpu": device.device_kind,
         "loss_first": losses[0],
         "loss_last": losses[-1],
