@@ -235,6 +235,26 @@ def test_jax_cache_dir_defaults_to_maxtexts_and_is_said(tmp_path, monkeypatch, c
     assert off.jax_cache_dir == ""
 
 
+def test_default_jax_cache_dir_that_cannot_be_made_runs_uncached_and_says_so(
+        tmp_path, monkeypatch, capsys):
+    """The default cache in a home where it cannot be made: one line, no error, no cache;
+    the same directory asked for explicitly (another spelling) is an error."""
+    from dropless.config.loader import load_config
+
+    (tmp_path / "jax_cache").write_text("a file where the cache would go")
+    monkeypatch.setenv("HOME", str(tmp_path))
+    before = jax.config.jax_compilation_cache_dir
+    cfg = load_config(None, ["model_name=deepseek3-tiny"], environ={}).config
+    cli.start_runtime(cfg)
+    assert jax.config.jax_compilation_cache_dir == before
+    assert "compilation cache: off: jax_cache_dir='~/jax_cache': cannot use" in capsys.readouterr().out
+    asked = load_config(None, ["model_name=deepseek3-tiny", f"jax_cache_dir={tmp_path}/jax_cache"],
+                        environ={}).config
+    with pytest.raises(ConfigError, match="cannot use .* as the compilation cache"):
+        cli.start_runtime(asked)
+    assert jax.config.jax_compilation_cache_dir == before
+
+
 def test_jax_cache_dir_that_cannot_be_made_is_one_line(tmp_path):
     (tmp_path / "file").write_text("x")
     before = jax.config.jax_compilation_cache_dir

@@ -128,8 +128,15 @@ def start_runtime(cfg):
 
     check_hardware(cfg.hardware)
     if cfg.jax_cache_dir:
-        path = use_compilation_cache(cfg.jax_cache_dir)
-        print(f"compilation cache: {path} (jax_cache_dir; '' for none)", flush=True)
+        try:
+            path = use_compilation_cache(cfg.jax_cache_dir)
+        except ConfigError as e:
+            if cfg.jax_cache_dir != DEFAULT_JAX_CACHE_DIR:
+                raise
+            # The default, not asked for: a home without room for it runs uncached, said once.
+            print(f"compilation cache: off: {e}", flush=True)
+        else:
+            print(f"compilation cache: {path} (jax_cache_dir; '' for none)", flush=True)
     if found is not None and found.cluster is None:  # a job of one process: said, not silent
         print(distributed.single_process_note(found, cfg.hardware, jax.local_device_count(),
                                               jax.default_backend()), flush=True)
@@ -142,6 +149,9 @@ def start_runtime(cfg):
     except ContradictionError as e:
         raise ConfigError(f"{e.key}={e.value!r}: {e}") from None
     return applied, shape
+
+
+DEFAULT_JAX_CACHE_DIR = "~/jax_cache"
 
 
 def use_compilation_cache(directory: str) -> str:
