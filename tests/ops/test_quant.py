@@ -137,6 +137,15 @@ def test_blockwise_bf16_dequant_is_exact(rng):
     assert qdq.dtype == jnp.bfloat16
 
 
+def test_tensor_nan_gives_a_nan_scale_in_a_large_tensor():
+    """One NaN in 4096 x 4096: the per-tensor scale is NaN, as documented (XLA:CPU's max
+    reduction alone returned a finite one at this size)."""
+    x = np.ones((4096, 4096), np.float32)
+    x[200, 130] = np.nan
+    _, s = quantize_tensor(jnp.asarray(x))
+    assert np.isnan(float(s))
+
+
 @pytest.mark.parametrize("block", [(128, 1), (128, 128), (1, 128)])
 def test_block_nan_poisons_its_scale_at_any_block_height(block):
     """A NaN anywhere in a block gives that block a NaN scale, also in blocks of 128 rows

@@ -150,6 +150,8 @@ def quantize_tensor(x, dtype=E4M3):
     fmax = fp8_max(dtype)
     x32 = _read(x)
     amax = jnp.max(jnp.abs(x32)) if x32.size else jnp.float32(0)
+    if x32.size:  # a max reduction need not propagate NaN (XLA:CPU's drops it in large arrays)
+        amax = jnp.where(jnp.any(jnp.isnan(x32)), jnp.float32(jnp.nan), amax)
     # Multiply by the inverse, as Transformer Engine does: XLA rewrites a division
     # by a broadcast scalar into a multiplication anyway, so this is what runs.
     # The cap keeps 1 / inv a float32 normal (a subnormal scale would flush to 0).
