@@ -14,7 +14,8 @@ On CPU (everything but the ``gpu``-marked test, which no GPU has run yet):
   several groups, ``sum(group_sizes) < M`` (rows of x and dy past the total
   are NaN and must not leak; those rows of the fwd and dgrad outputs must be
   exact zeros; empty groups' dw exact zeros), and for fwd and dgrad groups
-  not aligned to the tile;
+  not aligned to the tile; the wgrad kernel's ``overlap`` variant also equals
+  the default bit for bit;
 - ``quantized.gmm(impl="kernel")``'s value and gradients equal the emulation
   (``impl="emulate"``) up to float32 accumulation order.
 
@@ -22,8 +23,8 @@ Interpret mode is slow (one Python callback per memory access, and a compile
 of a few seconds per kernel call), so the shapes are the smallest that give
 two scale blocks along the contraction, and the per-kernel "one group holds
 all rows" cases (also covered, through all three kernels, by the wrapper
-test) run only with ``DROPLESS_SLOW=1``. The default set takes about 33 s of
-CPU time (50 s wall on two busy shared cores).
+test) run only with ``DROPLESS_SLOW=1``. The default set takes about 43 s of
+CPU time (36 s wall on two shared cores).
 """
 
 import functools
