@@ -6,12 +6,17 @@ Sweep mode (default) times the forward and dgrad kernel
 (``mosaic_fp8.gmm_fp8_blockwise``) and the wgrad kernel
 (``mosaic_fp8_tgmm.tgmm_fp8_blockwise``) on codes and scales prepared
 outside the timing (random data, balanced groups), over the variants in
-``VARIANTS``, with CUPTI kernel time (median) and the wall-clock time of the
-jitted call, and writes a ``fp8_kernels`` record. ``--once VARIANT`` runs the
-forward kernel three times and exits: the run to put under Nsight Compute
+``VARIANTS`` and ``WGRAD_VARIANTS`` (each of the latter with float32 and
+bf16 output), with CUPTI kernel time (median) and the wall-clock time of the
+jitted call, checks that the variants of each product agree bit for bit,
+and writes a ``fp8_kernels`` record. ``--variants=`` (empty) skips fwd and
+dgrad. ``--once VARIANT`` runs one kernel (``--product``) three times and
+exits: the run to put under Nsight Compute
 (``ncu --launch-skip 2 --launch-count 1 -k regex:mosaic``).
 
   PYTHONPATH=src python3 benchmarks/fp8_kernel_probe.py [--shape M,G,K,N] [--out DIR]
+  PYTHONPATH=src python3 benchmarks/fp8_kernel_probe.py --variants= \
+      --wgrad-variants wgrad_columns,wgrad_columns_overlap
 """
 
 import argparse
@@ -33,6 +38,14 @@ VARIANTS = {
     "rows_gtw8": dict(split="rows", grid_tile_width=8),
     "rows_gtw4": dict(split="rows", grid_tile_width=4),
     "rows_gtw8_s3": dict(split="rows", grid_tile_width=8, num_stages=3),
+}
+# name -> keyword arguments of tgmm_fp8_blockwise; the first is the reference of
+# the bitwise check. overlap: promotion during the next step's wgmma.
+WGRAD_VARIANTS = {
+    "wgrad_columns": dict(split="columns"),
+    "wgrad_rows": dict(split="rows"),
+    "wgrad_columns_overlap": dict(split="columns", overlap=True),
+    "wgrad_rows_overlap": dict(split="rows", overlap=True),
 }
 
 
@@ -60,16 +73,28 @@ def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--shape", default="65536,32,7168,4096", help="M,G,K,N")
     p.add_argument("--iters", type=int, default=10)
-    p.add_argument("--variants", default=",".join(VARIANTS))
-    p.add_argument("--once", metavar="VARIANT", help="run the fwd kernel 3 times and exit")
+    p.add_argument("--variants", default=",".join(VARIANTS), help="fwd/dgrad; empty: none")
+    p.add_argument("--wgrad-variants", default=",".join(WGRAD_VARIANTS), help="empty: none")
+    p.add_argument("--once", metavar="VARIANT",
+                   help="run the --product kernel 3 times and exit")
     p.add_argument("--product", default="fwd", choices=["fwd", "dgrad", "wgrad"])
     p.add_argument("--out", default=str(measure.DEFAULT_RESULTS_DIR))
     a = p.parse_args(argv)
     m, g, k, n = map(int, a.shape.split(","))
+    names = [v for v in a.variants.split(",") if v]
+    wgrad_names = [v for v in a.wgrad_variants.split(",") if v]
+    unknown = ([v for v in names if v not in VARIANTS]
+               + [v for v in wgrad_names if v not in WGRAD_VARIANTS])
+    if a.once:
+        unknown = [a.once] if a.once not in (WGRAD_VARIANTS if a.product == "wgrad"
+                                             else VARIANTS) else []
+    if unknown:
+        p.error(f"unknown variant(s) {', '.join(unknown)}")
     ops, gs = operands(m, g, k, n)
     if a.once:
         if a.product == "wgrad":
-            f = jax.jit(lambda o: mosaic_fp8_tgmm.tgmm_fp8_blockwise(*o, gs))
+            f = jax.jit(lambda o: mosaic_fp8_tgmm.tgmm_fp8_blockwise(*o, gs,
+                                                                     **WGRAD_VARIANTS[a.once]))
         else:
             f = jax.jit(lambda o: mosaic_fp8.gmm_fp8_blockwise(*o, gs, **VARIANTS[a.once]))
         for _ in range(3):
@@ -78,49 +103,52 @@ def main(argv=None):
     flops = 2 * m * k * n
     record = measure.new_record("fp8_kernels", {"M": m, "G": g, "K": k, "N": n,
                                                 "layout": "balanced", "iters": a.iters,
-                                                "variants": VARIANTS})
-    print(f"{'variant':<12} {'product':<6} {'kernel ms':>9} {'wall ms':>8} {'TF/s kern':>9} "
+                                                "variants": VARIANTS,
+                                                "wgrad_variants": WGRAD_VARIANTS})
+    print(f"{'variant':<26} {'product':<6} {'kernel ms':>9} {'wall ms':>8} {'TF/s kern':>9} "
           f"{'TF/s wall':>9}")
-    jobs = [(v, prod) for v in a.variants.split(",") for prod in ("fwd", "dgrad")]
+    jobs = [(v, prod) for v in names for prod in ("fwd", "dgrad")]
     # wgrad with float32 output (the probe's earlier records) and with bf16, what
     # training writes for bf16 weights (half the output bytes).
-    jobs += [(f"wgrad_{sp}{dt}", "wgrad") for sp in mosaic_fp8_tgmm.SPLITS for dt in ("", "_bf16")]
+    jobs += [(f"{v}{dt}", "wgrad") for v in wgrad_names for dt in ("", "_bf16")]
     for v, prod in jobs:
         if prod == "wgrad":
-            f = jax.jit(lambda o, sp=v.split("_")[1], dt=(jnp.bfloat16 if v.endswith("_bf16")
-                                                          else jnp.float32):
-                        mosaic_fp8_tgmm.tgmm_fp8_blockwise(*o, gs, split=sp, out_dtype=dt))
+            f = jax.jit(lambda o, kw=WGRAD_VARIANTS[v.removesuffix("_bf16")],
+                        dt=jnp.bfloat16 if v.endswith("_bf16") else jnp.float32:
+                        mosaic_fp8_tgmm.tgmm_fp8_blockwise(*o, gs, out_dtype=dt, **kw))
         else:
             f = jax.jit(lambda o, kw=VARIANTS[v]: mosaic_fp8.gmm_fp8_blockwise(*o, gs, **kw))
         try:
             kms = cupti_ms(f, (ops[prod],), a.iters)
             wms = measure.time_fn(f, ops[prod], iters=a.iters)["median_ms"]
         except Exception as e:  # noqa: BLE001 - one variant failing must not lose the others
-            print(f"{v:<12} {prod:<6} failed: {type(e).__name__}: {str(e)[:200]}")
+            print(f"{v:<26} {prod:<6} failed: {type(e).__name__}: {str(e)[:200]}")
             record["rows"].append({"variant": v, "product": prod, "error": str(e)[:500]})
             continue
         row = {"variant": v, "product": prod, "kernel_ms": kms, "wall_ms": wms,
                "tflops_kernel": flops / kms / 1e9, "tflops_wall": flops / wms / 1e9}
         record["rows"].append(row)
-        print(f"{v:<12} {prod:<6} {kms:>9.3f} {wms:>8.3f} {row['tflops_kernel']:>9.0f} "
+        print(f"{v:<26} {prod:<6} {kms:>9.3f} {wms:>8.3f} {row['tflops_kernel']:>9.0f} "
               f"{row['tflops_wall']:>9.0f}")
     # Every variant computes each output element from the same wgmma steps in the
     # same order, so the results must agree bit for bit with the first variant.
-    names = a.variants.split(",")
-    for prod in ("fwd", "dgrad"):
-        outs = {v: np.asarray(mosaic_fp8.gmm_fp8_blockwise(*ops[prod], gs, **VARIANTS[v])
-                              .astype(jnp.float32)) for v in names}
-        for v in names[1:]:
-            same = bool(np.array_equal(outs[v], outs[names[0]]))
-            record["rows"].append({"variant": v, "product": prod, "bitwise_equal_to": names[0],
-                                   "equal": same})
-            print(f"{prod} {v} == {names[0]}: {same}")
-    outs = [np.asarray(mosaic_fp8_tgmm.tgmm_fp8_blockwise(*ops["wgrad"], gs, split=sp))
-            for sp in mosaic_fp8_tgmm.SPLITS]
-    same = bool(np.array_equal(*outs))
-    record["rows"].append({"variant": "wgrad_rows", "product": "wgrad",
-                           "bitwise_equal_to": "wgrad_columns", "equal": same})
-    print(f"wgrad rows == columns: {same}")
+    run = {"fwd": lambda v: mosaic_fp8.gmm_fp8_blockwise(*ops["fwd"], gs, **VARIANTS[v]),
+           "dgrad": lambda v: mosaic_fp8.gmm_fp8_blockwise(*ops["dgrad"], gs, **VARIANTS[v]),
+           "wgrad": lambda v: mosaic_fp8_tgmm.tgmm_fp8_blockwise(*ops["wgrad"], gs,
+                                                                 **WGRAD_VARIANTS[v])}
+    for prod, prod_names in (("fwd", names), ("dgrad", names), ("wgrad", wgrad_names)):
+        if len(prod_names) < 2:
+            continue
+        want = np.asarray(run[prod](prod_names[0]).astype(jnp.float32))
+        for v in prod_names[1:]:
+            try:
+                same = bool(np.array_equal(np.asarray(run[prod](v).astype(jnp.float32)), want))
+            except Exception as e:  # noqa: BLE001 - reported above with its timing row
+                print(f"{prod} {v}: failed: {type(e).__name__}")
+                continue
+            record["rows"].append({"variant": v, "product": prod,
+                                   "bitwise_equal_to": prod_names[0], "equal": same})
+            print(f"{prod} {v} == {prod_names[0]}: {same}")
     print(f"record: {measure.write_record(record, a.out)}")
     return 0
 

@@ -14,7 +14,8 @@ On CPU (everything but the ``gpu``-marked test, which no GPU has run yet):
   several groups, ``sum(group_sizes) < M`` (rows of x and dy past the total
   are NaN and must not leak; those rows of the fwd and dgrad outputs must be
   exact zeros; empty groups' dw exact zeros), and for fwd and dgrad groups
-  not aligned to the tile;
+  not aligned to the tile; the wgrad kernel's ``overlap`` variant also equals
+  the default bit for bit;
 - ``quantized.gmm(impl="kernel")``'s value and gradients equal the emulation
   (``impl="emulate"``) up to float32 accumulation order.
 
@@ -22,10 +23,11 @@ Interpret mode is slow (one Python callback per memory access, and a compile
 of a few seconds per kernel call), so the shapes are the smallest that give
 two scale blocks along the contraction, and the per-kernel "one group holds
 all rows" cases (also covered, through all three kernels, by the wrapper
-test) run only with ``DROPLESS_SLOW=1``. The default set takes about 33 s of
-CPU time (50 s wall on two busy shared cores).
+test) run only with ``DROPLESS_SLOW=1``. The default set takes about 43 s of
+CPU time (36 s wall on two shared cores).
 """
 
+import functools
 import os
 
 import fp8_accumulation as fp8_acc
@@ -93,11 +95,14 @@ def _lowering_args(kind, m, k, n, g):
     if kind == "dgrad":  # a = dy [M, N], b = w [G, K, N]
         return mosaic_fp8.gmm_fp8_blockwise, (S((m, n), F8), S((nb, m), jnp.float32),
                                               S((g, k, n), F8), S((g, nb, kb), jnp.float32), gs)
-    return mosaic_fp8_tgmm.tgmm_fp8_blockwise, (S((k, m), F8), S((mb, k), jnp.float32),
-                                                 S((n, m), F8), S((mb, n), jnp.float32), gs)
+    fn = mosaic_fp8_tgmm.tgmm_fp8_blockwise
+    if kind == "wgrad_overlap":
+        fn = functools.partial(fn, overlap=True)
+    return fn, (S((k, m), F8), S((mb, k), jnp.float32), S((n, m), F8),
+                S((mb, n), jnp.float32), gs)
 
 
-@pytest.mark.parametrize("kind", ["fwd", "dgrad", "wgrad"])
+@pytest.mark.parametrize("kind", ["fwd", "dgrad", "wgrad", "wgrad_overlap"])
 @pytest.mark.parametrize("shape", [(65536, 7168, 4096, 32), (65536, 7168, 2048, 256)], ids=str)
 def test_lowers_for_cuda_at_deepseek_shapes(kind, shape):
     fn, args = _lowering_args(kind, *shape)
@@ -201,17 +206,23 @@ def test_interpret_fwd_and_dgrad_match_dequantized_product(rng, layout):
     _assert_close(dx, mosaic_fp8.reference(*dgrad_ops, gs, out_dtype=jnp.float32), total)
 
 
-# (M, group sizes), each a multiple of 128 as the recipe requires.
+# (M, group sizes), each a multiple of 128 as the recipe requires; a group of
+# three steps (so ``overlap`` carries a pending product through a step) and one
+# of a single step.
 WGRAD_LAYOUTS = {
-    "several_empty_tail": (384, [128, 0, 128, 0]),
+    "several_empty_tail": (640, [384, 0, 128, 0]),
     "one_group_all_rows": (256, [0, 256]),
 }
 
 
+@pytest.mark.parametrize("overlap", [False, True], ids=["wait", "overlap"])
 @pytest.mark.parametrize("split", mosaic_fp8_tgmm.SPLITS)
 @pytest.mark.parametrize("layout", [
     "several_empty_tail", pytest.param("one_group_all_rows", marks=slow)])
-def test_interpret_wgrad_matches_dequantized_product(rng, layout, split):
+def test_interpret_wgrad_matches_dequantized_product(rng, layout, split, overlap):
+    """Within float32 accumulation order of the dequantized product; with
+    ``overlap``, also bit for bit the default kernel (the same products summed
+    in the same order, module docstring)."""
     m, sizes = WGRAD_LAYOUTS[layout]
     # Two CTA tiles along K and along N in either split (rows: 128 x 128 CTAs,
     # columns: 64 x 256), so a tile that reads another tile's rows, columns or
@@ -222,8 +233,13 @@ def test_interpret_wgrad_matches_dequantized_product(rng, layout, split):
     dy = _nan_tail(_scaled(rng, (m, n), (0, 1)), sum(sizes))
     ops = mosaic_fp8_tgmm.wgrad_operands(x, dy)
     with _interpret(detect_races=layout == "several_empty_tail"):
-        dw = mosaic_fp8_tgmm.tgmm_fp8_blockwise(*ops, gs, split=split).block_until_ready()
+        dw = mosaic_fp8_tgmm.tgmm_fp8_blockwise(*ops, gs, split=split,
+                                                overlap=overlap).block_until_ready()
     assert not _races_found()
+    if overlap:
+        with _interpret():
+            want = mosaic_fp8_tgmm.tgmm_fp8_blockwise(*ops, gs, split=split)
+        np.testing.assert_array_equal(np.asarray(dw), np.asarray(want))
     ref = mosaic_fp8_tgmm.reference(*ops, gs)
     for e, size in enumerate(sizes):
         if size == 0:
@@ -385,23 +401,28 @@ def test_gpu_fwd_dgrad_within_accumulation_bound(rng, product):
     print(f"{product}: relative error {rel:.2e} (model bound {bound:.2e})")
 
 
-def _run_wgrad(ops, gs):
-    return _f64(mosaic_fp8_tgmm.tgmm_fp8_blockwise(*ops, gs, out_dtype=jnp.float32))
+def _run_wgrad(ops, gs, **kw):
+    return _f64(mosaic_fp8_tgmm.tgmm_fp8_blockwise(*ops, gs, out_dtype=jnp.float32, **kw))
+
+
+WGRAD_OVERLAP = pytest.mark.parametrize("overlap", [False, True], ids=["wait", "overlap"])
 
 
 @gpu_test
-def test_gpu_wgrad_exact_on_integer_data(rng):
+@WGRAD_OVERLAP
+def test_gpu_wgrad_exact_on_integer_data(rng, overlap):
     ops, gs = _wgrad_inputs(rng, _integer_exact)
-    got = _run_wgrad(ops, gs)
+    got = _run_wgrad(ops, gs, overlap=overlap)
     x, dy = _dequantized_wgrad_operands(*ops)
     total = sum(WGRAD_SIZES)
     np.testing.assert_array_equal(got, fp8_acc.tgmm(x[:total], dy[:total], WGRAD_SIZES))
 
 
 @gpu_test
-def test_gpu_wgrad_within_accumulation_bound(rng):
+@WGRAD_OVERLAP
+def test_gpu_wgrad_within_accumulation_bound(rng, overlap):
     ops, gs = _wgrad_inputs(rng, lambda r, s: _scaled(r, s, (0, 1)))
-    got = _run_wgrad(ops, gs)
+    got = _run_wgrad(ops, gs, overlap=overlap)
     x, dy = _dequantized_wgrad_operands(*ops)
     total = sum(WGRAD_SIZES)
     for e, size in enumerate(WGRAD_SIZES):
@@ -410,6 +431,16 @@ def test_gpu_wgrad_within_accumulation_bound(rng):
     rel, bound = fp8_acc.check_product(fp8_acc.tgmm, got, x[:total], dy[:total], WGRAD_SIZES,
                                        total // 128, "wgrad")
     print(f"wgrad: relative error {rel:.2e} (model bound {bound:.2e})")
+
+
+@gpu_test
+@pytest.mark.parametrize("split", mosaic_fp8_tgmm.SPLITS)
+def test_gpu_wgrad_overlap_equals_default_bit_for_bit(rng, split):
+    """On random data (inexact sums, so any change of order or rounding shows):
+    ``overlap=True`` sums the same scaled products in the same order."""
+    ops, gs = _wgrad_inputs(rng, lambda r, s: _scaled(r, s, (0, 1)))
+    np.testing.assert_array_equal(_run_wgrad(ops, gs, split=split, overlap=True),
+                                  _run_wgrad(ops, gs, split=split))
 
 
 def _blockwise_f64(a, block):

@@ -53,6 +53,24 @@ rows and contraction swapped):
   reads orders them, as in ``mosaic_fp8``.
 - Empty groups store zero tiles; the step count is read on device, so no
   code depends on G.
+
+``overlap=True`` (unmeasured on hardware; the default is False): the step
+above waits for its wgmma before promoting, so the tensor cores idle while
+the scale-multiply-add runs. The pipeline releases a step's shared-memory
+slot when its body returns, so a wgmma cannot stay in flight across steps;
+instead each step carries, besides the running sum, its scaled product
+``pending = part * scale`` to the next step, which issues its own wgmma,
+adds ``total + pending`` and loads and forms its scale outer product while
+the wgmma runs, then waits and scales its product. The compute context adds
+the last step's pending product. The sum runs over the same products in the
+same order (the first step adds a zero pending product to the zero sum),
+and the scales are powers of two, so ``part * scale`` is exact (short of
+underflow below float32's normal range) and a fused multiply-add in the
+default cannot differ: the two equal bit for bit.
+Registers during the wgmma: sum, pending product and accumulator 3 x 64,
+then the scale outer product 64 once the pending product is spent (the
+scale vectors 34 while it forms); the multiply after the wait is not
+overlapped (64 of the 192 per-step float32 operations per thread).
 """
 
 import functools
@@ -104,10 +122,12 @@ def check_shapes(xq_KM, sx, dyq_NM, sdy, group_sizes_G):
 
 
 def tgmm_fp8_blockwise(xq_KM, sx, dyq_NM, sdy, group_sizes_G, *, out_dtype=jnp.float32,
-                       num_stages=4, sms=None, split="columns"):
+                       num_stages=4, sms=None, split="columns", overlap=False):
     """dw [G, K, N] = per-group blockwise-scaled x^T dy; zeros for empty groups.
 
-    See the module docstring for the operand layouts.
+    See the module docstring for the operand layouts. ``overlap``: promote
+    each step's product during the next step's wgmma (module docstring; the
+    same bits).
 
     Raises:
       ValueError: shapes or dtypes the kernel cannot take (``check_shapes``).
@@ -174,22 +194,41 @@ def tgmm_fp8_blockwise(xq_KM, sx, dyq_NM, sdy, group_sizes_G, *, out_dtype=jnp.f
                                   pl.ds(band * cta_n + (0 if by_rows else wg * bn), bn)],
                 )
 
-                def compute_context(eval_pipeline):
-                    zeros = plgpu.layout_cast(jnp.zeros((bk, bn), jnp.float32), plgpu.Layout.WGMMA)
-                    store(eval_pipeline(zeros).astype(out_dtype))
+                zeros = lambda: plgpu.layout_cast(jnp.zeros((bk, bn), jnp.float32),
+                                                  plgpu.Layout.WGMMA)
 
-                def mma_body(_, x_smem, dy_smem, sx_smem, sdy_smem, total):
-                    if by_rows:  # [M, N] views of M-major storage
-                        lhs, rhs = x_smem.at[pl.ds(wg * bk, bk)], dy_smem.T
-                        rows, cols = sx_smem.at[0, pl.ds(wg * bk, bk)], sdy_smem.at[0]
+                def compute_context(eval_pipeline):
+                    if overlap:  # the last step's product is still pending
+                        total, pending = eval_pipeline((zeros(), zeros()))
+                        total = total + pending
                     else:
-                        lhs, rhs = x_smem, dy_smem.at[pl.ds(wg * bn, bn)].T
-                        rows, cols = sx_smem.at[0], sdy_smem.at[0, pl.ds(wg * bn, bn)]
-                    # Scales first: their loads overlap the wgmma.
+                        total = eval_pipeline(zeros())
+                    store(total.astype(out_dtype))
+
+                def operands(x_smem, dy_smem, sx_smem, sdy_smem):
+                    """This warpgroup's (lhs, rhs, row scales, column scales) refs."""
+                    if by_rows:  # [M, N] views of M-major storage
+                        return (x_smem.at[pl.ds(wg * bk, bk)], dy_smem.T,
+                                sx_smem.at[0, pl.ds(wg * bk, bk)], sdy_smem.at[0])
+                    return (x_smem, dy_smem.at[pl.ds(wg * bn, bn)].T,
+                            sx_smem.at[0], sdy_smem.at[0, pl.ds(wg * bn, bn)])
+
+                def load_scale(rows, cols):
+                    """The step's scale sx[rows] (x) sdy[cols], after the reads' proxy fence."""
                     row_scale = plgpu.load(rows, layout=plgpu.Layout.WGMMA.reduce(1))
                     col_scale = plgpu.load(cols, layout=plgpu.Layout.WGMMA.reduce(0))
                     # Fence the generic-proxy scale reads before TMA refills the slot.
                     plgpu.commit_smem()
+                    return row_scale, col_scale
+
+                def outer(row_scale, col_scale):
+                    return (lax.broadcast_in_dim(row_scale, (bk, bn), (0,))
+                            * lax.broadcast_in_dim(col_scale, (bk, bn), (1,)))
+
+                def mma_body(_, x_smem, dy_smem, sx_smem, sdy_smem, total):
+                    lhs, rhs, rows, cols = operands(x_smem, dy_smem, sx_smem, sdy_smem)
+                    # Scales first: their loads overlap the wgmma.
+                    row_scale, col_scale = load_scale(rows, cols)
 
                     def m_step(acc_ref):
                         plgpu.wgmma(acc_ref, lhs, rhs)
@@ -197,9 +236,24 @@ def tgmm_fp8_blockwise(xq_KM, sx, dyq_NM, sdy, group_sizes_G, *, out_dtype=jnp.f
                         return acc_ref[...]
 
                     part = pl.run_scoped(m_step, plgpu.ACC((bk, bn), jnp.float32))
-                    scale = (lax.broadcast_in_dim(row_scale, (bk, bn), (0,))
-                             * lax.broadcast_in_dim(col_scale, (bk, bn), (1,)))
-                    return total + part * scale
+                    return total + part * outer(row_scale, col_scale)
+
+                def mma_body_overlap(_, x_smem, dy_smem, sx_smem, sdy_smem, carry):
+                    # carry: the running sum and the previous step's scaled product,
+                    # added here while this step's wgmma runs (module docstring).
+                    total, pending = carry
+                    lhs, rhs, rows, cols = operands(x_smem, dy_smem, sx_smem, sdy_smem)
+
+                    def m_step(acc_ref):
+                        plgpu.wgmma(acc_ref, lhs, rhs)
+                        # While the tensor cores run: the previous step's add, then
+                        # this step's scale (loaded after the add: fewer live registers).
+                        total_next = total + pending
+                        scale = outer(*load_scale(rows, cols))
+                        plgpu.wgmma_wait(0)
+                        return total_next, acc_ref[...] * scale
+
+                    return pl.run_scoped(m_step, plgpu.ACC((bk, bn), jnp.float32))
 
                 @pl.when(steps > 0)
                 def _contract():
@@ -207,7 +261,8 @@ def tgmm_fp8_blockwise(xq_KM, sx, dyq_NM, sdy, group_sizes_G, *, out_dtype=jnp.f
                     # step count stops at the group's last block.
                     cols = pl.ds(first_block * bm, m)
                     blocks = pl.ds(first_block, mb)
-                    make_pipeline(mma_body, compute_context, steps)(
+                    make_pipeline(mma_body_overlap if overlap else mma_body, compute_context,
+                                  steps)(
                         x_gmem.at[pl.ds(k_tile * cta_k, cta_k), cols],
                         dy_gmem.at[pl.ds(band * cta_n, cta_n), cols],
                         sx_gmem.at[blocks, pl.ds(k_tile * cta_k, cta_k)],
