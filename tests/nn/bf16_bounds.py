@@ -253,8 +253,8 @@ def _eval_jaxpr(closed, args, arg_errs, perturb):
     def read(var):
         if isinstance(var, jcore.Literal):
             val = var.val
-            if _is_float(var.aval.dtype):
-                return jnp.asarray(np.float64(val)), jnp.zeros(())
+            if _is_float(var.aval.dtype):  # the constant as the program holds it (0.01 -> f32)
+                return jnp.asarray(np.asarray(val, var.aval.dtype).astype(np.float64)), jnp.zeros(())
             return jnp.asarray(val, var.aval.dtype), None
         return env[var]
 

@@ -295,21 +295,36 @@ def test_bf16_within_derived_bound_of_float32_reference(name, rng):
     np.testing.assert_array_equal(load, np.bincount(np.asarray(experts).ravel(),
                                                     minlength=cfg.num_experts))
     assert y.dtype == jnp.bfloat16
-    e_y, _, (e_params, e_x) = bf16_bounds.error_bounds(block_fn, params, x)[1]
+    exact, (e_y, _, (e_params, e_x)) = bf16_bounds.error_bounds(block_fn, params, x)
     y_ref, (g_ref, g_x_ref) = jax.jit(reference_fn)(p, x)
-    e_y_ref, (e_ref, e_x_ref) = bf16_bounds.error_bounds(reference_fn, p, x)[1]
+    exact_ref, (e_y_ref, (e_ref, e_x_ref)) = bf16_bounds.error_bounds(reference_fn, p, x)
     slack = 1 + 2.0**-20
+    # Both programs in float64 compute the same function: every local error
+    # coefficient of the bounds (>= u32 wherever nonzero) becomes u64 = 2^-53,
+    # so they agree within 2^-29 of the bounds summed; 2^-28 allows for the
+    # second-order terms and float64's own transcendental ulps. This catches a
+    # wrong program (a dropped term, a perturbed weight) far below bf16's noise.
+    # Not for the router kernel: the two programs' aux losses hold different
+    # float32-rounded constants (1/n of a mean, ...), a difference of ~u32 of the
+    # aux gradient that this scaled bound does not carry (it treats literals as exact).
+    f64 = lambda got, want, b, b_ref, what: within_bound(got, want, (b + b_ref) * 2.0**-28, what)  # noqa: E731
+    f64(exact[0], exact_ref[0], e_y, e_y_ref, "float64 output")
+    f64(exact[2][1], exact_ref[1][1], e_x, e_x_ref, "float64 d/dx")
     ratios = {"output": within_bound(y, y_ref, (e_y + e_y_ref) * slack, "output"),
               "d/dx": within_bound(g_x, g_x_ref, (e_x + e_x_ref) * slack, "d/dx")}
     flat = lambda tree: dict(jax.tree_util.tree_flatten_with_path(nnx.to_pure_dict(tree))[0])  # noqa: E731
     got, bound = flat(g_params), flat(e_params)
     want = dict(jax.tree_util.tree_flatten_with_path(g_ref)[0])
     bound_ref = dict(jax.tree_util.tree_flatten_with_path(e_ref)[0])
+    exact_params = flat(exact[2][0])
+    exact_want = dict(jax.tree_util.tree_flatten_with_path(exact_ref[1][0])[0])
     assert got.keys() == want.keys()
     for path in got:
         name_ = "d/d" + jax.tree_util.keystr(path)
         ratios[name_] = within_bound(got[path], want[path], (bound[path] + bound_ref[path]) * slack,
                                      name_)
+        if "router" not in name_:  # its aux-loss part holds float32-rounded constants
+            f64(exact_params[path], exact_want[path], bound[path], bound_ref[path], "float64 " + name_)
     print(" ".join(f"{k}={v:.3f}" for k, v in ratios.items()))
 
 
