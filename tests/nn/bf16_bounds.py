@@ -1,0 +1,321 @@
+"""Rigorous running-error bounds for a low-precision JAX program, from its own jaxpr.
+
+``error_bounds(fn, *args)`` traces ``fn`` (forward, backward, whatever it is)
+to a jaxpr and evaluates that jaxpr once more in float64 while carrying, for
+every intermediate ``v`` of the program, an elementwise bound ``e >= |v~ - v|``
+on the distance between the value ``v~`` the low-precision program computes
+and the value ``v`` of the same program in exact arithmetic (approximated by
+the float64 evaluation). Returns the float64 values and the bounds.
+
+The rules, one per primitive, are inequalities, not first-order estimates
+(second-order terms such as ``eA * eB`` are carried), with these units:
+``u = 2^-8`` (bfloat16, round to nearest), ``u32 = 2^-24`` (float32) and
+``gamma_n = n u / (1 - n u)``.
+
+- rounding to the output dtype (every arithmetic op, a narrowing convert):
+  ``|fl(v~) - v| <= e + c |v~| <= (1 + c) e + c |v|`` with ``c = u(out)`` for
+  a float32 result, ``u + u32`` for a bfloat16 one (computed in float32 and
+  rounded again), plus ``8 u32`` for exp/log/logistic/tanh: an *assumed*
+  accuracy of 4 float32 ulps for XLA's transcendental functions.
+- a product ``a b``: ``eA |b| + |a| eB + eA eB``; a sum: ``eA + eB``;
+  ``a / b``: ``(eA + |a/b| eB) / (|b| - eB)``.
+- a contraction of K terms (dot_general, ragged_dot_general): the bilinear
+  rule above through the same contraction on absolute values, plus the
+  float32 accumulation ``gamma_K(u32) * sum |a~| |b~|`` (an *assumption*: XLA
+  accumulates bfloat16 products in float32 on CPU and GPU; every contraction in
+  the programs checked here asks for float32 explicitly or has float32
+  operands). reduce_sum and scatter-add: the same with the count of addends
+  and the output dtype's unit.
+- a smooth f: ``e * max |f'|`` over ``[v - e, v + e]`` (exp, log, logistic,
+  tanh, powers: each has a closed form).
+- gathers, reshapes, selects, slices, max, top-k values: the same map on the
+  bounds (1-Lipschitz in the max norm).
+- discrete results (comparisons, sort/top-k indices, integer arithmetic) are
+  taken to agree between the two programs: the caller must make sure the
+  program has no near-ties (the MoE tests draw inputs with a routing margin).
+
+A rounding the program skips (XLA may keep float32 excess precision between
+fused bf16 ops) only makes the true error smaller, so the bound still holds.
+
+``simulate(fn, key, *args)`` evaluates the same jaxpr in float64 but
+perturbs every value the bound rounds by a random relative amount of at most
+its ``c``: a brute-force check of the propagation rules (tests/nn/test_bf16_bounds.py).
+"""
+
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+from jax.extend import core as jcore
+
+U32 = 2.0**-24
+UNITS = {jnp.dtype(jnp.bfloat16): 2.0**-8, jnp.dtype(jnp.float16): 2.0**-11,
+         jnp.dtype(jnp.float32): U32, jnp.dtype(jnp.float64): 0.0}
+TRANSCENDENTAL = 8 * U32  # the assumed 4 float32 ulps of exp/log/logistic/tanh
+
+_STRUCTURAL = {  # linear maps with 0/1 coefficients: apply the same map to the bounds
+    "reshape", "broadcast_in_dim", "transpose", "squeeze", "expand_dims", "slice",
+    "dynamic_slice", "concatenate", "gather", "rev", "copy", "copy_p", "optimization_barrier",
+    "name", "stop_gradient", "split", "select_n", "scatter", "pad", "reduce_max", "reduce_min",
+}
+_ACCUMULATING = {"dot_general", "ragged_dot_general", "reduce_sum", "scatter-add"}
+_ELEMENTWISE = {"add", "sub", "add_any", "mul", "div", "neg", "abs", "max", "min", "exp",
+                "log", "logistic", "tanh", "square", "integer_pow", "sign"}
+_TRANSCENDENTAL = {"exp", "log", "logistic", "tanh"}
+_CALLS = {"jit": "jaxpr", "pjit": "jaxpr", "closed_call": "call_jaxpr",
+          "custom_jvp_call": "call_jaxpr", "custom_vjp_call": "call_jaxpr",
+          "remat": "jaxpr", "checkpoint": "jaxpr"}
+
+
+def _is_float(dtype):
+    return jnp.issubdtype(dtype, jnp.floating)
+
+
+def _gamma(n, u):
+    return n * u / (1 - n * u)
+
+
+def _f64_params(params):
+    """The primitive's params with every float dtype widened to float64."""
+    out = dict(params)
+    for key in ("new_dtype", "preferred_element_type", "dtype"):
+        if out.get(key) is not None and _is_float(out[key]):
+            out[key] = jnp.float64
+    if "fill_value" in out and out["fill_value"] is not None:
+        out["fill_value"] = 0  # only out-of-range gathers read it; keep bounds finite
+    return out
+
+
+def _bind(prim, params, *args):
+    if prim.name == "scatter-add":  # its update_jaxpr is typed: rebuild it for float64
+        keys = ("dimension_numbers", "indices_are_sorted", "unique_indices", "mode")
+        return [lax.scatter_add(*args, **{k: params[k] for k in keys})]
+    out = prim.bind(*args, **params)
+    return list(out) if prim.multiple_results else [out]
+
+
+def _dlogistic(t):
+    s = jax.nn.sigmoid(t)
+    return s * (1 - s)
+
+
+def _elementwise(name, eqn, vals, errs, out):
+    """Propagated bound (before the output's own rounding) of an elementwise op."""
+    a, ea = vals[0], errs[0]
+    if name in ("add", "sub", "add_any"):
+        return ea + errs[1]
+    if name in ("neg", "abs"):
+        return ea
+    if name in ("max", "min"):
+        return jnp.maximum(ea, errs[1])
+    if name == "sign":
+        return jnp.zeros_like(ea)  # taken to agree (no value near 0)
+    if name == "mul":
+        b, eb = vals[1], errs[1]
+        return ea * jnp.abs(b) + jnp.abs(a) * eb + ea * eb
+    if name == "div":
+        b, eb = vals[1], errs[1]
+        den = jnp.abs(b) - eb
+        return jnp.where(den > 0, (ea + jnp.abs(out) * eb) / jnp.where(den > 0, den, 1), jnp.inf)
+    if name == "square":
+        return 2 * jnp.abs(a) * ea + ea * ea
+    if name == "integer_pow":
+        y = eqn.params["y"]
+        if y >= 1:
+            return abs(y) * (jnp.abs(a) + ea) ** (y - 1) * ea
+        low = jnp.abs(a) - ea
+        return jnp.where(low > 0, abs(y) * jnp.where(low > 0, low, 1) ** (y - 1) * ea, jnp.inf)
+    if name == "exp":
+        return jnp.exp(a) * jnp.expm1(ea)
+    if name == "log":
+        ok = ea < a
+        return jnp.where(ok, -jnp.log1p(-ea / jnp.where(ok, a, 1)), jnp.inf)
+    if name == "logistic":  # |sigma'| decreases in |t|
+        return ea * _dlogistic(jnp.maximum(jnp.abs(a) - ea, 0))
+    if name == "tanh":
+        return ea * (1 - jnp.tanh(jnp.maximum(jnp.abs(a) - ea, 0)) ** 2)
+    raise NotImplementedError(name)
+
+
+def _contraction_size(eqn):
+    """Addends per output element of an accumulating primitive."""
+    name, shape = eqn.primitive.name, eqn.invars[0].aval.shape
+    if name == "dot_general":
+        (contract, _), _ = eqn.params["dimension_numbers"]
+        return math.prod(shape[i] for i in contract)
+    if name == "ragged_dot_general":
+        (contract, _), _ = eqn.params["ragged_dot_dimension_numbers"].dot_dimension_numbers
+        return math.prod(shape[i] for i in contract)
+    if name == "reduce_sum":
+        return math.prod(shape[i] for i in eqn.params["axes"])
+    return 1 + math.prod(eqn.invars[2].aval.shape)  # scatter-add: operand + every update
+
+
+def _accumulating(eqn, params, vals, errs):
+    """Propagated bound of a contraction / sum, its accumulation error included."""
+    prim, name = eqn.primitive, eqn.primitive.name
+    out_dtype = eqn.outvars[0].aval.dtype
+    # Contractions accumulate in float32 (module docstring); sums in their own dtype.
+    unit = U32 if name in ("dot_general", "ragged_dot_general") else UNITS[out_dtype]
+    g = _gamma(_contraction_size(eqn), unit)
+    absv = [jnp.abs(v) if e is not None else v for v, e in zip(vals, errs)]
+    big = [a + e if e is not None else a for a, e in zip(absv, errs)]
+    if name in ("dot_general", "ragged_dot_general"):
+        (a, b), (ea, eb) = absv[:2], errs[:2]
+        rest = vals[2:]
+        lin = (_bind(prim, params, ea, b, *rest)[0] + _bind(prim, params, a, eb, *rest)[0]
+               + _bind(prim, params, ea, eb, *rest)[0])
+        return lin + g * _bind(prim, params, big[0], big[1], *rest)[0]
+    if name == "reduce_sum":
+        return _bind(prim, params, errs[0])[0] + g * _bind(prim, params, big[0])[0]
+    operand, idx, upd = errs[0], vals[1], errs[2]
+    return (_bind(prim, params, operand, idx, upd)[0]
+            + g * _bind(prim, params, big[0], idx, big[2])[0])
+
+
+def _round_coefficient(name, in_dtype, out_dtype):
+    """c of the output's rounding ``(1 + c) e + c |v|`` (module docstring)."""
+    if not _is_float(out_dtype):
+        return None
+    u = UNITS[jnp.dtype(out_dtype)]
+    if name == "convert_element_type":
+        narrowing = _is_float(in_dtype) and UNITS[jnp.dtype(in_dtype)] < u
+        return u if narrowing else 0.0  # int -> float is exact for the small ints here
+    if name in _STRUCTURAL or name in ("neg", "abs", "max", "min", "sign"):
+        return 0.0
+    if name in ("dot_general", "ragged_dot_general", "reduce_sum", "scatter-add"):
+        # gamma already holds the float32 rounding; a bf16 result is rounded again.
+        return u if u > U32 else 0.0
+    c = u + (U32 if u > U32 else 0.0)
+    if name in _TRANSCENDENTAL:
+        c += TRANSCENDENTAL
+    return c
+
+
+def _eval_eqn(eqn, vals, errs, perturb):
+    name, prim = eqn.primitive.name, eqn.primitive
+    if name in _CALLS:
+        inner = eqn.params[_CALLS[name]]
+        closed = inner if isinstance(inner, jcore.ClosedJaxpr) else jcore.ClosedJaxpr(inner, ())
+        return _eval_jaxpr(closed, vals, errs, perturb)
+    params = _f64_params(eqn.params)
+    outs = _bind(prim, params, *vals)
+    if all(e is None for e in errs):  # integer / boolean / constant-only work
+        prop = [None if not _is_float(o.aval.dtype) else jnp.zeros(o.aval.shape)
+                for o in eqn.outvars]
+    elif name == "convert_element_type":
+        prop = [errs[0] if _is_float(eqn.outvars[0].aval.dtype) else None]
+    elif name in _STRUCTURAL:
+        if name in ("reduce_max", "reduce_min"):  # 1-Lipschitz in the max norm
+            prop = _bind(lax.reduce_max_p, params, errs[0])
+        else:
+            args = [e if e is not None else v for v, e in zip(vals, errs)]
+            prop = _bind(prim, params, *args)
+    elif name in _ACCUMULATING:
+        prop = [_accumulating(eqn, params, vals, errs)]
+    elif name in ("top_k", "sort"):
+        axis = eqn.params.get("axis", eqn.params.get("dimension", -1))
+        prop = []
+        for o, e in zip(eqn.outvars, (errs * len(eqn.outvars))[: len(eqn.outvars)]):
+            if _is_float(o.aval.dtype):  # sorted values: 1-Lipschitz in the max norm
+                row = jnp.max(errs[0], axis=axis, keepdims=True)
+                prop.append(jnp.broadcast_to(row, o.aval.shape))
+            else:
+                prop.append(None)
+    elif name in _ELEMENTWISE:
+        errs = [e if e is not None else jnp.zeros(jnp.shape(v)) for v, e in zip(vals, errs)]
+        prop = [_elementwise(name, eqn, vals, errs, outs[0])]
+    elif not any(_is_float(o.aval.dtype) for o in eqn.outvars):
+        prop = [None] * len(outs)  # comparisons and the like: decisions taken to agree
+    else:
+        raise NotImplementedError(f"no error rule for primitive {name!r}")
+    in_dtype = eqn.invars[0].aval.dtype if eqn.invars else None
+    res_v, res_e = [], []
+    for o, v, e in zip(eqn.outvars, outs, prop):
+        c = _round_coefficient(name, in_dtype, o.aval.dtype)
+        if name == "integer_pow" and c:  # |y| multiplies and a reciprocal, each rounded
+            c *= abs(eqn.params["y"]) + 1
+        if e is not None and c:
+            if perturb is None:
+                e = (1 + c) * e + c * jnp.abs(v)
+            else:
+                v = v * (1 + c * perturb(v.shape))
+        res_v.append(v)
+        res_e.append(e)
+    return res_v, res_e
+
+
+def _eval_jaxpr(closed, args, arg_errs, perturb):
+    env = {}
+
+    def read(var):
+        if isinstance(var, jcore.Literal):
+            val = var.val
+            if _is_float(var.aval.dtype):  # the constant as the program holds it (0.01 -> f32)
+                return jnp.asarray(np.asarray(val, var.aval.dtype).astype(np.float64)), jnp.zeros(())
+            return jnp.asarray(val, var.aval.dtype), None
+        return env[var]
+
+    for var, c in zip(closed.jaxpr.constvars, closed.consts):
+        c = np.asarray(c)
+        env[var] = ((jnp.asarray(c, np.float64), jnp.zeros(c.shape)) if _is_float(c.dtype)
+                    else (jnp.asarray(c), None))
+    for var, v, e in zip(closed.jaxpr.invars, args, arg_errs):
+        env[var] = (v, e)
+    for eqn in closed.jaxpr.eqns:
+        ins = [read(v) for v in eqn.invars]
+        outs, errs = _eval_eqn(eqn, [v for v, _ in ins], [e for _, e in ins], perturb)
+        for var, v, e in zip(eqn.outvars, outs, errs):
+            if not isinstance(var, jcore.DropVar):
+                env[var] = (v, e)
+    got = [read(v) for v in closed.jaxpr.outvars]
+    return [v for v, _ in got], [e for _, e in got]
+
+
+def _run(fn, args, key=None):
+    closed, out_shape = jax.make_jaxpr(fn, return_shape=True)(*args)
+    flat = jax.tree_util.tree_leaves(args)
+    out_tree = jax.tree_util.tree_structure(out_shape)
+
+    def body(flat, key):
+        perturb = None
+        if key is not None:
+            counter = iter(range(1 << 30))
+
+            def perturb(shape):  # noqa: F811  uniform in [-1, 1], a fresh key per use
+                return jax.random.uniform(jax.random.fold_in(key, next(counter)), shape,
+                                          jnp.float64, -1.0, 1.0)
+        vals = [jnp.asarray(x, np.float64) if _is_float(jnp.result_type(x)) else jnp.asarray(x)
+                for x in flat]
+        errs = [jnp.zeros(jnp.shape(x)) if _is_float(jnp.result_type(x)) else None
+                for x in flat]
+        v, e = _eval_jaxpr(closed, vals, errs, perturb)
+        zeros = [jnp.zeros(jnp.shape(x)) if e is None else e for x, e in zip(v, e)]
+        return v, zeros
+
+    np_flat = [np.asarray(x, np.float64) if _is_float(jnp.result_type(x)) else np.asarray(x)
+               for x in flat]
+    with jax.enable_x64(True):
+        v, e = jax.jit(body)(np_flat, key)
+        v, e = [np.asarray(x) for x in v], [np.asarray(x) for x in e]
+    return jax.tree_util.tree_unflatten(out_tree, v), jax.tree_util.tree_unflatten(out_tree, e)
+
+
+def error_bounds(fn, *args):
+    """``(values, bounds)``: pytrees like ``fn(*args)``, float64 NumPy.
+
+    ``values`` is ``fn``'s program evaluated in float64 (the inputs taken as
+    exact); ``bounds`` bounds elementwise ``|fn(*args) - values|`` for the
+    program run in its own dtypes (module docstring: rules and assumptions).
+    """
+    return _run(fn, args)
+
+
+def simulate(fn, seed, *args):
+    """``fn``'s program in float64 with each rounding the bound counts replaced by
+    a random relative perturbation of at most its coefficient ``c``."""
+    with jax.enable_x64(True):
+        key = jax.random.key(seed)
+    return _run(fn, args, key)[0]
