@@ -9,14 +9,17 @@ the float64 evaluation). Returns the float64 values and the bounds.
 
 The rules, one per primitive, are inequalities, not first-order estimates
 (second-order terms such as ``eA * eB`` are carried), with these units:
-``u = 2^-8`` (bfloat16, round to nearest), ``u32 = 2^-24`` (float32) and
+``u = 2^-8`` (bfloat16, round to nearest), ``u32 = 2^-24`` (float32),
+``u64 = 2^-53`` (a float64 program: its bound is then to exact arithmetic, the
+float64 replay standing in for it, which the symmetric rules allow) and
 ``gamma_n = n u / (1 - n u)``.
 
 - rounding to the output dtype (every arithmetic op, a narrowing convert):
   ``|fl(v~) - v| <= e + c |v~| <= (1 + c) e + c |v|`` with ``c = u(out)`` for
   a float32 result, ``u + u32`` for a bfloat16 one (computed in float32 and
-  rounded again), plus ``8 u32`` for exp/log/logistic/tanh: an *assumed*
-  accuracy of 4 float32 ulps for XLA's transcendental functions.
+  rounded again), plus ``8 u32`` (``8 u64`` for a float64 result) for
+  exp/log/logistic/tanh: an *assumed* accuracy of 4 ulps for XLA's
+  transcendental functions.
 - a product ``a b``: ``eA |b| + |a| eB + eA eB``; a sum: ``eA + eB``;
   ``a / b``: ``(eA + |a/b| eB) / (|b| - eB)``.
 - a contraction of K terms (dot_general, ragged_dot_general): the bilinear
@@ -42,7 +45,9 @@ The rules, one per primitive, are inequalities, not first-order estimates
   ``error_bounds(..., decisions=True)`` measures it instead: for every top-k,
   ``2 max_row(e) / (v_(k) - v_(k+1))`` (the k-th and (k+1)-th largest exact
   values of a row; the selected set agrees when it is below 1), for every
-  float comparison ``(eA + eB) / |a - b|`` (0 where both sides are exact), for
+  float comparison ``(eA + eB) / |a - b|`` (0 where both sides are exact, and
+  where they are equal in the float64 replay: *taken* to be equal by
+  construction, as an element and the max it produced), for
   float sign ``e / |a|``; it returns the largest such ratio per primitive.
 
 A rounding the program skips (XLA may keep float32 excess precision between
@@ -64,8 +69,21 @@ from jax.extend import core as jcore
 
 U32 = 2.0**-24
 UNITS = {jnp.dtype(jnp.bfloat16): 2.0**-8, jnp.dtype(jnp.float16): 2.0**-11,
-         jnp.dtype(jnp.float32): U32, jnp.dtype(jnp.float64): 0.0}
-TRANSCENDENTAL = 8 * U32  # the assumed 4 float32 ulps of exp/log/logistic/tanh
+         jnp.dtype(jnp.float32): U32, jnp.dtype(jnp.float64): 2.0**-53}
+TRANSCENDENTAL = 8  # exp/log/logistic/tanh/...: assumed within 4 ulps, 8 u of the working precision
+
+
+_REPLAY = [None]  # set by error_bounds(..., replay=True): every unit is u64 (see there)
+
+
+def _unit(dtype):
+    """u of a result of this dtype."""
+    return UNITS[jnp.dtype(dtype)] if _REPLAY[0] is None else _REPLAY[0]
+
+
+def _working_unit(dtype):
+    """u of the precision an op of this result dtype computes in (bf16 ops compute in float32)."""
+    return min(_unit(dtype), U32)
 
 _STRUCTURAL = {  # linear maps with 0/1 coefficients: apply the same map to the bounds
     "reshape", "broadcast_in_dim", "transpose", "squeeze", "expand_dims", "slice",
@@ -153,7 +171,7 @@ def _elementwise(name, eqn, vals, errs, out):
     if name == "tanh":
         return ea * (1 - jnp.tanh(jnp.maximum(jnp.abs(a) - ea, 0)) ** 2)
     if name in ("sin", "cos"):  # 1-Lipschitz; the assumed absolute accuracy (docstring)
-        return ea + TRANSCENDENTAL
+        return ea + TRANSCENDENTAL * _working_unit(eqn.outvars[0].aval.dtype)
     if name == "rsqrt":  # |f'| = x^-1.5 / 2, largest at the interval's low end
         low = a - ea
         return jnp.where(low > 0, 0.5 * jnp.where(low > 0, low, 1) ** -1.5 * ea, jnp.inf)
@@ -189,7 +207,9 @@ def _accumulating(eqn, params, vals, errs):
     prim, name = eqn.primitive, eqn.primitive.name
     out_dtype = eqn.outvars[0].aval.dtype
     # Contractions accumulate in float32 (module docstring); sums in their own dtype.
-    unit = U32 if name in ("dot_general", "ragged_dot_general") else UNITS[out_dtype]
+    unit = _unit(out_dtype)
+    if name in ("dot_general", "ragged_dot_general"):  # float32 accumulation, float64 for f64
+        unit = _working_unit(max((v.aval.dtype for v in eqn.invars[:2]), key=lambda d: UNITS[d]))
     g = _gamma(_contraction_size(eqn), unit)
     absv = [jnp.abs(v) if e is not None else v for v, e in zip(vals, errs)]
     big = [a + e if e is not None else a for a, e in zip(absv, errs)]
@@ -210,9 +230,9 @@ def _round_coefficient(name, in_dtype, out_dtype):
     """c of the output's rounding ``(1 + c) e + c |v|`` (module docstring)."""
     if not _is_float(out_dtype):
         return None
-    u = UNITS[jnp.dtype(out_dtype)]
+    u = _unit(out_dtype)
     if name == "convert_element_type":
-        narrowing = _is_float(in_dtype) and UNITS[jnp.dtype(in_dtype)] < u
+        narrowing = _is_float(in_dtype) and UNITS[jnp.dtype(in_dtype)] < UNITS[jnp.dtype(out_dtype)]
         return u if narrowing else 0.0  # int -> float is exact for the small ints here
     if name in _STRUCTURAL or name in ("neg", "abs", "max", "min", "sign"):
         return 0.0
@@ -221,7 +241,7 @@ def _round_coefficient(name, in_dtype, out_dtype):
         return u if u > U32 else 0.0
     c = u + (U32 if u > U32 else 0.0)
     if name in _TRANSCENDENTAL:
-        c += TRANSCENDENTAL
+        c += TRANSCENDENTAL * _working_unit(out_dtype)
     return c
 
 
@@ -295,8 +315,8 @@ def _decision(name, eqn, vals, errs):
     if name in _COMPARISONS and _is_float(eqn.invars[0].aval.dtype):
         a, b = vals
         ea, eb = (jnp.zeros(()) if e is None else e for e in errs)
-        tol, gap = ea + eb, jnp.abs(a - b)
-        return jnp.max(jnp.where(tol > 0, tol / gap, 0.0))
+        tol, gap = ea + eb, jnp.abs(a - b)  # a tie in the replay: equal by construction
+        return jnp.max(jnp.where((tol > 0) & (gap > 0), tol / jnp.where(gap > 0, gap, 1), 0.0))
     if name == "sign" and _is_float(eqn.invars[0].aval.dtype):
         return jnp.max(jnp.where(errs[0] > 0, errs[0] / jnp.abs(vals[0]), 0.0))
     return None
@@ -416,7 +436,7 @@ def _run(fn, args, key=None):
             worst)
 
 
-def error_bounds(fn, *args, decisions=False):
+def error_bounds(fn, *args, decisions=False, replay=False):
     """``(values, bounds)``: pytrees like ``fn(*args)``, float64 NumPy.
 
     ``values`` is ``fn``'s program evaluated in float64 (the inputs taken as
@@ -425,8 +445,18 @@ def error_bounds(fn, *args, decisions=False):
     With ``decisions``, also ``{primitive: largest bound / margin}`` over the
     program's float decisions (top-k sets, comparisons, signs): the bounds hold
     only where every ratio is below 1.
+
+    With ``replay``, the bounds are those of the float64 replay itself (the
+    returned ``values``) to the program in exact arithmetic: the same rules
+    with every unit ``u64 = 2^-53`` (every op, every accumulation, the
+    transcendental allowance ``8 u64``). Two programs that compute the same
+    function in exact arithmetic have replays within the sum of these bounds.
     """
-    values, bounds, worst = _run(fn, args)
+    _REPLAY[0] = 2.0**-53 if replay else None
+    try:
+        values, bounds, worst = _run(fn, args)
+    finally:
+        _REPLAY[0] = None
     return (values, bounds, worst) if decisions else (values, bounds)
 
 
