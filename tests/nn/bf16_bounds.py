@@ -27,16 +27,16 @@ float64 replay standing in for it, which the symmetric rules allow) and
   float32 accumulation ``gamma_K(u32) * sum |a~| |b~|`` (an *assumption*: XLA
   accumulates bfloat16 products in float32 on CPU and GPU; every contraction in
   the programs checked here asks for float32 explicitly or has float32
-  operands). reduce_sum and scatter-add: the same with the count of addends
+  operands; float64 operands accumulate with u64). reduce_sum and scatter-add: the same with the count of addends
   and the output dtype's unit.
 - a smooth f: ``e * max |f'|`` over ``[v - e, v + e]`` (exp, log, logistic,
-  tanh, powers: each has a closed form).
+  tanh, powers, rsqrt, pow: each has a closed form).
 - gathers, reshapes, selects, slices, max, top-k values: the same map on the
   bounds (1-Lipschitz in the max norm).
 - rsqrt and pow: smooth, as above, rounded with the transcendental
   allowance; sin and cos: 1-Lipschitz, plus an *assumed* absolute error of
-  ``8 u32`` (4 float32 ulps of 1, their range) on top of the rounding, so a
-  result near 0 is covered too.
+  ``8 u32`` (4 float32 ulps of 1, their range; ``8 u64`` for float64) on top
+  of the rounding, so a result near 0 is covered too.
 - scan: its body, walked once per iteration (``lax.scan`` in float64, the
   carries' bounds carried along).
 - discrete results (comparisons, sort/top-k indices, integer arithmetic) are
