@@ -34,6 +34,17 @@ def random_tokens(seed: int, vocab_size: int, batch: int, seq: int) -> np.ndarra
     return np.random.default_rng(seed).integers(0, vocab_size, (batch, seq)).astype(np.int32)
 
 
+def random_model(config_cls, model_cls, hf_config: dict, rope_parameters: dict, seed: int):
+    """``model_cls(config_cls(**hf_config, rope_parameters=..., eager attention))`` in
+    float32 eval mode, built after ``torch.manual_seed(seed)`` and then randomized by
+    ``randomize_bf16`` with std ``hf_config["initializer_range"]``."""
+    torch.manual_seed(seed)
+    cfg = config_cls(**hf_config, rope_parameters=rope_parameters, attn_implementation="eager")
+    model = model_cls(cfg).float().eval()
+    randomize_bf16(model, hf_config["initializer_range"])
+    return model
+
+
 def randomize_bf16(model, std: float) -> None:
     """Sets every parameter of ``model`` in place from torch's global generator,
     in ``named_parameters`` order: RMSNorm weights 1 + 0.2 N(0, 1) (away from 1,

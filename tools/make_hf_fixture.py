@@ -37,7 +37,7 @@ import sys
 
 import numpy as np
 import torch
-from hf_fixture_common import (meta, out_dir, published_tensors, random_tokens, randomize_bf16, run, write_fused,
+from hf_fixture_common import (meta, out_dir, published_tensors, random_model, random_tokens, run, write_fused,
                                write_meta, write_outputs, write_published)
 from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
 
@@ -97,11 +97,7 @@ def published_config(num_mtp: int, fp8: bool) -> dict:
 
 
 def build_model() -> DeepseekV3ForCausalLM:
-    torch.manual_seed(SEED)
-    cfg = DeepseekV3Config(**HF_CONFIG, rope_parameters={"rope_theta": ROPE_THETA, **ROPE},
-                           attn_implementation="eager")
-    model = DeepseekV3ForCausalLM(cfg).float().eval()
-    randomize_bf16(model, HF_CONFIG["initializer_range"])
+    model = random_model(DeepseekV3Config, DeepseekV3ForCausalLM, HF_CONFIG, {"rope_theta": ROPE_THETA, **ROPE}, SEED)
     with torch.no_grad():
         for name, b in model.named_buffers():
             if name.endswith("e_score_correction_bias"):

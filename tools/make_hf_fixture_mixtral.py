@@ -41,7 +41,7 @@ import tempfile
 
 import numpy as np
 import torch
-from hf_fixture_common import (meta, out_dir, published_tensors, random_tokens, randomize_bf16, routing_margin,
+from hf_fixture_common import (meta, out_dir, published_tensors, random_model, random_tokens, routing_margin,
                                run, write_fused, write_meta, write_outputs, write_published)
 from safetensors import safe_open
 from transformers import AutoModelForCausalLM, MixtralConfig, MixtralForCausalLM
@@ -81,12 +81,8 @@ def published_config() -> dict:
 
 
 def build_model() -> MixtralForCausalLM:
-    torch.manual_seed(SEED)
-    cfg = MixtralConfig(**HF_CONFIG, rope_parameters={"rope_type": "default", "rope_theta": ROPE_THETA},
-                        attn_implementation="eager")
-    model = MixtralForCausalLM(cfg).float().eval()
-    randomize_bf16(model, HF_CONFIG["initializer_range"])
-    return model
+    rope = {"rope_type": "default", "rope_theta": ROPE_THETA}
+    return random_model(MixtralConfig, MixtralForCausalLM, HF_CONFIG, rope, SEED)
 
 
 def mixtral_tensors(state: dict) -> dict:

@@ -33,8 +33,7 @@ Written under OUT:
 import os
 import sys
 
-import torch
-from hf_fixture_common import (meta, out_dir, published_tensors, random_tokens, randomize_bf16, routing_margin,
+from hf_fixture_common import (meta, out_dir, published_tensors, random_model, random_tokens, routing_margin,
                                run, write_fused, write_meta, write_outputs, write_published)
 from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
 
@@ -78,12 +77,8 @@ def published_config() -> dict:
 
 
 def build_model() -> Qwen3MoeForCausalLM:
-    torch.manual_seed(SEED)
-    cfg = Qwen3MoeConfig(**HF_CONFIG, rope_parameters={"rope_type": "default", "rope_theta": ROPE_THETA},
-                         attn_implementation="eager")
-    model = Qwen3MoeForCausalLM(cfg).float().eval()
-    randomize_bf16(model, HF_CONFIG["initializer_range"])
-    return model
+    rope = {"rope_type": "default", "rope_theta": ROPE_THETA}
+    return random_model(Qwen3MoeConfig, Qwen3MoeForCausalLM, HF_CONFIG, rope, SEED)
 
 
 def main(argv=None) -> int:
