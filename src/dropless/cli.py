@@ -211,11 +211,12 @@ def cmd_config(args: list[str]) -> int:
 
     from dropless.config.schema import Config
 
-    if _options("config", args, ("--changed", "--keys")):
+    flags = ("--changed", "--keys")
+    if _options("config", args, flags):
         return 0
     keys_only = "--keys" in args
     changed_only = "--changed" in args
-    args = [a for a in args if a not in ("--keys", "--changed")]
+    args = [a for a in args if a not in flags]
     console = Console()
     if keys_only:
         table = Table("key", "default", "description", title="dropless config keys")
