@@ -131,7 +131,7 @@ def start_runtime(cfg):
         try:
             path = use_compilation_cache(cfg.jax_cache_dir)
         except ConfigError as e:
-            if cfg.jax_cache_dir != DEFAULT_JAX_CACHE_DIR:
+            if cfg.jax_cache_dir != type(cfg).model_fields["jax_cache_dir"].default:
                 raise
             # The default, not asked for: a home without room for it runs uncached, said once.
             print(f"compilation cache: off: {e}", flush=True)
@@ -149,9 +149,6 @@ def start_runtime(cfg):
     except ContradictionError as e:
         raise ConfigError(f"{e.key}={e.value!r}: {e}") from None
     return applied, shape
-
-
-DEFAULT_JAX_CACHE_DIR = "~/jax_cache"
 
 
 def use_compilation_cache(directory: str) -> str:
@@ -214,11 +211,12 @@ def cmd_config(args: list[str]) -> int:
 
     from dropless.config.schema import Config
 
-    if _options("config", args, ("--changed", "--keys")):
+    flags = ("--changed", "--keys")
+    if _options("config", args, flags):
         return 0
     keys_only = "--keys" in args
     changed_only = "--changed" in args
-    args = [a for a in args if a not in ("--keys", "--changed")]
+    args = [a for a in args if a not in flags]
     console = Console()
     if keys_only:
         table = Table("key", "default", "description", title="dropless config keys")

@@ -123,10 +123,10 @@ def check_paths(cfg) -> str | None:
     """Why ``train`` would stop before its first step on a path, in one line, or None: the run
     directory cannot be made under ``base_output_directory`` (checked without writing), or
     ``load_parameters_path`` is not a directory."""
+    from dropless.train import checkpoint as ckpt_lib
+
     run_dir = os.path.abspath(os.path.join(cfg.base_output_directory, cfg.run_name or "run"))
-    existing = run_dir
-    while not os.path.exists(existing):
-        existing = os.path.dirname(existing)
+    existing = ckpt_lib.nearest_existing(run_dir)
     problem = ("is not a directory" if not os.path.isdir(existing)
                else None if os.access(existing, os.W_OK | os.X_OK) else "is not writable")
     if problem:

@@ -225,11 +225,17 @@ def save_bytes(abstract_state) -> int:
                for x in jax.tree.leaves(abstract_state))
 
 
-def free_bytes(directory: str) -> tuple[int, str]:
-    """(bytes free to this user, the path asked) on the filesystem of ``directory`` or its nearest existing parent."""
+def nearest_existing(directory: str) -> str:
+    """The absolute path of ``directory`` or, if it does not exist, of its nearest existing parent."""
     path = os.path.abspath(directory)
     while not os.path.exists(path) and os.path.dirname(path) != path:
         path = os.path.dirname(path)
+    return path
+
+
+def free_bytes(directory: str) -> tuple[int, str]:
+    """(bytes free to this user, the path asked) on the filesystem of ``directory`` or its nearest existing parent."""
+    path = nearest_existing(directory)
     return shutil.disk_usage(path).free, path
 
 
