@@ -77,6 +77,7 @@ from flax import nnx
 from dropless.config.sections import MoEConfig
 from dropless.nn import moe
 from dropless.ops.gmm import resolve_backend
+from dropless.perf import hlo as hlo_lib
 from dropless.perf import measure
 
 # The layer is the preset's, through the same loader as ``dropless train``: the
@@ -416,17 +417,14 @@ def large_copies(hlo: str, min_bytes: int = 64 << 20) -> list[dict]:
     H200, ours' fwd+bwd showed 13 device-to-device memcpys per call, 0.83 ms each,
     beside the kernels; these are what XLA can lower to such copies.)"""
     found = []
-    for line in hlo.splitlines():
-        m = re.match(r"\s*(?:ROOT\s+)?(%?[\w.\-]+)\s*=\s*(.+?)\s+(copy|copy-start)\(", line)
-        if not m:
+    for inst in hlo_lib.instructions(hlo):
+        array = _HLO_ARRAY.search(inst.type) if inst.opcode in ("copy", "copy-start") else None
+        if not array:
             continue
-        arrays = _HLO_ARRAY.findall(m.group(2))
-        if not arrays:
-            continue
-        dtype, dims = arrays[0]
+        dtype, dims = array.groups()
         size = _HLO_BYTES[dtype] * math.prod(int(d) for d in dims.split(",") if d)
         if size >= min_bytes:
-            found.append({"name": m.group(1).lstrip("%"), "op": m.group(3),
+            found.append({"name": inst.name, "op": inst.opcode,
                           "shape": f"{dtype}[{dims}]", "mib": round(size / 2**20, 1)})
     return sorted(found, key=lambda c: -c["mib"])
 

@@ -466,3 +466,16 @@ def simulate(fn, seed, *args):
     with jax.enable_x64(True):
         key = jax.random.key(seed)
     return _run(fn, args, key)[0]
+
+
+def within_bound(got, want, bound, what):
+    """Assert ``|got - want| <= bound`` elementwise; return max |got - want| / bound."""
+    got, want = np.asarray(got, np.float64), np.asarray(want, np.float64)
+    bound = np.asarray(bound)
+    assert got.shape == want.shape == bound.shape, what
+    err = np.abs(got - want)
+    ratio = float(np.max(err / np.maximum(bound, np.finfo(np.float64).tiny)))
+    worst = np.unravel_index(np.argmax(err - bound), err.shape)
+    assert np.all(err <= bound), (
+        f"{what}: |err| {err[worst]:.3e} > bound {bound[worst]:.3e} at {worst} (max ratio {ratio:.3f})")
+    return ratio

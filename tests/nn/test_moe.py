@@ -21,6 +21,7 @@ from flax import nnx
 
 from dropless.config.sections import MoEConfig
 import bf16_bounds
+from bf16_bounds import within_bound
 from dropless.nn.moe import MoEBlock, MoEStats, RouterBias
 
 HI = jax.lax.Precision.HIGHEST
@@ -221,18 +222,6 @@ def test_update_router_bias_takes_one_sign_step(routed_bias):
     np.testing.assert_array_equal(np.asarray(block.router_bias[...]), expected)
     if routed_bias:
         assert np.count_nonzero(expected) == 4
-
-
-def within_bound(got, want, bound, what):
-    """Assert ``|got - want| <= bound`` elementwise; return max |got - want| / bound."""
-    got, want = np.asarray(got, np.float64), np.asarray(want, np.float64)
-    assert got.shape == want.shape == bound.shape, what
-    err = np.abs(got - want)
-    ratio = float(np.max(err / np.maximum(bound, np.finfo(np.float64).tiny)))
-    worst = np.unravel_index(np.argmax(err - bound), err.shape)
-    assert np.all(err <= bound), (
-        f"{what}: |err| {err[worst]:.3e} > bound {bound[worst]:.3e} at {worst} (max ratio {ratio:.3f})")
-    return ratio
 
 
 @pytest.mark.parametrize("name", ["softmax_separate_shared", "sigmoid_grouped_shared_aux"])

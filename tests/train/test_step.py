@@ -23,6 +23,7 @@ from dropless.train import step as step_lib
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "nn"))  # the bound helper
 import bf16_bounds  # noqa: E402
+from bf16_bounds import within_bound  # noqa: E402
 
 STEPS = 10
 
@@ -197,14 +198,14 @@ def test_gradient_accumulation_matches_one_big_batch(small_model):
     assert int(np.sum(t1)) == 8 * 16 * cfg.moe.num_experts_per_tok
 
     slack = 1 + 2.0**-20
-    ratios = {"loss": _within_bound(loss2, loss1, (e_loss1 + e_loss2) * slack, "loss")}
+    ratios = {"loss": within_bound(loss2, loss1, (e_loss1 + e_loss2) * slack, "loss")}
     flat = lambda tree: dict(jax.tree_util.tree_flatten_with_path(tree)[0])  # noqa: E731
     got, want, b1, b2 = flat(g2), flat(g1), flat(e1), flat(e2)
     assert got.keys() == want.keys() and len(got) > 10
     for path in got:
         name = jax.tree_util.keystr(path)
         bound = (b1[path] + b2[path]) * slack
-        ratios[name] = _within_bound(got[path], want[path], bound, name)
+        ratios[name] = within_bound(got[path], want[path], bound, name)
         relative = np.median(bound / np.maximum(np.abs(want[path]), np.finfo(np.float64).tiny))
         assert relative < 1e-2, f"{name}: the bound ({relative:.1e} of |g|) checks nothing"
     print("measured / bound: " + " ".join(f"{k}={v:.1e}" for k, v in ratios.items()))
@@ -242,16 +243,6 @@ def test_gradient_accumulation_compiled_float32_close_on_the_full_model(model_cf
     t1 = moe_stats_concat(aux1["moe_stats"]).tokens_per_expert
     t2 = moe_stats_concat(aux2["moe_stats"]).tokens_per_expert
     np.testing.assert_array_equal(t1, t2)  # counts are summed, not averaged
-
-
-def _within_bound(got, want, bound, what):
-    """Assert ``|got - want| <= bound`` elementwise; return max |got - want| / bound."""
-    got, want = np.asarray(got, np.float64), np.asarray(want, np.float64)
-    assert got.shape == want.shape == np.shape(bound), what
-    err = np.abs(got - want)
-    ratio = float(np.max(err / np.maximum(bound, np.finfo(np.float64).tiny)))
-    assert np.all(err <= bound), f"{what}: max |err| / bound = {ratio:.3g}"
-    return ratio
 
 
 def optax_identity():

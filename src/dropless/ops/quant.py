@@ -127,6 +127,15 @@ def _mantissa(a):
     return lax.bitcast_convert_type((bits & 0x007FFFFF) | 0x3F800000, jnp.float32)
 
 
+def _nan_max(v, axis=None):
+    """``jnp.max(v, axis)``, NaN where the values reduced hold a NaN.
+
+    A max reduction need not propagate NaN (XLA:CPU's drops it in large arrays,
+    once a block spans 16 or more rows), so the NaN is found on its own.
+    """
+    return jnp.where(jnp.any(jnp.isnan(v), axis=axis), jnp.float32(jnp.nan), jnp.max(v, axis=axis))
+
+
 # ----------------------------------------------------------------------------
 # Per-tensor current scaling.
 
@@ -149,9 +158,7 @@ def quantize_tensor(x, dtype=E4M3):
     """
     fmax = fp8_max(dtype)
     x32 = _read(x)
-    amax = jnp.max(jnp.abs(x32)) if x32.size else jnp.float32(0)
-    if x32.size:  # a max reduction need not propagate NaN (XLA:CPU's drops it in large arrays)
-        amax = jnp.where(jnp.any(jnp.isnan(x32)), jnp.float32(jnp.nan), amax)
+    amax = _nan_max(jnp.abs(x32)) if x32.size else jnp.float32(0)
     # Multiply by the inverse, as Transformer Engine does: XLA rewrites a division
     # by a broadcast scalar into a multiplication anyway, so this is what runs.
     # The cap keeps 1 / inv a float32 normal (a subnormal scale would flush to 0).
@@ -189,11 +196,7 @@ def _blocked(x, block):
 def _block_amax(x32, block):
     """Largest |x| per block -> shape ceil(x.shape / block); NaN if a block holds a NaN."""
     xb = _blocked(jnp.abs(x32), block)
-    inner = tuple(range(1, xb.ndim, 2))
-    # A max reduction need not propagate NaN (XLA:CPU's drops it once a block spans 16
-    # or more rows), so a block's NaN is found on its own.
-    has_nan = jnp.any(jnp.isnan(xb), axis=inner)
-    return jnp.where(has_nan, jnp.float32(jnp.nan), jnp.max(xb, axis=inner))
+    return _nan_max(xb, tuple(range(1, xb.ndim, 2)))
 
 
 def _expand(s, shape, block):

@@ -11,6 +11,7 @@ as well is what XLA's GPU dynamic-slice fusion runs twice
 (``benchmarks/notes/scan.md``).
 """
 
+import itertools
 from typing import NamedTuple
 
 
@@ -44,7 +45,7 @@ def kernel_calls(module_text: str, target_prefix: str = "mosaic_gpu") -> list[Ke
              for op in module.body.operations if "sym_name" in op.attributes}
     if "main" not in funcs:
         raise ValueError(f"no main function in the module; functions: {sorted(funcs)}")
-    out, whiles = [], [0]
+    out, whiles = [], itertools.count()
 
     def user(use) -> str:
         owner = use.owner
@@ -65,8 +66,7 @@ def kernel_calls(module_text: str, target_prefix: str = "mosaic_gpu") -> list[Ke
                     elif name == "func.call":
                         walk(funcs[ir.FlatSymbolRefAttr(inner.attributes["callee"]).value], loops)
                     elif name == "stablehlo.while":
-                        whiles[0] += 1
-                        walk(inner, (*loops, whiles[0] - 1))
+                        walk(inner, (*loops, next(whiles)))
                     else:
                         walk(inner, loops)
 
