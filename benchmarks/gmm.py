@@ -608,10 +608,9 @@ def main():
     p.add_argument("--tune-only", action="store_true", help=argparse.SUPPRESS)
     args = p.parse_args()
     if not args.commit:
-        from dropless.perf.measure import git_commit
+        from dropless.perf.measure import commit_label
 
-        info = git_commit()
-        args.commit = info["commit"] + ("-dirty" if info["dirty"] else "")
+        args.commit = commit_label()
     impls = args.impls.split(",")
     if args.shape:
         shapes = [tuple(int(v) for v in spec.split(",")) for spec in args.shape]

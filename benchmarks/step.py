@@ -322,11 +322,10 @@ def run_with_backoff(case, args) -> dict:
 
 
 def _git_commit() -> str:
-    """The commit from git, else $DROPLESS_COMMIT (the GPU machine's copy has no .git)."""
-    from dropless.perf.measure import git_commit
+    """The commit from $DROPLESS_COMMIT, else git (the GPU machine's copy may have no .git)."""
+    from dropless.perf.measure import commit_label
 
-    info = git_commit()
-    return info["commit"] + ("-dirty" if info["dirty"] else "")
+    return commit_label()
 
 
 def print_table(rows, tiny: bool = False) -> None:

@@ -93,6 +93,12 @@ def git_commit(repo: Path = REPO_ROOT) -> dict:
     return {"commit": "unknown", "dirty": None, "source": "unknown"}
 
 
+def commit_label() -> str:
+    """``git_commit``'s commit as one string, "-dirty" appended for a dirty tree."""
+    info = git_commit()
+    return info["commit"] + ("-dirty" if info["dirty"] else "")
+
+
 def now_utc() -> datetime.datetime:
     return datetime.datetime.now(datetime.timezone.utc).replace(microsecond=0)
 
