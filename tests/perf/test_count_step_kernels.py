@@ -1,10 +1,12 @@
-"""tools/count_step_kernels.py: its two counts on CPU, and its reading of optimized HLO text."""
+"""tools/count_step_kernels.py: its two counts on CPU (cuDNN attention included), and its
+reading of optimized HLO text."""
 
 import importlib.util
 from pathlib import Path
 
 import jax
 import jax.numpy as jnp
+import pytest
 
 _PATH = Path(__file__).resolve().parents[2] / "tools" / "count_step_kernels.py"
 _spec = importlib.util.spec_from_file_location("count_step_kernels", _PATH)
@@ -71,3 +73,35 @@ def test_kernel_calls_multiply_by_the_scan_length():
     calls = tool._kernel_calls(jax.make_jaxpr(f)(jnp.ones((8, 128), jnp.float32)).jaxpr)
     assert sorted(m for _, m in calls) == [1, 3]
     assert sum(m for _, m in calls) == 4
+
+
+@pytest.fixture
+def cudnn_traceable(monkeypatch):
+    """jax traces cuDNN attention only where it finds the cuDNN library (not on this CPU);
+    claiming cuDNN 9.10 lets it trace, and lower for CUDA, the same custom calls as on a GPU."""
+    from jax._src.cudnn import fused_attention_stablehlo
+
+    monkeypatch.setattr(fused_attention_stablehlo, "check_cudnn_version", lambda: 91000)
+
+
+def test_lowering_keeps_cudnn_attention(cudnn_traceable):
+    """cuDNN attention's custom call, which ``jax.export`` refuses (no compatibility
+    guarantee: the GPU failure of count-step-kernels-scan-export-fails-20261202-1035-h200.log),
+    lowers for CUDA and stays in the text."""
+    x = jax.ShapeDtypeStruct((1, 128, 2, 64), jnp.bfloat16)
+    attend = jax.jit(lambda q, k, v: jax.nn.dot_product_attention(
+        q, k, v, is_causal=True, implementation="cudnn"))
+    with pytest.raises(ValueError, match="no compatibility guarantees"):
+        jax.export.export(attend, platforms=["cuda"])(x, x, x)
+    assert "@__cudnn$fmhaSoftmax(" in tool.lowered_for_cuda(attend, x, x, x)
+
+
+def test_main_on_a_step_with_cudnn_attention(cudnn_traceable, capsys):
+    """The whole tool on CPU for the tiny model with cuDNN attention, its output lines as
+    before: the jaxpr's total and a ``lowered:`` line per Mosaic call of the CUDA lowering."""
+    assert tool.main(["model_name=deepseek3-tiny", "gmm_backend=mosaic", "dtype=bfloat16",
+                      "attention=cudnn_flash_te"]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert "jaxpr: 18 kernel executions per step" in out
+    lowered = [line for line in out if line.startswith("lowered: in while#")]
+    assert len(lowered) == 6 and all(", read by " in line for line in lowered)

@@ -160,13 +160,70 @@ def test_fp8_sections(tmp_path):
     assert "| fwd+bwd kernel path | 20.000 | 21.000 | 600 | 0.80x |" in text
     assert ("- FP8 fwd+dgrad+wgrad with quantization 20.0 ms = 0.80x bf16's 16.0 ms "
             "(kernels alone 10.0 ms = 1.60x)") in text
-    assert "- FP8 kernels alone (CUPTI): fwd 1300 TF/s (target 1250), wgrad 711 TF/s (target 1100)" in text
+    assert ("- FP8 kernels alone (CUPTI, default variants): fwd rows_gtw8 1300 TF/s (target 1250), "
+            "wgrad wgrad_columns 711 TF/s (target 1100)") in text
     # With the Pallas quantizers' row, the headline leads with it (the default path).
     quant["rows"].append({"section": "product", "name": "fwd+bwd kernel path, pallas q",
                           "kernel_ms": 12.8, "wall_ms": 13.5, "tflops_kernel": 900.0})
     assert report.headlines("fp8_quant", quant) == [
         "FP8 fwd+dgrad+wgrad with quantization (Pallas quantizers) 12.8 ms = 1.25x bf16's 16.0 ms "
         "(XLA's quantization 20.0 ms = 0.80x; kernels alone 10.0 ms = 1.60x)"]
+
+
+def fp8_kernels_record(created, rows):
+    """An ``fp8_kernel_probe.py`` record of timed rows (variant, product, TF/s by CUPTI)."""
+    return {"kind": "fp8_kernels", "created": created, **PROV,
+            "config": {"M": 65536, "G": 32, "K": 7168, "N": 4096, "layout": "balanced"},
+            "rows": [{"variant": v, "product": p, "kernel_ms": 1.0, "wall_ms": 1.1,
+                      "tflops_kernel": tf, "tflops_wall": tf - 50} for v, p, tf in rows]}
+
+
+def test_fp8_kernels_wgrad_sweep_keeps_the_products_record(tmp_path):
+    """A newer wgrad-only sweep (``--variants=``) does not replace the record of all three
+    products: both render, the sweep in its own subsection; the products' headline quotes
+    the default variants even where another is faster, and the sweep's names its best."""
+    d = tmp_path / "r"
+    d.mkdir()
+    products = fp8_kernels_record("2026-12-01T19:49:27+00:00", [
+        ("rows_gtw8", "fwd", 1136.0), ("rows_gtw8", "dgrad", 1104.0),
+        ("cols_gtw1", "fwd", 1200.0), ("cols_gtw1", "dgrad", 796.0),
+        ("wgrad_columns", "wgrad", 711.0), ("wgrad_rows", "wgrad", 702.0)])
+    sweep = fp8_kernels_record("2026-12-02T10:45:20+00:00", [
+        ("wgrad_columns", "wgrad", 712.0), ("wgrad_columns_bf16", "wgrad", 753.0),
+        ("wgrad_rows_overlap_bf16", "wgrad", 791.0)])
+    sweep["rows"].append({"variant": "wgrad_rows_overlap", "product": "wgrad",
+                          "bitwise_equal_to": "wgrad_columns", "equal": True})
+    (d / "fp8_kernels-products.json").write_text(json.dumps(products))
+    (d / "fp8_kernels-sweep.json").write_text(json.dumps(sweep))
+    newest = report.newest_records(d, log=lambda _: None)
+    assert {k: p.name for k, (_, p) in newest.items()} == {
+        "fp8_kernels:products": "fp8_kernels-products.json",
+        "fp8_kernels:wgrad sweep": "fp8_kernels-sweep.json"}
+    text = report.render(d, tmp_path / "R.md", log=lambda _: None).read_text()
+    assert ("- FP8 kernels alone (CUPTI, default variants): fwd rows_gtw8 1136 TF/s (target 1250), "
+            "dgrad rows_gtw8 1104 TF/s (target 1250), wgrad wgrad_columns 711 TF/s (target 1100)"
+            ) in text
+    assert ("- FP8 wgrad variant sweep (CUPTI): default wgrad_columns 712 TF/s, best "
+            "wgrad_rows_overlap_bf16 791 TF/s (target 1100)") in text
+    section = text[text.index("## FP8 grouped GEMM kernels"):]
+    sweep_at = section.index("### wgrad variant sweep")
+    assert "| cols_gtw1 | fwd | 1.000 | 1.100 | 1200 | 1150 | 1250: **not met** |" in section[:sweep_at]
+    assert "`fp8_kernels-products.json`" in section[:sweep_at]
+    assert "| wgrad_rows_overlap_bf16 | wgrad | 1.000 | 1.100 | 791 | 741 |" in section[sweep_at:]
+    assert "wgrad wgrad_rows_overlap == wgrad_columns: True" in section[sweep_at:]
+    assert "`fp8_kernels-sweep.json`" in section[sweep_at:]
+    # dropless bench passes the bare kind: the variant comes from the record.
+    assert report.headlines("fp8_kernels", sweep)[0].startswith("FP8 wgrad variant sweep")
+
+
+def test_fp8_kernels_headline_without_the_default_variant():
+    """A products record that did not time a product's default variant quotes its best, and
+    says so."""
+    record = fp8_kernels_record("2026-12-01T00:00:00+00:00", [
+        ("cols_gtw1", "fwd", 850.0), ("rows_gtw4", "fwd", 1000.0)])
+    assert report.headlines("fp8_kernels", record) == [
+        "FP8 kernels alone (CUPTI, default variants): fwd rows_gtw4 1000 TF/s (target 1250; the "
+        "best timed, the default rows_gtw8 was not)"]
 
 
 def test_commit_prefers_dropless_commit(monkeypatch):
@@ -437,6 +494,53 @@ def test_step_fp8_with_set_overrides_is_its_own_variant(tmp_path):
     assert "- training step, variant ours_fp8_blockwise 504 TFLOPS/device = 1.04x ours" in text
     assert ("- training step (vocab_size=16384), variant ours_fp8_blockwise 489 TFLOPS/device "
             "= 1.05x ours (same run)") in text
+
+
+def test_step_unquantized_variants_of_ours_are_their_own_variant(tmp_path):
+    """A run comparing ``ours_scan`` (no quantization key) with ours is not hidden by a
+    later FP8 run: each renders in its own subsection with its own headline."""
+    d = tmp_path / "r"
+    d.mkdir()
+    scan = step_py_record("2026-12-02T10:37:15", [("ours", 485.0, {}), ("ours_scan", 478.9, {})],
+                          ours=[], ours_scan=["scan_layers=true"])
+    fp8 = step_py_record("2026-12-02T10:49:14", [("ours", 485.2, {}),
+                                                 ("ours_fp8_blockwise", 501.0, {})],
+                         ours=[], ours_fp8_blockwise=FP8KP[:1])
+    (d / "step-scan.json").write_text(json.dumps(scan))
+    (d / "step-fp8.json").write_text(json.dumps(fp8))
+    newest = report.newest_records(d, log=lambda _: None)
+    assert {k: p.name for k, (_, p) in newest.items()} == {
+        "step:variants": "step-scan.json", "step:fp8": "step-fp8.json"}
+    text = report.render(d, tmp_path / "R.md", log=lambda _: None).read_text()
+    fp8_at = text.index("### FP8 and other variants of ours\n")
+    other_at = text.index("### Other variants of ours (same run)\n")
+    assert fp8_at < other_at
+    assert "| ours_fp8_blockwise | - | `te_gmm_quantization=te_fp8_blockwise` | 501.0 | 1.03x |" \
+        in text[fp8_at:other_at]
+    assert "| ours_scan | - | `scan_layers=true` | 478.9 | 0.99x |" in text[other_at:]
+    assert "`step-scan.json`" in text[other_at:]
+    assert "- training step, variant ours_scan 479 TFLOPS/device = 0.99x ours (same run)" in text
+    assert "- training step, variant ours_fp8_blockwise 501 TFLOPS/device = 1.03x ours" in text
+
+
+def test_step_variant_reads_the_quantization_keys():
+    """Only ``ours_*`` cases whose overrides are known and set no quantization recipe make a
+    record "variants"; a failed FP8 case still counts, and a recipe of "no quantization"
+    does not."""
+    def record(**case_overrides):
+        cases = [("ours", 400.0, {}), ("ours_scan", 390.0, {}),
+                 *[(n, "boom", {}) for n in case_overrides if n not in ("ours", "ours_scan")]]
+        return step_py_record("t", cases, **case_overrides)
+
+    assert report.step_variant(record(ours=[], ours_scan=["scan_layers=true"])) == "variants"
+    assert report.step_variant(record(ours=[], ours_scan=["te_gmm_quantization=te_no_quant",
+                                                          "quantization="])) == "variants"
+    assert report.step_variant(record(ours=[], ours_scan=["gmm_quantization=te_mxfp8"])) == "fp8"
+    assert report.step_variant(record(ours=[], ours_scan=[], ours_fp8=FP8KP)) == "fp8"
+    assert report.step_variant(record(ours=[])) == "fp8"  # ours_scan's overrides unknown
+    with_set = record(ours=[], ours_scan=["scan_layers=true"])
+    with_set["extra_overrides"] = ["vocab_size=16384"]
+    assert report.step_variant(with_set) == "variants vocab_size=16384"
 
 
 def test_gmm_shape_sets_render_side_by_side(tmp_path):

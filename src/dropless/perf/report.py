@@ -35,9 +35,15 @@ Record fields read (aliases accepted, so the benchmarks' own formats work):
   ``per_device_batch_size``, ``note`` (or ``error``), ``gmm_fp8_impl_resolved``,
   and ``role`` ("baseline" | "ours"; without it a name containing "ours" is
   ours, the rest baselines); ``case_overrides`` per case. A record compares
-  ours with the baselines, FP8 variants of ours with ``ours``, or is a single
-  run (``step_variant``); the newest of the first two kinds renders, and the
-  newest row of each case over all single runs.
+  ours with the baselines, FP8 variants of ours with ``ours``, unquantized
+  variants of ours with ``ours``, or is a single run (``step_variant``); the
+  newest of each of the first three kinds renders, and the newest row of each
+  case over all single runs.
+- **fp8_kernels** (``benchmarks/fp8_kernel_probe.py``): ``rows`` of ``variant``,
+  ``product`` (fwd | dgrad | wgrad), ``kernel_ms``, ``wall_ms``, ``tflops_kernel``,
+  ``tflops_wall``, or a bit-for-bit check (``bitwise_equal_to``, ``equal``). The
+  newest record timing the products and the newest wgrad variant sweep render
+  (``fp8_kernels_variant``); the headline quotes the default variants.
 """
 
 import argparse
@@ -48,8 +54,9 @@ import sys
 from pathlib import Path
 
 from dropless.perf.measure import DEFAULT_RESULTS_DIR, REPO_ROOT
-from dropless.perf.report_fp8 import (fp8_dense_section, fp8_kernels_headline, fp8_loss_headline,
-                                      fp8_kernels_section, fp8_quant_headline, fp8_quant_section)
+from dropless.perf.report_fp8 import (fp8_dense_section, fp8_kernels_headline, fp8_kernels_section,
+                                      fp8_kernels_variant, fp8_loss_headline, fp8_quant_headline,
+                                      fp8_quant_section)
 from dropless.perf.report_md import (CREATED, TITLES, _get, _num, _plt, _ratio, _save,
                                      _short_commit, _source_line, md_table, provenance)
 from dropless.perf.report_profile import profile_headline, profile_precision, profile_section
@@ -59,7 +66,7 @@ DEFAULT_MD = REPO_ROOT / "benchmarks" / "RESULTS.md"
 KINDS = ("gmm", "moe_layer", "step", "fp8_kernels", "fp8_quant", "profile", "fp8_dense",
          "fp8_loss")  # fp8_loss: a headline, no section
 # Kinds whose newest record is kept per variant (key "<kind>:<variant>"), rendered together.
-VARIANTS = {"profile": profile_precision, "step": step_variant,
+VARIANTS = {"profile": profile_precision, "step": step_variant, "fp8_kernels": fp8_kernels_variant,
             "gmm": lambda record: record.get("shape_set") or "deepseek"}
 GMM_IMPLS = {"ours": "ours", "dense": "dense cuBLAS (ceiling)", "torch": "torch._grouped_mm",
              "jaxex": "jax example kernels", "ragged": "lax.ragged_dot"}
@@ -368,8 +375,8 @@ def headlines(kind: str, record: dict) -> list[str]:
         if tt and not record.get("config", {}).get("tiny"):
             line += f", {tt / ours['fwd_bwd_ms']:.2f}x torchtitan's {tt} ms"
         return [line + (f"; routing+permute+combine {share:.1f}%" if share is not None else "")]
-    if kind == "fp8_kernels":
-        return fp8_kernels_headline(record)
+    if kind.split(":")[0] == "fp8_kernels":
+        return fp8_kernels_headline(kind.partition(":")[2] or fp8_kernels_variant(record), record)
     if kind == "fp8_quant":
         return fp8_quant_headline(record)
     if kind == "fp8_loss":

@@ -1,5 +1,6 @@
 """The FP8 sections of ``benchmarks/RESULTS.md``: the grouped GEMM kernels alone
-(``benchmarks/fp8_kernel_probe.py``), the quantization passes and the kernel path's
+(``benchmarks/fp8_kernel_probe.py``: the newest run of all products and the newest wgrad
+variant sweep, ``fp8_kernels_variant``), the quantization passes and the kernel path's
 products (``benchmarks/fp8_quant.py``), and the dense matmuls in bf16 against FP8
 (``benchmarks/fp8_dense.py``).
 """
@@ -9,6 +10,10 @@ from pathlib import Path
 from dropless.perf.report_md import TITLES, _num, _ratio, _source_line, md_table
 
 FP8_TARGETS = {"fwd": 1250.0, "dgrad": 1250.0, "wgrad": 1100.0}  # TF/s, kernels alone (issue 12)
+# The probe's names for the kernels' default arguments, the ones training calls them with:
+# gmm_fp8_blockwise split rows, grid tile width 8, 4 stages; tgmm_fp8_blockwise split
+# columns, no overlap (the probe's float32 output; training writes the layer's dtype).
+DEFAULT_VARIANTS = {"fwd": "rows_gtw8", "dgrad": "rows_gtw8", "wgrad": "wgrad_columns"}
 
 
 def _reached(value, target) -> str:
@@ -23,29 +28,79 @@ def fp8_kernel_rows(record: dict) -> list[dict]:
     return [r for r in record.get("rows", []) if r.get("tflops_kernel")]
 
 
-def fp8_kernels_headline(record: dict) -> list[str]:
-    """The best kernel TF/s of each product against its target."""
-    best = {}
-    for r in fp8_kernel_rows(record):
-        best[r["product"]] = max(best.get(r["product"], 0.0), r["tflops_kernel"])
-    if not best:
-        return []
-    return ["FP8 kernels alone (CUPTI): " + ", ".join(
-        f"{p} {v:.0f} TF/s (target {FP8_TARGETS[p]:.0f})" for p, v in best.items()
-        if p in FP8_TARGETS)]
+def fp8_kernels_variant(record: dict) -> str:
+    """What an ``fp8_kernels`` record times: "wgrad sweep" when its rows are all wgrad
+    variants (the probe run with ``--variants=``), else "products" (fwd and dgrad, with
+    wgrad unless ``--wgrad-variants=``)."""
+    products = {r.get("product") for r in record.get("rows", [])}
+    return "wgrad sweep" if products == {"wgrad"} else "products"
 
 
-def fp8_kernels_section(record: dict, path: Path, fig_dir: Path, md_dir: Path) -> str:
-    """Markdown for the FP8 kernels alone: each variant and product against the targets."""
-    cfg = record.get("config") or {}
+def fp8_kernels_headline(variant: str, record: dict) -> list[str]:
+    """Each product's kernel TF/s against its target, the variant quoted named.
+
+    products: the default variant of each product (``DEFAULT_VARIANTS``), or where the
+    record lacks it the best one, said so. wgrad sweep: the default and the sweep's best,
+    each named.
+    """
     rows = fp8_kernel_rows(record)
+    if variant == "wgrad sweep":
+        timed = [r for r in rows if r["product"] == "wgrad"]
+        if not timed:
+            return []
+        best = max(timed, key=lambda r: r["tflops_kernel"])
+        default = next((r for r in timed if r["variant"] == DEFAULT_VARIANTS["wgrad"]), None)
+        quoted = [(which, r) for which, r in (("default", default), ("best", best)) if r]
+        return ["FP8 wgrad variant sweep (CUPTI): " + ", ".join(
+            f"{which} {r['variant']} {r['tflops_kernel']:.0f} TF/s" for which, r in quoted)
+            + f" (target {FP8_TARGETS['wgrad']:.0f})"]
+    quoted = []
+    for product, name in DEFAULT_VARIANTS.items():
+        timed = [r for r in rows if r["product"] == product]
+        if not timed:
+            continue
+        row = next((r for r in timed if r["variant"] == name), None)
+        why = "" if row else f"; the best timed, the default {name} was not"
+        row = row or max(timed, key=lambda r: r["tflops_kernel"])
+        quoted.append(f"{product} {row['variant']} {row['tflops_kernel']:.0f} TF/s "
+                      f"(target {FP8_TARGETS[product]:.0f}{why})")
+    return ["FP8 kernels alone (CUPTI, default variants): " + ", ".join(quoted)] if quoted else []
+
+
+def fp8_kernels_section(variants: dict, fig_dir: Path, md_dir: Path) -> str:
+    """Markdown for the FP8 kernels alone: the newest record timing the products (each
+    variant against the targets), then the newest wgrad variant sweep.
+
+    Args:
+      variants: ``fp8_kernels_variant`` -> (record, path).
+    """
+    parts = [f"## {TITLES['fp8_kernels']}"]
+    if "products" in variants:
+        parts += [_source_line(*variants["products"]), "",
+                  "Default variants (the kernels' default arguments, which training uses): "
+                  + ", ".join(f"{p} `{v}`" for p, v in DEFAULT_VARIANTS.items())
+                  + "; training writes wgrad in the layer's dtype, so in bf16 it runs "
+                  f"`{DEFAULT_VARIANTS['wgrad']}_bf16`.", "",
+                  _fp8_kernel_table(variants["products"][0])]
+    if "wgrad sweep" in variants:
+        parts += ["", "### wgrad variant sweep", _source_line(*variants["wgrad sweep"]), "",
+                  "`benchmarks/fp8_kernel_probe.py --variants=`: the wgrad kernel's variants "
+                  "alone, each with float32 output and with bf16 (`_bf16`); "
+                  f"`{DEFAULT_VARIANTS['wgrad']}` is the default.", "",
+                  _fp8_kernel_table(variants["wgrad sweep"][0])]
+    return "\n".join(parts)
+
+
+def _fp8_kernel_table(record: dict) -> str:
+    """A record's shape, its rows against the targets, and its bit-for-bit checks."""
+    cfg = record.get("config") or {}
     body = [[r["variant"], r["product"], _num(r["kernel_ms"], ".3f"), _num(r["wall_ms"], ".3f"),
              _num(r["tflops_kernel"], ".0f"), _num(r["tflops_wall"], ".0f"),
-             _reached(r["tflops_kernel"], FP8_TARGETS.get(r["product"]))] for r in rows]
+             _reached(r["tflops_kernel"], FP8_TARGETS.get(r["product"]))]
+            for r in fp8_kernel_rows(record)]
     checks = [f"{r['product']} {r['variant']} == {r['bitwise_equal_to']}: {r['equal']}"
               for r in record.get("rows", []) if "bitwise_equal_to" in r]
-    parts = [f"## {TITLES['fp8_kernels']}", _source_line(record, path), "",
-             "Shape: " + ", ".join(f"`{k}={cfg[k]}`" for k in ("M", "G", "K", "N", "layout")
+    parts = ["Shape: " + ", ".join(f"`{k}={cfg[k]}`" for k in ("M", "G", "K", "N", "layout")
                                    if k in cfg), "",
              md_table(["variant", "product", "kernel ms", "wall ms", "TF/s (CUPTI)", "TF/s (wall)",
                        "target"], body, labels=2) if body else "_no rows in the record_"]

@@ -1,8 +1,9 @@
 """The training-step section of ``benchmarks/RESULTS.md`` (``benchmarks/step.py``'s records).
 
 A step record compares ours with the baselines, FP8 variants of ours with ``ours``,
-or is a single run; ``step_variant`` says which, and each renders as its own
-subsection of ``step_section``. Record fields: see ``report``'s docstring.
+other (unquantized) variants of ours with ``ours``, or is a single run;
+``step_variant`` says which, and each renders as its own subsection of
+``step_section``. Record fields: see ``report``'s docstring.
 """
 
 import os
@@ -12,6 +13,8 @@ from dropless.perf.report_md import (TITLES, _get, _num, _plt, _ratio, _save, _s
                                      fp8_impl_text, md_table)
 
 STEP_BASELINES = ("xla", "capacity")  # benchmarks/step.py's baseline cases
+QUANTIZATION_KEYS = ("quantization", "te_gmm_quantization", "gmm_quantization")
+UNQUANTIZED = ("", "te_no_quant")  # the values of those keys that quantize nothing
 
 
 def step_rows(record: dict) -> list[dict]:
@@ -45,18 +48,31 @@ def step_rows(record: dict) -> list[dict]:
 def step_variant(record: dict) -> str:
     """What a step record compares, from its cases that have a TFLOPS result:
     "baselines" (an ``xla`` or ``capacity`` case, or a row with role baseline),
-    "fp8" (``ours`` and ``ours_*`` cases: FP8 and other variants of ours in one run; a run
-    with ``--set`` overrides on every case is its own variant, "fp8 <overrides>"),
-    else "models" (``ours`` alone, another model such as ``qwen3-moe-proxy``, ...)."""
+    "fp8" (``ours`` and ``ours_*`` cases: FP8 and other variants of ours in one run),
+    "variants" (the same, where ``case_overrides`` shows that no ``ours_*`` case, failed
+    ones included, sets a quantization key: ``scan_layers=true`` against ``ours``, say),
+    else "models" (``ours`` alone, another model such as ``qwen3-moe-proxy``, ...).
+    A run with ``--set`` overrides on every case is its own variant, "fp8 <overrides>"
+    or "variants <overrides>"."""
     rows = [r for r in step_rows(record) if r["tflops"]]
     names = {r["name"] for r in rows}
     if names & set(STEP_BASELINES) or any(r["explicit_role"] and r["role"] == "baseline"
                                           for r in rows):
         return "baselines"
     if "ours" in names and any(n.startswith("ours_") for n in names):
+        overrides = record.get("case_overrides") or {}
+        variants = {r["name"] for r in step_rows(record) if r["name"].startswith("ours_")}
+        # A case missing from case_overrides may quantize: such records stay "fp8".
+        plain = all(n in overrides and not _quantizes(overrides[n]) for n in variants)
         extra = record.get("extra_overrides") or []
-        return "fp8" + (" " + " ".join(extra) if extra else "")
+        return ("variants" if plain else "fp8") + (" " + " ".join(extra) if extra else "")
     return "models"
+
+
+def _quantizes(overrides: list[str]) -> bool:
+    """Whether ``key=value`` overrides set a quantization key to a recipe."""
+    return any(key in QUANTIZATION_KEYS and value not in UNQUANTIZED
+               for key, _, value in (o.partition("=") for o in overrides))
 
 
 def _cell(text, width: int = 80) -> str:
@@ -78,8 +94,10 @@ def step_section(variants: dict, fig_dir: Path, md_dir: Path, models=None) -> st
     parts = [f"## {TITLES['step']}"]
     if "baselines" in variants:
         parts += ["", _step_baselines(*variants["baselines"], fig_dir, md_dir)]
-    for name in sorted(v for v in variants if v.split(" ")[0] == "fp8"):
-        parts += ["", _step_fp8(*variants[name])]
+    for kind, title in (("fp8", "FP8 and other variants of ours"),
+                        ("variants", "Other variants of ours (same run)")):
+        for name in sorted(v for v in variants if v.split(" ")[0] == kind):
+            parts += ["", _step_ours_variants(*variants[name], title)]
     if models:
         parts += ["", _step_models(models)]
     return "\n".join(parts)
@@ -107,8 +125,9 @@ def _step_baselines(record: dict, path: Path, fig_dir: Path, md_dir: Path) -> st
     return "\n".join(parts)
 
 
-def _step_fp8(record: dict, path: Path) -> str:
-    """Variants of ours (FP8 recipes) from one run, each against that run's ``ours``."""
+def _step_ours_variants(record: dict, path: Path, title: str) -> str:
+    """Variants of ours (FP8 recipes, or others) from one run, each against that run's
+    ``ours``, under the heading ``title``."""
     rows = step_rows(record)
     ours = next((r["tflops"] for r in rows if r["name"] == "ours"), None)
     overrides = record.get("case_overrides") or {}
@@ -120,10 +139,10 @@ def _step_fp8(record: dict, path: Path) -> str:
              _num(r["step_ms"], ".1f"), _num(r["memory"], ".1f"), _num(r["batch"], "g"),
              _cell(r["note"])] for r in rows]
     extra = record.get("extra_overrides") or []
-    title = "### FP8 and other variants of ours" + (
+    heading = f"### {title}" + (
         ", every case with " + " ".join(f"`{o}`" for o in extra) if extra else "")
     return "\n".join([
-        title, _source_line(record, path), "",
+        heading, _source_line(record, path), "",
         "Each case against `ours` of the same run; overrides are the case's beyond `ours`'s, "
         "FP8 impl the grouped GEMMs' resolved `gmm_fp8_impl`.", "",
         md_table(["case", "FP8 impl", "overrides", "TFLOPS/device", "vs ours (same run)",
@@ -171,15 +190,15 @@ def _step_plot(rows, best, out: Path) -> Path:
 
 
 def step_headline(variant: str, record: dict) -> list[str]:
-    """Baselines: ours against the best baseline; fp8: each ``ours_*`` case against the same
-    run's ``ours``; models: none (rows of different runs)."""
+    """Baselines: ours against the best baseline; fp8 and variants: each ``ours_*`` case
+    against the same run's ``ours``; models: none (rows of different runs)."""
     rows = step_rows(record)
     if variant == "baselines":
         best = max((r["tflops"] for r in rows if r["role"] != "ours" and r["tflops"]), default=None)
         return [f"training step: {r['name']} {r['tflops']:.0f} TFLOPS/device"
                 + (f" = {r['tflops'] / best:.1f}x the best baseline" if best else "")
                 for r in rows if r["role"] == "ours" and r["tflops"]]
-    if variant.split(" ")[0] == "fp8":
+    if variant.split(" ")[0] in ("fp8", "variants"):
         ours = next((r["tflops"] for r in rows if r["name"] == "ours"), None)
         extra = variant.partition(" ")[2]
         where = f" ({extra})" if extra else ""

@@ -1,7 +1,7 @@
 """Where the kernels sit in a lowered (StableHLO) module, before XLA optimizes it.
 
-``jax.export.export(jax.jit(f), platforms=["cuda"])`` lowers a step for the GPU
-on any machine, Mosaic GPU kernels included (they are ``stablehlo.custom_call
+``jax.jit(f).trace(*args).lower(lowering_platforms=("cuda",))`` lowers a step for
+the GPU on any machine, Mosaic GPU kernels included (they are ``stablehlo.custom_call
 @mosaic_gpu_v2`` ops). ``kernel_calls`` lists each such call with the while
 loops around it and the ops that read its result. That is what JAX hands to
 XLA: a count here that differs from the optimized HLO's
@@ -31,7 +31,7 @@ class KernelCall(NamedTuple):
 
 def kernel_calls(module_text: str, target_prefix: str = "mosaic_gpu") -> list[KernelCall]:
     """The custom calls whose target starts with ``target_prefix`` in ``module_text``
-    (a StableHLO module's text, e.g. ``Exported.mlir_module()``), from ``main``
+    (a StableHLO module's text, e.g. ``Lowered.as_text()``), from ``main``
     through the functions it calls, in program order.
 
     Raises:
