@@ -28,13 +28,14 @@ slow: the kernel rows are skipped there) to check the script.
 
 ``--columns-variants`` runs a sweep instead, for each activation shape of
 ``--variant-shapes`` (default [65536, C] bf16 for C = 7168, 4096, 2048): the
-Pallas columns kernel in each transpose variant and warp count
-(``fp8_quant_kernels.TRANSPOSES``, ``NUM_WARPS``), the rows kernel, rows +
-columns as two kernels, and the fused ``quantize_rows_and_columns`` in each
-variant, each against a plain bf16 copy of the same array in the same run
-(CUPTI and wall-clock, GB/s, the outputs checked bit for bit against the
-default kernels). Its record is of kind ``fp8_quant_columns`` (the report's
-FP8 section keeps reading the passes record).
+Pallas columns kernel at each warp count (``fp8_quant_kernels.NUM_WARPS``),
+the rows kernel, rows + columns as two kernels, and the fused
+``quantize_rows_and_columns`` at each warp count, each against a plain bf16
+copy of the same array in the same run (CUPTI and wall-clock, GB/s; the
+columns outputs checked bit for bit against the first warp count's, the
+fused ones against the two kernels'). Its record is of kind
+``fp8_quant_columns`` (the report's FP8 section keeps reading the passes
+record).
 """
 
 import argparse
@@ -157,19 +158,14 @@ def column_variants(m, c):
     e = m * c
     one = 2 * e + e + 4 * e // 128  # read a once, write one copy of codes and its scales
     out = {"copy": (lambda a: a * 2, 4 * e, None), "rows": (fq.quantize_rows, one, None)}
-    default = "columns codes w8"  # the kernel's defaults, timed first: the others equal it
-    variants = [(t, w) for t in fq.TRANSPOSES for w in sorted(fq.NUM_WARPS, reverse=True)]
-    variants += [(t, w, "cm") for t, w in variants[:2]]  # C fastest: the codes transpose only
-    name = lambda v: " ".join((v[0], f"w{v[1]}", *v[2:]))  # noqa: E731
-    kwargs = lambda v: dict(transpose=v[0], num_warps=v[1], grid_order=(v[2:] or ("mc",))[0])  # noqa: E731
-    for v in variants:
-        out[f"columns {name(v)}"] = (
-            functools.partial(fq.quantize_columns, **kwargs(v)), one,
-            None if f"columns {name(v)}" == default else default)
+    warps = sorted(fq.NUM_WARPS)
+    for w in warps:
+        out[f"columns w{w}"] = (functools.partial(fq.quantize_columns, num_warps=w), one,
+                                None if w == warps[0] else f"columns w{warps[0]}")
     out["rows + columns"] = (lambda a: (*fq.quantize_rows(a), *fq.quantize_columns(a)), 2 * one, None)
-    for v in variants:
-        out[f"rows_and_columns {name(v)}"] = (
-            functools.partial(fq.quantize_rows_and_columns, **kwargs(v)),
+    for w in warps:
+        out[f"rows_and_columns w{w}"] = (
+            functools.partial(fq.quantize_rows_and_columns, num_warps=w),
             one + e + 4 * e // 128, "rows + columns")  # one read, both copies written
     return out
 
@@ -230,7 +226,7 @@ def main(argv=None):
     p.add_argument("--no-breakdown", action="store_true", help="skip the profiler breakdown")
     p.add_argument("--quick", action="store_true", help="5 iterations, no breakdown")
     p.add_argument("--columns-variants", action="store_true",
-                   help="only the sweep of the columns kernel's variants and the fused kernel")
+                   help="only the sweep of the columns and fused kernels' warp counts")
     p.add_argument("--variant-shapes", default="65536x7168,65536x4096,65536x2048",
                    help="the sweep's activation shapes, MxC,... (multiples of 128)")
     a = p.parse_args(argv)

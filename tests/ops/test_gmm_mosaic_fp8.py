@@ -14,8 +14,9 @@ On CPU (everything but the ``gpu``-marked test, which no GPU has run yet):
   several groups, ``sum(group_sizes) < M`` (rows of x and dy past the total
   are NaN and must not leak; those rows of the fwd and dgrad outputs must be
   exact zeros; empty groups' dw exact zeros), and for fwd and dgrad groups
-  not aligned to the tile; the wgrad kernel's ``overlap`` variant also equals
-  the default bit for bit;
+  not aligned to the tile; the wgrad kernel in each split with and without
+  ``overlap``, the two equal bit for bit, and its default (rows, overlap)
+  writing bf16 as training does;
 - ``quantized.gmm(impl="kernel")``'s value and gradients equal the emulation
   (``impl="emulate"``) up to float32 accumulation order.
 
@@ -23,8 +24,8 @@ Interpret mode is slow (one Python callback per memory access, and a compile
 of a few seconds per kernel call), so the shapes are the smallest that give
 two scale blocks along the contraction, and the per-kernel "one group holds
 all rows" cases (also covered, through all three kernels, by the wrapper
-test) run only with ``DROPLESS_SLOW=1``. The default set takes about 43 s of
-CPU time (36 s wall on two shared cores).
+test) run only with ``DROPLESS_SLOW=1``. The default set takes about 54 s of
+CPU time (49 s wall on two shared cores).
 """
 
 import functools
@@ -95,14 +96,20 @@ def _lowering_args(kind, m, k, n, g):
     if kind == "dgrad":  # a = dy [M, N], b = w [G, K, N]
         return mosaic_fp8.gmm_fp8_blockwise, (S((m, n), F8), S((nb, m), jnp.float32),
                                               S((g, k, n), F8), S((g, nb, kb), jnp.float32), gs)
-    fn = mosaic_fp8_tgmm.tgmm_fp8_blockwise
-    if kind == "wgrad_overlap":
-        fn = functools.partial(fn, overlap=True)
+    fn = functools.partial(mosaic_fp8_tgmm.tgmm_fp8_blockwise, **WGRAD_KINDS[kind])
     return fn, (S((k, m), F8), S((mb, k), jnp.float32), S((n, m), F8),
                 S((mb, n), jnp.float32), gs)
 
 
-@pytest.mark.parametrize("kind", ["fwd", "dgrad", "wgrad", "wgrad_overlap"])
+# The wgrad kernel's configurations: its defaults (split rows, overlap) with bf16
+# output, as training runs it, and each (split, overlap).
+WGRAD_KINDS = {"wgrad": dict(out_dtype=jnp.bfloat16),
+               **{f"wgrad_{split}_{'overlap' if overlap else 'wait'}": dict(split=split,
+                                                                            overlap=overlap)
+                  for split in mosaic_fp8_tgmm.SPLITS for overlap in (False, True)}}
+
+
+@pytest.mark.parametrize("kind", ["fwd", "dgrad", *WGRAD_KINDS])
 @pytest.mark.parametrize("shape", [(65536, 7168, 4096, 32), (65536, 7168, 2048, 256)], ids=str)
 def test_lowers_for_cuda_at_deepseek_shapes(kind, shape):
     fn, args = _lowering_args(kind, *shape)
@@ -221,8 +228,8 @@ WGRAD_LAYOUTS = {
     "several_empty_tail", pytest.param("one_group_all_rows", marks=slow)])
 def test_interpret_wgrad_matches_dequantized_product(rng, layout, split, overlap):
     """Within float32 accumulation order of the dequantized product; with
-    ``overlap``, also bit for bit the default kernel (the same products summed
-    in the same order, module docstring)."""
+    ``overlap`` (the default), also bit for bit the plain step (the same products
+    summed in the same order, module docstring)."""
     m, sizes = WGRAD_LAYOUTS[layout]
     # Two CTA tiles along K and along N in either split (rows: 128 x 128 CTAs,
     # columns: 64 x 256), so a tile that reads another tile's rows, columns or
@@ -238,7 +245,7 @@ def test_interpret_wgrad_matches_dequantized_product(rng, layout, split, overlap
     assert not _races_found()
     if overlap:
         with _interpret():
-            want = mosaic_fp8_tgmm.tgmm_fp8_blockwise(*ops, gs, split=split)
+            want = mosaic_fp8_tgmm.tgmm_fp8_blockwise(*ops, gs, split=split, overlap=False)
         np.testing.assert_array_equal(np.asarray(dw), np.asarray(want))
     ref = mosaic_fp8_tgmm.reference(*ops, gs)
     for e, size in enumerate(sizes):
@@ -246,6 +253,24 @@ def test_interpret_wgrad_matches_dequantized_product(rng, layout, split, overlap
             np.testing.assert_array_equal(np.asarray(dw[e]), 0.0)
         else:
             _assert_close(dw[e], ref[e])
+
+
+def test_interpret_wgrad_default_writes_the_float32_sum_rounded_to_bf16(rng):
+    """The default kernel (split rows, overlap) with bf16 output, what training runs for
+    bf16 weights: its epilogue (2-byte tiles, one more pipeline stage) stores the
+    float32 sum cast once, so it equals the float32 kernel's result cast to bf16 bit
+    for bit; that one is checked against the reference above."""
+    m, sizes = WGRAD_LAYOUTS["several_empty_tail"]
+    k, n = 256, 256
+    gs = jnp.asarray(np.array(sizes, np.int32))
+    x = _nan_tail(_scaled(rng, (m, k), (0, 1)), sum(sizes))
+    dy = _nan_tail(_scaled(rng, (m, n), (0, 1)), sum(sizes))
+    ops = mosaic_fp8_tgmm.wgrad_operands(x, dy)
+    with _interpret():
+        got = mosaic_fp8_tgmm.tgmm_fp8_blockwise(*ops, gs, out_dtype=jnp.bfloat16)
+        want = mosaic_fp8_tgmm.tgmm_fp8_blockwise(*ops, gs).astype(jnp.bfloat16)
+    assert got.dtype == jnp.bfloat16
+    np.testing.assert_array_equal(np.asarray(got.view(jnp.uint16)), np.asarray(want.view(jnp.uint16)))
 
 
 # ------------------------------------------------------- the custom_vjp wrapper
@@ -405,24 +430,27 @@ def _run_wgrad(ops, gs, **kw):
     return _f64(mosaic_fp8_tgmm.tgmm_fp8_blockwise(*ops, gs, out_dtype=jnp.float32, **kw))
 
 
-WGRAD_OVERLAP = pytest.mark.parametrize("overlap", [False, True], ids=["wait", "overlap"])
+# Each (split, overlap); the default is split rows with overlap.
+WGRAD_CONFIGS = pytest.mark.parametrize(
+    "split,overlap", [(s_, o_) for s_ in mosaic_fp8_tgmm.SPLITS for o_ in (True, False)],
+    ids=lambda v: v if isinstance(v, str) else ("overlap" if v else "wait"))
 
 
 @gpu_test
-@WGRAD_OVERLAP
-def test_gpu_wgrad_exact_on_integer_data(rng, overlap):
+@WGRAD_CONFIGS
+def test_gpu_wgrad_exact_on_integer_data(rng, split, overlap):
     ops, gs = _wgrad_inputs(rng, _integer_exact)
-    got = _run_wgrad(ops, gs, overlap=overlap)
+    got = _run_wgrad(ops, gs, split=split, overlap=overlap)
     x, dy = _dequantized_wgrad_operands(*ops)
     total = sum(WGRAD_SIZES)
     np.testing.assert_array_equal(got, fp8_acc.tgmm(x[:total], dy[:total], WGRAD_SIZES))
 
 
 @gpu_test
-@WGRAD_OVERLAP
-def test_gpu_wgrad_within_accumulation_bound(rng, overlap):
+@WGRAD_CONFIGS
+def test_gpu_wgrad_within_accumulation_bound(rng, split, overlap):
     ops, gs = _wgrad_inputs(rng, lambda r, s: _scaled(r, s, (0, 1)))
-    got = _run_wgrad(ops, gs, overlap=overlap)
+    got = _run_wgrad(ops, gs, split=split, overlap=overlap)
     x, dy = _dequantized_wgrad_operands(*ops)
     total = sum(WGRAD_SIZES)
     for e, size in enumerate(WGRAD_SIZES):
@@ -435,12 +463,24 @@ def test_gpu_wgrad_within_accumulation_bound(rng, overlap):
 
 @gpu_test
 @pytest.mark.parametrize("split", mosaic_fp8_tgmm.SPLITS)
-def test_gpu_wgrad_overlap_equals_default_bit_for_bit(rng, split):
+def test_gpu_wgrad_overlap_equals_the_plain_step_bit_for_bit(rng, split):
     """On random data (inexact sums, so any change of order or rounding shows):
     ``overlap=True`` sums the same scaled products in the same order."""
     ops, gs = _wgrad_inputs(rng, lambda r, s: _scaled(r, s, (0, 1)))
     np.testing.assert_array_equal(_run_wgrad(ops, gs, split=split, overlap=True),
-                                  _run_wgrad(ops, gs, split=split))
+                                  _run_wgrad(ops, gs, split=split, overlap=False))
+
+
+@gpu_test
+def test_gpu_wgrad_default_writes_the_float32_sum_rounded_to_bf16(rng):
+    """The default kernel with bf16 output (what training runs for bf16 weights) equals
+    its float32 result rounded to bf16 bit for bit: the epilogue casts the float32 sum
+    once, round to nearest even as XLA's convert does. The float32 result is checked
+    against the product above."""
+    ops, gs = _wgrad_inputs(rng, lambda r, s: _scaled(r, s, (0, 1)))
+    got = mosaic_fp8_tgmm.tgmm_fp8_blockwise(*ops, gs, out_dtype=jnp.bfloat16)
+    want = mosaic_fp8_tgmm.tgmm_fp8_blockwise(*ops, gs, out_dtype=jnp.float32).astype(jnp.bfloat16)
+    np.testing.assert_array_equal(np.asarray(got.view(jnp.uint16)), np.asarray(want.view(jnp.uint16)))
 
 
 def _blockwise_f64(a, block):

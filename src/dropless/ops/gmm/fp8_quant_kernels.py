@@ -66,14 +66,9 @@ def default_interpret() -> bool:
     return jax.devices()[0].platform != "gpu"
 
 
-def _call(kernel, operand, grid, in_specs, out_specs, out_shape, interpret, num_warps=8,
-          grid_order="mc"):
+def _call(kernel, operand, grid, in_specs, out_specs, out_shape, interpret, num_warps=8):
     if interpret is None:
         interpret = default_interpret()
-    if grid_order == "cm":  # the same tiles, the second grid axis the faster one
-        swap = lambda spec: pl.BlockSpec(  # noqa: E731
-            spec.block_shape, lambda j, i, index_map=spec.index_map: index_map(i, j))
-        grid, in_specs, out_specs = grid[::-1], [swap(s) for s in in_specs], [swap(s) for s in out_specs]
     # Inside shard_map (the MoE layer's experts run there) pallas_call needs
     # each output's manual-axis type: the codes and scales vary as the operand.
     axis_type = getattr(jax.typeof(operand), "manual_axis_type", None)
@@ -86,8 +81,9 @@ def _call(kernel, operand, grid, in_specs, out_specs, out_shape, interpret, num_
 def _compiler_params(num_warps=8):
     from jax.experimental.pallas import triton as pltriton
 
-    # 8 warps: a 128x128 tile held in float32 is 64 values per thread (4 warps would
-    # hold 128 and may spill; the columns kernel takes 4 for benchmarking).
+    # A 128x128 tile held in float32 is 64 values per thread at 8 warps, 128 at 4.
+    # The rows and weight kernels run at 8. The columns and fused kernels run at 4:
+    # the larger share per thread cost nothing there, they ran faster (``NUM_WARPS``).
     return pltriton.CompilerParams(num_warps=num_warps, num_stages=1)
 
 
@@ -115,37 +111,25 @@ def _row_codes(x):
     return _codes(x, inv[:, None]), scale
 
 
-# How the columns kernel turns its [M, C] tile into M-major codes [C, M]: "codes"
-# transposes the E4M3 codes (one byte per element through the transpose), "scaled_f32"
-# the float32 scaled values before the cast, "input" the tile as read (bf16) before
-# anything, then reduces along axis 1 as the rows kernel does. Every step around the
-# transpose is elementwise or an exact max, so all three give the same bits (tested);
-# they differ in what the transpose moves, which only a GPU can rank
+# The columns and fused kernels' warp counts. On the H200 at a [65536, C] bf16,
+# C = 7168, 4096, 2048, 4 warps ran the columns kernel 1.23-1.24x and the fused
+# kernel 1.45-1.47x faster than 8 at every C (C = 7168: 0.926 -> 0.754 ms and
+# 1.360 -> 0.941 ms; rows + columns as two kernels took 1.329 ms, so the fused
+# kernel only pays at 4), the same bits (record
+# ``fp8_quant_columns-20261202-104303``). 8 is kept to be timed
 # (``benchmarks/fp8_quant.py --columns-variants``).
-TRANSPOSES = ("codes", "scaled_f32", "input")
 NUM_WARPS = (4, 8)
-# The order the 128x128 tiles run in: "mc" walks M fastest (a column of input tiles,
-# so the codes' [C, M] rows are written contiguously), "cm" walks C fastest (a row of
-# input tiles read contiguously, the codes written 128 rows apart). Same bits.
-GRID_ORDERS = ("mc", "cm")
 
 
-def _column_codes(a, x, transpose):
-    """(codes [C, M] E4M3, scales [C]) of one tile: a [M, C] as stored, x = ``_read(a)``
-    (unused by ``"input"``)."""
-    if transpose == "input":
-        return _row_codes(quant._read(a.T))
+def _column_codes(x):
+    """(codes [C, M] E4M3, scales [C]) of one read tile x [M, C]: 128x1 blocks, the codes
+    transposed. (Transposing the float32 scaled values or the input tile instead, or
+    walking the tiles C-fastest, ran within 1% of this in the same record.)"""
     scale, inv = quant.pow2_scale_parts(_amax(x, 0), E4M3)
-    if transpose == "scaled_f32":
-        return quant._saturate((x * inv[None, :]).T, E4M3), scale
     return _codes(x, inv[None, :]).T, scale
 
 
-def _check_variant(name, transpose, num_warps, grid_order="mc"):
-    if grid_order not in GRID_ORDERS:
-        raise ValueError(f"fp8_quant_kernels.{name}: grid_order={grid_order!r} is not one of {GRID_ORDERS}")
-    if transpose not in TRANSPOSES:
-        raise ValueError(f"fp8_quant_kernels.{name}: transpose={transpose!r} is not one of {TRANSPOSES}")
+def _check_num_warps(name, num_warps):
     if num_warps not in NUM_WARPS:
         raise ValueError(f"fp8_quant_kernels.{name}: num_warps={num_warps!r} is not one of {NUM_WARPS}")
 
@@ -164,63 +148,57 @@ def quantize_rows(a_MC, interpret=None):
     return _call(_rows_kernel, a_MC, (m // BLOCK, c // BLOCK), [_TILE], *_rows_out(m, c), interpret)
 
 
-def _columns_kernel(a_ref, q_ref, s_ref, *, transpose):
-    a = a_ref[...]  # [BLOCK rows (M), BLOCK cols (C)]
-    q, scale = _column_codes(a, None if transpose == "input" else quant._read(a), transpose)
+def _columns_kernel(a_ref, q_ref, s_ref):
+    q, scale = _column_codes(quant._read(a_ref[...]))  # a tile [BLOCK rows (M), BLOCK cols (C)]
     q_ref[...] = q
     s_ref[...] = scale[None, :]
 
 
-@functools.partial(jax.jit, static_argnames=("interpret", "transpose", "num_warps", "grid_order"))
-def quantize_columns(a_MC, interpret=None, transpose="codes", num_warps=8, grid_order="mc"):
+@functools.partial(jax.jit, static_argnames=("interpret", "num_warps"))
+def quantize_columns(a_MC, interpret=None, num_warps=4):
     """(aq [C, M] E4M3, sa [Mb, C]): 128x1 blocks along M, codes M-major
     (``mosaic_fp8_tgmm.quantize_columns``).
 
-    ``transpose`` (``TRANSPOSES``), ``num_warps`` (``NUM_WARPS``) and ``grid_order``
-    (``GRID_ORDERS``) choose how the kernel runs, not what it returns (the same bits);
-    they are there to be timed.
+    ``num_warps`` (one of ``NUM_WARPS``; 4, the faster on the H200, see there)
+    chooses how the kernel runs, not what it returns (the same bits).
 
     Raises:
-      ValueError: M or C not a positive multiple of 128; an unknown variant.
+      ValueError: M or C not a positive multiple of 128; num_warps not in NUM_WARPS.
     """
     _check("quantize_columns", a_MC.shape)
-    _check_variant("quantize_columns", transpose, num_warps, grid_order)
+    _check_num_warps("quantize_columns", num_warps)
     m, c = a_MC.shape
-    return _call(functools.partial(_columns_kernel, transpose=transpose), a_MC,
-                 (m // BLOCK, c // BLOCK), [_TILE], *_columns_out(m, c), interpret, num_warps,
-                 grid_order)
+    return _call(_columns_kernel, a_MC, (m // BLOCK, c // BLOCK), [_TILE], *_columns_out(m, c),
+                 interpret, num_warps)
 
 
-def _rows_and_columns_kernel(a_ref, qr_ref, sr_ref, qc_ref, sc_ref, *, transpose):
-    a = a_ref[...]
-    x = quant._read(a)
+def _rows_and_columns_kernel(a_ref, qr_ref, sr_ref, qc_ref, sc_ref):
+    x = quant._read(a_ref[...])
     q, scale = _row_codes(x)
     qr_ref[...] = q
     sr_ref[...] = scale[None, :]
-    q, scale = _column_codes(a, x, transpose)
+    q, scale = _column_codes(x)
     qc_ref[...] = q
     sc_ref[...] = scale[None, :]
 
 
-@functools.partial(jax.jit, static_argnames=("interpret", "transpose", "num_warps", "grid_order"))
-def quantize_rows_and_columns(a_MC, interpret=None, transpose="codes", num_warps=8,
-                              grid_order="mc"):
+@functools.partial(jax.jit, static_argnames=("interpret", "num_warps"))
+def quantize_rows_and_columns(a_MC, interpret=None, num_warps=4):
     """``(*quantize_rows(a), *quantize_columns(a))`` from one read of a:
     (aq [M, C] E4M3, sa [Cb, M], aq's 128x1 codes [C, M] E4M3, their scales [Mb, C]),
     the same bits as the two kernels (tested). For the backward's dy, which dgrad
-    reads in 1x128 blocks and wgrad in 128x1 blocks. ``transpose``, ``num_warps``
-    and ``grid_order`` as in ``quantize_columns``.
+    reads in 1x128 blocks and wgrad in 128x1 blocks. ``num_warps`` as in
+    ``quantize_columns`` (at 8 this kernel ran slower than the two kernels).
 
     Raises:
-      ValueError: M or C not a positive multiple of 128; an unknown variant.
+      ValueError: M or C not a positive multiple of 128; num_warps not in NUM_WARPS.
     """
     _check("quantize_rows_and_columns", a_MC.shape)
-    _check_variant("quantize_rows_and_columns", transpose, num_warps, grid_order)
+    _check_num_warps("quantize_rows_and_columns", num_warps)
     m, c = a_MC.shape
     (rows_specs, rows_shape), (cols_specs, cols_shape) = _rows_out(m, c), _columns_out(m, c)
-    return tuple(_call(functools.partial(_rows_and_columns_kernel, transpose=transpose), a_MC,
-                       (m // BLOCK, c // BLOCK), [_TILE], rows_specs + cols_specs,
-                       rows_shape + cols_shape, interpret, num_warps, grid_order))
+    return tuple(_call(_rows_and_columns_kernel, a_MC, (m // BLOCK, c // BLOCK), [_TILE],
+                       rows_specs + cols_specs, rows_shape + cols_shape, interpret, num_warps))
 
 
 def _weight_kernel(w_ref, *out_refs):

@@ -1,12 +1,17 @@
 """FP8 blockwise grouped weight gradient ("tgmm") for Hopper in Pallas Mosaic GPU.
 
-Measured on one H200 at M=65536 G=32 K=7168 N=4096 (record
-``fp8_kernels-20261201-194927``): 711 TF/s by CUPTI with the columns split
-(702 with rows; the two agree bit for bit), exact on integer-exact data
-and within the FP8 accumulation model on random data (GPU tests). Also
-checked in Pallas GPU interpret mode on CPU (race detector on) and lowered
-for CUDA through ``jax.export``. Selected by ``quantized.gmm(...,
-impl="kernel")`` (config key ``gmm_fp8_impl``).
+Measured on one H200 at M=65536 G=32 K=7168 N=4096 with bf16 output (what
+training writes for bf16 weights; record ``fp8_kernels-20261202-104520``,
+kernel time by CUPTI / wall-clock): the default, ``split="rows",
+overlap=True``, 4.863 / 5.412 ms (791 TF/s by CUPTI), against 5.111 / 5.703
+for the earlier default (columns, no overlap), 5.164 / 5.381 for rows
+alone and 4.963 / 5.632 for columns with overlap; with float32 output
+rows + overlap also led (5.258 ms against 5.407 to 5.490). All four agree
+bit for bit; exact on integer-exact data and within the FP8 accumulation
+model on random data (GPU tests). Also checked in Pallas GPU interpret mode
+on CPU (race detector on) and lowered for CUDA through ``jax.export``.
+Selected by ``quantized.gmm(..., impl="kernel")`` (config key
+``gmm_fp8_impl``).
 
 Legend: M rows (ragged, grouped), K and N the weight dims, G groups,
 Mb = M / 128 scale blocks along M.
@@ -54,7 +59,7 @@ rows and contraction swapped):
 - Empty groups store zero tiles; the step count is read on device, so no
   code depends on G.
 
-``overlap=True`` (unmeasured on hardware; the default is False): the step
+``overlap=True`` (the default; ``overlap=False`` is the plain step): the step
 above waits for its wgmma before promoting, so the tensor cores idle while
 the scale-multiply-add runs. The pipeline releases a step's shared-memory
 slot when its body returns, so a wgmma cannot stay in flight across steps;
@@ -66,11 +71,12 @@ the last step's pending product. The sum runs over the same products in the
 same order (the first step adds a zero pending product to the zero sum),
 and the scales are powers of two, so ``part * scale`` is exact (short of
 underflow below float32's normal range) and a fused multiply-add in the
-default cannot differ: the two equal bit for bit.
+plain step cannot differ: the two equal bit for bit.
 Registers during the wgmma: sum, pending product and accumulator 3 x 64,
 then the scale outer product 64 once the pending product is spent (the
 scale vectors 34 while it forms); the multiply after the wait is not
-overlapped (64 of the 192 per-step float32 operations per thread).
+overlapped (64 of the 192 per-step float32 operations per thread). ptxas
+gave the overlap kernel 168 registers, no spills (H200, 2026-12-02).
 """
 
 import functools
@@ -90,8 +96,8 @@ from dropless.ops.gmm.mosaic_tgmm import _store_tile
 
 BLOCK_K = 64  # rows of dw per warpgroup (wgmma's M)
 # How the two compute warpgroups share a CTA tile (as in ``mosaic_fp8``):
-# "columns", 64 (K) x 256 (N), both reading one x tile; "rows", 128 (K) x 128
-# (N), each its 64 K rows, both reading one dy tile.
+# "columns", 64 (K) x 256 (N), both reading one x tile; "rows" (the default),
+# 128 (K) x 128 (N), each its 64 K rows, both reading one dy tile.
 SPLITS = ("columns", "rows")
 
 
@@ -122,12 +128,13 @@ def check_shapes(xq_KM, sx, dyq_NM, sdy, group_sizes_G):
 
 
 def tgmm_fp8_blockwise(xq_KM, sx, dyq_NM, sdy, group_sizes_G, *, out_dtype=jnp.float32,
-                       num_stages=4, sms=None, split="columns", overlap=False):
+                       num_stages=4, sms=None, split="rows", overlap=True):
     """dw [G, K, N] = per-group blockwise-scaled x^T dy; zeros for empty groups.
 
-    See the module docstring for the operand layouts. ``overlap``: promote
-    each step's product during the next step's wgmma (module docstring; the
-    same bits).
+    See the module docstring for the operand layouts. ``split`` (``SPLITS``) and
+    ``overlap`` (promote each step's product during the next step's wgmma)
+    change how the kernel runs, not its bits; the defaults had the shortest
+    kernel time on the H200 (module docstring).
 
     Raises:
       ValueError: shapes or dtypes the kernel cannot take (``check_shapes``).
