@@ -135,10 +135,10 @@ def test_fp8_sections(tmp_path):
                "config": {"M": 65536, "G": 32, "K": 7168, "N": 4096, "layout": "balanced"},
                "rows": [{"variant": "rows_gtw8", "product": "fwd", "kernel_ms": 3.0, "wall_ms": 3.2,
                          "tflops_kernel": 1300.0, "tflops_wall": 1200.0},
-                        {"variant": "wgrad_columns", "product": "wgrad", "kernel_ms": 5.4,
+                        {"variant": "wgrad_rows_overlap", "product": "wgrad", "kernel_ms": 5.4,
                          "wall_ms": 5.7, "tflops_kernel": 711.0, "tflops_wall": 674.0},
                         {"variant": "wgrad_rows", "product": "wgrad",
-                         "bitwise_equal_to": "wgrad_columns", "equal": True}]}
+                         "bitwise_equal_to": "wgrad_rows_overlap", "equal": True}]}
     quant = {"kind": "fp8_quant", "created": "2026-12-01T19:50:00+00:00", **PROV,
              "rows": [{"section": "pass", "name": "copy", "kernel_ms": 0.5, "wall_ms": 0.6,
                        "gbps_kernel": 3000.0},
@@ -154,14 +154,14 @@ def test_fp8_sections(tmp_path):
     (d / "q.json").write_text(json.dumps(quant))
     text = report.render(d, tmp_path / "R.md", log=lambda _: None).read_text()
     assert "| rows_gtw8 | fwd | 3.000 | 3.200 | 1300 | 1200 | 1250: met |" in text
-    assert "| wgrad_columns | wgrad | 5.400 | 5.700 | 711 | 674 | 1100: **not met** |" in text
-    assert "wgrad wgrad_rows == wgrad_columns: True" in text
+    assert "| wgrad_rows_overlap | wgrad | 5.400 | 5.700 | 711 | 674 | 1100: **not met** |" in text
+    assert "wgrad wgrad_rows == wgrad_rows_overlap: True" in text
     assert "| rows | 1.000 | 1.100 | 1,500 | 0.50x |" in text
     assert "| fwd+bwd kernel path | 20.000 | 21.000 | 600 | 0.80x |" in text
     assert ("- FP8 fwd+dgrad+wgrad with quantization 20.0 ms = 0.80x bf16's 16.0 ms "
             "(kernels alone 10.0 ms = 1.60x)") in text
     assert ("- FP8 kernels alone (CUPTI, default variants): fwd rows_gtw8 1300 TF/s (target 1250), "
-            "wgrad wgrad_columns 711 TF/s (target 1100)") in text
+            "wgrad wgrad_rows_overlap 711 TF/s (target 1100)") in text
     # With the Pallas quantizers' row, the headline leads with it (the default path).
     quant["rows"].append({"section": "product", "name": "fwd+bwd kernel path, pallas q",
                           "kernel_ms": 12.8, "wall_ms": 13.5, "tflops_kernel": 900.0})
@@ -181,7 +181,8 @@ def fp8_kernels_record(created, rows):
 def test_fp8_kernels_wgrad_sweep_keeps_the_products_record(tmp_path):
     """A newer wgrad-only sweep (``--variants=``) does not replace the record of all three
     products: both render, the sweep in its own subsection; the products' headline quotes
-    the default variants even where another is faster, and the sweep's names its best."""
+    the default variants even where another is faster (and says so where the record, older
+    than the default, lacks it), and the sweep's names its default, bf16 and best."""
     d = tmp_path / "r"
     d.mkdir()
     products = fp8_kernels_record("2026-12-01T19:49:27+00:00", [
@@ -190,7 +191,8 @@ def test_fp8_kernels_wgrad_sweep_keeps_the_products_record(tmp_path):
         ("wgrad_columns", "wgrad", 711.0), ("wgrad_rows", "wgrad", 702.0)])
     sweep = fp8_kernels_record("2026-12-02T10:45:20+00:00", [
         ("wgrad_columns", "wgrad", 712.0), ("wgrad_columns_bf16", "wgrad", 753.0),
-        ("wgrad_rows_overlap_bf16", "wgrad", 791.0)])
+        ("wgrad_rows_overlap", "wgrad", 732.0), ("wgrad_rows_overlap_bf16", "wgrad", 791.0),
+        ("wgrad_rows_bf16", "wgrad", 745.0)])
     sweep["rows"].append({"variant": "wgrad_rows_overlap", "product": "wgrad",
                           "bitwise_equal_to": "wgrad_columns", "equal": True})
     (d / "fp8_kernels-products.json").write_text(json.dumps(products))
@@ -201,10 +203,10 @@ def test_fp8_kernels_wgrad_sweep_keeps_the_products_record(tmp_path):
         "fp8_kernels:wgrad sweep": "fp8_kernels-sweep.json"}
     text = report.render(d, tmp_path / "R.md", log=lambda _: None).read_text()
     assert ("- FP8 kernels alone (CUPTI, default variants): fwd rows_gtw8 1136 TF/s (target 1250), "
-            "dgrad rows_gtw8 1104 TF/s (target 1250), wgrad wgrad_columns 711 TF/s (target 1100)"
-            ) in text
-    assert ("- FP8 wgrad variant sweep (CUPTI): default wgrad_columns 712 TF/s, best "
-            "wgrad_rows_overlap_bf16 791 TF/s (target 1100)") in text
+            "dgrad rows_gtw8 1104 TF/s (target 1250), wgrad wgrad_columns 711 TF/s (target 1100; "
+            "the best timed, the default wgrad_rows_overlap was not)") in text
+    assert ("- FP8 wgrad variant sweep (CUPTI): default wgrad_rows_overlap 732 TF/s, bf16 output, "
+            "as trained wgrad_rows_overlap_bf16 791 TF/s (target 1100)") in text
     section = text[text.index("## FP8 grouped GEMM kernels"):]
     sweep_at = section.index("### wgrad variant sweep")
     assert "| cols_gtw1 | fwd | 1.000 | 1.100 | 1200 | 1150 | 1250: **not met** |" in section[:sweep_at]
