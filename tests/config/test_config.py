@@ -144,6 +144,8 @@ BAD = [
     (["routed_bias=false", "routed_bias_update_rate=0.1"], "routed_bias is false"),
     (["sparse_matmul=false", "te_gmm_quantization=te_mxfp8"], "capacity baseline"),
     (["quantize_output_head=true"], "quantize_output_head"),
+    (["checkpoint_device_snapshot=true", "async_checkpointing=false"],
+     "checkpoint_device_snapshot=True (from command line): hands the state's copy to Orbax in the background"),
     (["fp8_pow2_scales=true"], "unknown key 'fp8_pow2_scales' (from command line)"),
     (["fp8_min_dim=4096"], "fp8_min_dim=4096 (from command line): is set but quantization is ''"),
     (["fp8_min_dim=0"], "fp8_min_dim=0 (from command line): is set but quantization is ''"),

@@ -144,6 +144,30 @@ def test_state_divides_over_fsdp_and_accumulator_is_float32():
     assert four.grads == 2 * four.params  # float32 gradients + float32 accumulator
 
 
+def test_device_snapshot_adds_one_copy_of_the_state():
+    """checkpoint_device_snapshot: parameters, optimizer state, router bias and counters once
+    more (the gradients are not saved), in the total and in the dry run's lines."""
+    cfg, model = _tiny()
+    kw = dict(per_device_batch=2, seq=16, accum=1, mesh_shape=ONE, optimizer=cfg.optimizer())
+    without, with_copy = memory.estimate(model, **kw), memory.estimate(model, device_snapshot=True, **kw)
+    copy = without.params + without.optimizer + without.other_state
+    assert without.snapshot == 0 and with_copy.snapshot == copy
+    assert with_copy.total - without.total == copy == with_copy.state - with_copy.grads
+    assert ("checkpoint snapshot (checkpoint_device_snapshot)", copy) in with_copy.rows()
+    assert memory.keys_to_lower(model, with_copy, with_copy.total - 1)[0].startswith(
+        "checkpoint_device_snapshot=false")
+
+
+def test_dry_run_counts_the_snapshot_only_when_a_train_run_saves(capsys):
+    args = ["--dry-run", "model_name=deepseek3-tiny", "checkpoint_device_snapshot=true"]
+    assert cli.main(["train", *args]) == 0
+    out = " ".join(capsys.readouterr().out.split())  # as one line: the console wraps
+    assert "checkpoint snapshot (checkpoint_device_snapshot)" in out
+    assert "checkpoint_device_snapshot: one more copy of the state on each device" in out
+    assert cli.main(["train", *args, "enable_checkpointing=false"]) == 0
+    assert "checkpoint_device_snapshot" not in capsys.readouterr().out
+
+
 def test_remat_policies_keep_and_offload_the_named_residuals():
     cfg, _ = _tiny("remat_policy=custom", "decoder_layer_input=offload")
     model = cfg.model()

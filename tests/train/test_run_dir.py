@@ -47,6 +47,8 @@ def test_keys_that_change_no_numbers_are_free(tmp_path):
     run_dir_lib.record_config(run_dir, BASE, allow_change=False, primary=True)
     assert run_dir_lib.record_config(run_dir, _with(train__log_period=7), allow_change=False,
                                      primary=True) == {}
+    assert run_dir_lib.record_config(run_dir, _with(train__checkpoint_device_snapshot=True),
+                                     allow_change=False, primary=True) == {}
     # Where the starting weights came from does not matter once the run has its own checkpoints.
     assert run_dir_lib.record_config(run_dir, _with(train__hf_model_path="/elsewhere"),
                                      allow_change=False, primary=True) == {}

@@ -53,6 +53,7 @@ class Config(BaseModel):
     max_num_checkpoints_to_keep: int = _f(3, "Keep the newest this many checkpoints, deleting older ones (0: keep all).", ge=0)
     checkpoint_warm_host_memory: bool = _f(False, "Async saves on GPU: from the start of the run, alongside the first step's compile, grow XLA's pinned host memory pool to one save's size in a background thread, so the first save reuses it instead of pinning memory while the loop waits (later saves already do). Off: on the H200 (proxy) it took the first save's hold from about 38 s to 1.0 s but the compile beside it from 89 to 138 s (started after step 1 instead, it held steps 2-15 54.7 s); the first save waits for a warm-up still running.")
     checkpoint_pinned_host_transfer: bool = _f(True, "Async saves on GPU: copy the state to pinned host memory before the save returns (Orbax's default on GPU: the fastest copy, but the first save pins one save's worth of host memory while the loop waits, about 38 s for the proxy's 41 GiB on the H200; later saves reuse it, 0.9 s). false: pageable copies, slower on every save but with no one-time pinning.")
+    checkpoint_device_snapshot: bool = _f(False, "Async saves: copy the train state on the device (at device memory bandwidth) and hand the copy to Orbax in a background thread, so its copy to host memory runs beside the next steps instead of holding the loop; the copy's device memory is freed when Orbax lets it go (by the end of its write). Needs room for one more copy of the state on each device: the run compiles its step first and stops (naming this key) if XLA's peak plus the copy exceeds the device's memory; the dry run counts the copy. Needs async_checkpointing=true and a single process: Orbax's save synchronises the processes with a collective over all devices, which, launched from a background thread between the steps' own collectives, could run in a different order on each process and hang, so a multi-process run with the key is refused.")
     allow_config_change_on_resume: bool = _f(False, "Resume a run whose config.json differs from this config (the differences are printed and logged to config_changes.jsonl); false: refuse.")
     load_parameters_path: str = _f("", "Initialise parameters from this checkpoint directory.")
     hf_model_path: str = _f("", "A local Hugging Face model directory (config.json + *.safetensors, single or sharded with an index): the model keys come from its config.json (a key also given must agree) and the parameters from its tensors (train fine-tunes from them; forward and profile run them).")
@@ -297,6 +298,8 @@ def _check_contradictions(c: Config):
         for key in ("dataset_path", "tokenizer_path"):
             if getattr(c, key):
                 bad(key, f"is set but dataset_type={c.dataset_type} does not read it; set dataset_type=text (or drop {key})")
+    if c.checkpoint_device_snapshot and not c.async_checkpointing:
+        bad("checkpoint_device_snapshot", "hands the state's copy to Orbax in the background, which async_checkpointing=false forbids; set async_checkpointing=true or checkpoint_device_snapshot=false")
     if c.hf_model_path and c.load_parameters_path:
         bad("hf_model_path", f"and load_parameters_path={c.load_parameters_path!r} both give the parameters; set one")
     for key, (want, why) in DECODER_BLOCKS[c.decoder_block].items():

@@ -169,6 +169,7 @@ class TrainConfig:
     max_num_checkpoints_to_keep: int = _d("max_num_checkpoints_to_keep")  # 0: keep all
     checkpoint_warm_host_memory: bool = _d("checkpoint_warm_host_memory")
     checkpoint_pinned_host_transfer: bool = _d("checkpoint_pinned_host_transfer")
+    checkpoint_device_snapshot: bool = _d("checkpoint_device_snapshot")
     allow_config_change_on_resume: bool = _d("allow_config_change_on_resume")
     load_parameters_path: str = _d("load_parameters_path")
     hf_model_path: str = _d("hf_model_path")  # Hugging Face directory to load parameters from

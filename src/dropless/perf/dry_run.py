@@ -7,7 +7,8 @@ Resolves the config as ``train`` does, builds the data source and this
 device's part of the first batch, builds the model and train state
 abstractly (``eval_shape``) and prints a per-device memory estimate for the
 target hardware (``perf.memory``): parameters, gradients, optimizer state,
-activations under the remat/offload policy, and the checkpoint size, and, as
+the state's copy of ``checkpoint_device_snapshot``, activations under the
+remat/offload policy, and the checkpoint size, and, as
 ``train`` does at start, the dense matmuls that ``fp8_min_dim`` keeps in bf16
 under FP8 (``nn.model.bf16_dense_matmuls_line``). Nothing is trained and no run directory is written. With checkpointing on, it also
 checks the free space on this machine's filesystem holding the run's
@@ -163,17 +164,18 @@ def print_report(console, cfg, target, est, source, batch, global_batch, compile
 
     mesh = " x ".join(f"{a} {n}" for a, n in est.mesh.items() if n > 1) or "1 device"
     table = Table("part", "GiB / device", title=f"{cfg.model_name} on {target.name}: {mesh}")
+    snapshot = " + snapshot" if est.snapshot else ""
     for name, nbytes in est.rows():
         table.add_row(name, f"{nbytes / GiB:.2f}")
     table.add_row("estimated peak", f"{est.total / GiB:.2f}", style="bold")
     if est.offloaded_activations:
         table.add_row("offloaded to host (not counted)", f"{est.offloaded_activations / GiB:.2f}")
     if compiled:
-        table.add_row("XLA compiled peak (argument + output - alias + temp)",
-                      f"{compiled['peak'] / GiB:.2f}", style="bold")
+        table.add_row(f"XLA compiled peak (argument + output - alias + temp{snapshot})",
+                      f"{(compiled['peak'] + est.snapshot) / GiB:.2f}", style="bold")
     table.add_row(f"usable ({target.memory_bytes / GiB:.1f} GiB x {target.mem_fraction:g})",
                   f"{target.usable_bytes / GiB:.2f}")
-    table.caption = ("peak = state + saved activations + max(layer working set, loss-head "
+    table.caption = (f"peak = state{snapshot} + saved activations + max(layer working set, loss-head "
                      "gradient); XLA's temporaries are not modelled (perf/memory.py)")
     console.print(f"data: {source.description}; batch {tuple(batch.inputs.shape)} on this device "
                   f"(global {global_batch} x {cfg.max_target_length} x "
@@ -187,7 +189,9 @@ def print_report(console, cfg, target, est, source, batch, global_batch, compile
     keep = getattr(cfg, "max_num_checkpoints_to_keep", 0)
     console.print(f"checkpoint: {est.checkpoint_bytes / GiB:.2f} GiB per save (all devices), every "
                   f"{cfg.checkpoint_period} steps" + (f", {keep} kept" if keep else "")
-                  + ("" if cfg.enable_checkpointing else " (enable_checkpointing=false: none)"))
+                  + ("" if cfg.enable_checkpointing else " (enable_checkpointing=false: none)")
+                  + (f"; checkpoint_device_snapshot: one more copy of the state on each device "
+                     f"({est.snapshot / GiB:.2f} GiB, counted above)" if est.snapshot else ""))
 
 
 def main(args: list[str], command: str = "train") -> int:
@@ -231,7 +235,9 @@ def main(args: list[str], command: str = "train") -> int:
     try:
         est = memory.estimate(cfg.model(), per_device_batch=global_batch // shards,
                               seq=cfg.max_target_length, accum=cfg.gradient_accumulation_steps,
-                              mesh_shape=mesh_shape, optimizer=cfg.optimizer())
+                              mesh_shape=mesh_shape, optimizer=cfg.optimizer(),
+                              device_snapshot=(command == "train" and cfg.enable_checkpointing
+                                               and cfg.checkpoint_device_snapshot))
     except ValueError as e:
         return _fail(f"model: {e}")
     compiled = None
@@ -244,7 +250,7 @@ def main(args: list[str], command: str = "train") -> int:
     disk_error, disk_warning = check_checkpoint_disk(cfg, est.checkpoint_bytes)
     disk_error = check_paths(cfg) or disk_error
     this_machine = ns.compile or (ns.device, ns.devices, ns.memory_gib) == (None, None, None)
-    peak = compiled["peak"] if compiled else est.total
+    peak = compiled["peak"] + est.snapshot if compiled else est.total
     over = peak > target.usable_bytes  # the error then: a larger disk alone would not let it run
     if disk_error and this_machine and not over:
         return _fail(disk_error)

@@ -22,10 +22,13 @@ What the estimate adds up, per device, for a mesh of ``num_devices``:
   activation dtype (one per MTP head too); the float32 softmax it comes from
   is already a saved residual, and XLA computes the cotangent from it in one
   fusion.
+* ``checkpoint snapshot``: with ``checkpoint_device_snapshot``, one more copy
+  of the train state (parameters, optimizer state, router bias and counters),
+  which lives beside the steps while Orbax copies it to the host.
 
 The backward pass meets the head first and then one layer at a time, so the
-two transients do not coexist: the total is the state, the saved activations
-and the larger of the working set and the head gradient.
+two transients do not coexist: the total is the state, the snapshot, the saved
+activations and the larger of the working set and the head gradient.
 
 XLA's own temporaries are not modelled: fusion buffers, the expansion of
 ``lax.ragged_dot`` into a masked dense product (``gmm_backend=xla``), and
@@ -121,6 +124,7 @@ class Estimate:
     num_params: int
     per_device_batch: int
     mesh: dict
+    snapshot: int = 0  # checkpoint_device_snapshot's copy of the state
 
     @property
     def state(self) -> int:
@@ -132,11 +136,13 @@ class Estimate:
 
     @property
     def total(self) -> int:
-        return self.state + self.activations
+        return self.state + self.snapshot + self.activations
 
     def rows(self) -> list[tuple[str, int]]:
+        snapshot = [("checkpoint snapshot (checkpoint_device_snapshot)", self.snapshot)] if self.snapshot else []
         return [("parameters", self.params), ("gradients", self.grads),
                 ("optimizer state", self.optimizer), ("router bias, counters", self.other_state),
+                *snapshot,
                 ("saved activations (remat policy)", self.saved_activations),
                 ("layer working set (recompute)", self.layer_working_set),
                 ("loss-head gradient", self.head_gradient)]
@@ -301,7 +307,7 @@ def layer_working_set(model: ModelConfig, batch: int, seq: int) -> int:
 
 
 def estimate(model: ModelConfig, *, per_device_batch: int, seq: int, accum: int,
-             mesh_shape: dict, optimizer=None) -> Estimate:
+             mesh_shape: dict, optimizer=None, device_snapshot: bool = False) -> Estimate:
     """Per-device memory of one training step of ``model`` on a mesh of ``mesh_shape``.
 
     Args:
@@ -310,6 +316,7 @@ def estimate(model: ModelConfig, *, per_device_batch: int, seq: int, accum: int,
       accum: gradient-accumulation microbatches.
       mesh_shape: {data, fsdp, expert, tensor: ways}.
       optimizer: the ``OptimizerConfig`` (its ``mu_dtype`` sizes the first moment).
+      device_snapshot: count ``checkpoint_device_snapshot``'s copy of the state.
 
     Raises:
       ValueError: a model config the trainer would reject.
@@ -332,6 +339,7 @@ def estimate(model: ModelConfig, *, per_device_batch: int, seq: int, accum: int,
                      for x, s in _leaf_specs(abstract["params"], mesh_shape))
     saved, host = saved_activation_bytes(model, per_device_batch, seq)
     heads = 1 + model.mtp_num_layers
+    snapshot = sum(per_key.values()) if device_snapshot else 0
     return Estimate(
         params=params, grads=grads, optimizer=per_key["opt_state"],
         other_state=sum(v for k, v in per_key.items() if k not in ("params", "opt_state")),
@@ -340,6 +348,7 @@ def estimate(model: ModelConfig, *, per_device_batch: int, seq: int, accum: int,
         head_gradient=heads * per_device_batch * seq * model.vocab_size * jnp.dtype(model.dtype).itemsize,
         checkpoint_bytes=ckpt_lib.save_bytes(abstract),
         num_params=num_params, per_device_batch=per_device_batch, mesh=dict(mesh_shape),
+        snapshot=snapshot,
     )
 
 
@@ -357,6 +366,8 @@ def _leaf_specs(tree, mesh_shape):
 def keys_to_lower(model: ModelConfig, est: Estimate, usable: int) -> list[str]:
     """The config keys that reduce the largest parts of ``est``, most effective first."""
     keys = []
+    if est.snapshot and est.total - est.snapshot <= usable:  # fits without the copy
+        keys.append("checkpoint_device_snapshot=false (a second copy of the state)")
     if model.mla.attention == "dot_product" and est.layer_working_set > usable // 4:
         keys.append("attention=cudnn_flash_te (dot_product materialises the scores)")
     if est.activations > est.state:

@@ -34,7 +34,13 @@ summed in the summary. With ``checkpoint_warm_host_memory`` the pinned host
 memory the first save needs is allocated in a background thread started
 before the first step, alongside its compile (``host_pool``); its line and
 ``checkpoint_warm_s`` come with the next row after it ends, and a save that has to wait for it reports the wait as
-``checkpoint_warm_wait_s`` (part of ``checkpoint_blocked_s``).
+``checkpoint_warm_wait_s`` (part of ``checkpoint_blocked_s``). With
+``checkpoint_device_snapshot`` a save copies the state on the device and Orbax
+saves the copy from a background thread (``checkpoint``): its hold is the copy
+and the handoff, and the seconds Orbax's save of the copy took beside the steps
+come as ``checkpoint_background_s`` with the next row after it ended; before
+the first step the step is compiled and the run refused if a second copy of
+the state would not fit beside it (``_check_snapshot_room``).
 
 Each process makes only the batch rows its devices hold (``BatchFeed``): the
 data source generates or reads just those sequences, and
@@ -386,6 +392,44 @@ def _save(ckpt, step_no, state, force, console, warm_wait_s=0.0):
     return timing
 
 
+def _memory_limit(device) -> int | None:
+    """Bytes JAX may use on ``device`` (its allocator's limit), or None where it reports none (CPU)."""
+    return (device.memory_stats() or {}).get("bytes_limit")
+
+
+def _check_snapshot_room(step_fn, state, batch) -> None:
+    """Refuse ``checkpoint_device_snapshot`` where a second copy of the state would not fit beside the step.
+
+    Compiles ``step_fn`` for ``state`` and ``batch`` (the first step's call then
+    reuses it) and adds the most state bytes any local device holds to XLA's
+    peak for the step (``perf.memory.compiled_bytes``): while Orbax copies a
+    snapshot to the host the steps go on beside it. Compared with each local
+    device's allocator limit; devices that report none (CPU) are not checked.
+    The allocator's fragmentation is not modelled.
+
+    Raises:
+      ConfigError: the copy would not fit, in one line naming the key.
+    """
+    from dropless.perf import memory
+
+    limits = {d: _memory_limit(d) for d in jax.local_devices()}
+    limits = {d: v for d, v in limits.items() if v}
+    if not limits:
+        return
+    peak = memory.compiled_bytes(step_fn.lower(state, batch).compile()).get("peak")
+    if peak is None:
+        return
+    copy = ckpt_lib.state_bytes_per_device(state)
+    device, limit = min(limits.items(), key=lambda kv: kv[1])
+    if peak + copy > limit:
+        gib = ckpt_lib.GiB
+        raise ConfigError(
+            f"checkpoint_device_snapshot=true: a copy of the train state ({copy / gib:.2f} GiB per device) "
+            f"does not fit beside the train step (XLA's peak {peak / gib:.2f} GiB) in the {limit / gib:.2f} GiB "
+            f"JAX may use on {device.device_kind}; set checkpoint_device_snapshot=false, or make room "
+            "(more devices, a smaller per_device_batch_size, or a larger XLA_PYTHON_CLIENT_MEM_FRACTION)")
+
+
 def _start_warmup(s: _Setup, train: TrainConfig, ckpt, console):
     """The pinned host memory warm-up (``host_pool``), started; None when off or of no use (said in one line)."""
     if not train.checkpoint_warm_host_memory:
@@ -467,6 +511,8 @@ def _train_steps(s: _Setup, train: TrainConfig, state, start, ckpt, writer, cons
                 if unreported.warm_wait_s:
                     row["checkpoint_warm_wait_s"] = unreported.warm_wait_s
                 unreported = None
+            if ckpt is not None and (handed := ckpt.take_handoff_seconds()) is not None:
+                row["checkpoint_background_s"] = handed[1]
             if (warmed := _report_warmup(warm, console)) is not None and warmed.error is None:
                 row.update(checkpoint_warm_s=warmed.seconds, checkpoint_warm_gib=warmed.nbytes / ckpt_lib.GiB)
             if "tokens_per_expert" in raw:
@@ -482,6 +528,8 @@ def _train_steps(s: _Setup, train: TrainConfig, state, start, ckpt, writer, cons
             batch = s.feed.put(future.result())
             if step + 1 < train.steps:
                 future = pool.submit(s.feed.local, step + 1)
+            if step == start and ckpt is not None and ckpt.device_snapshot:
+                _check_snapshot_room(step_fn, state, batch)
             state, raw = step_fn(state, batch)
             if pending is not None:
                 pending()
@@ -715,6 +763,11 @@ def run_training(model: ModelConfig, train: TrainConfig, mesh: MeshConfig, *,
     s = _setup(model, train, mesh)
     if not train.run_name and jax.process_count() > 1:
         raise ConfigError("run_name is empty: a multi-process run needs one, so every process uses one directory")
+    if train.enable_checkpointing and train.checkpoint_device_snapshot and jax.process_count() > 1:
+        raise ConfigError(f"checkpoint_device_snapshot=true runs on one process only ({jax.process_count()} here): "
+                          "Orbax's save synchronises the processes with a collective that, launched from a background "
+                          "thread between the steps' collectives, could run in another order on each process and "
+                          "hang; set checkpoint_device_snapshot=false")
     run_name = train.run_name or time.strftime("run-%Y%m%d-%H%M%S")
     run_dir = run_dir_lib.make_run_dir(train.base_output_directory, run_name)
     sections = run_dir_lib.sections_dict(model, train, mesh)
@@ -731,6 +784,7 @@ def run_training(model: ModelConfig, train: TrainConfig, mesh: MeshConfig, *,
             async_save=train.async_checkpointing, max_to_keep=train.max_num_checkpoints_to_keep,
             per_save_bytes=ckpt_lib.save_bytes(s.abstract),
             pinned_host_transfer=train.checkpoint_pinned_host_transfer,
+            device_snapshot=train.checkpoint_device_snapshot,
         )
     try:
         state, resumed_from = _initial_state(s, train, ckpt, console)

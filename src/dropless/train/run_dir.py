@@ -30,7 +30,7 @@ CHANGES_FILE = "config_changes.jsonl"
 FREE_KEYS = frozenset({
     "log_period", "enable_tensorboard", "enable_checkpointing", "checkpoint_period",
     "async_checkpointing", "max_num_checkpoints_to_keep", "checkpoint_warm_host_memory",
-    "checkpoint_pinned_host_transfer",
+    "checkpoint_pinned_host_transfer", "checkpoint_device_snapshot",
     "base_output_directory", "jax_cache_dir",
     "load_parameters_path", "hf_model_path", "allow_config_change_on_resume", "hardware",
     "ep_overflow_check_every_n_steps", "ep_overflow_policy",
