@@ -111,6 +111,20 @@ def test_kernels_lower_for_cuda(kind):
     assert "mosaic_gpu" in exported.mlir_module()
 
 
+def test_sorted_snake_tile_order_lowers_for_cuda():
+    """The on-device group order and the snake loop lower, here through the backend
+    entry with rows and K, N that need padding (the option reaches the kernel)."""
+    m, k, n, g = 4100, 2000, 768, 40
+    s = jax.ShapeDtypeStruct
+    x, dy, gs = s((m, k), jnp.bfloat16), s((m, n), jnp.bfloat16), s((g,), jnp.int32)
+    fn = lambda x, dy, gs: mosaic.tgmm(x, dy, gs, num_groups=g, tile_order="sorted_snake")
+    exported = jax.export.export(jax.jit(fn), platforms=["cuda"])(x, dy, gs)
+    assert "mosaic_gpu" in exported.mlir_module()
+    with pytest.raises(ValueError, match="tile_order"):
+        jax.eval_shape(lambda x, dy, gs: mosaic.tgmm(x, dy, gs, num_groups=g, tile_order="lpt"),
+                       x, dy, gs)
+
+
 def test_rows_not_a_multiple_of_8_lower_through_padding():
     """The kernels' swizzled TMA views tile rows in 8s; the backend entry pads."""
     m, k, n, g = 4100, 384, 640, 33
@@ -185,6 +199,27 @@ def test_interpret_wgrad_masks_neighbour_and_nan_rows(rng, sizes):
         dw = mosaic.tgmm(x, dy, jnp.asarray(sizes), num_groups=len(sizes), tiling=TgmmTiling())
     ref = reference.tgmm(clean(x), clean(dy), jnp.asarray(sizes), num_groups=len(sizes))
     assert_groups_match(dw, ref, sizes)
+
+
+@pytest.mark.parametrize("sizes", [[300, 3, 0, 64, 65, 100, 0, 1], [0] * 8], ids=str)
+def test_interpret_wgrad_tile_orders_agree_bit_for_bit(rng, sizes):
+    """Each output tile is computed whole by one CTA in the same steps whatever the
+    order, so "sorted_snake" must equal "groups" exactly. 3 CTAs over 8 groups x
+    2 N tiles: 6 rounds, the last partial, groups far from sorted, empty ones
+    (zero stores), NaN rows past the total; the output starts as NaN in
+    interpret mode, so a tile visited by no CTA fails too."""
+    m, k, n = 560, 256, 256
+    sizes = np.array(sizes, np.int32)
+    x, _, dy = problem(rng, m, k, n, len(sizes), sizes)
+    gs = jnp.asarray(sizes)
+    run = lambda order: mosaic_tgmm.tgmm(x, dy, gs, num_groups=len(sizes), tiling=TgmmTiling(),
+                                         sms=3, tile_order=order)
+    with _interpret():
+        by_groups, sorted_snake = run("groups"), run("sorted_snake")
+    np.testing.assert_array_equal(np.asarray(sorted_snake, np.float32),
+                                  np.asarray(by_groups, np.float32))
+    ref = reference.tgmm(clean(x), clean(dy), gs, num_groups=len(sizes))
+    assert_groups_match(sorted_snake, ref, sizes)
 
 
 @pytest.mark.parametrize("k, n", [(96, 160), (200, 128)], ids=str)

@@ -93,6 +93,32 @@ def test_schedule_clamps_a_total_above_m():
     np.testing.assert_array_equal(sizes, [5, 9, 2])
 
 
+@given(problem_st())
+def test_tgmm_group_order_sorts_groups_by_steps(problem):
+    """Descending step counts, ties in group order; steps as the kernel counts them:
+    from the group's first row rounded down to bm, 0 for an empty group."""
+    m, bm, sizes = problem
+    order = np.asarray(schedule.tgmm_group_order(jnp.asarray(sizes), m, bm))
+    ends = np.minimum(np.cumsum(sizes), m)
+    starts = np.concatenate([[0], ends[:-1]])
+    steps = [len(range(s // bm, (e - 1) // bm + 1)) if e > s else 0 for s, e in zip(starts, ends)]
+    assert sorted(order.tolist()) == list(range(len(sizes)))
+    assert [(-steps[g], g) for g in order] == sorted((-steps[g], g) for g in range(len(sizes)))
+
+
+@pytest.mark.parametrize("num_tiles, num_sms", [(10, 3), (12, 4), (5, 8), (1, 1)])
+def test_snake_tile_visits_every_tile_once(num_tiles, num_sms):
+    """Round w covers tiles [w S, (w + 1) S), reversed in odd rounds; over the
+    rounds a persistent grid runs, every tile is visited once."""
+    waves = -(-num_tiles // num_sms)
+    t = schedule.snake_tile(np.arange(waves)[:, None], np.arange(num_sms)[None, :], num_sms)
+    for w in range(waves):
+        expected = w * num_sms + np.arange(num_sms)
+        np.testing.assert_array_equal(t[w], expected if w % 2 == 0 else expected[::-1])
+    live = t[t < num_tiles]
+    np.testing.assert_array_equal(np.sort(live), np.arange(num_tiles))
+
+
 def test_schedule_size_does_not_depend_on_group_sizes():
     shapes = {
         schedule.row_tile_schedule(jnp.asarray(s, jnp.int32), 1000, 128).group_T.shape

@@ -127,11 +127,14 @@ def gmm(x, w, group_sizes, *, transpose_rhs=False, out_dtype=None, tiling=None):
     return y if x_padded is x else y[: x.shape[0]]
 
 
-def tgmm(x, dy, group_sizes, *, num_groups, out_dtype=None, tiling=None):
+def tgmm(x, dy, group_sizes, *, num_groups, out_dtype=None, tiling=None, tile_order="groups"):
     """dw[g] = x[rows of g]^T @ dy[rows of g] -> [G, K, N]; zeros for empty groups.
 
+    ``tile_order``: which SM computes which output tile (``mosaic_tgmm.tgmm``);
+    the result is the same bit for bit.
+
     Raises:
-      ValueError for shapes or dtypes the kernel cannot take.
+      ValueError for shapes or dtypes the kernel cannot take, or an unknown tile_order.
     """
     if x.dtype != dy.dtype:
         raise ValueError(f"mosaic tgmm: x and dy must share a dtype, got {x.dtype} and {dy.dtype}")
@@ -143,10 +146,11 @@ def tgmm(x, dy, group_sizes, *, num_groups, out_dtype=None, tiling=None):
     if (kp, np_) != (k, n):
         _log_padding(k, n)
         dw = tgmm(_pad_last(x, kp), _pad_last(dy, np_), group_sizes, num_groups=num_groups,
-                  out_dtype=out_dtype, tiling=tiling)
+                  out_dtype=out_dtype, tiling=tiling, tile_order=tile_order)
         return dw[:, :k, :n]
     tiling = tiling or tuning.lookup("wgrad", x.dtype, k, n)
     x, dy = _pad_rows(x, dy)
     return mosaic_tgmm.tgmm(
-        x, dy, group_sizes, num_groups=num_groups, tiling=tiling, out_dtype=out_dtype
+        x, dy, group_sizes, num_groups=num_groups, tiling=tiling, out_dtype=out_dtype,
+        tile_order=tile_order,
     )

@@ -11,8 +11,11 @@ multiplying by 0, which lets a NaN in a row past the total leak into dw.
 
 Design:
 - Persistent grid over all SMs walking (group, K band, N tile) output tiles,
-  group-major, so the SMs share one group's rows of x and dy in L2 at a time
-  and every SM gets a slice of every group (balanced under skewed sizes).
+  group-major, so the SMs share one group's rows of x and dy in L2 at a time.
+  A tile costs its group's step count, so under skewed sizes the default
+  round robin can give some SMs more steps than others (most when a group
+  has fewer tiles than there are SMs); ``tile_order="sorted_snake"`` evens
+  that out (see ``tgmm``).
 - Each tile contracts over its group's rows with a warp-specialized pipeline
   (one TMA warpgroup, two wgmma warpgroups, each owning block_k rows of K).
   Steps start at the group's first row rounded down to block_m (Mosaic's
@@ -57,9 +60,33 @@ def check_shapes(x_shape, dy_shape, tiling):
     return m, k, n
 
 
+TILE_ORDERS = ("groups", "sorted_snake")
+
+
 def tgmm(x_MK, dy_MN, group_sizes_G, *, num_groups, tiling: TgmmTiling, out_dtype=None,
-         sms=None):
-    """Grouped x^T dy; see the module docstring. Returns [G, K, N] in out_dtype."""
+         sms=None, tile_order="groups"):
+    """Grouped x^T dy; see the module docstring. Returns [G, K, N] in out_dtype.
+
+    ``tile_order`` picks which CTA computes which output tile; every tile is
+    still computed whole by one CTA in the same steps, so the result is the
+    same bit for bit:
+    - ``"groups"``: flat (group, K band, N tile) order, tile i on CTA i mod SMs.
+    - ``"sorted_snake"``: groups by descending step count
+      (``schedule.tgmm_group_order``, computed on device), rounds of the grid
+      walked as a snake (``schedule.snake_tile``). Under skewed group sizes
+      "groups" gives a CTA whatever mix of long and short tiles its slots
+      fall on; this order gives every CTA about the same number of steps
+      (``benchmarks/tgmm_balance.py`` models both). It stays group-major, so
+      the SMs still share one group's rows in L2 at a time; it gives up
+      visiting groups in memory order (the rows a boundary step shares with
+      the next group are no longer read again right after), costs an argsort
+      of G step counts before the launch and one more int32 read per tile.
+
+    Raises:
+      ValueError for shapes the kernel cannot take or an unknown ``tile_order``.
+    """
+    if tile_order not in TILE_ORDERS:
+        raise ValueError(f"mosaic tgmm: {tile_order=} is not one of {TILE_ORDERS}")
     m, k, n = check_shapes(x_MK.shape, dy_MN.shape, tiling)
     out_dtype = jnp.dtype(out_dtype or x_MK.dtype)
     bk, bn, bm = tiling.block_k, tiling.block_n, tiling.block_m
@@ -87,7 +114,12 @@ def tgmm(x_MK, dy_MN, group_sizes_G, *, num_groups, tiling: TgmmTiling, out_dtyp
             compute_context=compute_context,
         )
 
-    def body(starts_ref, sizes_ref, x_gmem, dy_gmem, o_gmem):
+    order_refs = ()
+    if tile_order == "sorted_snake":
+        order_refs = (schedule_lib.tgmm_group_order(group_sizes_G, m, bm),)
+
+    def body(starts_ref, sizes_ref, *refs):
+        *order_ref, x_gmem, dy_gmem, o_gmem = refs  # order_ref: [] or [the group order]
         ignore = lambda *_, **__: None
         pipeline_allocs = make_pipeline(ignore, ignore, num_stages).get_allocations(
             x_gmem.at[pl.ds(0, bm), pl.ds(0, cta_k)], dy_gmem.at[pl.ds(0, bm), pl.ds(0, bn)]
@@ -103,9 +135,8 @@ def tgmm(x_MK, dy_MN, group_sizes_G, *, num_groups, tiling: TgmmTiling, out_dtyp
         def _scope(pipeline_allocs, out_smem, mask_barrier):
             wg = lax.axis_index("wg")
 
-            @plgpu.nd_loop((num_groups, k_bands, n_tiles), collective_axes="sm")
-            def _tile_loop(loop_info):
-                g, k_band, n_tile = loop_info.index
+            @_walk_tiles((num_groups, k_bands, n_tiles), *order_ref)
+            def _tile(g, k_band, n_tile):
                 start = starts_ref[g]
                 size = sizes_ref[g]
                 first_row = pl.multiple_of((start // bm) * bm, bm)
@@ -167,7 +198,36 @@ def tgmm(x_MK, dy_MN, group_sizes_G, *, num_groups, tiling: TgmmTiling, out_dtyp
         plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
     kernel = persistent_kernel(body, jax.ShapeDtypeStruct((num_groups, k, n), out_dtype), sms)
-    return kernel(starts_G, sizes_G, x_MK, dy_MN)
+    return kernel(starts_G, sizes_G, *order_refs, x_MK, dy_MN)
+
+
+def _walk_tiles(grid, order_ref_G=None):
+    """Decorator: call ``tile(g, k_band, n_tile)`` for this CTA's share of ``grid``.
+
+    Without ``order_ref_G``: ``nd_loop``'s round robin over the flat grid.
+    With it (the "sorted_snake" order): grid rank r is group ``order_ref_G[r]``
+    and the rounds run as a snake (``schedule.snake_tile``); the last round may
+    be partial, so each CTA skips indices past the grid.
+    """
+
+    def decorator(tile):
+        if order_ref_G is None:
+            plgpu.nd_loop(grid, collective_axes="sm")(lambda info: tile(*info.index))
+            return
+        num_groups, k_bands, n_tiles = grid
+        num_tiles = num_groups * k_bands * n_tiles
+        sm, num_sms = lax.axis_index("sm"), lax.axis_size("sm")
+
+        @pl.loop(0, (num_tiles + num_sms - 1) // num_sms)
+        def _round(wave):
+            t = schedule_lib.snake_tile(wave, sm, num_sms)
+
+            @pl.when(t < num_tiles)
+            def _visit():
+                rank, rest = t // (k_bands * n_tiles), t % (k_bands * n_tiles)
+                tile(order_ref_G[rank], rest // n_tiles, rest % n_tiles)
+
+    return decorator
 
 
 def _mask_rows(tile_ref, lo, hi):

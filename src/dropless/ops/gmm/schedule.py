@@ -105,3 +105,32 @@ def group_offsets(group_sizes_G, m):
     """[G] first row and row count of each group (clamped to m), for tgmm."""
     starts_G, ends_G = segment_bounds(group_sizes_G, m)
     return starts_G, ends_G - starts_G
+
+
+def tgmm_steps(starts_G, sizes_G, block_m):
+    """[G] pipeline steps of each tgmm tile of a group: its rows [start, start + size)
+    from the start rounded down to ``block_m``, in steps of ``block_m`` rows; 0 when
+    empty. Works on jnp and NumPy arrays alike."""
+    first_row_G = starts_G // block_m * block_m
+    return (starts_G + sizes_G - first_row_G + block_m - 1) // block_m * (sizes_G > 0)
+
+
+def tgmm_group_order(group_sizes_G, m, block_m):
+    """[G] int32 groups by descending step count (ties by group index), on device.
+
+    The ``"sorted_snake"`` tile order of ``mosaic_tgmm.tgmm`` visits groups in this
+    order, so the long tiles come first and the rounds of the persistent grid
+    hold tiles of similar length.
+    """
+    starts_G, sizes_G = group_offsets(group_sizes_G, m)
+    steps_G = tgmm_steps(starts_G, sizes_G, block_m)
+    return jnp.argsort(-steps_G, stable=True).astype(jnp.int32)
+
+
+def snake_tile(wave, sm, num_sms):
+    """Flat tile index that CTA ``sm`` of ``num_sms`` takes in round ``wave``: rounds
+    run left to right when even and right to left when odd, so over two rounds of
+    tiles sorted by length every CTA gets one long and one short tile. Integer
+    arithmetic only: works on traced scalars and on NumPy arrays."""
+    odd = wave % 2
+    return wave * num_sms + sm + odd * (num_sms - 1 - 2 * sm)
