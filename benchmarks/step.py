@@ -54,6 +54,13 @@ only that attempt):
   ours_mla_padded  ``ours`` with ``cudnn_mla_unpadded_v=false``
   ours_scan ``ours`` with ``scan_layers=true``: the layers stacked under one
             ``lax.scan`` (the same-run baseline for the unrolled layers)
+  ours_align64  ``ours`` with ``moe_group_alignment=64``: every expert's rows
+            padded to whole 64-row kernel steps, so the bf16 wgrad kernel
+            masks no rows (``benchmarks/notes/gmm.md``: the masked boundary
+            steps, not the SM balance, cost most of wgrad's skew loss)
+  ours_align128  ``ours`` with ``moe_group_alignment=128``: whole 128-row
+            forward and dgrad tiles too (no tile visited once per group it
+            holds), for about 2x the padding rows of ``ours_align64``
 
 A case that runs out of memory is retried with half the batch, down to 1 per
 device; the JSON says which batch each case ran at. Figures: median step time
@@ -90,7 +97,8 @@ CASES = ("xla", "capacity", "ours", "ours_fp8", "ours_fp8_blockwise")
 QWEN3_CASE = "qwen3-moe-proxy"  # ``ours`` on the Qwen3-MoE proxy instead of the DeepSeek one
 MIXTRAL_CASE = "mixtral-proxy"  # ``ours`` on the Mixtral proxy
 EXTRA_CASES = ("ours_fp8_all", "ours_fp8e", "ours_fp8k", "ours_fp8kp", "ours_fp8kp_head", "ours_gfp8kp", "ours_mla_unpadded",
-               "ours_mla_padded", "ours_scan", QWEN3_CASE, MIXTRAL_CASE)
+               "ours_mla_padded", "ours_scan", "ours_align64", "ours_align128",
+               QWEN3_CASE, MIXTRAL_CASE)
 QUICK_CASES = ("xla", "capacity", "ours")
 FP8_DENSE = "te_fp8_currentscaling"
 RESULT_PREFIX = "STEP_RESULT "
@@ -121,6 +129,8 @@ CASE_OVERRIDES = {
     "ours_mla_unpadded": ["gmm_backend=auto", "cudnn_mla_unpadded_v=true"],
     "ours_mla_padded": ["gmm_backend=auto", "cudnn_mla_unpadded_v=false"],
     "ours_scan": ["gmm_backend=auto", "scan_layers=true"],
+    "ours_align64": ["gmm_backend=auto", "moe_group_alignment=64"],
+    "ours_align128": ["gmm_backend=auto", "moe_group_alignment=128"],
     QWEN3_CASE: ["gmm_backend=auto"],
     MIXTRAL_CASE: ["gmm_backend=auto"],
 }

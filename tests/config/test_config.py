@@ -310,3 +310,18 @@ def test_cli_config_prints_sources():
 def test_every_key_has_a_description():
     missing = [k for k, f in Config.model_fields.items() if not f.description]
     assert not missing
+
+
+def test_moe_group_alignment_reaches_the_moe_block():
+    """``moe_group_alignment`` is the MoE section's ``group_alignment`` (1 by default; the
+    FP8 recipes raise it further in ``nn.moe.group_alignment``); 0 and past 1024 are refused."""
+    from dropless.nn import moe
+
+    assert resolve().config.moe().group_alignment == 1
+    section = resolve("moe_group_alignment=64").config.moe()
+    assert section.group_alignment == 64 and moe.group_alignment(section) == 64
+    fp8 = resolve("moe_group_alignment=64", "te_gmm_quantization=te_fp8_blockwise").config.moe()
+    assert moe.group_alignment(fp8) == 128
+    for bad in ("0", "2048"):
+        with pytest.raises(ConfigError, match="moe_group_alignment"):
+            resolve(f"moe_group_alignment={bad}")

@@ -195,6 +195,7 @@ CASES = {
         GROUPED, shared_experts=1, load_balance_loss_weight=0.1, seq_aux_loss_weight=0.1,
         router_z_loss_weight=0.01),
     "sigmoid_grouped_aligned_separate": dict(GROUPED, group_alignment=4, prefuse_moe_weights=False),
+    "softmax_aligned64_shared": dict(group_alignment=64, shared_experts=1),  # moe_group_alignment=64
     "reference_backend": dict(gmm_backend="reference", shared_experts=1),
 }
 

@@ -124,6 +124,7 @@ class Config(BaseModel):
     capacity_factor: float = _f(1.0, "Expert capacity factor of the dense_matmul baseline (tokens past it are dropped).", gt=0)
     prefuse_moe_weights: bool = _f(True, "Store gate and up projections as one [E, D, 2F] weight; one grouped GEMM instead of two.")
     gmm_backend: Literal["reference", "xla", "mosaic", "auto"] = _f("auto", "Grouped matmul backend.")
+    moe_group_alignment: int = _f(1, "Pad each expert's rows in the dropless buffer to a multiple of this (zero rows, at most E x (this - 1) more rows; FP8 recipes raise it to their scale block). At a multiple of 64 no group boundary falls inside the bf16 Mosaic kernels' 64-row steps, so the weight-gradient kernel masks no rows.", ge=1, le=1024)
     te_moe_block: bool = _f(True, "Accepted for MaxText recipes: dropless's MoE block is always the fused one, so only true is allowed.")
     te_gmm_quantization: Literal["te_no_quant", "te_fp8_blockwise", "te_mxfp8"] = _f("te_no_quant", "Expert grouped-GEMM quantization recipe.")
     gmm_fp8_impl: Literal["auto", "emulate", "kernel"] = _f("auto", "How te_fp8_blockwise grouped GEMMs run: kernel = the FP8 Mosaic GPU kernels on E4M3 codes (Hopper only; emb_dim and moe_mlp_dim multiples of 256; on an H200 the proxy's step runs at 1.06x bf16 with them); emulate = quantize -> dequantize -> the bf16 grouped GEMM (the same FP8 numerics, bf16 speed); auto = kernel where it can run (Hopper, gmm_backend auto or mosaic, dims multiples of 256), else emulate, and the log says which and why.")
@@ -195,7 +196,8 @@ class Config(BaseModel):
 
     # --- Sections ----------------------------------------------------------------
     def moe(self) -> "sections.MoEConfig":
-        return _section("MoEConfig", self, rename={"gmm_quantization": "te_gmm_quantization"})
+        return _section("MoEConfig", self, rename={"gmm_quantization": "te_gmm_quantization",
+                                                        "group_alignment": "moe_group_alignment"})
 
     def mla(self) -> "sections.MLAConfig":
         return _section("MLAConfig", self, rename={

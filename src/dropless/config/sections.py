@@ -41,7 +41,7 @@ class MoEConfig:
     capacity_factor: float = _d("capacity_factor")  # only for sparse_matmul=False
     prefuse_moe_weights: bool = _d("prefuse_moe_weights")  # gate|up stored as one [E, D, 2F] weight
     gmm_backend: str = _d("gmm_backend")  # reference | xla | mosaic | auto
-    group_alignment: int = 1  # not a config key: pad each expert's rows to a multiple (the quantized kernels raise it)
+    group_alignment: int = _d("moe_group_alignment")  # pad each expert's rows to a multiple (the quantized kernels raise it)
     gmm_quantization: str = _d("te_gmm_quantization")  # te_no_quant | te_fp8_blockwise | te_mxfp8
     gmm_fp8_impl: str = _d("gmm_fp8_impl")  # te_fp8_blockwise: auto | emulate (qdq + bf16 gmm) | kernel (FP8 Mosaic)
     gmm_fp8_quantizer: str = _d("gmm_fp8_quantizer")  # the kernels' operand quantization: auto | xla | pallas
