@@ -82,11 +82,17 @@ class FakeDevice:
 
 
 class FakeCheckpointer:
-    """``due``/``save``/``poll`` of ``checkpoint.Checkpointer``; a save holds the host."""
+    """``due``/``save``/``poll`` of ``checkpoint.Checkpointer``; a save holds the host
+    (no device snapshot: Orbax's copy to host is the save's hold)."""
+
+    device_snapshot = False
 
     def __init__(self, device: FakeDevice, period: int):
         self.device, self.period = device, period
         self.saved, self.last_timing = [], None
+
+    def take_handoff_seconds(self):
+        return None
 
     def due(self, step, *, force=False):
         return force or step % self.period == 0
