@@ -5,7 +5,9 @@ Legend: M rows, K x N the weight dims (w [G, K, N]), G groups.
 Sweep mode (default) times the forward and dgrad kernel
 (``mosaic_fp8.gmm_fp8_blockwise``) and the wgrad kernel
 (``mosaic_fp8_tgmm.tgmm_fp8_blockwise``) on codes and scales prepared
-outside the timing (random data, balanced groups), over the variants in
+outside the timing (random data; group sizes from ``benchmarks/gmm.py``'s
+``--layout``, same generator and seed, rounded down to 128 rows as training
+pads FP8 groups: the wgrad kernel's contract), over the variants in
 ``VARIANTS`` and ``WGRAD_VARIANTS`` (each of the latter with float32 and
 bf16 output), with CUPTI kernel time (median) and the wall-clock time of the
 jitted call, checks that the variants of each product agree bit for bit,
@@ -17,10 +19,14 @@ exits: the run to put under Nsight Compute
   PYTHONPATH=src python3 benchmarks/fp8_kernel_probe.py [--shape M,G,K,N] [--out DIR]
   PYTHONPATH=src python3 benchmarks/fp8_kernel_probe.py --variants= \
       --wgrad-variants wgrad_rows_overlap,wgrad_rows
+  # wgrad's tile orders under skew at a Qwen3-30B shape:
+  PYTHONPATH=src python3 benchmarks/fp8_kernel_probe.py --variants= --shape 65536,128,768,2048 \
+      --layout dirichlet0.3 --wgrad-variants wgrad_rows_overlap,wgrad_rows_overlap_sorted
 """
 
 import argparse
 import os
+import pathlib
 import statistics
 
 os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
@@ -31,6 +37,9 @@ import numpy as np  # noqa: E402
 
 from dropless.ops.gmm import mosaic_fp8, mosaic_fp8_tgmm  # noqa: E402
 from dropless.perf import measure  # noqa: E402
+from dropless.perf.bench import load_module  # noqa: E402
+
+BENCH_DIR = pathlib.Path(__file__).parent
 
 # name -> keyword arguments of gmm_fp8_blockwise
 VARIANTS = {
@@ -41,9 +50,11 @@ VARIANTS = {
 }
 # name -> keyword arguments of tgmm_fp8_blockwise; the first, the kernel's default
 # (what training runs), is the reference of the bitwise check. overlap: promotion
-# during the next step's wgmma.
+# during the next step's wgmma; sorted: the tile order that balances the SMs under
+# skewed group sizes (``mosaic_gmm.walk_tiles``).
 WGRAD_VARIANTS = {
     "wgrad_rows_overlap": dict(split="rows", overlap=True),
+    "wgrad_rows_overlap_sorted": dict(split="rows", overlap=True, tile_order="sorted_snake"),
     "wgrad_rows": dict(split="rows", overlap=False),
     "wgrad_columns_overlap": dict(split="columns", overlap=True),
     "wgrad_columns": dict(split="columns", overlap=False),
@@ -58,12 +69,19 @@ def cupti_ms(fn, args, iters):
     return statistics.median(times)
 
 
-def operands(m, g, k, n):
+def group_sizes(gmm, layout, m, g):
+    """``gmm.py``'s sizes for ``layout`` (seed G, as its records), each rounded down to
+    the 128-row scale block; the rows taken off go to the largest group."""
+    sizes = gmm.make_group_sizes(layout, m, g, seed=g)
+    return gmm.align_group_sizes(sizes, mosaic_fp8.BLOCK)
+
+
+def operands(m, g, k, n, sizes):
     rng = np.random.default_rng(0)
     x = jnp.asarray(rng.standard_normal((m, k)), jnp.bfloat16)
     dy = jnp.asarray(rng.standard_normal((m, n)), jnp.bfloat16)
     w = jnp.asarray(rng.standard_normal((g, k, n)) / np.sqrt(k), jnp.bfloat16)
-    gs = jnp.full((g,), m // g, jnp.int32)
+    gs = jnp.asarray(sizes, jnp.int32)
     wq, sw = mosaic_fp8.quantize_weight(w)
     ops = {"fwd": mosaic_fp8.fwd_operands(x, wq, sw), "dgrad": mosaic_fp8.dgrad_operands(dy, wq, sw),
            "wgrad": mosaic_fp8_tgmm.wgrad_operands(x, dy)}
@@ -73,6 +91,7 @@ def operands(m, g, k, n):
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--shape", default="65536,32,7168,4096", help="M,G,K,N")
+    p.add_argument("--layout", default="balanced", help="group sizes: one of gmm.py's LAYOUTS")
     p.add_argument("--iters", type=int, default=10)
     p.add_argument("--variants", default=",".join(VARIANTS), help="fwd/dgrad; empty: none")
     p.add_argument("--wgrad-variants", default=",".join(WGRAD_VARIANTS), help="empty: none")
@@ -81,7 +100,13 @@ def main(argv=None):
     p.add_argument("--product", default="fwd", choices=["fwd", "dgrad", "wgrad"])
     p.add_argument("--out", default=str(measure.DEFAULT_RESULTS_DIR))
     a = p.parse_args(argv)
-    m, g, k, n = map(int, a.shape.split(","))
+    try:
+        m, g, k, n = map(int, a.shape.split(","))
+    except ValueError:
+        p.error(f"--shape {a.shape}: expected M,G,K,N")
+    gmm = load_module("gmm", BENCH_DIR)
+    if a.layout not in gmm.LAYOUTS:
+        p.error(f"unknown --layout {a.layout}; known: {', '.join(gmm.LAYOUTS)}")
     names = [v for v in a.variants.split(",") if v]
     wgrad_names = [v for v in a.wgrad_variants.split(",") if v]
     unknown = ([v for v in names if v not in VARIANTS]
@@ -91,7 +116,8 @@ def main(argv=None):
                                              else VARIANTS) else []
     if unknown:
         p.error(f"unknown variant(s) {', '.join(unknown)}")
-    ops, gs = operands(m, g, k, n)
+    sizes = group_sizes(gmm, a.layout, m, g)
+    ops, gs = operands(m, g, k, n, sizes)
     if a.once:
         if a.product == "wgrad":
             f = jax.jit(lambda o: mosaic_fp8_tgmm.tgmm_fp8_blockwise(*o, gs,
@@ -101,12 +127,13 @@ def main(argv=None):
         for _ in range(3):
             jax.block_until_ready(f(ops[a.product]))
         return 0
-    flops = 2 * m * k * n
+    flops = 2 * int(sizes.sum()) * k * n  # real rows only, as gmm.py counts
     record = measure.new_record("fp8_kernels", {"M": m, "G": g, "K": k, "N": n,
-                                                "layout": "balanced", "iters": a.iters,
+                                                "layout": a.layout, "rows": int(sizes.sum()),
+                                                "max_group": int(sizes.max()), "iters": a.iters,
                                                 "variants": VARIANTS,
                                                 "wgrad_variants": WGRAD_VARIANTS})
-    print(f"{'variant':<26} {'product':<6} {'kernel ms':>9} {'wall ms':>8} {'TF/s kern':>9} "
+    print(f"{'variant':<30} {'product':<6} {'kernel ms':>9} {'wall ms':>8} {'TF/s kern':>9} "
           f"{'TF/s wall':>9}")
     jobs = [(v, prod) for v in names for prod in ("fwd", "dgrad")]
     # wgrad with float32 output (the probe's earlier records) and with bf16, what
@@ -123,13 +150,13 @@ def main(argv=None):
             kms = cupti_ms(f, (ops[prod],), a.iters)
             wms = measure.time_fn(f, ops[prod], iters=a.iters)["median_ms"]
         except Exception as e:  # noqa: BLE001 - one variant failing must not lose the others
-            print(f"{v:<26} {prod:<6} failed: {type(e).__name__}: {str(e)[:200]}")
+            print(f"{v:<30} {prod:<6} failed: {type(e).__name__}: {str(e)[:200]}")
             record["rows"].append({"variant": v, "product": prod, "error": str(e)[:500]})
             continue
         row = {"variant": v, "product": prod, "kernel_ms": kms, "wall_ms": wms,
                "tflops_kernel": flops / kms / 1e9, "tflops_wall": flops / wms / 1e9}
         record["rows"].append(row)
-        print(f"{v:<26} {prod:<6} {kms:>9.3f} {wms:>8.3f} {row['tflops_kernel']:>9.0f} "
+        print(f"{v:<30} {prod:<6} {kms:>9.3f} {wms:>8.3f} {row['tflops_kernel']:>9.0f} "
               f"{row['tflops_wall']:>9.0f}")
     # Every variant computes each output element from the same wgmma steps in the
     # same order, so the results must agree bit for bit with the first variant.

@@ -15,8 +15,8 @@ On CPU (everything but the ``gpu``-marked test, which no GPU has run yet):
   are NaN and must not leak; those rows of the fwd and dgrad outputs must be
   exact zeros; empty groups' dw exact zeros), and for fwd and dgrad groups
   not aligned to the tile; the wgrad kernel in each split with and without
-  ``overlap``, the two equal bit for bit, and its default (rows, overlap)
-  writing bf16 as training does;
+  ``overlap``, the two equal bit for bit, its default (rows, overlap)
+  writing bf16 as training does, and its two tile orders equal bit for bit;
 - ``quantized.gmm(impl="kernel")``'s value and gradients equal the emulation
   (``impl="emulate"``) up to float32 accumulation order.
 
@@ -24,8 +24,8 @@ Interpret mode is slow (one Python callback per memory access, and a compile
 of a few seconds per kernel call), so the shapes are the smallest that give
 two scale blocks along the contraction, and the per-kernel "one group holds
 all rows" cases (also covered, through all three kernels, by the wrapper
-test) run only with ``DROPLESS_SLOW=1``. The default set takes about 54 s of
-CPU time (49 s wall on two shared cores).
+test) run only with ``DROPLESS_SLOW=1``. The default set took 63 s wall on
+two shared cores (2026-12-02; the two tile-order tests 6.5 s of it).
 """
 
 import functools
@@ -115,6 +115,18 @@ def test_lowers_for_cuda_at_deepseek_shapes(kind, shape):
     fn, args = _lowering_args(kind, *shape)
     exported = jax.export.export(jax.jit(lambda *a: fn(*a, sms=132)), platforms=["cuda"])(*args)
     assert "mosaic_gpu" in exported.mlir_module()
+
+
+def test_wgrad_sorted_snake_lowers_for_cuda_at_a_qwen3_shape():
+    """The on-device group order and the snake loop lower in the FP8 wgrad kernel at
+    Qwen3-30B's G=128 (fewer tiles per group than SMs: where the order matters), as
+    training runs it (defaults, bf16 output); an unknown order is refused."""
+    fn, args = _lowering_args("wgrad", 65536, 768, 2048, 128)
+    order_fn = lambda *a: fn(*a, sms=132, tile_order="sorted_snake")  # noqa: E731
+    exported = jax.export.export(jax.jit(order_fn), platforms=["cuda"])(*args)
+    assert "mosaic_gpu" in exported.mlir_module()
+    with pytest.raises(ValueError, match="tile_order"):
+        jax.eval_shape(lambda *a: fn(*a, tile_order="lpt"), *args)
 
 
 @pytest.mark.parametrize("quant_impl,aligned", [("xla", False), ("auto", False), ("auto", True)])
@@ -253,6 +265,28 @@ def test_interpret_wgrad_matches_dequantized_product(rng, layout, split, overlap
             np.testing.assert_array_equal(np.asarray(dw[e]), 0.0)
         else:
             _assert_close(dw[e], ref[e])
+
+
+def test_interpret_wgrad_tile_orders_agree_bit_for_bit(rng):
+    """Each output tile is computed whole by one CTA in the same steps whatever the
+    order, so "sorted_snake" must equal "groups" exactly. 3 CTAs over 7 groups x 2
+    N tiles: 5 rounds, the last partial, groups far from sorted by their step
+    counts, empty ones (zero stores), NaN rows past the total; the output starts
+    as NaN in interpret mode, so a tile visited by no CTA fails too."""
+    m, sizes = 1024, [128, 0, 384, 0, 256, 128, 0]
+    k, n = 128, 256  # split rows: one 128-row K tile, two 128-column N tiles
+    gs = jnp.asarray(np.array(sizes, np.int32))
+    x = _nan_tail(_scaled(rng, (m, k), (0, 1)), sum(sizes))
+    dy = _nan_tail(_scaled(rng, (m, n), (0, 1)), sum(sizes))
+    ops = mosaic_fp8_tgmm.wgrad_operands(x, dy)
+    run = lambda order: mosaic_fp8_tgmm.tgmm_fp8_blockwise(*ops, gs, sms=3, tile_order=order)
+    with _interpret():
+        by_groups, sorted_snake = run("groups"), run("sorted_snake")
+    np.testing.assert_array_equal(np.asarray(sorted_snake), np.asarray(by_groups))
+    assert not np.isnan(np.asarray(sorted_snake)).any()
+    for e, size in enumerate(sizes):
+        if size == 0:
+            np.testing.assert_array_equal(np.asarray(sorted_snake[e]), 0.0)
 
 
 def test_interpret_wgrad_default_writes_the_float32_sum_rounded_to_bf16(rng):
@@ -469,6 +503,16 @@ def test_gpu_wgrad_overlap_equals_the_plain_step_bit_for_bit(rng, split):
     ops, gs = _wgrad_inputs(rng, lambda r, s: _scaled(r, s, (0, 1)))
     np.testing.assert_array_equal(_run_wgrad(ops, gs, split=split, overlap=True),
                                   _run_wgrad(ops, gs, split=split, overlap=False))
+
+
+@gpu_test
+def test_gpu_wgrad_sorted_snake_equals_the_default_order_bit_for_bit(rng):
+    """On random data: ``tile_order="sorted_snake"`` hands tiles to other SMs (144
+    tiles over the device's SMs, groups of 0 to 24 steps), each still computed whole
+    by one CTA in the same steps, so dw must not change by a bit."""
+    ops, gs = _wgrad_inputs(rng, lambda r, s: _scaled(r, s, (0, 1)))
+    np.testing.assert_array_equal(_run_wgrad(ops, gs, tile_order="sorted_snake"),
+                                  _run_wgrad(ops, gs))
 
 
 @gpu_test

@@ -40,7 +40,9 @@ transposes are one byte per element; XLA fuses them with the quantization.
 Design (the forward kernel's structure, ``mosaic_fp8``, with the roles of
 rows and contraction swapped):
 - Persistent grid walking (group, K tile, N band) output tiles group-major,
-  as ``mosaic_tgmm``: the SMs share one group's rows in L2 at a time.
+  as ``mosaic_tgmm``: the SMs share one group's rows in L2 at a time. Which
+  CTA takes which tile is ``tile_order``'s (``mosaic_gmm.walk_tiles``): the
+  flat round robin by default, or balanced over the SMs under skewed groups.
 - CTA tile 64 (K) x 256 (N): both compute warpgroups read the same 64x128
   x tile (A) and each its own 128 columns of the dy tile (B), as the
   forward shares its row tile. Each 128-row step goes into a fresh float32
@@ -91,7 +93,7 @@ from dropless.ops import quant
 from dropless.ops.gmm import reference as ref_backend
 from dropless.ops.gmm import schedule as schedule_lib
 from dropless.ops.gmm.mosaic_fp8 import BLOCK, _MEMORY_REGISTERS, _swizzle_transforms
-from dropless.ops.gmm.mosaic_gmm import persistent_kernel
+from dropless.ops.gmm.mosaic_gmm import persistent_kernel, tile_order_operands, walk_tiles
 from dropless.ops.gmm.mosaic_tgmm import _store_tile
 
 BLOCK_K = 64  # rows of dw per warpgroup (wgmma's M)
@@ -128,16 +130,19 @@ def check_shapes(xq_KM, sx, dyq_NM, sdy, group_sizes_G):
 
 
 def tgmm_fp8_blockwise(xq_KM, sx, dyq_NM, sdy, group_sizes_G, *, out_dtype=jnp.float32,
-                       num_stages=4, sms=None, split="rows", overlap=True):
+                       num_stages=4, sms=None, split="rows", overlap=True, tile_order="groups"):
     """dw [G, K, N] = per-group blockwise-scaled x^T dy; zeros for empty groups.
 
-    See the module docstring for the operand layouts. ``split`` (``SPLITS``) and
-    ``overlap`` (promote each step's product during the next step's wgmma)
-    change how the kernel runs, not its bits; the defaults had the shortest
-    kernel time on the H200 (module docstring).
+    See the module docstring for the operand layouts. ``split`` (``SPLITS``),
+    ``overlap`` (promote each step's product during the next step's wgmma) and
+    ``tile_order`` (``mosaic_gmm.TILE_ORDERS``: which CTA computes which output
+    tile, ``mosaic_gmm.walk_tiles``) change how the kernel runs, not its bits;
+    the split and overlap defaults had the shortest kernel time on the H200
+    (module docstring). ``"sorted_snake"`` ranks groups by their 128-row steps.
 
     Raises:
-      ValueError: shapes or dtypes the kernel cannot take (``check_shapes``).
+      ValueError: shapes or dtypes the kernel cannot take (``check_shapes``), an
+        unknown ``split`` or ``tile_order``.
     """
     m, k, n = check_shapes(xq_KM, sx, dyq_NM, sdy, group_sizes_G)
     num_groups = group_sizes_G.shape[0]
@@ -153,6 +158,7 @@ def tgmm_fp8_blockwise(xq_KM, sx, dyq_NM, sdy, group_sizes_G, *, out_dtype=jnp.f
     k_tiles, n_bands = k // cta_k, n // cta_n
     mb = m // bm
     starts_G, sizes_G = schedule_lib.group_offsets(group_sizes_G, m)
+    order_refs = tile_order_operands(tile_order, group_sizes_G, m, bm)
     in_transforms = _swizzle_transforms(bm, xq_KM.dtype)
     out_transforms = _swizzle_transforms(64, out_dtype)
 
@@ -173,7 +179,8 @@ def tgmm_fp8_blockwise(xq_KM, sx, dyq_NM, sdy, group_sizes_G, *, out_dtype=jnp.f
             compute_context=compute_context,
         )
 
-    def body(starts_ref, sizes_ref, x_gmem, sx_gmem, dy_gmem, sdy_gmem, o_gmem):
+    def body(starts_ref, sizes_ref, *refs):
+        *order_ref, x_gmem, sx_gmem, dy_gmem, sdy_gmem, o_gmem = refs  # order_ref: [] or [order]
         ignore = lambda *_, **__: None
         pipeline_allocs = make_pipeline(ignore, ignore, num_stages).get_allocations(
             x_gmem.at[pl.ds(0, cta_k), pl.ds(0, bm)], dy_gmem.at[pl.ds(0, cta_n), pl.ds(0, bm)],
@@ -189,11 +196,11 @@ def tgmm_fp8_blockwise(xq_KM, sx, dyq_NM, sdy, group_sizes_G, *, out_dtype=jnp.f
         def _scope(pipeline_allocs, out_smem):
             wg = lax.axis_index("wg")
 
-            @plgpu.nd_loop((num_groups, k_tiles, n_bands), collective_axes="sm")
-            def _tile_loop(loop_info):
-                g, k_tile, band = loop_info.index
+            @walk_tiles((num_groups, k_tiles, n_bands), *order_ref)
+            def _tile(g, k_tile, band):
                 start, size = starts_ref[g], sizes_ref[g]
                 first_block = start // bm
+                # schedule.tgmm_steps at block_m = bm: what "sorted_snake" ranks groups by.
                 steps = jnp.where(size > 0, (start + size + bm - 1) // bm - first_block, 0)
                 store = functools.partial(
                     _store_tile, out_smem=out_smem, wg=wg, bk=bk, bn=bn,
@@ -284,7 +291,7 @@ def tgmm_fp8_blockwise(xq_KM, sx, dyq_NM, sdy, group_sizes_G, *, out_dtype=jnp.f
         plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
     kernel = persistent_kernel(body, jax.ShapeDtypeStruct((num_groups, k, n), out_dtype), sms)
-    return kernel(starts_G, sizes_G, xq_KM, sx, dyq_NM, sdy)
+    return kernel(starts_G, sizes_G, *order_refs, xq_KM, sx, dyq_NM, sdy)
 
 
 def quantize_columns(a_MC):

@@ -31,6 +31,10 @@ Design:
   (aliased with the swizzled one) and a ladder of power-of-two-row TMA
   stores. Tail tiles store zeros, so rows past ``sum(group_sizes)`` are
   written in the same pass. Rows past M are clipped by TMA.
+
+Shared by the package's other kernels: ``persistent_kernel`` (the kernel shape
+all of them have) and, for the two weight-gradient kernels, ``walk_tiles``
+(which CTA computes which output tile).
 """
 
 import functools
@@ -93,6 +97,67 @@ def vary_like(out, operands):
 def _varying(a) -> frozenset:
     axis_type = getattr(jax.typeof(a), "manual_axis_type", None)
     return frozenset(axis_type.varying) if axis_type is not None else frozenset()
+
+
+# How the weight-gradient kernels (bf16 ``mosaic_tgmm``, FP8 ``mosaic_fp8_tgmm``) hand
+# their (group, K tile, N tile) output tiles to CTAs; see ``walk_tiles``.
+TILE_ORDERS = ("groups", "sorted_snake")
+
+
+def tile_order_operands(tile_order, group_sizes_G, m, block_m):
+    """The extra kernel operands ``walk_tiles`` reads for ``tile_order``: none for
+    ``"groups"``; for ``"sorted_snake"`` the [G] group order by descending step count
+    (``schedule.tgmm_group_order``), where ``block_m`` must be the kernel's own step
+    along M, so the order ranks groups by the steps their tiles really take.
+
+    Raises:
+      ValueError for a tile_order not in ``TILE_ORDERS``.
+    """
+    if tile_order not in TILE_ORDERS:
+        raise ValueError(f"{tile_order=} is not one of {TILE_ORDERS}")
+    if tile_order == "groups":
+        return ()
+    return (schedule_lib.tgmm_group_order(group_sizes_G, m, block_m),)
+
+
+def walk_tiles(grid, order_ref_G=None):
+    """Decorator: call ``tile(g, k_tile, n_tile)`` for this CTA's share of the
+    weight-gradient ``grid`` (G, K tiles, N tiles) of a ``persistent_kernel``.
+
+    A tile costs its group's step count, so the order decides how evenly the SMs
+    are loaded under skewed group sizes; every tile is still computed whole by
+    one CTA in the same steps, so the result is the same bit for bit:
+    - without ``order_ref_G`` (``"groups"``): ``nd_loop``'s round robin over the
+      flat grid, tile i on CTA i mod SMs. A CTA gets whatever mix of long and
+      short tiles its slots fall on: most uneven when a group has fewer tiles
+      than there are SMs (``benchmarks/tgmm_balance.py`` models both orders).
+    - with it (``"sorted_snake"``, ``tile_order_operands``): grid rank r is group
+      ``order_ref_G[r]`` (descending step count) and the rounds of the grid run
+      as a snake (``schedule.snake_tile``), so every CTA gets about the same
+      number of steps. The last round may be partial: CTAs skip indices past
+      the grid. Both orders are group-major, so the SMs share one group's rows
+      in L2 at a time; this one costs an argsort of G step counts before the
+      launch and one more int32 read per tile.
+    """
+
+    def decorator(tile):
+        if order_ref_G is None:
+            plgpu.nd_loop(grid, collective_axes="sm")(lambda info: tile(*info.index))
+            return
+        num_groups, k_tiles, n_tiles = grid
+        num_tiles = num_groups * k_tiles * n_tiles
+        sm, num_sms = lax.axis_index("sm"), lax.axis_size("sm")
+
+        @pl.loop(0, (num_tiles + num_sms - 1) // num_sms)
+        def _round(wave):
+            t = schedule_lib.snake_tile(wave, sm, num_sms)
+
+            @pl.when(t < num_tiles)
+            def _visit():
+                rank, rest = t // (k_tiles * n_tiles), t % (k_tiles * n_tiles)
+                tile(order_ref_G[rank], rest // n_tiles, rest % n_tiles)
+
+    return decorator
 
 
 def _swizzle_transforms(minor_elems, dtype):

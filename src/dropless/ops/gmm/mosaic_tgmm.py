@@ -40,7 +40,7 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from dropless.ops.gmm import schedule as schedule_lib
 from dropless.ops.gmm.mosaic_gmm import (_EPI, _MEMORY_REGISTERS, _swizzle_transforms,
-                                         persistent_kernel)
+                                         persistent_kernel, tile_order_operands, walk_tiles)
 from dropless.ops.gmm.tuning import TgmmTiling
 
 
@@ -60,33 +60,20 @@ def check_shapes(x_shape, dy_shape, tiling):
     return m, k, n
 
 
-TILE_ORDERS = ("groups", "sorted_snake")
-
-
 def tgmm(x_MK, dy_MN, group_sizes_G, *, num_groups, tiling: TgmmTiling, out_dtype=None,
          sms=None, tile_order="groups"):
     """Grouped x^T dy; see the module docstring. Returns [G, K, N] in out_dtype.
 
-    ``tile_order`` picks which CTA computes which output tile; every tile is
-    still computed whole by one CTA in the same steps, so the result is the
-    same bit for bit:
-    - ``"groups"``: flat (group, K band, N tile) order, tile i on CTA i mod SMs.
-    - ``"sorted_snake"``: groups by descending step count
-      (``schedule.tgmm_group_order``, computed on device), rounds of the grid
-      walked as a snake (``schedule.snake_tile``). Under skewed group sizes
-      "groups" gives a CTA whatever mix of long and short tiles its slots
-      fall on; this order gives every CTA about the same number of steps
-      (``benchmarks/tgmm_balance.py`` models both). It stays group-major, so
-      the SMs still share one group's rows in L2 at a time; it gives up
-      visiting groups in memory order (the rows a boundary step shares with
-      the next group are no longer read again right after), costs an argsort
-      of G step counts before the launch and one more int32 read per tile.
+    ``tile_order`` (``mosaic_gmm.TILE_ORDERS``) picks which CTA computes which output tile,
+    not the result's bits (``mosaic_gmm.walk_tiles``): ``"groups"`` is the flat
+    round robin, ``"sorted_snake"`` balances the SMs' step counts under skewed
+    group sizes. Here the latter also gives up visiting groups in memory order:
+    the rows a boundary step shares with the next group are no longer read
+    again right after.
 
     Raises:
       ValueError for shapes the kernel cannot take or an unknown ``tile_order``.
     """
-    if tile_order not in TILE_ORDERS:
-        raise ValueError(f"mosaic tgmm: {tile_order=} is not one of {TILE_ORDERS}")
     m, k, n = check_shapes(x_MK.shape, dy_MN.shape, tiling)
     out_dtype = jnp.dtype(out_dtype or x_MK.dtype)
     bk, bn, bm = tiling.block_k, tiling.block_n, tiling.block_m
@@ -114,9 +101,7 @@ def tgmm(x_MK, dy_MN, group_sizes_G, *, num_groups, tiling: TgmmTiling, out_dtyp
             compute_context=compute_context,
         )
 
-    order_refs = ()
-    if tile_order == "sorted_snake":
-        order_refs = (schedule_lib.tgmm_group_order(group_sizes_G, m, bm),)
+    order_refs = tile_order_operands(tile_order, group_sizes_G, m, bm)
 
     def body(starts_ref, sizes_ref, *refs):
         *order_ref, x_gmem, dy_gmem, o_gmem = refs  # order_ref: [] or [the group order]
@@ -135,7 +120,7 @@ def tgmm(x_MK, dy_MN, group_sizes_G, *, num_groups, tiling: TgmmTiling, out_dtyp
         def _scope(pipeline_allocs, out_smem, mask_barrier):
             wg = lax.axis_index("wg")
 
-            @_walk_tiles((num_groups, k_bands, n_tiles), *order_ref)
+            @walk_tiles((num_groups, k_bands, n_tiles), *order_ref)
             def _tile(g, k_band, n_tile):
                 start = starts_ref[g]
                 size = sizes_ref[g]
@@ -199,35 +184,6 @@ def tgmm(x_MK, dy_MN, group_sizes_G, *, num_groups, tiling: TgmmTiling, out_dtyp
 
     kernel = persistent_kernel(body, jax.ShapeDtypeStruct((num_groups, k, n), out_dtype), sms)
     return kernel(starts_G, sizes_G, *order_refs, x_MK, dy_MN)
-
-
-def _walk_tiles(grid, order_ref_G=None):
-    """Decorator: call ``tile(g, k_band, n_tile)`` for this CTA's share of ``grid``.
-
-    Without ``order_ref_G``: ``nd_loop``'s round robin over the flat grid.
-    With it (the "sorted_snake" order): grid rank r is group ``order_ref_G[r]``
-    and the rounds run as a snake (``schedule.snake_tile``); the last round may
-    be partial, so each CTA skips indices past the grid.
-    """
-
-    def decorator(tile):
-        if order_ref_G is None:
-            plgpu.nd_loop(grid, collective_axes="sm")(lambda info: tile(*info.index))
-            return
-        num_groups, k_bands, n_tiles = grid
-        num_tiles = num_groups * k_bands * n_tiles
-        sm, num_sms = lax.axis_index("sm"), lax.axis_size("sm")
-
-        @pl.loop(0, (num_tiles + num_sms - 1) // num_sms)
-        def _round(wave):
-            t = schedule_lib.snake_tile(wave, sm, num_sms)
-
-            @pl.when(t < num_tiles)
-            def _visit():
-                rank, rest = t // (k_bands * n_tiles), t % (k_bands * n_tiles)
-                tile(order_ref_G[rank], rest // n_tiles, rest % n_tiles)
-
-    return decorator
 
 
 def _mask_rows(tile_ref, lo, hi):

@@ -118,9 +118,10 @@ def tgmm_steps(starts_G, sizes_G, block_m):
 def tgmm_group_order(group_sizes_G, m, block_m):
     """[G] int32 groups by descending step count (ties by group index), on device.
 
-    The ``"sorted_snake"`` tile order of ``mosaic_tgmm.tgmm`` visits groups in this
-    order, so the long tiles come first and the rounds of the persistent grid
-    hold tiles of similar length.
+    The ``"sorted_snake"`` tile order of the weight-gradient kernels
+    (``mosaic_gmm.walk_tiles``; ``block_m`` is the kernel's step along M) visits
+    groups in this order, so the long tiles come first and the rounds of the
+    persistent grid hold tiles of similar length.
     """
     starts_G, sizes_G = group_offsets(group_sizes_G, m)
     steps_G = tgmm_steps(starts_G, sizes_G, block_m)
