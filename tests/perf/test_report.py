@@ -564,3 +564,31 @@ def test_gmm_shape_sets_render_side_by_side(tmp_path):
     assert "| 600.0 |" in text[first:second] and "| 574.0 |" in text[second:]
     assert (tmp_path / "figures" / "gmm_tflops.png").exists()
     assert (tmp_path / "figures" / "gmm_tflops_qwen3-30b.png").exists()
+
+
+def test_fp8_kernels_sweeps_at_other_shapes_are_their_own_variant(tmp_path):
+    """A wgrad sweep at another shape or layout (a Qwen3 skewed one) does not replace the
+    DeepSeek balanced sweep: each renders under its own title; the other shape's rows and
+    headline carry no DeepSeek target."""
+    d = tmp_path / "r"
+    d.mkdir()
+    deepseek = fp8_kernels_record("2026-12-02T10:45:20+00:00", [
+        ("wgrad_rows_overlap", "wgrad", 732.0)])
+    qwen = fp8_kernels_record("2026-12-03T10:00:00+00:00", [
+        ("wgrad_rows_overlap", "wgrad", 500.0), ("wgrad_rows_overlap_sorted", "wgrad", 600.0)])
+    qwen["config"].update(G=128, K=768, N=2048, layout="dirichlet0.3")
+    (d / "fp8_kernels-deepseek.json").write_text(json.dumps(deepseek))
+    (d / "fp8_kernels-qwen.json").write_text(json.dumps(qwen))
+    newest = report.newest_records(d, log=lambda _: None)
+    name = "fp8_kernels:wgrad sweep M=65536 G=128 K=768 N=2048 dirichlet0.3"
+    assert {k: p.name for k, (_, p) in newest.items()} == {
+        "fp8_kernels:wgrad sweep": "fp8_kernels-deepseek.json", name: "fp8_kernels-qwen.json"}
+    text = report.render(d, tmp_path / "R.md", log=lambda _: None).read_text()
+    assert ("- FP8 wgrad variant sweep (CUPTI): default wgrad_rows_overlap 732 TF/s "
+            "(target 1100)") in text
+    assert ("- FP8 wgrad variant sweep M=65536 G=128 K=768 N=2048 dirichlet0.3 (CUPTI): "
+            "default wgrad_rows_overlap 500 TF/s, best wgrad_rows_overlap_sorted 600 TF/s\n") in text
+    qwen_at = text.index("### wgrad variant sweep M=65536 G=128 K=768 N=2048 dirichlet0.3")
+    assert "| wgrad_rows_overlap_sorted | wgrad | 1.000 | 1.100 | 600 | 550 | - |" in text[qwen_at:]
+    assert "| wgrad_rows_overlap | wgrad | 1.000 | 1.100 | 732 | 682 | 1100: **not met** |" \
+        in text[:qwen_at]
