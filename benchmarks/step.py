@@ -331,13 +331,6 @@ def run_with_backoff(case, args) -> dict:
     return row
 
 
-def _git_commit() -> str:
-    """The commit from $DROPLESS_COMMIT, else git (the GPU machine's copy may have no .git)."""
-    from dropless.perf.measure import commit_label
-
-    return commit_label()
-
-
 def print_table(rows, tiny: bool = False) -> None:
     from rich.console import Console
     from rich.table import Table
@@ -398,7 +391,7 @@ def write_record(rows, cases, args, started, partial: bool, path: str | None = N
         "platform": "cpu" if args.tiny else "gpu",
         "device_count": 1,
         "jax": importlib.metadata.version("jax"),
-        "commit": args.commit or _git_commit(),
+        "commit": args.commit or measure.commit_label(),
         "env": {k: v for k, v in os.environ.items() if k.startswith(("XLA_", "JAX_", "CUDA_", "NCCL_"))},
         "base_overrides": TINY_BASE if args.tiny else BASE,
         "case_overrides": {c: CASE_OVERRIDES[c] for c in cases},

@@ -35,6 +35,7 @@ import json
 import pathlib
 import sys
 
+import jax.numpy as jnp
 import numpy as np
 
 from dropless.ops.gmm import schedule, tuning
@@ -49,16 +50,10 @@ SHAPES = {  # (M, G, K, N): DeepSeek-V3 at EP 8 and Qwen3-30B-A3B, as gmm.py's s
 H200_SMS = 132  # the records fitted here were measured on an H200
 
 
-def group_bounds(sizes_G, m):
-    """[G] starts and sizes clamped to m, as ``schedule.group_offsets`` computes them."""
-    ends_G = np.minimum(np.cumsum(np.maximum(np.asarray(sizes_G, np.int64), 0)), m)
-    starts_G = np.concatenate([[0], ends_G[:-1]])
-    return starts_G, ends_G - starts_G
-
-
 def group_steps(sizes_G, m, block_m):
     """[G] (steps, masked steps) of one tile of each group, as the kernel runs them."""
-    starts_G, sizes_G = group_bounds(sizes_G, m)
+    starts_G, sizes_G = (np.asarray(a, np.int64)
+                         for a in schedule.group_offsets(jnp.asarray(sizes_G), m))
     steps_G = schedule.tgmm_steps(starts_G, sizes_G, block_m)
     head_G = starts_G % block_m > 0  # the first step holds rows of the group before
     tail_G = (starts_G + sizes_G) % block_m > 0  # the last step holds rows after the end
