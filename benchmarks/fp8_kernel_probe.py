@@ -53,11 +53,11 @@ VARIANTS = {
 # during the next step's wgmma; sorted: the tile order that balances the SMs under
 # skewed group sizes (``mosaic_gmm.walk_tiles``).
 WGRAD_VARIANTS = {
-    "wgrad_rows_overlap": dict(split="rows", overlap=True),
     "wgrad_rows_overlap_sorted": dict(split="rows", overlap=True, tile_order="sorted_snake"),
-    "wgrad_rows": dict(split="rows", overlap=False),
-    "wgrad_columns_overlap": dict(split="columns", overlap=True),
-    "wgrad_columns": dict(split="columns", overlap=False),
+    "wgrad_rows_overlap": dict(split="rows", overlap=True, tile_order="groups"),
+    "wgrad_rows": dict(split="rows", overlap=False, tile_order="groups"),
+    "wgrad_columns_overlap": dict(split="columns", overlap=True, tile_order="groups"),
+    "wgrad_columns": dict(split="columns", overlap=False, tile_order="groups"),
 }
 
 

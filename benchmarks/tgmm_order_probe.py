@@ -4,7 +4,7 @@ Legend: M rows, K x N the weight dims (dw [G, K, N]), G groups.
 
 For each shape and ``benchmarks/gmm.py`` layout (same generator and seed, so
 the same group sizes as the gmm records) times ``mosaic.tgmm`` with
-``tile_order="groups"`` (the default) and ``"sorted_snake"``, and, to separate
+``tile_order="groups"`` and ``"sorted_snake"`` (the default), and, to separate
 the cost of group bounds that are not multiples of block_m (one more step per
 tile and masked steps; see ``tgmm_balance.py``), both orders again on the
 same sizes rounded to block_m (``gmm.align_group_sizes``; the ``_aligned``

@@ -135,10 +135,10 @@ def test_fp8_sections(tmp_path):
                "config": {"M": 65536, "G": 32, "K": 7168, "N": 4096, "layout": "balanced"},
                "rows": [{"variant": "rows_gtw8", "product": "fwd", "kernel_ms": 3.0, "wall_ms": 3.2,
                          "tflops_kernel": 1300.0, "tflops_wall": 1200.0},
-                        {"variant": "wgrad_rows_overlap", "product": "wgrad", "kernel_ms": 5.4,
+                        {"variant": "wgrad_rows_overlap_sorted", "product": "wgrad", "kernel_ms": 5.4,
                          "wall_ms": 5.7, "tflops_kernel": 711.0, "tflops_wall": 674.0},
                         {"variant": "wgrad_rows", "product": "wgrad",
-                         "bitwise_equal_to": "wgrad_rows_overlap", "equal": True}]}
+                         "bitwise_equal_to": "wgrad_rows_overlap_sorted", "equal": True}]}
     quant = {"kind": "fp8_quant", "created": "2026-12-01T19:50:00+00:00", **PROV,
              "rows": [{"section": "pass", "name": "copy", "kernel_ms": 0.5, "wall_ms": 0.6,
                        "gbps_kernel": 3000.0},
@@ -154,14 +154,14 @@ def test_fp8_sections(tmp_path):
     (d / "q.json").write_text(json.dumps(quant))
     text = report.render(d, tmp_path / "R.md", log=lambda _: None).read_text()
     assert "| rows_gtw8 | fwd | 3.000 | 3.200 | 1300 | 1200 | 1250: met |" in text
-    assert "| wgrad_rows_overlap | wgrad | 5.400 | 5.700 | 711 | 674 | 1100: **not met** |" in text
-    assert "wgrad wgrad_rows == wgrad_rows_overlap: True" in text
+    assert "| wgrad_rows_overlap_sorted | wgrad | 5.400 | 5.700 | 711 | 674 | 1100: **not met** |" in text
+    assert "wgrad wgrad_rows == wgrad_rows_overlap_sorted: True" in text
     assert "| rows | 1.000 | 1.100 | 1,500 | 0.50x |" in text
     assert "| fwd+bwd kernel path | 20.000 | 21.000 | 600 | 0.80x |" in text
     assert ("- FP8 fwd+dgrad+wgrad with quantization 20.0 ms = 0.80x bf16's 16.0 ms "
             "(kernels alone 10.0 ms = 1.60x)") in text
     assert ("- FP8 kernels alone (CUPTI, default variants): fwd rows_gtw8 1300 TF/s (target 1250), "
-            "wgrad wgrad_rows_overlap 711 TF/s (target 1100)") in text
+            "wgrad wgrad_rows_overlap_sorted 711 TF/s (target 1100)") in text
     # With the Pallas quantizers' row, the headline leads with it (the default path).
     quant["rows"].append({"section": "product", "name": "fwd+bwd kernel path, pallas q",
                           "kernel_ms": 12.8, "wall_ms": 13.5, "tflops_kernel": 900.0})
@@ -191,9 +191,9 @@ def test_fp8_kernels_wgrad_sweep_keeps_the_products_record(tmp_path):
         ("wgrad_columns", "wgrad", 711.0), ("wgrad_rows", "wgrad", 702.0)])
     sweep = fp8_kernels_record("2026-12-02T10:45:20+00:00", [
         ("wgrad_columns", "wgrad", 712.0), ("wgrad_columns_bf16", "wgrad", 753.0),
-        ("wgrad_rows_overlap", "wgrad", 732.0), ("wgrad_rows_overlap_bf16", "wgrad", 791.0),
+        ("wgrad_rows_overlap_sorted", "wgrad", 732.0), ("wgrad_rows_overlap_sorted_bf16", "wgrad", 791.0),
         ("wgrad_rows_bf16", "wgrad", 745.0)])
-    sweep["rows"].append({"variant": "wgrad_rows_overlap", "product": "wgrad",
+    sweep["rows"].append({"variant": "wgrad_rows_overlap_sorted", "product": "wgrad",
                           "bitwise_equal_to": "wgrad_columns", "equal": True})
     (d / "fp8_kernels-products.json").write_text(json.dumps(products))
     (d / "fp8_kernels-sweep.json").write_text(json.dumps(sweep))
@@ -204,15 +204,15 @@ def test_fp8_kernels_wgrad_sweep_keeps_the_products_record(tmp_path):
     text = report.render(d, tmp_path / "R.md", log=lambda _: None).read_text()
     assert ("- FP8 kernels alone (CUPTI, default variants): fwd rows_gtw8 1136 TF/s (target 1250), "
             "dgrad rows_gtw8 1104 TF/s (target 1250), wgrad wgrad_columns 711 TF/s (target 1100; "
-            "the best timed, the default wgrad_rows_overlap was not)") in text
-    assert ("- FP8 wgrad variant sweep (CUPTI): default wgrad_rows_overlap 732 TF/s, bf16 output, "
-            "as trained wgrad_rows_overlap_bf16 791 TF/s (target 1100)") in text
+            "the best timed, the default wgrad_rows_overlap_sorted was not)") in text
+    assert ("- FP8 wgrad variant sweep (CUPTI): default wgrad_rows_overlap_sorted 732 TF/s, bf16 output, "
+            "as trained wgrad_rows_overlap_sorted_bf16 791 TF/s (target 1100)") in text
     section = text[text.index("## FP8 grouped GEMM kernels"):]
     sweep_at = section.index("### wgrad variant sweep")
     assert "| cols_gtw1 | fwd | 1.000 | 1.100 | 1200 | 1150 | 1250: **not met** |" in section[:sweep_at]
     assert "`fp8_kernels-products.json`" in section[:sweep_at]
-    assert "| wgrad_rows_overlap_bf16 | wgrad | 1.000 | 1.100 | 791 | 741 |" in section[sweep_at:]
-    assert "wgrad wgrad_rows_overlap == wgrad_columns: True" in section[sweep_at:]
+    assert "| wgrad_rows_overlap_sorted_bf16 | wgrad | 1.000 | 1.100 | 791 | 741 |" in section[sweep_at:]
+    assert "wgrad wgrad_rows_overlap_sorted == wgrad_columns: True" in section[sweep_at:]
     assert "`fp8_kernels-sweep.json`" in section[sweep_at:]
     # dropless bench passes the bare kind: the variant comes from the record.
     assert report.headlines("fp8_kernels", sweep)[0].startswith("FP8 wgrad variant sweep")
@@ -573,9 +573,9 @@ def test_fp8_kernels_sweeps_at_other_shapes_are_their_own_variant(tmp_path):
     d = tmp_path / "r"
     d.mkdir()
     deepseek = fp8_kernels_record("2026-12-02T10:45:20+00:00", [
-        ("wgrad_rows_overlap", "wgrad", 732.0)])
+        ("wgrad_rows_overlap_sorted", "wgrad", 732.0)])
     qwen = fp8_kernels_record("2026-12-03T10:00:00+00:00", [
-        ("wgrad_rows_overlap", "wgrad", 500.0), ("wgrad_rows_overlap_sorted", "wgrad", 600.0)])
+        ("wgrad_rows_overlap_sorted", "wgrad", 500.0), ("wgrad_rows_overlap", "wgrad", 600.0)])
     qwen["config"].update(G=128, K=768, N=2048, layout="dirichlet0.3")
     (d / "fp8_kernels-deepseek.json").write_text(json.dumps(deepseek))
     (d / "fp8_kernels-qwen.json").write_text(json.dumps(qwen))
@@ -584,11 +584,11 @@ def test_fp8_kernels_sweeps_at_other_shapes_are_their_own_variant(tmp_path):
     assert {k: p.name for k, (_, p) in newest.items()} == {
         "fp8_kernels:wgrad sweep": "fp8_kernels-deepseek.json", name: "fp8_kernels-qwen.json"}
     text = report.render(d, tmp_path / "R.md", log=lambda _: None).read_text()
-    assert ("- FP8 wgrad variant sweep (CUPTI): default wgrad_rows_overlap 732 TF/s "
+    assert ("- FP8 wgrad variant sweep (CUPTI): default wgrad_rows_overlap_sorted 732 TF/s "
             "(target 1100)") in text
     assert ("- FP8 wgrad variant sweep M=65536 G=128 K=768 N=2048 dirichlet0.3 (CUPTI): "
-            "default wgrad_rows_overlap 500 TF/s, best wgrad_rows_overlap_sorted 600 TF/s\n") in text
+            "default wgrad_rows_overlap_sorted 500 TF/s, best wgrad_rows_overlap 600 TF/s\n") in text
     qwen_at = text.index("### wgrad variant sweep M=65536 G=128 K=768 N=2048 dirichlet0.3")
-    assert "| wgrad_rows_overlap_sorted | wgrad | 1.000 | 1.100 | 600 | 550 | - |" in text[qwen_at:]
-    assert "| wgrad_rows_overlap | wgrad | 1.000 | 1.100 | 732 | 682 | 1100: **not met** |" \
+    assert "| wgrad_rows_overlap | wgrad | 1.000 | 1.100 | 600 | 550 | - |" in text[qwen_at:]
+    assert "| wgrad_rows_overlap_sorted | wgrad | 1.000 | 1.100 | 732 | 682 | 1100: **not met** |" \
         in text[:qwen_at]

@@ -12,9 +12,10 @@ from dropless.perf.report_md import TITLES, _num, _ratio, _source_line, md_table
 FP8_TARGETS = {"fwd": 1250.0, "dgrad": 1250.0, "wgrad": 1100.0}  # TF/s, kernels alone (issue 12)
 # The probe's names for the kernels' default arguments, the ones training calls them with:
 # gmm_fp8_blockwise split rows, grid tile width 8, 4 stages; tgmm_fp8_blockwise split
-# rows with overlap since ba9c7f3 (split columns, no overlap before; the probe's float32
-# output; training writes the layer's dtype, the probe's ``_bf16`` rows).
-DEFAULT_VARIANTS = {"fwd": "rows_gtw8", "dgrad": "rows_gtw8", "wgrad": "wgrad_rows_overlap"}
+# rows with overlap since ba9c7f3 (split columns, no overlap before), in the sorted_snake
+# tile order since 2026-12-02 (the probe's ``wgrad_rows_overlap`` is now the flat round
+# robin; the probe's float32 output; training writes the layer's dtype, the ``_bf16`` rows).
+DEFAULT_VARIANTS = {"fwd": "rows_gtw8", "dgrad": "rows_gtw8", "wgrad": "wgrad_rows_overlap_sorted"}
 # The probe's default shape: a sweep at another shape or layout is its own variant, so a
 # Qwen3 or skewed sweep does not replace the DeepSeek one.
 DEEPSEEK_SWEEP_SHAPE = (65536, 32, 7168, 4096)

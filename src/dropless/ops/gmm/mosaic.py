@@ -127,7 +127,7 @@ def gmm(x, w, group_sizes, *, transpose_rhs=False, out_dtype=None, tiling=None):
     return y if x_padded is x else y[: x.shape[0]]
 
 
-def tgmm(x, dy, group_sizes, *, num_groups, out_dtype=None, tiling=None, tile_order="groups"):
+def tgmm(x, dy, group_sizes, *, num_groups, out_dtype=None, tiling=None, tile_order="sorted_snake"):
     """dw[g] = x[rows of g]^T @ dy[rows of g] -> [G, K, N]; zeros for empty groups.
 
     ``tile_order``: which SM computes which output tile (``mosaic_tgmm.tgmm``);

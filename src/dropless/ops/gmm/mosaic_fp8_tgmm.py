@@ -41,8 +41,8 @@ Design (the forward kernel's structure, ``mosaic_fp8``, with the roles of
 rows and contraction swapped):
 - Persistent grid walking (group, K tile, N band) output tiles group-major,
   as ``mosaic_tgmm``: the SMs share one group's rows in L2 at a time. Which
-  CTA takes which tile is ``tile_order``'s (``mosaic_gmm.walk_tiles``): the
-  flat round robin by default, or balanced over the SMs under skewed groups.
+  CTA takes which tile is ``tile_order``'s (``mosaic_gmm.walk_tiles``): by
+  default balanced over the SMs under skewed groups, or the flat round robin.
 - CTA tile 64 (K) x 256 (N): both compute warpgroups read the same 64x128
   x tile (A) and each its own 128 columns of the dy tile (B), as the
   forward shares its row tile. Each 128-row step goes into a fresh float32
@@ -130,7 +130,7 @@ def check_shapes(xq_KM, sx, dyq_NM, sdy, group_sizes_G):
 
 
 def tgmm_fp8_blockwise(xq_KM, sx, dyq_NM, sdy, group_sizes_G, *, out_dtype=jnp.float32,
-                       num_stages=4, sms=None, split="rows", overlap=True, tile_order="groups"):
+                       num_stages=4, sms=None, split="rows", overlap=True, tile_order="sorted_snake"):
     """dw [G, K, N] = per-group blockwise-scaled x^T dy; zeros for empty groups.
 
     See the module docstring for the operand layouts. ``split`` (``SPLITS``),
@@ -138,7 +138,11 @@ def tgmm_fp8_blockwise(xq_KM, sx, dyq_NM, sdy, group_sizes_G, *, out_dtype=jnp.f
     ``tile_order`` (``mosaic_gmm.TILE_ORDERS``: which CTA computes which output
     tile, ``mosaic_gmm.walk_tiles``) change how the kernel runs, not its bits;
     the split and overlap defaults had the shortest kernel time on the H200
-    (module docstring). ``"sorted_snake"`` ranks groups by their 128-row steps.
+    (module docstring). ``"sorted_snake"`` ranks groups by their 128-row steps;
+    it is the default as in the bf16 kernel (``mosaic_tgmm.tgmm``): at Qwen3-30B's
+    M=65536 G=128 K=768 N=2048 it ran 1.07x (float32 out) and 1.05x (bf16 out)
+    faster than ``"groups"`` under Dirichlet(0.3) sizes and 0.98x / 0.97x with
+    equal sizes (``fp8_kernels-20261202-132026`` and ``-132107``).
 
     Raises:
       ValueError: shapes or dtypes the kernel cannot take (``check_shapes``), an

@@ -12,10 +12,10 @@ multiplying by 0, which lets a NaN in a row past the total leak into dw.
 Design:
 - Persistent grid over all SMs walking (group, K band, N tile) output tiles,
   group-major, so the SMs share one group's rows of x and dy in L2 at a time.
-  A tile costs its group's step count, so under skewed sizes the default
-  round robin can give some SMs more steps than others (most when a group
-  has fewer tiles than there are SMs); ``tile_order="sorted_snake"`` evens
-  that out (see ``tgmm``).
+  A tile costs its group's step count, so under skewed sizes a flat round
+  robin (``tile_order="groups"``) can give some SMs more steps than others
+  (most when a group has fewer tiles than there are SMs); the default
+  ``"sorted_snake"`` evens that out (see ``tgmm``).
 - Each tile contracts over its group's rows with a warp-specialized pipeline
   (one TMA warpgroup, two wgmma warpgroups, each owning block_k rows of K).
   Steps start at the group's first row rounded down to block_m (Mosaic's
@@ -61,7 +61,7 @@ def check_shapes(x_shape, dy_shape, tiling):
 
 
 def tgmm(x_MK, dy_MN, group_sizes_G, *, num_groups, tiling: TgmmTiling, out_dtype=None,
-         sms=None, tile_order="groups"):
+         sms=None, tile_order="sorted_snake"):
     """Grouped x^T dy; see the module docstring. Returns [G, K, N] in out_dtype.
 
     ``tile_order`` (``mosaic_gmm.TILE_ORDERS``) picks which CTA computes which output tile,
@@ -70,6 +70,12 @@ def tgmm(x_MK, dy_MN, group_sizes_G, *, num_groups, tiling: TgmmTiling, out_dtyp
     group sizes. Here the latter also gives up visiting groups in memory order:
     the rows a boundary step shares with the next group are no longer read
     again right after.
+
+    The default is ``"sorted_snake"``: on the H200 (``tgmm_order-20261202-131005``,
+    M=65536) it ran 1.03-1.18x faster under Dirichlet(1.0) and Dirichlet(0.3)
+    group sizes (G=32 K=7168 N=4096: 6.04 -> 5.66 ms) and cost 0.3-0.7% at
+    G=32 and 2-3% at G=128 with equal sizes. Routed tokens are skewed (the
+    proxy trains at a load coefficient of variation of 1.2-1.5).
 
     Raises:
       ValueError for shapes the kernel cannot take or an unknown ``tile_order``.
