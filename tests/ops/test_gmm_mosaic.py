@@ -111,13 +111,15 @@ def test_kernels_lower_for_cuda(kind):
     assert "mosaic_gpu" in exported.mlir_module()
 
 
-def test_sorted_snake_tile_order_lowers_for_cuda():
-    """The on-device group order and the snake loop lower, here through the backend
-    entry with rows and K, N that need padding (the option reaches the kernel)."""
+def test_groups_tile_order_lowers_for_cuda():
+    """The round robin (``tile_order="groups"``; the default ``"sorted_snake"``, its
+    on-device group order and snake loop lower in ``test_kernels_lower_for_cuda``)
+    lowers, here through the backend entry with rows and K, N that need padding (the
+    option reaches the kernel); an unknown order is refused."""
     m, k, n, g = 4100, 2000, 768, 40
     s = jax.ShapeDtypeStruct
     x, dy, gs = s((m, k), jnp.bfloat16), s((m, n), jnp.bfloat16), s((g,), jnp.int32)
-    fn = lambda x, dy, gs: mosaic.tgmm(x, dy, gs, num_groups=g, tile_order="sorted_snake")
+    fn = lambda x, dy, gs: mosaic.tgmm(x, dy, gs, num_groups=g, tile_order="groups")
     exported = jax.export.export(jax.jit(fn), platforms=["cuda"])(x, dy, gs)
     assert "mosaic_gpu" in exported.mlir_module()
     with pytest.raises(ValueError, match="tile_order"):

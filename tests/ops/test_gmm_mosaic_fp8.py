@@ -117,12 +117,15 @@ def test_lowers_for_cuda_at_deepseek_shapes(kind, shape):
     assert "mosaic_gpu" in exported.mlir_module()
 
 
-def test_wgrad_sorted_snake_lowers_for_cuda_at_a_qwen3_shape():
-    """The on-device group order and the snake loop lower in the FP8 wgrad kernel at
-    Qwen3-30B's G=128 (fewer tiles per group than SMs: where the order matters), as
-    training runs it (defaults, bf16 output); an unknown order is refused."""
+def test_wgrad_tile_orders_lower_for_cuda_at_a_qwen3_shape():
+    """Both tile orders lower in the FP8 wgrad kernel at Qwen3-30B's G=128 (fewer tiles
+    per group than SMs: where the order matters), as training runs it (defaults, bf16
+    output): the default ``"sorted_snake"`` with its on-device group order and snake
+    loop, and the round robin ``"groups"``; an unknown order is refused."""
     fn, args = _lowering_args("wgrad", 65536, 768, 2048, 128)
-    order_fn = lambda *a: fn(*a, sms=132, tile_order="sorted_snake")  # noqa: E731
+    exported = jax.export.export(jax.jit(lambda *a: fn(*a, sms=132)), platforms=["cuda"])(*args)
+    assert "mosaic_gpu" in exported.mlir_module()
+    order_fn = lambda *a: fn(*a, sms=132, tile_order="groups")  # noqa: E731
     exported = jax.export.export(jax.jit(order_fn), platforms=["cuda"])(*args)
     assert "mosaic_gpu" in exported.mlir_module()
     with pytest.raises(ValueError, match="tile_order"):
@@ -506,13 +509,14 @@ def test_gpu_wgrad_overlap_equals_the_plain_step_bit_for_bit(rng, split):
 
 
 @gpu_test
-def test_gpu_wgrad_sorted_snake_equals_the_default_order_bit_for_bit(rng):
-    """On random data: ``tile_order="sorted_snake"`` hands tiles to other SMs (144
-    tiles over the device's SMs, groups of 0 to 24 steps), each still computed whole
-    by one CTA in the same steps, so dw must not change by a bit."""
+def test_gpu_wgrad_tile_orders_agree_bit_for_bit(rng):
+    """On random data: the default ``tile_order="sorted_snake"`` hands tiles to other
+    SMs than the round robin ``"groups"`` (144 tiles over the device's SMs, groups of 0
+    to 24 steps), each still computed whole by one CTA in the same steps, so dw must
+    not change by a bit."""
     ops, gs = _wgrad_inputs(rng, lambda r, s: _scaled(r, s, (0, 1)))
-    np.testing.assert_array_equal(_run_wgrad(ops, gs, tile_order="sorted_snake"),
-                                  _run_wgrad(ops, gs))
+    np.testing.assert_array_equal(_run_wgrad(ops, gs),
+                                  _run_wgrad(ops, gs, tile_order="groups"))
 
 
 @gpu_test
