@@ -77,6 +77,36 @@ def test_quantize_tensor_matches_model(rng, fmt):
     assert np.all(np.abs(back - ref.read(x)) <= bound)
 
 
+@pytest.mark.parametrize("fmt", [ref.E4M3, ref.E5M2])
+def test_quantize_tensor_of_bf16_matches_model_on_its_float32_values(rng, fmt):
+    """bf16 input (what the dense layers quantize): the amax is taken in bf16, which must
+    change nothing, so the result equals the model's on the same values in float32 (bf16
+    to float32 is exact). bf16 subnormals (below 2^-126, down to 2^-133) read as zero, and
+    a tensor whose largest value is one of them has amax 0."""
+    x = _wide_random(rng, (64, 48)).astype(jnp.bfloat16)
+    x[0, :4] = np.array([2.0**-130, -2.0**-133, 2.0**-127, 0.0], jnp.bfloat16)
+    x32 = x.astype(np.float32)
+    q, s = quantize_tensor(x, jnp.dtype(fmt))
+    q_ref, s_ref = ref.quantize_tensor(x32, fmt)
+    assert np.float32(s) == s_ref
+    np.testing.assert_array_equal(ref.codes(q), ref.codes(q_ref))
+    assert np.all(np.asarray(q, np.float64)[0, :4] == 0)
+    sub = np.array([2.0**-130, -2.0**-127, 0.0], jnp.bfloat16)
+    q, s = quantize_tensor(sub, jnp.dtype(fmt))
+    assert float(s) == 1.0 and not np.any(np.asarray(q, np.float32))
+
+
+def test_quantize_tensor_amax_reads_the_input_not_the_flushed_copy():
+    """The amax reduces |x| in x's own dtype, not the flushed float32 copy the cast reads:
+    when both read one flushed value, XLA computes it once and writes it out between the
+    amax and the cast fusions (a full-size mask or float32 copy per tensor on the H200,
+    ``benchmarks/notes/fp8_hlo.md``). One reduction (max) carries the NaN check too."""
+    jaxpr = jax.make_jaxpr(quant.quantize_tensor)(jnp.zeros((64, 48), jnp.bfloat16)).jaxpr
+    reductions = [e for e in jaxpr.eqns if e.primitive.name.startswith("reduce_")]
+    assert [e.primitive.name for e in reductions] == ["reduce_max"]
+    assert reductions[0].invars[0].aval.dtype == jnp.bfloat16
+
+
 def test_quantize_tensor_zero_tiny_and_nonfinite():
     q, s = quantize_tensor(jnp.zeros((3, 5)))
     assert float(s) == 1.0 and not np.any(np.asarray(q, np.float32))
@@ -85,7 +115,7 @@ def test_quantize_tensor_zero_tiny_and_nonfinite():
     q, s = quantize_tensor(tiny)
     assert float(s) == 2.0**-126
     np.testing.assert_array_equal(np.asarray(q, np.float32), [1.0, -2.0])
-    for bad in (np.nan, np.inf):
+    for bad in (np.nan, np.inf, -np.inf):
         q, s = quantize_tensor(jnp.array([1.0, bad, 2.0]))
         assert np.isnan(float(s))
         assert np.all(np.isnan(np.asarray(dequantize_tensor(q, s))))
