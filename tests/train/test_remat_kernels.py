@@ -81,3 +81,26 @@ def test_unrolled_layers_keep_what_the_scan_keeps():
                                                          tokens, weights)[0])(state["params"]))
     for a, b in zip(jax.tree.leaves(grads[0]), jax.tree.leaves(grads[1])):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-6)
+
+
+def test_minimal_keeps_the_fp8_dense_codes():
+    """An FP8 dense product under ``minimal`` quantizes each forward operand once: the
+    backward reads the kept codes and quantizes only the incoming gradient (3 amax
+    reductions in the gradient's jaxpr). Without the name, the backward pass recomputes
+    the layer's input and quantizes both operands again (5)."""
+    from dropless.ops import fp8_dot
+
+    x = jnp.ones((64, 128), jnp.bfloat16)
+    w = jnp.ones((128, 256), jnp.bfloat16)
+
+    def layer(x, w):
+        y = fp8_dot.fp8_dot_general(jnp.sin(x), w, (((1,), (0,)), ((), ())))
+        return y.astype(jnp.float32).sum()
+
+    def amaxes(policy):
+        fn = jax.checkpoint(layer, policy=policy)
+        jaxpr = jax.make_jaxpr(jax.grad(fn, argnums=(0, 1)))(x, w).jaxpr
+        return _primitives(jaxpr, Counter())["reduce_max"]
+
+    assert amaxes(remat_lib.checkpoint_policy("minimal")) == 3
+    assert amaxes(jax.checkpoint_policies.checkpoint_dots_with_no_batch_dims) == 5

@@ -61,11 +61,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
+from jax.ad_checkpoint import checkpoint_name
 
 from dropless.ops import quant
 
 FWD_DTYPE = quant.E4M3
 GRAD_DTYPE = quant.E5M2
+# The checkpoint_name of the forward's codes and scales, the backward's residuals.
+CODES_NAME = "fp8_dot_codes"
 
 
 def _precision():
@@ -131,6 +134,10 @@ def _fp8_dot_fwd(lhs, rhs, dims, out_dtype, out_sharding):
     q_l, s_l = quant.quantize_tensor(lhs, FWD_DTYPE)
     q_r, s_r = quant.quantize_tensor(rhs, FWD_DTYPE)
     y = (_dot(q_l, q_r, dims, out_sharding) * (s_l * s_r)).astype(out_dtype)
+    # The backward's operands, named so a remat policy can keep them (``minimal`` does:
+    # one byte per element) instead of recomputing both inputs and quantizing them again
+    # (an amax and a cast pass over each) when the backward pass recomputes the layer.
+    q_l, s_l, q_r, s_r = (checkpoint_name(a, CODES_NAME) for a in (q_l, s_l, q_r, s_r))
     # Zero-size arrays carry the input dtypes (the cotangents must have them).
     dtypes = (jnp.zeros((0,), lhs.dtype), jnp.zeros((0,), rhs.dtype))
     return y, (q_l, s_l, q_r, s_r, dtypes)

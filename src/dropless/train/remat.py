@@ -13,8 +13,11 @@ backward pass), or recomputed from the layer input.
   (``checkpoint_dots_with_no_batch_dims``): weights-times-activations, not
   attention scores. The experts' grouped matmuls are kernels (or
   ``ragged_dot``), not ``dot_general``, which that policy cannot see, so their
-  outputs (``moe_mlpwi``, ``moe_mlpwo``) and the FP8 kernels' weight codes
-  (``moe_fp8_weights``, one byte per weight) are kept by name as well. Without
+  outputs (``moe_mlpwi``, ``moe_mlpwo``), the FP8 kernels' weight codes
+  (``moe_fp8_weights``, one byte per weight) and the FP8 dense products' codes
+  and scales (``fp8_dot_codes``: their backward's operands, so the backward
+  pass neither recomputes a product's inputs nor quantizes them again) are
+  kept by name as well. Without
   them the traced backward pass recomputes the gate/up GEMM of each layer
   (``tests/train/test_remat_kernels.py``) and the FP8 weight quantization. On
   the H200 the FP8 proxy step then quantizes each expert weight once instead
@@ -66,13 +69,15 @@ ACTIVATION_NAMES = (
     "moe_mlpwi",
     "moe_mlpwo",
     "moe_fp8_weights",
+    "fp8_dot_codes",
     "mlpwi",
     "qkv_proj",
 )
 
 # What ``minimal`` keeps beyond the dots: the outputs of the expert matmuls,
-# which run as kernels, and the FP8 weight codes those kernels' backward reads.
-_KERNEL_MATMUL_NAMES = ("moe_mlpwi", "moe_mlpwo", "moe_fp8_weights")
+# which run as kernels, the FP8 weight codes those kernels' backward reads, and the
+# FP8 dense products' codes and scales (``ops.fp8_dot``), their backward's operands.
+_KERNEL_MATMUL_NAMES = ("moe_mlpwi", "moe_mlpwo", "moe_fp8_weights", "fp8_dot_codes")
 _ATTENTION_NAMES = ("mla_q", "mla_kv", "query_proj", "key_proj", "value_proj", "out_proj")
 
 
