@@ -25,8 +25,7 @@ subset):
                   call returns (the copy to host) and until the write ends
   orbax_pinned    the same with Orbax's pinned copies; after ``pinned`` in the
                   same run its pool is warm (the row's ``pool_warm``), without
-                  it cold, as at a training run's first save (38-40 s on the
-                  H200)
+                  it cold, as at a training run's first save
 
 Beside a copy the main thread runs a fixed jitted compute loop (a chain of
 bf16 [n, n] matmuls, calibrated to ``--target-ms`` per iteration) in chunks of
