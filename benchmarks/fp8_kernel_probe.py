@@ -19,6 +19,9 @@ exits: the run to put under Nsight Compute
   PYTHONPATH=src python3 benchmarks/fp8_kernel_probe.py [--shape M,G,K,N] [--out DIR]
   PYTHONPATH=src python3 benchmarks/fp8_kernel_probe.py --variants= \
       --wgrad-variants wgrad_rows_overlap,wgrad_rows
+  # fwd and dgrad with and without overlap:
+  PYTHONPATH=src python3 benchmarks/fp8_kernel_probe.py --wgrad-variants= \
+      --variants rows_gtw8,rows_gtw8_overlap,cols_gtw1,cols_gtw1_overlap
   # wgrad's tile orders under skew at a Qwen3-30B shape:
   PYTHONPATH=src python3 benchmarks/fp8_kernel_probe.py --variants= --shape 65536,128,768,2048 \
       --layout dirichlet0.3 --wgrad-variants wgrad_rows_overlap,wgrad_rows_overlap_sorted
@@ -41,12 +44,16 @@ from dropless.perf.bench import load_module  # noqa: E402
 
 BENCH_DIR = pathlib.Path(__file__).parent
 
-# name -> keyword arguments of gmm_fp8_blockwise
+# name -> keyword arguments of gmm_fp8_blockwise (rows_gtw8: its defaults, what
+# training runs); the first named is the reference of the bitwise check. overlap:
+# promotion during the next step's wgmma (``mosaic_fp8``'s module docstring).
 VARIANTS = {
     "cols_gtw1": dict(split="columns", grid_tile_width=1),
     "rows_gtw8": dict(split="rows", grid_tile_width=8),
     "rows_gtw4": dict(split="rows", grid_tile_width=4),
     "rows_gtw8_s3": dict(split="rows", grid_tile_width=8, num_stages=3),
+    "rows_gtw8_overlap": dict(split="rows", grid_tile_width=8, overlap=True),
+    "cols_gtw1_overlap": dict(split="columns", grid_tile_width=1, overlap=True),
 }
 # name -> keyword arguments of tgmm_fp8_blockwise; the first, the kernel's default
 # (what training runs), is the reference of the bitwise check. overlap: promotion

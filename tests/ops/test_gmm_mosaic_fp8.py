@@ -4,8 +4,9 @@ Legend: M rows, K x N the weight dims (w [G, K, N]), G groups.
 
 On CPU (everything but the ``gpu``-marked test, which no GPU has run yet):
 - they lower for CUDA through ``jax.export`` at DeepSeek-V3 shapes (Mosaic's
-  layout inference and smem checks run on the host), alone and inside the
-  ``impl="kernel"`` wrapper's value and gradients;
+  layout inference and smem checks run on the host), alone (fwd and dgrad
+  also with ``overlap`` in each split) and inside the ``impl="kernel"``
+  wrapper's value and gradients;
 - in Pallas GPU interpret mode, with the race detector on, each kernel equals
   the float32 HIGHEST product of its dequantized operands (the same codes
   and scales: only the float32 accumulation order differs) on fresh random
@@ -14,9 +15,11 @@ On CPU (everything but the ``gpu``-marked test, which no GPU has run yet):
   several groups, ``sum(group_sizes) < M`` (rows of x and dy past the total
   are NaN and must not leak; those rows of the fwd and dgrad outputs must be
   exact zeros; empty groups' dw exact zeros), and for fwd and dgrad groups
-  not aligned to the tile; the wgrad kernel in each split with and without
-  ``overlap``, the two equal bit for bit, its default (rows, overlap)
-  writing bf16 as training does, and its two tile orders equal bit for bit;
+  not aligned to the tile; the fwd kernel with ``overlap`` in each split,
+  equal bit for bit to the plain step; the wgrad kernel in each split with
+  and without ``overlap``, the two equal bit for bit, its default (rows,
+  overlap) writing bf16 as training does, and its two tile orders equal bit
+  for bit;
 - ``quantized.gmm(impl="kernel")``'s value and gradients equal the emulation
   (``impl="emulate"``) up to float32 accumulation order.
 
@@ -25,7 +28,8 @@ of a few seconds per kernel call), so the shapes are the smallest that give
 two scale blocks along the contraction, and the per-kernel "one group holds
 all rows" cases (also covered, through all three kernels, by the wrapper
 test) run only with ``DROPLESS_SLOW=1``. The default set took 63 s wall on
-two shared cores (2026-12-02; the two tile-order tests 6.5 s of it).
+two shared cores (2026-12-02; the two tile-order tests 6.5 s of it); the
+fwd ``overlap`` tests added about 17 s of CPU time.
 """
 
 import functools
@@ -114,6 +118,17 @@ WGRAD_KINDS = {"wgrad": dict(out_dtype=jnp.bfloat16),
 def test_lowers_for_cuda_at_deepseek_shapes(kind, shape):
     fn, args = _lowering_args(kind, *shape)
     exported = jax.export.export(jax.jit(lambda *a: fn(*a, sms=132)), platforms=["cuda"])(*args)
+    assert "mosaic_gpu" in exported.mlir_module()
+
+
+@pytest.mark.parametrize("split", mosaic_fp8.SPLITS)
+@pytest.mark.parametrize("kind", ["fwd", "dgrad"])
+def test_fwd_dgrad_overlap_lowers_for_cuda_at_a_deepseek_shape(kind, split):
+    """``overlap=True`` carries the pending product and its row scale through the
+    pipeline loop: Mosaic's layout inference must take the carry in either split."""
+    fn, args = _lowering_args(kind, 65536, 7168, 4096, 32)
+    exported = jax.export.export(jax.jit(lambda *a: fn(*a, sms=132, split=split, overlap=True)),
+                                 platforms=["cuda"])(*args)
     assert "mosaic_gpu" in exported.mlir_module()
 
 
@@ -226,6 +241,32 @@ def test_interpret_fwd_and_dgrad_match_dequantized_product(rng, layout):
     assert not _races_found()
     _assert_close(y, mosaic_fp8.reference(*fwd_ops, gs, out_dtype=jnp.float32), total)
     _assert_close(dx, mosaic_fp8.reference(*dgrad_ops, gs, out_dtype=jnp.float32), total)
+
+
+@pytest.mark.parametrize("split", mosaic_fp8.SPLITS)
+def test_interpret_fwd_overlap_equals_the_plain_step_bit_for_bit(rng, split):
+    """``overlap=True`` promotes each step's product during the next step's wgmma with
+    the plain step's expression, in the same order, so it equals ``overlap=False``
+    bit for bit on random data (inexact sums: any change of order or rounding shows),
+    and the dequantized product within float32 accumulation order. The shapes and
+    awkward layout of the test above (two steps along K: the second takes the first's
+    pending product and passes its own to the epilogue), in each split."""
+    m, sizes = ROW_LAYOUTS["several_unaligned_empty_tail"]
+    k, n = 256, 256
+    gs = jnp.asarray(np.array(sizes, np.int32))
+    total = sum(sizes)
+    x = _nan_tail(_scaled(rng, (m, k), (0, 1)), total)
+    wq, sw = mosaic_fp8.quantize_weight(_scaled(rng, (len(sizes), k, n), (1, 2)))
+    ops = mosaic_fp8.fwd_operands(x, wq, sw)
+    run = functools.partial(mosaic_fp8.gmm_fp8_blockwise, *ops, gs, out_dtype=jnp.float32,
+                            split=split)
+    with _interpret(detect_races=True):
+        y = run(overlap=True).block_until_ready()
+    assert not _races_found()
+    with _interpret():
+        want = run(overlap=False)
+    np.testing.assert_array_equal(np.asarray(y), np.asarray(want))
+    _assert_close(y, mosaic_fp8.reference(*ops, gs, out_dtype=jnp.float32), total)
 
 
 # (M, group sizes), each a multiple of 128 as the recipe requires; a group of
@@ -434,16 +475,17 @@ def _wgrad_inputs(rng, make):
     return mosaic_fp8_tgmm.wgrad_operands(x, dy), jnp.asarray(np.array(WGRAD_SIZES, np.int32))
 
 
-def _run_fwd_like(ops, gs):
-    return _f64(mosaic_fp8.gmm_fp8_blockwise(*ops, gs, out_dtype=jnp.float32))
+def _run_fwd_like(ops, gs, **kw):
+    return _f64(mosaic_fp8.gmm_fp8_blockwise(*ops, gs, out_dtype=jnp.float32, **kw))
 
 
 @gpu_test
+@pytest.mark.parametrize("overlap", [False, True], ids=["wait", "overlap"])
 @pytest.mark.parametrize("product", ["fwd", "dgrad"])
-def test_gpu_fwd_dgrad_exact_on_integer_data(rng, product):
+def test_gpu_fwd_dgrad_exact_on_integer_data(rng, product, overlap):
     fwd_ops, dgrad_ops, gs, total = _fwd_dgrad_inputs(rng, _integer_exact)
     ops = fwd_ops if product == "fwd" else dgrad_ops
-    got = _run_fwd_like(ops, gs)
+    got = _run_fwd_like(ops, gs, overlap=overlap)
     a, b = _dequantized_fwd_operands(*ops)
     np.testing.assert_array_equal(got[total:], 0.0)
     np.testing.assert_array_equal(got[:total], fp8_acc.gmm(a[:total], b, FWD_SIZES))
@@ -461,6 +503,20 @@ def test_gpu_fwd_dgrad_within_accumulation_bound(rng, product):
     rel, bound = fp8_acc.check_product(fp8_acc.gmm, got[:total], a[:total], b, FWD_SIZES,
                                        a.shape[1] // 128, product)
     print(f"{product}: relative error {rel:.2e} (model bound {bound:.2e})")
+
+
+@gpu_test
+@pytest.mark.parametrize("split", mosaic_fp8.SPLITS)
+@pytest.mark.parametrize("product", ["fwd", "dgrad"])
+def test_gpu_fwd_dgrad_overlap_equals_the_plain_step_bit_for_bit(rng, product, split):
+    """On random data (inexact sums, so any change of order or rounding shows) at
+    dgrad's 56 and fwd's 16 steps: ``overlap=True`` evaluates the plain step's
+    promotion, on the same operands in the same order, one wgmma later."""
+    fwd_ops, dgrad_ops, gs, _ = _fwd_dgrad_inputs(rng, lambda r, s: _scaled(r, s, (0, 1)
+                                                  if len(s) == 2 else (1, 2)))
+    ops = fwd_ops if product == "fwd" else dgrad_ops
+    np.testing.assert_array_equal(_run_fwd_like(ops, gs, split=split, overlap=True),
+                                  _run_fwd_like(ops, gs, split=split, overlap=False))
 
 
 def _run_wgrad(ops, gs, **kw):

@@ -54,14 +54,17 @@ row-exact epilogue it reuses):
   product), 64 registers per thread each at block_m = 64, block_o = 128,
   plus the row scales (2 per thread); the compute warpgroups get 232
   registers each (40 go to the TMA warpgroup). block_m = 128 would need
-  256 for the accumulators alone.
+  256 for the accumulators alone. Each warpgroup's tile is 64 x 128 in
+  either ``split``: the split decides only which operand tile the two
+  warpgroups share in shared memory, not what a thread holds.
 - Shared memory per stage: a 64x128 + b 256x128 bytes + 256 bytes of
   scales = 40.25 KiB; 4 stages + epilogue buffers (2 x 16 KiB at bf16)
   stay under the 227 KiB limit.
 - The weight scale is read as a scalar from global memory per step (tiny,
   cached); the row scales come through the TMA pipeline with the operands
   (TMA clips the last row block at M). Both loads are issued before the
-  step's wgmma, so their latency overlaps it instead of following it.
+  step's wgmma waits (the weight scale a step ahead), so their latency
+  overlaps it instead of following it.
 - The row scales are read from shared memory by the compute warpgroups
   (generic proxy) and the slot is then refilled by TMA (async proxy). PTX
   orders a generic-proxy access before a later async-proxy access of the
@@ -72,10 +75,33 @@ row-exact epilogue it reuses):
   proxies with separate clocks, joined only by that fence); the operand
   tiles are read by wgmma, itself in the async proxy, and need no fence.
 
-Open questions for the GPU session: the cost of the per-step fence and of
-the fresh-accumulator wgmma wait (the sum's FMA cannot overlap the next
-wgmma as written: ``wgmma_wait(0)`` each step), stages, block_m, cluster
-multicast of the b tile; ``compute-sanitizer --tool racecheck`` on one run.
+``overlap=True`` (``overlap=False``, the plain step above, is the default):
+the plain step waits for its wgmma before promoting, so the tensor cores
+idle while each thread runs its 64 multiply-adds (``total + part *
+scale``). The pipeline releases a step's shared-memory slot when its body
+returns, so a wgmma cannot stay in flight across steps; instead each step
+carries its product, unscaled, and its row scale ``sa[rows] * sb`` to the
+next step, which issues its own wgmma, loads and forms its own scale, and
+evaluates the previous step's ``total + part * scale`` while the wgmma runs;
+after the wait it only hands its accumulator on. The compute context
+promotes the last step's product; the first step promotes a zero product
+into the zero sum. Every step's promotion is the plain step's expression on
+the same operands, in the same order, so the two equal bit for bit (and the
+scales are powers of two, so ``part * scale`` is exact short of underflow
+below float32's normal range: fusing the multiply-add or not cannot differ
+either).
+The wgrad kernel's overlap (``mosaic_fp8_tgmm``) carries the scaled product
+instead and multiplies after the wait: its scale is an outer product of a
+row and a column vector (34 registers per thread as vectors, 64 formed).
+Here the scale is a row vector, 2 registers per thread, so the product can
+wait unscaled and the whole promotion runs under the next wgmma.
+Registers during the wgmma: running sum, pending product and accumulator
+3 x 64, the pending and the new row scales 2 + 2, the weight scales two
+scalars: about 200 of the 232, the same in either split (above); the
+multiply-add consumes the pending product as it goes.
+
+Open questions for the GPU session: the cost of the per-step fence, stages,
+block_m, cluster multicast of the b tile.
 """
 
 import functools
@@ -129,13 +155,18 @@ def check_shapes(aq_MC, sa, bq_GOC, sb, group_sizes_G):
 
 
 def gmm_fp8_blockwise(aq_MC, sa, bq_GOC, sb, group_sizes_G, *, out_dtype=jnp.bfloat16,
-                      num_stages=4, grid_tile_width=8, sms=None, split="rows"):
+                      num_stages=4, grid_tile_width=8, sms=None, split="rows", overlap=False):
     """y [M, O] = per-group blockwise-scaled a . b[g]^T; see the module docstring.
 
-    Rows past ``sum(group_sizes)`` come out as zeros.
+    Rows past ``sum(group_sizes)`` come out as zeros. ``split`` (``SPLITS``),
+    ``grid_tile_width`` (the tile walk sweeps the column bands over this many
+    row tiles at a time), ``num_stages`` and ``overlap`` (promote each step's
+    product during the next step's wgmma) change how the kernel runs, not
+    its bits.
 
     Raises:
-      ValueError: shapes or dtypes the kernel cannot take (``check_shapes``).
+      ValueError: shapes or dtypes the kernel cannot take (``check_shapes``), an
+        unknown ``split``.
     """
     m, c, o, _ = check_shapes(aq_MC, sa, bq_GOC, sb, group_sizes_G)
     num_c = c // BLOCK
@@ -211,28 +242,50 @@ def gmm_fp8_blockwise(aq_MC, sa, bq_GOC, sb, group_sizes_G, *, out_dtype=jnp.bfl
                                         col0=col0, lo=lo, hi=hi)
 
                 col_block = col0 // bo
+                zeros = lambda: plgpu.layout_cast(jnp.zeros((bm, bo), jnp.float32),
+                                                  plgpu.Layout.WGMMA)
 
                 def compute_context(eval_pipeline):
-                    zeros = plgpu.layout_cast(jnp.zeros((bm, bo), jnp.float32), plgpu.Layout.WGMMA)
-                    total, _ = eval_pipeline((zeros, sb_gmem[group, 0, col_block]))
+                    first_scale = sb_gmem[group, 0, col_block]
+                    if overlap:  # the last step's product is still pending
+                        no_scale = plgpu.layout_cast(jnp.zeros((bm,), jnp.float32),
+                                                     plgpu.Layout.WGMMA.reduce(1))
+                        total, pending, pending_scale, _ = eval_pipeline(
+                            (zeros(), zeros(), no_scale, first_scale))
+                        total = total + pending * by_row(pending_scale)
+                    else:
+                        total, _ = eval_pipeline((zeros(), first_scale))
                     store(total.astype(out_dtype))
 
-                def mma_body(idx, a_smem, b_smem, sa_smem, carry):
-                    (kk,) = idx
-                    total, w_scale = carry
-                    # The next step's weight scale, loaded from global memory now and
-                    # used a whole step later, so its latency never stalls a step.
-                    next_scale = sb_gmem[group, jnp.minimum(kk + 1, num_c - 1), col_block]
+                def by_row(scale):
+                    return lax.broadcast_in_dim(scale, (bm, bo), (0,))
+
+                def operands(a_smem, b_smem, sa_smem):
+                    """This warpgroup's (lhs, rhs, row scales) refs."""
                     if by_rows:
-                        lhs, rhs = a_smem.at[pl.ds(wg * bm, bm)], b_smem.T
-                        rows = sa_smem.at[0, pl.ds(wg * bm, bm)]
-                    else:  # [C, O] view of C-major storage
-                        lhs, rhs = a_smem, b_smem.at[pl.ds(wg * bo, bo)].T
-                        rows = sa_smem.at[0]
+                        return (a_smem.at[pl.ds(wg * bm, bm)], b_smem.T,
+                                sa_smem.at[0, pl.ds(wg * bm, bm)])
+                    # [C, O] view of C-major storage
+                    return a_smem, b_smem.at[pl.ds(wg * bo, bo)].T, sa_smem.at[0]
+
+                def load_row_scale(rows):
                     row_scale = plgpu.load(rows, layout=plgpu.Layout.WGMMA.reduce(1))
                     # Fence the generic-proxy read before the pipeline hands the slot
                     # back to TMA (module docstring).
                     plgpu.commit_smem()
+                    return row_scale
+
+                def next_weight_scale(kk):
+                    # Loaded from global memory now and used a whole step later, so
+                    # its latency never stalls a step.
+                    return sb_gmem[group, jnp.minimum(kk + 1, num_c - 1), col_block]
+
+                def mma_body(idx, a_smem, b_smem, sa_smem, carry):
+                    (kk,) = idx
+                    total, w_scale = carry
+                    next_scale = next_weight_scale(kk)
+                    lhs, rhs, rows = operands(a_smem, b_smem, sa_smem)
+                    row_scale = load_row_scale(rows)
 
                     def c_step(acc_ref):
                         plgpu.wgmma(acc_ref, lhs, rhs)
@@ -241,12 +294,31 @@ def gmm_fp8_blockwise(aq_MC, sa, bq_GOC, sb, group_sizes_G, *, out_dtype=jnp.bfl
                         return acc_ref[...], step_scale
 
                     part, step_scale = pl.run_scoped(c_step, plgpu.ACC((bm, bo), jnp.float32))
-                    total = total + part * lax.broadcast_in_dim(step_scale, (bm, bo), (0,))
-                    return total, next_scale
+                    return total + part * by_row(step_scale), next_scale
+
+                def mma_body_overlap(idx, a_smem, b_smem, sa_smem, carry):
+                    # carry: the running sum, the previous step's product and its row
+                    # scale, promoted here while this step's wgmma runs (module docstring).
+                    (kk,) = idx
+                    total, pending, pending_scale, w_scale = carry
+                    next_scale = next_weight_scale(kk)
+                    lhs, rhs, rows = operands(a_smem, b_smem, sa_smem)
+
+                    def c_step(acc_ref):
+                        plgpu.wgmma(acc_ref, lhs, rhs)
+                        # While the tensor cores run: this step's scale, then the
+                        # previous step's promotion, the plain step's expression.
+                        step_scale = load_row_scale(rows) * w_scale
+                        total_next = total + pending * by_row(pending_scale)
+                        plgpu.wgmma_wait(0)
+                        return total_next, acc_ref[...], step_scale
+
+                    part_carry = pl.run_scoped(c_step, plgpu.ACC((bm, bo), jnp.float32))
+                    return (*part_carry, next_scale)
 
                 @pl.when(group >= 0)
                 def _matmul_tile():
-                    make_pipeline(mma_body, compute_context)(
+                    make_pipeline(mma_body_overlap if overlap else mma_body, compute_context)(
                         a_gmem.at[pl.ds(row_start, bm)],
                         b_gmem.at[group, pl.ds(band * cta_o, cta_o)],
                         sa_gmem.at[:, pl.ds(row_start, bm)],
