@@ -36,6 +36,15 @@ columns outputs checked bit for bit against the first warp count's, the
 fused ones against the two kernels'). Its record is of kind
 ``fp8_quant_columns`` (the report's FP8 section keeps reading the passes
 record).
+
+``--weight-variants`` (Hopper GPU) likewise sweeps the weight quantizers at each
+w [G, K, N] of ``--weight-shapes`` (default DeepSeek-V3's 32 x 7168 x 4096 and
+Qwen3-30B-A3B's 128 x 2048 x 1536, 128 x 768 x 2048): the Triton kernel
+(``fp8_quant_kernels``) and the Mosaic GPU kernel (``fp8_quant_mgpu``) at each
+pipeline depth (``WEIGHT_DEPTHS``), both layouts and the natural one alone,
+against a bf16 copy of w, each Mosaic output checked bit for bit against the
+Triton one's; record kind ``fp8_quant_weight``. The passes table above has the
+Mosaic kernel's rows too (``weight_mosaic``, ``weight2_mosaic``) on a Hopper GPU.
 """
 
 import argparse
@@ -55,6 +64,7 @@ from dropless.ops import quant  # noqa: E402
 from dropless.ops.gmm import (  # noqa: E402
     api,
     fp8_quant_kernels,
+    fp8_quant_mgpu,
     mosaic,
     mosaic_fp8,
     mosaic_fp8_tgmm,
@@ -105,12 +115,18 @@ def passes(m, g, k, n):
                           2 * wn + wn + 4 * wn // 128**2),
         "weight2_pallas": (fp8_quant_kernels.quantize_weight, "w",
                            2 * wn + 2 * wn + 4 * wn // 128**2),
+        # The Mosaic GPU weight kernel (fp8_quant_mgpu), on a Hopper GPU only.
+        **({"weight_mosaic": (functools.partial(fp8_quant_mgpu.quantize_weight, transposed=False),
+                              "w", 2 * wn + wn + 4 * wn // 128**2),
+            "weight2_mosaic": (fp8_quant_mgpu.quantize_weight, "w",
+                               2 * wn + 2 * wn + 4 * wn // 128**2)}
+           if mosaic.is_available() else {}),
     }
 
 
 # pass -> the XLA pass whose outputs it must equal bit for bit
 SAME_AS = {"rows_pallas": "rows", "columns_pallas": "columns", "weight_pallas": "weight",
-           "weight2_pallas": "weight2"}
+           "weight2_pallas": "weight2", "weight_mosaic": "weight", "weight2_mosaic": "weight2"}
 
 
 def _bits(a):
@@ -170,21 +186,54 @@ def column_variants(m, c):
     return out
 
 
-def columns_sweep(shapes, iters, record):
-    """Times ``column_variants`` at each [M, C] of ``shapes`` into ``record["rows"]``."""
-    print(f"{'M x C':<12} {'variant':<30} {'kernel ms':>10} {'wall ms':>9} {'GB/s kern':>10} "
+def weight_variants(g, k, n):
+    """name -> (fn of w [G, K, N], bytes moved, the name whose outputs it must equal or None):
+    a bf16 copy of w, the Triton weight kernel with and without the transposed codes,
+    and the Mosaic GPU one at each pipeline depth of ``WEIGHT_DEPTHS`` and without them."""
+    wn = g * k * n
+    one = 2 * wn + wn + 4 * wn // 128**2  # read w once, write one copy of codes and the scales
+    out = {"copy": (lambda w: w * 2, 4 * wn, None),
+           "triton": (fp8_quant_kernels.quantize_weight, one + wn, None),
+           "triton natural": (functools.partial(fp8_quant_kernels.quantize_weight, transposed=False),
+                              one, None)}
+    for steps, slots in WEIGHT_DEPTHS:
+        out[f"mosaic s{steps} o{slots}"] = (
+            functools.partial(fp8_quant_mgpu.quantize_weight, max_concurrent_steps=steps,
+                              out_slots=slots), one + wn, "triton")
+    out["mosaic natural"] = (functools.partial(fp8_quant_mgpu.quantize_weight, transposed=False),
+                             one, "triton natural")
+    return out
+
+
+# (max_concurrent_steps, out_slots) of the Mosaic GPU weight quantizer to time, its
+# default first: smem 96 KiB (two CTAs per SM) up to 160 KiB.
+WEIGHT_DEPTHS = ((2, 1), (1, 1), (1, 2), (2, 2), (3, 1), (3, 2))
+
+
+def _blocky(rng, shape):
+    """bf16 normal values, every 128x128 block (of the last two dims) its own magnitude."""
+    *lead, r, c = shape
+    scale = np.exp(rng.uniform(-6, 6, (*lead, r // 128, 1, c // 128, 1))).astype(np.float32)
+    a = rng.standard_normal(shape, np.float32).reshape(*lead, r // 128, 128, c // 128, 128)
+    return jnp.asarray((a * scale).reshape(shape), jnp.bfloat16)
+
+
+def sweep(shapes, dims, variants_of, iters, record, section):
+    """Times ``variants_of(*shape)`` on ``_blocky`` data at each shape of ``shapes`` (its
+    dims named ``dims``) into ``record["rows"]``, each against the same run's plain bf16
+    copy, outputs checked bit for bit where a variant names another. True if every
+    variant ran and all checked outputs are equal."""
+    print(f"{'shape':<16} {'variant':<30} {'kernel ms':>10} {'wall ms':>9} {'GB/s kern':>10} "
           f"{'vs copy':>8} {'GB/s wall':>10} {'vs copy':>8}  bits")
     rng = np.random.default_rng(0)
-    for m, c in shapes:
-        # Every 128-block its own magnitude, as in the tests.
-        a = jnp.asarray(rng.standard_normal((m, c), np.float32)
-                        * np.exp(rng.uniform(-6, 6, (m // 128, 1, c // 128, 1))).astype(np.float32)
-                        .repeat(128, 1).repeat(128, 3).reshape(m, c), jnp.bfloat16)
+    for shape in shapes:
+        a = _blocky(rng, shape)
+        label = "x".join(map(str, shape))
         copy = {}
         refs = {}
-        for name, (fn, nbytes, same_as) in column_variants(m, c).items():
+        for name, (fn, nbytes, same_as) in variants_of(*shape).items():
             f = jax.jit(fn)
-            row = {"section": "columns_variant", "M": m, "C": c, "name": name, "gbytes": nbytes / 1e9}
+            row = {"section": section, **dict(zip(dims, shape)), "name": name, "gbytes": nbytes / 1e9}
             try:
                 got = jax.block_until_ready(f(a))
                 if same_as is None and name != "copy":
@@ -197,7 +246,7 @@ def columns_sweep(shapes, iters, record):
                 kms = cupti_ms(f, (a,), iters)
                 wms = wall_ms(f, (a,), iters)
             except Exception as e:  # noqa: BLE001 - one variant failing must not lose the others
-                print(f"{m}x{c:<7} {name:<30} failed: {type(e).__name__}: {str(e)[:300]}")
+                print(f"{label:<16} {name:<30} failed: {type(e).__name__}: {str(e)[:300]}")
                 record["rows"].append({**row, "error": str(e)[:1000]})
                 continue
             row.update(kernel_ms=kms, wall_ms=wms, gbps_kernel=kms and nbytes / kms / 1e6,
@@ -209,12 +258,24 @@ def columns_sweep(shapes, iters, record):
             row["vs_copy_wall"] = row["gbps_wall"] / copy["gbps_wall"] if copy else None
             record["rows"].append(row)
             nan = float("nan")
-            print(f"{m}x{c:<7} {name:<30} {kms or nan:>10.3f} {wms:>9.3f} "
+            print(f"{label:<16} {name:<30} {kms or nan:>10.3f} {wms:>9.3f} "
                   f"{row['gbps_kernel'] or nan:>10.0f} {row['vs_copy_kernel'] or nan:>8.2f} "
                   f"{row['gbps_wall']:>10.0f} {row['vs_copy_wall'] or nan:>8.2f}  "
                   f"{'' if same_as is None else ('==' if row['equal'] else 'DIFFER from') + ' ' + same_as}")
         refs.clear()
-    return all(r.get("equal", True) for r in record["rows"] if "error" not in r)
+    return all(r.get("equal", True) and "error" not in r for r in record["rows"])
+
+
+def _shapes(text, rank):
+    """"AxB,CxD" -> [(A, B), (C, D)]: ``rank`` dims each, the last two multiples of 128.
+
+    Raises:
+      ValueError: anything else.
+    """
+    shapes = [tuple(int(d) for d in s_.split("x")) for s_ in text.split(",")]
+    if any(len(s_) != rank or s_[-2] % 128 or s_[-1] % 128 or 0 in s_ for s_ in shapes):
+        raise ValueError(text)
+    return shapes
 
 
 def main(argv=None):
@@ -229,22 +290,33 @@ def main(argv=None):
                    help="only the sweep of the columns and fused kernels' warp counts")
     p.add_argument("--variant-shapes", default="65536x7168,65536x4096,65536x2048",
                    help="the sweep's activation shapes, MxC,... (multiples of 128)")
+    p.add_argument("--weight-variants", action="store_true",
+                   help="only the sweep of the Triton and Mosaic GPU weight quantizers (GPU)")
+    p.add_argument("--weight-shapes", default="32x7168x4096,128x2048x1536,128x768x2048",
+                   help="that sweep's weight shapes, GxKxN,... (K, N multiples of 128)")
     a = p.parse_args(argv)
     if a.quick:
         a.iters, a.no_breakdown = min(a.iters, 5), True
-    if a.columns_variants:
+    for flag, kind, dims, variants_of, section, text, smoke_shape in (
+            (a.columns_variants, "fp8_quant_columns", ("M", "C"), column_variants,
+             "columns_variant", a.variant_shapes, (256, 384)),
+            (a.weight_variants, "fp8_quant_weight", ("G", "K", "N"), weight_variants,
+             "weight_variant", a.weight_shapes, (2, 256, 384))):
+        if not flag:
+            continue
         try:
-            shapes = [(256, 384)] if a.smoke else [
-                tuple(int(d) for d in s_.split("x")) for s_ in a.variant_shapes.split(",")]
-            if any(len(s_) != 2 or s_[0] % 128 or s_[1] % 128 or 0 in s_ for s_ in shapes):
-                raise ValueError
+            shapes = [smoke_shape] if a.smoke else _shapes(text, len(dims))
         except ValueError:
-            print(f"error: --variant-shapes {a.variant_shapes!r}: want MxC,... with M and C positive "
-                  "multiples of 128", file=sys.stderr)
+            print(f"error: shapes {text!r}: want {'x'.join(dims)},... with the last two dims "
+                  "positive multiples of 128", file=sys.stderr)
             return 2
-        record = measure.new_record("fp8_quant_columns", {"shapes": [list(s_) for s_ in shapes],
-                                                          "iters": a.iters, "dtype": "bfloat16"})
-        equal = columns_sweep(shapes, a.iters, record)
+        if kind == "fp8_quant_weight" and not mosaic.is_available():
+            print("error: --weight-variants needs a Hopper GPU (the Mosaic GPU kernel does not "
+                  "run elsewhere outside its tests' interpret mode)", file=sys.stderr)
+            return 2
+        record = measure.new_record(kind, {"shapes": [list(s_) for s_ in shapes],
+                                           "iters": a.iters, "dtype": "bfloat16"})
+        equal = sweep(shapes, dims, variants_of, a.iters, record, section)
         print(f"\nrecord: {measure.write_record(record, a.out)}")
         return 0 if equal else 1
     m, g, k, n = (256, 2, 256, 256) if a.smoke else map(int, a.shape.split(","))

@@ -156,6 +156,8 @@ BAD = [
     (["gmm_fp8_impl=native"], "'auto', 'emulate' or 'kernel'"),
     (["te_gmm_quantization=te_fp8_blockwise", "gmm_fp8_impl=emulate", "gmm_fp8_quantizer=pallas"],
      "with gmm_fp8_impl=emulate only auto or xla is allowed"),
+    (["te_gmm_quantization=te_fp8_blockwise", "gmm_fp8_impl=emulate", "gmm_fp8_quantizer=mosaic"],
+     "with gmm_fp8_impl=emulate only auto or xla is allowed"),
     (["te_gmm_quantization=te_fp8_blockwise", "gmm_fp8_impl=kernel", "emb_dim=256", "moe_mlp_dim=200"],
      "kernels need emb_dim and moe_mlp_dim multiples of 256, got moe_mlp_dim=200"),
     (["attention=cudnn_flash_te", "dtype=float32"], "got dtype=float32; set dtype=bfloat16 or attention=dot_product"),
@@ -191,7 +193,8 @@ def test_bad_input_gives_one_clear_line(overrides, message):
     assert "\n" not in text
 
 
-def test_gmm_fp8_impl_and_quantizer_reach_the_grouped_gemms(monkeypatch):
+@pytest.mark.parametrize("quantizer", ["pallas", "mosaic"])
+def test_gmm_fp8_impl_and_quantizer_reach_the_grouped_gemms(monkeypatch, quantizer):
     """The key goes config -> MoEConfig -> MoEBlock -> both quantized.gmm calls."""
     import dataclasses
 
@@ -206,8 +209,8 @@ def test_gmm_fp8_impl_and_quantizer_reach_the_grouped_gemms(monkeypatch):
     assert (default.gmm_fp8_impl, default.gmm_fp8_quantizer) == ("auto", "auto")
     section = resolve("te_gmm_quantization=te_fp8_blockwise", "gmm_fp8_impl=kernel", "emb_dim=256",
                       "moe_mlp_dim=256", "num_experts=4", "num_experts_per_tok=2",
-                      "gmm_backend=xla", "gmm_fp8_quantizer=pallas").config.moe()
-    assert section.gmm_fp8_impl == "kernel" and section.gmm_fp8_quantizer == "pallas"
+                      "gmm_backend=xla", f"gmm_fp8_quantizer={quantizer}").config.moe()
+    assert section.gmm_fp8_impl == "kernel" and section.gmm_fp8_quantizer == quantizer
     seen, real_gmm = [], quantized.gmm
 
     def recording_gmm(x, w, group_sizes, **kw):  # records, then runs the emulation (CPU)
@@ -217,7 +220,7 @@ def test_gmm_fp8_impl_and_quantizer_reach_the_grouped_gemms(monkeypatch):
     monkeypatch.setattr(quantized, "gmm", recording_gmm)
     block = moe.MoEBlock(section, emb_dim=32, rngs=nnx.Rngs(0))
     jax.eval_shape(lambda x: block(x)[0], jax.ShapeDtypeStruct((1, 8, 32), jnp.float32))
-    assert seen == [("kernel", "pallas")] * 2
+    assert seen == [("kernel", quantizer)] * 2
     with pytest.raises(ValueError, match="gmm_fp8_impl"):
         moe.MoEBlock(dataclasses.replace(section, gmm_quantization="te_mxfp8"), emb_dim=32,
                      rngs=nnx.Rngs(0))

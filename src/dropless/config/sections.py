@@ -44,7 +44,7 @@ class MoEConfig:
     group_alignment: int = _d("moe_group_alignment")  # pad each expert's rows to a multiple (the quantized kernels raise it)
     gmm_quantization: str = _d("te_gmm_quantization")  # te_no_quant | te_fp8_blockwise | te_mxfp8
     gmm_fp8_impl: str = _d("gmm_fp8_impl")  # te_fp8_blockwise: auto | emulate (qdq + bf16 gmm) | kernel (FP8 Mosaic)
-    gmm_fp8_quantizer: str = _d("gmm_fp8_quantizer")  # the kernels' operand quantization: auto | xla | pallas
+    gmm_fp8_quantizer: str = _d("gmm_fp8_quantizer")  # the kernels' operand quantization: auto | xla | pallas | mosaic
 
 
 @dataclasses.dataclass(frozen=True)

@@ -235,10 +235,16 @@ def blocks_shape(shape, block):
 # Blockwise (power-of-two float32 scales).
 
 
+def _finite_amax(amax):
+    """``isfinite`` for amaxes (never negative: a NaN or +inf is what is not finite), as a
+    comparison, which Pallas Mosaic GPU lowers (it has no ``is_finite``)."""
+    return amax < jnp.inf
+
+
 def _pow2_exponent(amax, dtype):
     """Smallest k with amax <= fmax * 2^k (fmax = 1.75 * 2^emax), clamped to [-126, 127]."""
     emax = int(math.log2(fp8_max(dtype) / 1.75))
-    safe = jnp.where(jnp.isfinite(amax) & (amax > 0), amax, jnp.float32(1))
+    safe = jnp.where(_finite_amax(amax) & (amax > 0), amax, jnp.float32(1))
     # amax / 2^(floor(log2 amax) - emax) = mantissa * 2^emax in [2^emax, 2^(emax+1)):
     # past fmax exactly when the mantissa is past 1.75.
     k = _floor_log2(safe) - emax + (_mantissa(safe) > 1.75).astype(jnp.int32)
@@ -250,7 +256,7 @@ def pow2_scale_parts(amax, dtype):
     """(scale, inverse) float32 powers of two ``2^k``, ``2^-k`` for amaxes (``_pow2_exponent``);
     NaN both where an amax is not finite (a NaN or infinity in its block)."""
     k = _pow2_exponent(amax, dtype)
-    finite = jnp.isfinite(amax)
+    finite = _finite_amax(amax)
     nan = jnp.float32(jnp.nan)
     return jnp.where(finite, _pow2(k), nan), jnp.where(finite, _pow2(-k), nan)
 

@@ -43,7 +43,8 @@ class Instruction(NamedTuple):
     printers as ``f8e4m3fn[8,16]{1,0} %a``); attrs: the text after the operand
     list (``kind=``, ``custom_call_target=``, ``metadata=``); scope: the names
     defined so far in the instruction's computation -> their result types;
-    computation: that computation's name (without ``%``; "" before any header).
+    computation: that computation's name (without ``%``; "" before any header);
+    root: it is that computation's ``ROOT``.
     """
 
     name: str
@@ -53,6 +54,7 @@ class Instruction(NamedTuple):
     attrs: str
     scope: dict
     computation: str = ""
+    root: bool = False
 
     @property
     def custom_call_target(self) -> str | None:
@@ -137,7 +139,8 @@ def instructions(text: str) -> Iterator[Instruction]:
         for part in _split_top(line[op.end():close - 1]):
             inline, _, name = part.rpartition(" ")
             operands.append((inline.strip() or None, name.lstrip("%")))
-        yield Instruction(m.group(1), type_, op.group(1), operands, line[close:], scope, computation)
+        yield Instruction(m.group(1), type_, op.group(1), operands, line[close:], scope, computation,
+                          line.lstrip().startswith("ROOT "))
 
 
 def parse(text: str, f8_tag: str = "f8_result") -> dict[str, str]:

@@ -54,7 +54,8 @@ says so once per process. Hopper has no MXFP8 tensor-core mode, so
 the FP8 Mosaic GPU kernels of ``mosaic_fp8`` (fwd, dgrad) and
 ``mosaic_fp8_tgmm`` (wgrad) on E4M3 codes and float32 scales, each operand
 quantized (``quant_impl``: ``pallas``, the single-pass kernels of
-``fp8_quant_kernels``, or ``xla``, ``ops.quant`` fused by XLA; the same
+``fp8_quant_kernels``; ``mosaic``, the same with the weight quantized by
+``fp8_quant_mgpu``; or ``xla``, ``ops.quant`` fused by XLA; the same
 codes and scales bit for bit; ``auto`` is ``pallas``; ``quantizer``
 decides) in the layout its
 kernel reads:
@@ -96,9 +97,11 @@ RECIPES = ("te_no_quant", "te_fp8_blockwise", "te_mxfp8")
 IMPLS = ("auto", "emulate", "kernel")  # how te_fp8_blockwise runs (module docstring)
 KERNEL_RECIPE = "te_fp8_blockwise"
 # How impl="kernel" quantizes its operands: "xla", ``ops.quant`` fused by XLA;
-# "pallas", the single-pass kernels of ``fp8_quant_kernels`` (same codes and
-# scales bit for bit).
-QUANT_IMPLS = ("auto", "xla", "pallas")
+# "pallas", the single-pass kernels of ``fp8_quant_kernels`` (Pallas on Triton);
+# "mosaic", those with the weight quantizer of ``fp8_quant_mgpu`` (Mosaic GPU,
+# bf16 weights only; a typed-FFI call, whose operand XLA can slice out of the
+# stacked layers in place). All give the same codes and scales bit for bit.
+QUANT_IMPLS = ("auto", "xla", "pallas", "mosaic")
 _KERNEL_DIM = 256  # K and N: the kernels' CTA tiles are 256 wide along O, 128 along C
 _ALIGNMENT = {"te_no_quant": 1, "te_fp8_blockwise": quant.BLOCKWISE_TILE, "te_mxfp8": quant.MX_BLOCK}
 _log = logging.getLogger(__name__)
@@ -274,7 +277,7 @@ def pad_kernel_rows(a):
 
 class Quantizer(NamedTuple):
     """How ``impl="kernel"`` quantizes its operands: one of ``QUANT_IMPLS``, resolved
-    by ``quantizer``. Both give the same codes and scales bit for bit.
+    by ``quantizer``. All give the same codes and scales bit for bit.
 
     weight:      w [G, K, N] -> (wq [G, K, N] E4M3, sw [G, Kb, Nb]), 128x128 blocks
     weight_both: w -> (wq, wq as [G, N, K], sw): both byte layouts from one read
@@ -306,7 +309,7 @@ def quantizer(quant_impl: str) -> Quantizer:
 
 @functools.cache
 def _quantizer(name: str) -> Quantizer:
-    from dropless.ops.gmm import fp8_quant_kernels, mosaic_fp8, mosaic_fp8_tgmm
+    from dropless.ops.gmm import fp8_quant_kernels, fp8_quant_mgpu, mosaic_fp8, mosaic_fp8_tgmm
 
     if name == "xla":
         def both(w):
@@ -318,8 +321,9 @@ def _quantizer(name: str) -> Quantizer:
 
         return Quantizer("xla", mosaic_fp8.quantize_weight, both, mosaic_fp8.quantize_rows,
                          mosaic_fp8_tgmm.quantize_columns, rows_and_columns)
-    return Quantizer("pallas", functools.partial(fp8_quant_kernels.quantize_weight, transposed=False),
-                     fp8_quant_kernels.quantize_weight, fp8_quant_kernels.quantize_rows,
+    weights = fp8_quant_mgpu if name == "mosaic" else fp8_quant_kernels
+    return Quantizer(name, functools.partial(weights.quantize_weight, transposed=False),
+                     weights.quantize_weight, fp8_quant_kernels.quantize_rows,
                      fp8_quant_kernels.quantize_columns, fp8_quant_kernels.quantize_rows_and_columns)
 
 

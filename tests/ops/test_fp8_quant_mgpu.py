@@ -1,0 +1,197 @@
+"""The Mosaic GPU weight quantizer (``ops.gmm.fp8_quant_mgpu``).
+
+Legend: G groups, K x N the weight dims (w [G, K, N]).
+
+On CPU it runs in Pallas GPU interpret mode (race detector on) and must equal
+``ops.quant``'s 128x128 blockwise quantization and the Triton kernel
+(``fp8_quant_kernels.quantize_weight``, interpreted) bit for bit: the scale
+exponents come from the same helpers, so there is no tolerance. It is also
+lowered for CUDA at DeepSeek-V3 and Qwen3 shapes (Mosaic's layout and transfer
+checks run on the host). A GPU test repeats the bitwise comparison with the
+compiled kernels on the hardware.
+"""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+from dropless.ops import quant
+from dropless.ops.gmm import fp8_quant_kernels, fp8_quant_mgpu, mosaic, mosaic_fp8, quantized
+
+S = jax.ShapeDtypeStruct
+B = 128
+
+
+def _interpret():
+    return plgpu.force_gpu_interpret_mode(plgpu.InterpretGPUParams(detect_races=True))
+
+
+def _races_found():
+    from jax._src.pallas.mosaic_gpu.interpret.interpret_pallas_call import get_races
+
+    return get_races().races_found
+
+
+def _weights(rng, shape):
+    """bf16 w with every 128x128 block at its own magnitude (a random power of e per
+    row and per column), and awkward blocks in group 0 (each in its own block):
+
+      (0, 0)  all zero                    (0, 1)  one NaN
+      (1, 0)  one +inf                    (1, 1)  one -inf
+      (0, 2)  only float32-subnormal magnitudes (+-1e-40) and -0.0: amax reads as 0
+      (1, 2)  amax 2^-120 (the exponent clamps at -126, scale 2^-126) with subnormals
+              and -0.0 mixed in: unflushed, 1e-40 * 2^126 would give a nonzero code
+      (0, 3)  +-bf16's largest finite value
+      (1, 3)  amax exactly 448 * 2^-3 (codes of exactly 448) and, in group 1's
+              block (0, 0), an amax with mantissa just above 1.75 (the exponent
+              steps up)
+    """
+    g, k, n = shape
+    a = rng.standard_normal(shape) * np.exp(rng.uniform(-6, 6, (g, 1, n)))
+    a = a * np.exp(rng.uniform(-6, 6, (g, k, 1)))
+    tiny, big = 1e-40, float(jnp.finfo(jnp.bfloat16).max)
+    blk = lambda i, j: (0, slice(i * B, (i + 1) * B), slice(j * B, (j + 1) * B))  # noqa: E731
+    a[blk(0, 0)] = 0.0
+    a[0, 5, B + 7] = np.nan
+    a[0, B + 3, 9] = np.inf
+    a[0, B + 100, B + 50] = -np.inf
+    a[blk(0, 2)] = rng.choice([tiny, -tiny, -0.0], (B, B))
+    a[blk(1, 2)] = rng.uniform(-1, 1, (B, B)) * 2.0**-121
+    a[0, B + 1, 2 * B + 1:2 * B + 9] = [2.0**-120, tiny, -tiny, -0.0, tiny, 3 * tiny, -2 * tiny, 0.0]
+    a[blk(0, 3)] = rng.uniform(-1, 1, (B, B)) * big
+    a[0, 0, 3 * B], a[0, 1, 3 * B] = big, -big
+    a[blk(1, 3)] = rng.uniform(-1, 1, (B, B)) * 56.0
+    a[0, B + 2, 3 * B + 2] = -56.0
+    a[1, 0:B, 0:B] = rng.uniform(-1, 1, (B, B))
+    a[1, 3, 4] = 1.7578125 * 2.0**3  # mantissa 1.7578125 > 1.75, exact in bf16
+    return jnp.asarray(a, jnp.bfloat16)
+
+
+def _bits(a):
+    """a's bytes as unsigned integers: NaN codes and NaN scales compare bit for bit."""
+    a = np.asarray(a)
+    return a.view({1: np.uint8, 4: np.uint32}[a.dtype.itemsize])
+
+
+def _same_bits(got, want):
+    assert len(got) == len(want)
+    for g_, w_ in zip(got, want, strict=True):
+        assert g_.shape == w_.shape and g_.dtype == w_.dtype
+        np.testing.assert_array_equal(_bits(g_), _bits(w_))
+
+
+@pytest.mark.parametrize("transposed", [True, False])
+def test_interpret_equals_quant_and_triton_bit_for_bit(rng, transposed):
+    """Codes (both layouts) and scales equal ``quant.quantize_blocks`` and the Triton
+    kernel's on the awkward blocks of ``_weights``, with no race between the TMA
+    copies and the smem reads and writes. K != N, so a swapped index shows."""
+    w = _weights(rng, (2, 2 * B, 4 * B))
+    with _interpret():
+        got = jax.block_until_ready(fp8_quant_mgpu.quantize_weight(w, transposed=transposed))
+    assert not _races_found()
+    q, s = quant.quantize_blocks(w, (1, B, B))
+    want = (q, jnp.swapaxes(q, 1, 2), s) if transposed else (q, s)
+    _same_bits(got, want)
+    _same_bits(got, fp8_quant_kernels.quantize_weight(w, transposed=transposed, interpret=True))
+    scales = np.asarray(got[-1])
+    assert np.isnan(scales[0, :2, :2]).sum() == 3 and scales[0, 0, 0] == 1.0
+    assert scales[0, 0, 2] == 1.0 and scales[0, 1, 2] == 2.0**-126
+    assert not _bits(got[0])[0, B + 1, 2 * B + 1:2 * B + 9][1:].any()  # flushed to +0
+
+
+def test_interpret_pipeline_depths_agree(rng):
+    """``max_concurrent_steps`` and ``out_slots`` change how the tiles flow, not the
+    bits: one tile in flight with two store slots, and three with one, against the
+    defaults, race-free, at G=1 with 5 tiles along N (more than either depth)."""
+    w = _weights(rng, (2, 2 * B, 5 * B))[:1]
+    with _interpret():
+        want = fp8_quant_mgpu.quantize_weight(w)
+        got = [fp8_quant_mgpu.quantize_weight(w, max_concurrent_steps=1, out_slots=2),
+               fp8_quant_mgpu.quantize_weight(w, max_concurrent_steps=3, out_slots=1)]
+        jax.block_until_ready((want, got))
+    assert not _races_found()
+    for g_ in got:
+        _same_bits(g_, want)
+
+
+def test_inside_shard_map_equals_outside(rng):
+    """The MoE layer quantizes its experts' weights inside ``jax.shard_map`` (check_vma
+    on): the outputs must be typed as varying like w, and equal the bits outside."""
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    mesh = jax.make_mesh((1,), ("x",))
+    w = _weights(rng, (2, 2 * B, 4 * B))[:1]
+    with _interpret():
+        inside = jax.jit(jax.shard_map(fp8_quant_mgpu.quantize_weight, mesh=mesh,
+                                       in_specs=P("x"), out_specs=P("x")))(
+            jax.device_put(w, NamedSharding(mesh, P("x"))))
+        _same_bits(inside, fp8_quant_mgpu.quantize_weight(w))
+
+
+def test_argument_errors():
+    with pytest.raises(ValueError, match="multiples of 128"):
+        fp8_quant_mgpu.quantize_weight(jnp.zeros((1, 100, 128), jnp.bfloat16))
+    with pytest.raises(ValueError, match="must be bfloat16"):
+        fp8_quant_mgpu.quantize_weight(jnp.zeros((1, 128, 128), jnp.float32))
+    with pytest.raises(ValueError, match="out_slots=0"):
+        fp8_quant_mgpu.quantize_weight(jnp.zeros((1, 128, 128), jnp.bfloat16), out_slots=0)
+
+
+# DeepSeek-V3's gate|up (G=32, K=7168, N=4096) and Qwen3-30B-A3B's experts (G=128:
+# K=2048, N=1536 and K=768, N=2048; the down projection's w is [G, 768, 2048]).
+SHAPES = [(32, 7168, 4096), (128, 2048, 1536), (128, 768, 2048)]
+
+
+@pytest.mark.parametrize("shape", SHAPES, ids=str)
+@pytest.mark.parametrize("transposed", [True, False])
+def test_lowers_for_cuda(shape, transposed):
+    """One Mosaic GPU custom call (typed FFI, the kind XLA's dynamic-slice fusion
+    accepts) with E4M3 outputs of the right shapes."""
+    g, k, n = shape
+    fn = lambda w: fp8_quant_mgpu.quantize_weight(w, transposed=transposed)  # noqa: E731
+    exported = jax.export.export(jax.jit(fn), platforms=["cuda"])(S(shape, jnp.bfloat16))
+    text = exported.mlir_module()
+    assert text.count("stablehlo.custom_call @mosaic_gpu_v2") == 1
+    outs = [S((g, k, n), jnp.float8_e4m3fn)] + [S((g, n, k), jnp.float8_e4m3fn)] * transposed
+    assert exported.out_avals == tuple(jax.core.ShapedArray(o.shape, o.dtype) for o in outs) + (
+        jax.core.ShapedArray((g, k // B, n // B), jnp.float32),)
+
+
+def test_mosaic_quant_impl_uses_it_for_the_weight_only():
+    """``quant_impl="mosaic"`` quantizes the weight with this kernel (fwd: both
+    layouts; the backward reuses the forward's codes) and the activations with the
+    Pallas ones; ``auto`` stays ``pallas``. The same bits: the kernels are compared
+    above, and ``test_kernel_impl_with_pallas_quantizers_equals_xla_quantizers``
+    covers the rest of the wiring."""
+    q = quantized.quantizer("mosaic")
+    assert q.weight_both is fp8_quant_mgpu.quantize_weight
+    assert q.weight.func is fp8_quant_mgpu.quantize_weight and q.weight.keywords == {"transposed": False}
+    assert q.rows is fp8_quant_kernels.quantize_rows
+    assert quantized.quantizer("auto") is quantized.quantizer("pallas")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not mosaic.is_available(), reason="needs a Hopper (sm_90) GPU")
+@pytest.mark.parametrize("shape", [(4, 1024, 2048), (2, 7168, 4096)], ids=str)
+def test_gpu_equals_triton_and_xla_bit_for_bit(rng, shape):
+    """On the hardware (what interpret mode cannot show: the compiled max reduction,
+    the f32 -> E4M3 conversion instruction, subnormal handling of the GPU's float
+    ops, the transposed ldmatrix loads and swizzled stores): the compiled kernel
+    against the compiled Triton kernel and XLA's quantization, awkward blocks
+    included, both layouts, at each pipeline depth."""
+    w = _weights(rng, shape)
+    triton = fp8_quant_kernels.quantize_weight(w)
+    _same_bits(fp8_quant_mgpu.quantize_weight(w), triton)
+    _same_bits(fp8_quant_mgpu.quantize_weight(w, transposed=False), (triton[0], triton[2]))
+    for steps, slots in ((1, 1), (3, 2)):
+        _same_bits(fp8_quant_mgpu.quantize_weight(w, max_concurrent_steps=steps, out_slots=slots),
+                   triton)
+    # XLA's quantization: the same codes and scales, NaN where the kernels' are NaN
+    # (compared as values: which NaN code the GPU's conversion writes is the kernels' own).
+    q, s = mosaic_fp8.quantize_weight(w)
+    for got, want in zip((triton[0], triton[2]), (q, s), strict=True):
+        np.testing.assert_array_equal(np.asarray(got.astype(jnp.float32)),
+                                      np.asarray(want.astype(jnp.float32)))
