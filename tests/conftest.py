@@ -11,11 +11,33 @@ The suite runs many tiny models, so XLA compile time dominates: unless
 ``XLA_FLAGS`` is already set, XLA:CPU is asked for backend optimisation level
 0, which compiles about 3x faster. Results are the same; it is set here, the
 first file pytest loads, so it is in place before any test starts the backend.
+
+Many tests compile the same programs: a trainer test and the subprocess it
+starts, the phases of a resumed run, a model built again in the next test.
+Unless ``JAX_COMPILATION_CACHE_DIR`` is already set, the run gets one JAX
+persistent compilation cache in a temporary directory, removed when the run
+ends. It is set in the environment, so pytest-xdist workers and every
+subprocess a test starts (which inherit it) share it: a program compiled once
+is loaded, not compiled, everywhere else in the run. The cache key covers the
+program, compile options, XLA flags, devices and jax version, so a hit is the
+executable the compile would have made. Entries are written without a lock;
+one read while another process is still writing it fails to decompress, and
+JAX then warns and compiles.
 """
 
+import atexit
 import os
+import shutil
+import tempfile
 
 os.environ.setdefault("XLA_FLAGS", "--xla_backend_optimization_level=0")
+if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
+    _cache_dir = tempfile.mkdtemp(prefix="dropless-tests-jax-cache-")
+    os.environ["JAX_COMPILATION_CACHE_DIR"] = _cache_dir
+    atexit.register(shutil.rmtree, _cache_dir, ignore_errors=True)
+# Every program, however quick its compile: at optimisation level 0 most take well under
+# JAX's default threshold of one second.
+os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
 # The CLI's default compilation cache is ~/jax_cache (MaxText's); the suite's runs
 # must not write into the home directory, so they run without it unless a test
 # names its own directory.
