@@ -163,14 +163,29 @@ def test_lowers_for_cuda(shape, transposed):
 def test_mosaic_quant_impl_uses_it_for_the_weight_only():
     """``quant_impl="mosaic"`` quantizes the weight with this kernel (fwd: both
     layouts; the backward reuses the forward's codes) and the activations with the
-    Pallas ones; ``auto`` stays ``pallas``. The same bits: the kernels are compared
-    above, and ``test_kernel_impl_with_pallas_quantizers_equals_xla_quantizers``
-    covers the rest of the wiring."""
+    Pallas ones. The same bits: the kernels are compared above, and
+    ``test_kernel_impl_with_pallas_quantizers_equals_xla_quantizers`` covers the rest
+    of the wiring."""
     q = quantized.quantizer("mosaic")
     assert q.weight_both is fp8_quant_mgpu.quantize_weight
     assert q.weight.func is fp8_quant_mgpu.quantize_weight and q.weight.keywords == {"transposed": False}
     assert q.rows is fp8_quant_kernels.quantize_rows
-    assert quantized.quantizer("auto") is quantized.quantizer("pallas")
+
+
+def test_auto_quant_impl_is_mosaic_for_bf16_weights_and_triton_otherwise(monkeypatch):
+    """``auto`` sends a bfloat16 weight to this kernel and any other to the Triton one
+    (this kernel reads bfloat16 only), in both layouts; activations go to Pallas."""
+    calls = []
+    for mod in (fp8_quant_mgpu, fp8_quant_kernels):
+        monkeypatch.setattr(mod, "quantize_weight",
+                            lambda w, transposed=True, _m=mod.__name__: calls.append((_m, transposed)))
+    q = quantized.quantizer("auto")
+    assert q.rows is fp8_quant_kernels.quantize_rows
+    q.weight_both(jnp.zeros((1, B, B), jnp.bfloat16))
+    q.weight(jnp.zeros((1, B, B), jnp.bfloat16))
+    q.weight_both(jnp.zeros((1, B, B), jnp.float32))
+    mgpu, tri = fp8_quant_mgpu.__name__, fp8_quant_kernels.__name__
+    assert calls == [(mgpu, True), (mgpu, False), (tri, True)]
 
 
 @pytest.mark.gpu
@@ -183,15 +198,34 @@ def test_gpu_equals_triton_and_xla_bit_for_bit(rng, shape):
     against the compiled Triton kernel and XLA's quantization, awkward blocks
     included, both layouts, at each pipeline depth."""
     w = _weights(rng, shape)
+    mine = fp8_quant_mgpu.quantize_weight(w)
     triton = fp8_quant_kernels.quantize_weight(w)
-    _same_bits(fp8_quant_mgpu.quantize_weight(w), triton)
-    _same_bits(fp8_quant_mgpu.quantize_weight(w, transposed=False), (triton[0], triton[2]))
+    _same_bits_but_nan_blocks(mine, triton)
+    _same_bits(fp8_quant_mgpu.quantize_weight(w, transposed=False), (mine[0], mine[2]))
     for steps, slots in ((1, 1), (3, 2)):
         _same_bits(fp8_quant_mgpu.quantize_weight(w, max_concurrent_steps=steps, out_slots=slots),
-                   triton)
-    # XLA's quantization: the same codes and scales, NaN where the kernels' are NaN
-    # (compared as values: which NaN code the GPU's conversion writes is the kernels' own).
+                   mine)
+    # XLA's quantization: the same codes and scales, NaN where the kernel's are NaN
+    # (compared as values: which NaN code the GPU's conversion writes is the kernel's own).
     q, s = mosaic_fp8.quantize_weight(w)
-    for got, want in zip((triton[0], triton[2]), (q, s), strict=True):
+    for got, want in zip((mine[0], mine[2]), (q, s), strict=True):
         np.testing.assert_array_equal(np.asarray(got.astype(jnp.float32)),
                                       np.asarray(want.astype(jnp.float32)))
+
+
+def _same_bits_but_nan_blocks(mine, triton):
+    """(codes, transposed codes, scales) of the two kernels on the GPU: the same bits
+    except the codes of the blocks whose scale is NaN (a NaN or infinity in the block),
+    where this kernel writes NaN codes (``quant._saturate``'s rule, as XLA and interpret
+    mode do) and the compiled Triton kernel writes -448: Triton's maximum ignores a NaN
+    operand on the GPU, so ``clip(NaN, -448, 448)`` is -448 there (seen on the H200,
+    ``benchmarks/results/logs/gpu-tests-fp8-quant-mgpu-20261202-1636-h200.log``).
+    Dequantized, both are NaN: the block's scale multiplies every code."""
+    _same_bits(mine[2:], triton[2:])
+    nan_blocks = np.isnan(np.asarray(mine[2]))
+    assert nan_blocks.sum() == 3  # _weights' NaN, +inf and -inf blocks
+    nan_elems = np.repeat(np.repeat(nan_blocks, B, axis=1), B, axis=2)  # [G, K, N]
+    for got, want, mask in ((mine[0], triton[0], nan_elems),
+                            (mine[1], triton[1], np.swapaxes(nan_elems, 1, 2))):
+        np.testing.assert_array_equal(np.where(mask, 0, _bits(got)), np.where(mask, 0, _bits(want)))
+        assert np.isnan(np.asarray(got).astype(np.float32)[mask]).all()

@@ -4,9 +4,12 @@ Legend: G groups, K x N the weight dims, Kb = K / 128, Nb = N / 128.
 
   w [G, K, N] -> codes [G, K, N] E4M3, codes [G, N, K] E4M3 (optional), scales [G, Kb, Nb]
 
-the same bits as ``fp8_quant_kernels.quantize_weight`` (Pallas on Triton) and
-``ops.quant.quantize_blocks(w, (1, 128, 128))`` (tested, NaN, infinite, zero and
-float32-subnormal blocks included).
+the same bits as ``ops.quant.quantize_blocks(w, (1, 128, 128))`` (tested, NaN,
+infinite, zero and float32-subnormal blocks included) and as
+``fp8_quant_kernels.quantize_weight`` (Pallas on Triton), but for the codes of a
+block whose scale is NaN: the compiled Triton kernel writes -448 there (its
+maximum ignores NaN on the GPU), this one NaN, as the model does. Dequantized,
+both are NaN.
 
 Why a second kernel: the model stores the layers' expert weights stacked
 [L, G, K, N] and each layer quantizes its slice ``w[l]``. XLA reads such a slice
