@@ -20,6 +20,7 @@ time, and at most that plus the host time the fake injected into the run
 """
 
 import io
+import re
 import types
 
 import numpy as np
@@ -112,13 +113,14 @@ class FakeCheckpointer:
         pass
 
 
-def _run(tmp_path, monkeypatch, *, steps, period, sync_frac, start=0):
+def _run(tmp_path, monkeypatch, *, steps, period, sync_frac, start=0, put_hook=None):
     dev = FakeDevice(sync_frac)
     monkeypatch.setattr(loop, "_clock", dev.clock)
     monkeypatch.setattr(loop, "_fetch", dev.fetch)
     monkeypatch.setattr(loop, "_jit_step", lambda s: dev.step_fn)
     monkeypatch.setattr(loop, "_overflow_monitor", lambda s, console: None)
-    feed = types.SimpleNamespace(local=lambda step: step, put=lambda x: x)
+    feed = types.SimpleNamespace(local=lambda step: step,
+                                 put=lambda x: (put_hook and put_hook(), x)[1])
     s = types.SimpleNamespace(feed=feed, mesh=types.SimpleNamespace(size=1),
                               flops=types.SimpleNamespace(total=TFLOPS), peak=PEAK,
                               source=types.SimpleNamespace(entropy_floor=None))
@@ -144,7 +146,8 @@ def _check_rows(dev, ran, start):
         covered += steps
         device_s = [dev.ran[i - 1 - start][1] - dev.ran[i - 1 - start][0] for i in steps]
         assert r["step_time_s"] * n >= sum(device_s) - 1e-9, r  # never below the device time
-        assert r["step_time_s"] * n <= sum(device_s) + host_s + 1e-9, r  # no save, no compile
+        # No save, no compile; a wait for the warm-up where the quiet steps end is in its window.
+        assert r["step_time_s"] * n <= sum(device_s) + host_s + r.get("checkpoint_warm_held_s", 0) + 1e-9, r
         assert r["tflops_per_device"] == pytest.approx(TFLOPS / r["step_time_s"], rel=1e-12)
         assert r["tokens_per_s"] == pytest.approx(TOKENS / r["step_time_s"], rel=1e-12)
         assert r["mfu"] == pytest.approx(TFLOPS / r["step_time_s"] / PEAK, rel=1e-12)
@@ -196,52 +199,131 @@ def test_first_step_is_compile_and_untimed(tmp_path, monkeypatch):
 
 
 class FakeWarmup:
-    """A host memory warm-up still running at the first save: its ``wait`` holds the
-    host ``WARM_WAIT_S`` once; it has ended by then and reports once."""
+    """The pinned host memory warm-up on the fake's clock: it runs ``warm_s`` from
+    ``start``, and while it runs a batch put or metrics fetch by the loop is a
+    ``violation`` (on the H200 each such copy waits for the pinning:
+    ``ckpt_transfer-20261202-164033``). ``estimate_s`` is what the loop plans with."""
 
-    WARM_WAIT_S = 7.0
+    nbytes = 3 * ckpt_lib.GiB
 
-    def __init__(self, device: FakeDevice):
-        self.device, self.ended = device, False
+    def __init__(self, device: FakeDevice, warm_s: float, estimate_s: float):
+        self.device, self.warm_s, self._estimate_s = device, warm_s, estimate_s
+        self.t0, self.reported, self.violations = None, False, 0
+
+    @property
+    def started(self):
+        return self.t0 is not None
+
+    def start(self):
+        self.t0 = self.device.now
+
+    def estimate_s(self):
+        return self._estimate_s
+
+    def running(self):
+        return self.started and self.device.now < self.t0 + self.warm_s
+
+    def check(self):
+        self.violations += self.running()
 
     def wait(self):
-        if self.ended:
+        if not self.running():
             return 0.0
-        self.device.now += self.WARM_WAIT_S
-        self.ended = True
-        return self.WARM_WAIT_S
+        held = self.t0 + self.warm_s - self.device.now
+        self.device.now = self.t0 + self.warm_s
+        return held
 
     def report(self):
-        if not self.ended or self.device is None:
+        if self.reported or not self.started or self.running():
             return None
-        self.device = None
-        return host_pool.WarmResult(12.5, 3 * ckpt_lib.GiB)
+        self.reported = True
+        return host_pool.WarmResult(self.warm_s, self.nbytes)
 
 
-def test_a_save_that_waits_for_the_warmup_reports_it(tmp_path, monkeypatch):
-    """The first save's wait for the warm-up is in its held time (the row after it,
-    and the result's first-save figure), in no step time; the warm-up's line and
-    figures come with the first row after it ended; later saves do not wait."""
+def _run_warm(tmp_path, monkeypatch, *, steps, period, sync_frac, warm_s, estimate_s):
     warmups = []
 
-    def start(s, train, ckpt, console):
-        warmups.append(FakeWarmup(ckpt.device))
+    def plan(s, train, ckpt, console):
+        warmups.append(FakeWarmup(ckpt.device, warm_s, estimate_s))
         return warmups[-1]
 
-    monkeypatch.setattr(loop, "_start_warmup", start)
-    dev, ckpt, ran, result, text = _run(tmp_path, monkeypatch, steps=23, period=10, sync_frac=0.5)
-    assert len(warmups) == 1 and ckpt.saved == [10, 20, 23]
+    monkeypatch.setattr(loop, "_plan_warmup", plan)
+    fetch = FakeDevice.fetch
+    monkeypatch.setattr(FakeDevice, "fetch", lambda self, out: (warmups[0].check(), fetch(self, out))[1])
+    out = _run(tmp_path, monkeypatch, steps=steps, period=period, sync_frac=sync_frac,
+               put_hook=lambda: warmups[0].check())
+    assert len(warmups) == 1
+    return (*out, warmups[0])
+
+
+def _quiet_span(text):
+    """The quiet steps the loop announced (first, last)."""
+    m = re.search(r"pinning 3.00 GiB of host memory for the first save \(about \d+ s\); "
+                  r"steps (\d+)-(\d+) run from batches already on the device", text)
+    assert m, text
+    return int(m[1]), int(m[2])
+
+
+@pytest.mark.parametrize("sync_frac", [0.0, 0.5, 0.97])
+def test_the_warmup_runs_beside_quiet_steps(tmp_path, monkeypatch, sync_frac):
+    """After the first timed window the loop stages 1.5x the warm-up's estimated span
+    of batches and runs those steps with no put and no fetch while it pins; the device
+    never waits for the host meanwhile; every row comes, in order, with honest step
+    times; the first save holds only its own time."""
+    dev, ckpt, ran, result, text, warm = _run_warm(tmp_path, monkeypatch, steps=60, period=50,
+                                                   sync_frac=sync_frac, warm_s=12.0, estimate_s=12.0)
+    assert warm.violations == 0
+    first, last = _quiet_span(text)
+    assert first == 7 and last == first + 18 - 1  # the first window ends at the first printed step, 6
+    assert [r["step"] for r in ran.rows] == list(range(1, 61))
     _check_rows(dev, ran, 0)
+    gaps = [dev.ran[i][0] - dev.ran[i - 1][1] for i in range(first - 1, last)]
+    assert max(gaps) <= DISPATCH_S + 1e-9  # the device ran the quiet steps back to back
     rows = {r["step"]: r for r in ran.rows}
-    wait = FakeWarmup.WARM_WAIT_S
-    assert rows[11]["checkpoint_warm_wait_s"] == wait
-    assert rows[11]["checkpoint_blocked_s"] == SAVE_S + wait
-    assert rows[11]["checkpoint_warm_s"] == 12.5 and rows[11]["checkpoint_warm_gib"] == 3.0
-    assert "checkpoint_warm_wait_s" not in rows[21] and rows[21]["checkpoint_blocked_s"] == SAVE_S
-    assert [r["step"] for r in ran.rows if "checkpoint_warm_s" in r] == [11]
-    assert result.checkpoint_first_blocked_s == SAVE_S + wait
-    assert result.checkpoint_blocked_s == 3 * SAVE_S + wait
-    assert text.count("pinned host memory warmed in 12.5 s (3.00 GiB)") == 1
+    assert ckpt.saved == [50, 60] and rows[51]["checkpoint_blocked_s"] == SAVE_S
+    assert result.checkpoint_first_blocked_s == SAVE_S
+    assert text.count("pinned host memory warmed in 12.0 s (3.00 GiB)") == 1
+    # The fake's dispatch waits for the step to start (at least), so the host keeps pace
+    # with the device and the warm-up ends before the staged batches do: no wait.
+    assert not any("checkpoint_warm_held_s" in r for r in ran.rows)
+    assert [r["step"] for r in ran.rows if "checkpoint_warm_s" in r] == [first]  # the first held-back row
+    # The quiet steps end with the step in which the 12 s warm-up ended, as one window.
+    quiet_window = [r for r in ran.rows if "step_time_s" in r and r["step"] - r["step_time_steps"] + 1 == first]
+    assert len(quiet_window) == 1 and 12 <= quiet_window[0]["step_time_steps"] <= 13 < last - first + 1
+
+
+def test_a_warmup_longer_than_its_batches_is_waited_for_and_reported(tmp_path, monkeypatch):
+    """Planned from an estimate a third of the truth, the staged batches run out first:
+    the loop waits for the warm-up (no transfer before it ends), prints the wait and
+    puts it on that step's row; the window's step time includes it."""
+    dev, ckpt, ran, result, text, warm = _run_warm(tmp_path, monkeypatch, steps=60, period=50,
+                                                   sync_frac=0.5, warm_s=12.0, estimate_s=4.0)
+    assert warm.violations == 0
+    first, last = _quiet_span(text)
+    assert last - first + 1 == 6
+    held = [r for r in ran.rows if "checkpoint_warm_held_s" in r]
+    assert [r["step"] for r in held] == [last]
+    # The host is half-way into the 6th quiet step (sync_frac) when it finds no batch left;
+    # of the dispatches only the first adds host time (the others wait for the device).
+    assert held[0]["checkpoint_warm_held_s"] == pytest.approx(12.0 - 5.5 * STEP_S - DISPATCH_S)
+    assert f"the loop waited {held[0]['checkpoint_warm_held_s']:.1f} s after step {last}" in text
+    assert [r["step"] for r in ran.rows] == list(range(1, 61))
+    window = held[0]["step_time_s"] * held[0]["step_time_steps"]
+    assert window == pytest.approx(12.0)  # from the warm-up's start to its end: the steps ran inside
+
+
+def test_a_save_inside_the_quiet_steps_ends_them(tmp_path, monkeypatch):
+    """A save due before the warm-up ends: the loop waits for it (reported), writes the
+    held-back rows, then the save's row, then saves with its own hold only."""
+    dev, ckpt, ran, result, text, warm = _run_warm(tmp_path, monkeypatch, steps=30, period=10,
+                                                   sync_frac=0.5, warm_s=12.0, estimate_s=12.0)
+    assert warm.violations == 0
+    assert [r["step"] for r in ran.rows] == list(range(1, 31))
+    first, last = _quiet_span(text)
+    rows = {r["step"]: r for r in ran.rows}
+    assert first == 4 and rows[10]["checkpoint_warm_held_s"] > 0  # the window ended at step 3
+    assert ckpt.saved == [10, 20, 30] and rows[11]["checkpoint_blocked_s"] == SAVE_S
+    _check_rows(dev, ran, 0)
 
 
 def test_printed_lines_say_what_they_average(tmp_path, monkeypatch):

@@ -102,15 +102,12 @@ class SaveTiming(NamedTuple):
     blocked_s: the whole call: ``wait_s`` plus the handoff to the background
       writer (Orbax copies the arrays to host memory before returning; with a
       device snapshot, the copy on the device and the handoff to the thread
-      that calls Orbax), plus ``warm_wait_s``.
-    warm_wait_s: waiting, before the call, for the pinned host memory warm-up
-      (``host_pool``) to finish; set by the training loop.
+      that calls Orbax).
     """
 
     step: int
     wait_s: float
     blocked_s: float
-    warm_wait_s: float = 0.0
 
 
 def _copy_on_device(tree):

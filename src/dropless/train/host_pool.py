@@ -15,12 +15,19 @@ pool that grows by pinning new regions, up to ``XLA_PJRT_GPU_HOST_MEMORY_LIMIT_G
 pages as it goes, while the loop waits; a BFC pool keeps its regions, and later
 saves reuse them.
 
-``HostPoolWarmup`` makes that growth happen in a background thread the loop
-starts before the first step, so that the pinning overlaps the step's compile.
-Pinning holds the loop's launches while it runs: started after step 1 on the
-H200 (proxy, 41.1 GiB), the warm-up took 54.3 s and steps 2-15 took 54.7 s
-(0.36 s each without it), as long as the first save's hold it spared (0.89 s
-instead of about 38 s; ``train-20261202-051929``). The thread allocates the
+``HostPoolWarmup`` makes that growth happen in a background thread. What it
+must not meet is a transfer between host and device: on the H200 (proxy,
+41.1 GiB) pinning ran at about 0.8 GB/s, and while it ran a loop of GPU work
+kept its speed (1.01x) as long as it moved no data to or from the host, but
+slowed 18x when each iteration put a batch on the device and 58x when each
+fetched a scalar (``benchmarks/ckpt_transfer.py``, ``ckpt_transfer-20261202-164033``):
+the loop's small copies wait for the pinning. The training loop puts a batch
+and fetches metrics every step, so a warm-up started after step 1 held steps
+2-15 for 54.7 s (``train-20261202-051929``), and one started beside the first
+compile slowed the compile by as much (its autotuning copies too). So the loop
+starts it after the first timing window with the next steps' batches already
+on the device and fetches nothing until it ends (``loop``, "quiet steps"). It
+spares the first save's hold: 0.89 s instead of about 38 s. The thread allocates the
 same buffers (same devices, shapes, dtypes and memory kind), holds them all
 until ready, and drops them. Their source is a
 host buffer of zeros, not the train state: the loop donates the state to every
@@ -45,6 +52,10 @@ import jax
 import numpy as np
 
 PINNED_HOST = "pinned_host"
+# How fast the warm-up pins host memory, for planning how many steps it spans:
+# 41.12 GiB in 54.3 s on the H200 (train-20261202-051929), 0.82 GB/s beside a
+# loop (ckpt_transfer-20261202-164033).
+PIN_BYTES_PER_S = 0.8e9
 # Backends where Orbax copies through pinned host memory (tests add "cpu").
 BACKENDS = ("gpu",)
 GiB = 2**30
@@ -151,6 +162,18 @@ class HostPoolWarmup:
         except Exception as e:  # noqa: BLE001 - any failure is reported in one line; the save reports its own
             error = f"{type(e).__name__}: {' '.join(str(e).split())[:300]}"
         self.result = WarmResult(time.perf_counter() - t0, self.nbytes, error)
+
+    @property
+    def started(self) -> bool:
+        return self._thread.ident is not None
+
+    def running(self) -> bool:
+        """Started and not yet finished."""
+        return self._thread.is_alive()
+
+    def estimate_s(self) -> float:
+        """The expected wall time (``PIN_BYTES_PER_S``)."""
+        return self.nbytes / PIN_BYTES_PER_S
 
     def wait(self) -> float:
         """Block until the warm-up has finished; returns the seconds this call waited (0.0 if it had)."""

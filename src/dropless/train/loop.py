@@ -31,10 +31,18 @@ unless ``allow_config_change_on_resume`` (``train.run_dir``). Each save's
 time holding the loop is reported on the next metrics row
 (``checkpoint_wait_s``, ``checkpoint_blocked_s``), is in no step time, and is
 summed in the summary. With ``checkpoint_warm_host_memory`` the pinned host
-memory the first save needs is allocated in a background thread started
-before the first step, alongside its compile (``host_pool``); its line and
-``checkpoint_warm_s`` come with the next row after it ends, and a save that has to wait for it reports the wait as
-``checkpoint_warm_wait_s`` (part of ``checkpoint_blocked_s``). With
+memory the first save needs is allocated in a background thread (``host_pool``)
+during "quiet steps": after the first timed window the loop puts the next
+steps' batches on the device (``_quiet_steps``: enough for 1.5 times the
+warm-up's estimated span), starts the warm-up, and runs those steps without a
+transfer between host and device (each would wait for the pinning: on the
+H200 a loop that fetched a scalar per iteration ran 58x slower beside it, one
+that moved nothing kept its speed). Their rows are written when it ends,
+together; its line and ``checkpoint_warm_s`` come with them. A save, the last
+step, a stop, or the staged batches running out end the quiet steps early:
+the loop then waits for the warm-up, prints the wait and reports it as
+``checkpoint_warm_held_s`` on that step's row, whose window's step time
+includes it (the device runs the queued steps meanwhile). With
 ``checkpoint_device_snapshot`` a save copies the state on the device and Orbax
 saves the copy from a background thread (``checkpoint``): its hold is the copy
 and the handoff, and the seconds Orbax's save of the copy took beside the steps
@@ -49,6 +57,7 @@ rows are those of the single-process batch, so results do not depend on the
 number of processes.
 """
 
+import collections
 import concurrent.futures
 import contextlib
 import dataclasses
@@ -375,16 +384,11 @@ def _fetch(raw_device):
     return jax.device_get(jax.block_until_ready(raw_device))
 
 
-def _save(ckpt, step_no, state, force, console, warm_wait_s=0.0):
-    """Save if due; returns the save's timing (None if not due), warning when it waited.
-
-    ``warm_wait_s``: the time the loop just waited for the host memory warm-up,
-    counted in the save's ``blocked_s``."""
+def _save(ckpt, step_no, state, force, console):
+    """Save if due; returns the save's timing (None if not due), warning when it waited."""
     if not ckpt.save(step_no, state, force=force):
         return None
     timing = ckpt.last_timing
-    if warm_wait_s:
-        timing = timing._replace(warm_wait_s=warm_wait_s, blocked_s=timing.blocked_s + warm_wait_s)
     if timing.wait_s > 1.0:
         console.print(f"checkpoint at step {step_no} waited {timing.wait_s:.1f} s for the previous "
                       "save to finish writing: raise checkpoint_period or use faster storage",
@@ -430,8 +434,9 @@ def _check_snapshot_room(step_fn, state, batch) -> None:
             "(more devices, a smaller per_device_batch_size, or a larger XLA_PYTHON_CLIENT_MEM_FRACTION)")
 
 
-def _start_warmup(s: _Setup, train: TrainConfig, ckpt, console):
-    """The pinned host memory warm-up (``host_pool``), started; None when off or of no use (said in one line)."""
+def _plan_warmup(s: _Setup, train: TrainConfig, ckpt, console):
+    """The pinned host memory warm-up (``host_pool``), not yet started; None when off or
+    of no use (said in one line). The loop starts it in quiet steps (``_quiet_steps``)."""
     if not train.checkpoint_warm_host_memory:
         return None
     reason = "checkpointing is off" if ckpt is None else host_pool.skip_reason(
@@ -439,7 +444,23 @@ def _start_warmup(s: _Setup, train: TrainConfig, ckpt, console):
     if reason is not None:
         console.print(f"checkpoint_warm_host_memory: skipped: {reason}", style="yellow", markup=False)
         return None
-    return host_pool.HostPoolWarmup(s.abstract, s.shardings).start()
+    return host_pool.HostPoolWarmup(s.abstract, s.shardings)
+
+
+# Quiet steps: how many steps' batches go on the device before the warm-up starts,
+# as a multiple of the steps its estimated time spans, and at most how many bytes
+# of batches (a few MiB for the proxy's 150-odd steps).
+QUIET_MARGIN = 1.5
+QUIET_MAX_BYTES = 2**30
+
+
+def _quiet_steps(estimate_s: float, step_s: float, steps_left: int, batch_bytes: int) -> int:
+    """How many steps run quiet (no host transfer) while the warm-up pins memory: enough
+    for ``QUIET_MARGIN`` times its estimated span at ``step_s`` per step, within the
+    steps left and ``QUIET_MAX_BYTES`` of staged batches; at least 1. Should the
+    warm-up outlast them, the loop waits for it after the last (reported)."""
+    want = math.ceil(QUIET_MARGIN * estimate_s / max(step_s, 1e-6))
+    return max(1, min(want, steps_left, QUIET_MAX_BYTES // max(batch_bytes, 1)))
 
 
 def _report_warmup(warm, console):
@@ -481,22 +502,23 @@ def _train_steps(s: _Setup, train: TrainConfig, state, start, ckpt, writer, cons
             metrics_lib.ProgressDisplay(console, train.steps, start) as progress, \
             contextlib.ExitStack() as cleanup:
         future = pool.submit(s.feed.local, start)
-        # Started before the first step, so pinning overlaps its compile (on the H200,
-        # 54 s of pinning started after step 1 held steps 2-15 for as long: the
-        # allocations stall the loop's launches; train-20261202-051929).
-        warm = _start_warmup(s, train, ckpt, console)
+        warm = _plan_warmup(s, train, ckpt, console)
         if warm is not None:  # its thread holds jax arrays: it ends before the loop does
             cleanup.callback(warm.wait)
+        staged = collections.deque()  # device batches of the quiet steps to come
+        quiet_rows = []  # (step, metrics on device) of the quiet steps, written when they end
         if start < train.steps:  # the progress bar is not drawn in a log: say what the wait is
             console.print(f"step {start + 1}: compiling the train step (its row gives compile_s) ...",
                           markup=False)
         t_start = _clock()
         opened = start  # steps done when the current window opened
 
-        def finish(step_no, raw, *, fetched=False, step_time=None, timed=1, compile_s=None):
+        def finish(step_no, raw, *, fetched=False, step_time=None, timed=1, compile_s=None,
+                   warm_held_s=0.0):
             """Write ``step_no``'s row: ``raw`` on device, or on the host if ``fetched``;
             ``step_time`` the mean over the ``timed`` steps of the window it ends;
-            ``compile_s`` on the compiling first step's row; the warm-up's result once it ended."""
+            ``compile_s`` on the compiling first step's row; the warm-up's result once it
+            ended; ``warm_held_s`` the loop's wait for it at the end of the quiet steps."""
             nonlocal load_LE, unreported
             if not fetched:
                 raw = _fetch(raw)
@@ -506,10 +528,10 @@ def _train_steps(s: _Setup, train: TrainConfig, state, start, ckpt, writer, cons
             )
             if compile_s is not None:
                 row["compile_s"] = compile_s
+            if warm_held_s:
+                row["checkpoint_warm_held_s"] = warm_held_s
             if unreported is not None and unreported.step < step_no:
                 row.update(checkpoint_wait_s=unreported.wait_s, checkpoint_blocked_s=unreported.blocked_s)
-                if unreported.warm_wait_s:
-                    row["checkpoint_warm_wait_s"] = unreported.warm_wait_s
                 unreported = None
             if ckpt is not None and (handed := ckpt.take_handoff_seconds()) is not None:
                 row["checkpoint_background_s"] = handed[1]
@@ -524,10 +546,47 @@ def _train_steps(s: _Setup, train: TrainConfig, state, start, ckpt, writer, cons
             if monitor is not None:
                 monitor.record(step_no, raw["overflow_tokens"], raw["buffer_factor_needed"])
 
+        def stage(first, n):
+            """Put the batches of steps first..first+n-1 on the device, ready, for the quiet steps."""
+            nonlocal future
+            for step_no in range(first, first + n):
+                staged.append(s.feed.put(future.result()))
+                if step_no + 1 < train.steps:
+                    future = pool.submit(s.feed.local, step_no + 1)
+            jax.block_until_ready(list(staged))
+
+        def start_quiet(done, step_s):
+            """Stage the next steps' batches, then start the warm-up: until it ends the
+            loop neither puts nor fetches (its small copies would wait for the pinning)."""
+            batch_bytes = sum(getattr(x, "nbytes", 0) for x in jax.tree.leaves(batch))
+            n = _quiet_steps(warm.estimate_s(), step_s, train.steps - done, batch_bytes)
+            stage(done, n)
+            steps = f"step {done + 1}" if n == 1 else f"steps {done + 1}-{done + n}"
+            console.print(
+                f"checkpoint: pinning {warm.nbytes / ckpt_lib.GiB:.2f} GiB of host memory for the first "
+                f"save (about {warm.estimate_s():.0f} s); {steps} run from batches already on the "
+                "device, and their rows follow when it ends", markup=False)
+            warm.start()
+
+        def end_quiet(done):
+            """Wait for a warm-up still running (reported), then write the held-back rows."""
+            held = warm.wait()
+            if held >= 0.1:
+                console.print(f"checkpoint: the loop waited {held:.1f} s after step {done} for the host "
+                              "memory warm-up", style="yellow", markup=False)
+            for step_no, raw in quiet_rows:
+                finish(step_no, raw)
+            quiet_rows.clear()
+            return held
+
+        quiet, warm_held = False, 0.0
         for step in range(start, train.steps):
-            batch = s.feed.put(future.result())
-            if step + 1 < train.steps:
-                future = pool.submit(s.feed.local, step + 1)
+            if staged:
+                batch = staged.popleft()
+            else:
+                batch = s.feed.put(future.result())
+                if step + 1 < train.steps:
+                    future = pool.submit(s.feed.local, step + 1)
             if step == start and ckpt is not None and ckpt.device_snapshot:
                 _check_snapshot_room(step_fn, state, batch)
             state, raw = step_fn(state, batch)
@@ -538,8 +597,16 @@ def _train_steps(s: _Setup, train: TrainConfig, state, start, ckpt, writer, cons
             last = done == train.steps
             stop = preempt is not None and preempt.reached(done)
             saving = ckpt is not None and ckpt.due(done, force=last or stop)
-            if not (done == start + 1 or last or saving or stop or done % TIMING_WINDOW_STEPS == 0
-                    or progress.prints(done)):
+            if quiet:
+                if staged and warm.running() and not (last or saving or stop):
+                    quiet_rows.append((done, raw))  # no fetch: it would wait for the pinning
+                    if ckpt is not None:
+                        ckpt.poll()
+                    continue
+                quiet = False  # ends here, with this step's window
+                warm_held = end_quiet(done)
+            elif not (done == start + 1 or last or saving or stop or done % TIMING_WINDOW_STEPS == 0
+                      or progress.prints(done)):
                 pending = functools.partial(finish, done, raw)
                 if ckpt is not None:
                     ckpt.poll()
@@ -551,14 +618,15 @@ def _train_steps(s: _Setup, train: TrainConfig, state, start, ckpt, writer, cons
                     preempt.first_step_done()
                 pending = functools.partial(finish, done, raw, fetched=True, compile_s=first_step_s)
             else:
-                pending = functools.partial(finish, done, raw, fetched=True,
-                                            step_time=timer.close(done - opened), timed=done - opened)
+                step_s = timer.close(done - opened)
+                pending = functools.partial(finish, done, raw, fetched=True, step_time=step_s,
+                                            timed=done - opened, warm_held_s=warm_held)
+                warm_held = 0.0
             if saving or last or stop:
                 pending()  # a saved step's row first: nothing can kill the run before it
                 pending = None
                 if saving:
-                    warm_wait = warm.wait() if warm is not None else 0.0
-                    save = _save(ckpt, done, state, last or stop, console, warm_wait)
+                    save = _save(ckpt, done, state, last or stop, console)
                     if save is not None:
                         saves.append(save)
                         unreported = save
@@ -569,6 +637,10 @@ def _train_steps(s: _Setup, train: TrainConfig, state, start, ckpt, writer, cons
             # else the row is written while the next step runs
             if ckpt is not None:
                 ckpt.poll()
+            if (warm is not None and not warm.started and not saves and done > start + 1
+                    and not (last or stop)):
+                start_quiet(done, step_s)  # after the first timed window, before the window opens
+                quiet = True
             opened = done
             timer.open()
     _report_warmup(warm, console)  # if it ended after the last row

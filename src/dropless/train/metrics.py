@@ -52,7 +52,7 @@ TENSORBOARD_TAGS = {
     "skipped_steps": "learning/skipped_steps",
     "checkpoint_wait_s": "checkpoint/wait_for_previous_save_seconds",
     "checkpoint_blocked_s": "checkpoint/blocked_seconds",
-    "checkpoint_warm_wait_s": "checkpoint/wait_for_host_memory_warmup_seconds",
+    "checkpoint_warm_held_s": "checkpoint/wait_for_host_memory_warmup_seconds",
     "checkpoint_warm_s": "checkpoint/host_memory_warmup_seconds",
 }
 
