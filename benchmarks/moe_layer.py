@@ -36,6 +36,17 @@ They run first, and hand their memory back before jax's cases; run as a script,
 this file turns jax's preallocation off (``XLA_PYTHON_CLIENT_PREALLOCATE=false``
 unless set) so the two share the GPU. Without torch they record an error row.
 
+A case that cannot fit the device is skipped before it is built (``skip_row``):
+its row in the record and the table says why, and a line is printed. Only the
+``lax.ragged_dot`` path has a bound (``ragged_dot_fwd_bwd_bytes``): XLA expands
+it into dense products over the experts, and at the Qwen3-30B shape one dot
+of the weight gradient needs 112.8 GiB, more than JAX's allocator may take of
+an H200 (105 GiB at the default memory fraction). XLA's compiled memory
+analysis cannot decide this: on the GPU the compile itself is what ran out of
+memory (its autotuner allocates the operands), and a CPU compile of the same
+program reports 173 GiB of temporaries at the DeepSeek shape, where the GPU's
+asked for 88.2 GiB.
+
 Expert FLOPs (the convention of torchtitan's 447 TF/s at 43.6 ms on this
 shape): each token visits K routed + S shared SwiGLU experts of 3 matrices
 D x F, so ``fwd = 2 * T * (K + S) * 3 * D * F`` = 6.49 TFLOP and
@@ -76,6 +87,7 @@ from flax import nnx
 
 from dropless.config.sections import MoEConfig
 from dropless.nn import moe
+from dropless.ops import permute as permute_ops
 from dropless.ops.gmm import resolve_backend
 from dropless.perf import hlo as hlo_lib
 from dropless.perf import measure
@@ -309,14 +321,79 @@ def _error(e: Exception) -> str:
     return f"{type(e).__name__}: {lines[0][:300]}"
 
 
+def case_backend(cfg: MoEConfig, shape: dict) -> str:
+    """The grouped-GEMM backend a case runs on (``dense_matmul`` on the capacity path)."""
+    if not cfg.sparse_matmul:
+        return "dense_matmul"
+    t, d = shape["batch"] * shape["seq"], shape["emb_dim"]
+    return resolve_backend(cfg.gmm_backend, (t * shape["top_k"], d),
+                           (shape["num_experts"], d, 2 * shape["moe_mlp_dim"]), jnp.bfloat16)
+
+
+def ragged_dot_fwd_bwd_bytes(shape: dict, cfg: MoEConfig) -> int:
+    """A lower bound on the device bytes of the layer's fwd+bwd when its expert GEMMs are
+    ``lax.ragged_dot`` (``gmm_backend=xla``), bf16.
+
+    XLA (jaxlib 0.11.2) lowers a ragged dot of x [P, K] (rows grouped by expert) with
+    w [G, K, N] to a masked dense product over the groups: it writes x_GPK, x masked to
+    each group's rows, and contracts it with w over G and K. The weight gradient
+    (``ops.gmm.xla.tgmm``, ragged along the contracted P) expands both of its operands,
+    x_GPK and the output gradient dy_GPN, and contracts them over P in one batched dot
+    into dw_GKN; the operands and the result of one instruction are live together, so
+    that dot alone holds 2*G*P*(K + N) + 2*G*K*N bytes. The forward and the data
+    gradient expand one operand each, so the weight gradients bound the layer: the
+    larger of gate|up (K = D, N = 2F, or F per projection when gate and up are separate)
+    and down (K = F, N = D). P is the dispatch buffer's rows (T*K plus the alignment's
+    padding). Qwen3-30B (G = 128, P = 131072, D = 2048, 2F = 1536) gives 121,064,390,656
+    bytes, exactly the size XLA's scheduler printed for that dot's arguments on the H200
+    (``results/logs/moe-layer-qwen3-oom-20261202-1643-h200.log``). Everything else the
+    program holds comes on top: at the DeepSeek shape XLA's whole fwd+bwd asked for
+    88.2 GiB against this bound's 45.8 GiB (``results/moe_layer-20261202-074024-*``).
+    """
+    g, d, f = shape["num_experts"], shape["emb_dim"], shape["moe_mlp_dim"]
+    p = permute_ops.buffer_rows(shape["batch"] * shape["seq"] * shape["top_k"], g,
+                                moe.group_alignment(cfg))
+    gate_up_n = 2 * f if cfg.prefuse_moe_weights else f
+    return max(2 * g * p * (k + n) + 2 * g * k * n for k, n in ((d, gate_up_n), (f, d)))
+
+
+def device_bytes_limit() -> int | None:
+    """Bytes JAX's allocator may take on the first device (None where it reports none: CPU)."""
+    return (jax.devices()[0].memory_stats() or {}).get("bytes_limit")
+
+
+def skip_row(name: str, shape: dict, device_bytes: int | None) -> dict | None:
+    """The record's row for a case that cannot fit in ``device_bytes``, or None to run it.
+
+    Only the ``lax.ragged_dot`` path has a bound (``ragged_dot_fwd_bwd_bytes``): there
+    XLA's GPU autotuner allocates the dense operands while compiling, and at the
+    Qwen3-30B shape it spent the run's whole time limit failing to. The other paths
+    have no bound here: they are compiled and run, and an out-of-memory is recorded as
+    their error (a CPU compile of the capacity baseline's fwd+bwd at the Qwen3-30B
+    shape reports 28 GiB of temporaries).
+    """
+    cfg = moe_config(shape, **CASES[name])
+    backend = case_backend(cfg, shape)
+    if backend != "xla" or device_bytes is None:
+        return None
+    need = ragged_dot_fwd_bwd_bytes(shape, cfg)
+    if need <= device_bytes:
+        return None
+    return {"case": name, "backend": backend,
+            "overrides": overrides_of(base_of(shape), **shape_overrides(shape), **CASES[name]),
+            "skipped": f"fwd+bwd needs >= {need / 2**30:.1f} GiB (ragged_dot's dense operands), "
+                       f"device allows {device_bytes / 2**30:.1f} GiB",
+            "estimate_bytes": need, "device_bytes": device_bytes,
+            "estimate": "ragged_dot_fwd_bwd_bytes: the weight gradient's masked dense operands "
+                        "and result, 2*G*P*(K+N) + 2*G*K*N"}
+
+
 def time_case(name: str, shape: dict, quick: bool) -> tuple[dict, Layer]:
     """Fwd and fwd+bwd times of one case; returns (row, layer)."""
     layer = Layer(shape, moe_config(shape, **CASES[name]))
-    t, d = shape["batch"] * shape["seq"], shape["emb_dim"]
-    backend = resolve_backend(layer.cfg.gmm_backend, (t * shape["top_k"], d),
-                              (shape["num_experts"], d, 2 * shape["moe_mlp_dim"]), jnp.bfloat16)
+    t = shape["batch"] * shape["seq"]
     row = {"case": name, "overrides": overrides_of(base_of(shape), **shape_overrides(shape), **CASES[name]),
-           "backend": backend if layer.cfg.sparse_matmul else "dense_matmul",
+           "backend": case_backend(layer.cfg, shape),
            "sparse_matmul": layer.cfg.sparse_matmul, "capacity_factor":
            None if layer.cfg.sparse_matmul else layer.cfg.capacity_factor}
     flops = expert_flops(shape)
@@ -369,13 +446,13 @@ def time_torch_case(name: str, shape: dict, quick: bool) -> dict:
 
 def torch_speedups(rows: list[dict]) -> dict:
     """case -> {"fwd", "fwd_bwd"}: ``TORCH_REF``'s time over the case's (> 1: faster than torch),
-    for every timed non-torch row; {} when the torch reference has no time."""
+    for every non-torch row not failed or skipped; {} when the torch reference has no time."""
     ref = next((r for r in rows if r["case"] == TORCH_REF and "error" not in r), None)
     if ref is None:
         return {}
     return {r["case"]: {k: ref[f"{k}_ms"] / r[f"{k}_ms"] if ref.get(f"{k}_ms") and r.get(f"{k}_ms")
                         else None for k in ("fwd", "fwd_bwd")}
-            for r in rows if "error" not in r and r["case"] not in TORCH_CASES}
+            for r in rows if not {"error", "skipped"} & set(r) and r["case"] not in TORCH_CASES}
 
 
 def time_split(layer: Layer, layer_row: dict, quick: bool) -> dict:
@@ -442,7 +519,7 @@ def dump_hlo(layer: Layer, path: Path) -> dict:
 
 def run(quick: bool = False, out_dir=measure.DEFAULT_RESULTS_DIR, tiny: bool = False,
         cases=None, trace: bool = True, shape_name: str = "deepseek3",
-        dump_hlo_path=None) -> dict:
+        dump_hlo_path=None, device_bytes: int | None = None) -> dict:
     """Run the benchmark, write its record to ``out_dir`` and return the record.
 
     Args:
@@ -454,6 +531,8 @@ def run(quick: bool = False, out_dir=measure.DEFAULT_RESULTS_DIR, tiny: bool = F
       trace: also profile ours' fwd+bwd and break its kernel time down.
       dump_hlo_path: also write ours' optimized fwd+bwd HLO there (``dump_hlo``), its large
         copies in the record's ``hlo``.
+      device_bytes: the memory a case must fit in (``skip_row``); default: what JAX's
+        allocator may take on this device (``device_bytes_limit``).
     """
     shape = TINY if tiny else SHAPES[shape_name]
     names = list(cases or [*TORCH_CASES, *(["ours", "xla", "capacity-1.0"] if quick else CASES)])
@@ -471,12 +550,18 @@ def run(quick: bool = False, out_dir=measure.DEFAULT_RESULTS_DIR, tiny: bool = F
     record.update(flops=expert_flops(shape), targets=TARGETS, split=None, kernel_breakdown=None,
                   flops_formula="fwd = 6*T*(K+S)*D*F (K routed + S shared SwiGLU experts); "
                                 "fwd+bwd = 3*fwd; router excluded")
+    device_bytes = device_bytes or device_bytes_limit()
     for name in names:
         if name in TORCH_CASES:
             try:
                 record["rows"].append(time_torch_case(name, shape, quick))
             except Exception as e:  # noqa: BLE001 - no torch, out of memory: record it, go on
                 record["rows"].append({"case": name, "error": _error(e)})
+            continue
+        skipped = skip_row(name, shape, device_bytes)
+        if skipped:
+            print(f"skipping {name}: {skipped['skipped']}", flush=True)
+            record["rows"].append(skipped)
             continue
         try:
             row, layer = time_case(name, shape, quick)
@@ -548,6 +633,9 @@ def print_tables(record: dict, console=None) -> None:
     for r in record["rows"]:
         if "error" in r:
             table.add_row(r["case"], f"[red]{r['error'][:60]}[/]", *[""] * 7)
+            continue
+        if "skipped" in r:
+            table.add_row(r["case"], f"[yellow]skipped: {r['skipped']}[/]", *[""] * 7)
             continue
         ms = r.get("fwd_bwd_ms")
         table.add_row(r["case"], r["backend"], _fmt(r.get("fwd_ms")),

@@ -133,3 +133,98 @@ def test_dump_hlo_writes_the_compiled_fwd_bwd(bench, tmp_path):
     text = gzip.open(out["path"], "rt").read()
     assert text.startswith("HloModule") and "ENTRY" in text
     assert isinstance(out["large_copies"], list)
+
+
+
+def _elements(hlo_type: str) -> int:
+    """Elements of an HLO array type such as ``bf16[8,128,64]{2,1,0}``."""
+    dims = hlo_type[hlo_type.index("[") + 1:hlo_type.index("]")]
+    return math.prod(int(d) for d in dims.split(",") if d)
+
+
+def _largest_dot_bytes(layer) -> int:
+    """The most bytes one ``dot`` of the layer's fwd+bwd reads and writes, in bf16, from
+    the HLO that jax lowers on this CPU: there ``lax.ragged_dot`` becomes jax's own masked
+    dense product over the groups, the expansion XLA:GPU makes too (in the H200 log the
+    weight gradient's dot read bf16[128,131072,2048] and bf16[128,131072,1536]). The
+    operands are bf16; the result is counted in bf16 too: the dot accumulates in float32
+    and on the GPU the conversion to bf16 is fused into the GEMM (that log's
+    ``gemm_fusion_dot.4``)."""
+    from dropless.perf import hlo
+
+    text = layer.fwd_bwd.lower(layer.params, layer.rest, layer.x, layer.g).as_text(dialect="hlo")
+    return max(2 * (_elements(inst.type) + sum(_elements(inst.scope[name])
+                                               for _, name in inst.operands))
+               for inst in hlo.instructions(text) if inst.opcode == "dot")
+
+
+@pytest.mark.parametrize("prefuse", [True, False])
+def test_ragged_dot_bound_is_the_largest_dot_of_the_xla_layer(bench, prefuse):
+    """The bound is the weight gradient's dot (its two masked dense operands and its
+    result): the largest dot of the xla layer's fwd+bwd, for gate|up fused or not. F is
+    48 so that gate|up (K = D = 64, N = 96 fused) and down (K = 48, N = 64) differ."""
+    shape = {**bench.TINY, "moe_mlp_dim": 48}
+    cfg = bench.moe_config(shape, gmm_backend="xla", prefuse_moe_weights=prefuse)
+    assert bench.ragged_dot_fwd_bwd_bytes(shape, cfg) == _largest_dot_bytes(bench.Layer(shape, cfg))
+
+
+def test_ragged_dot_bound_is_what_xla_reported_at_qwen3_30b(bench):
+    """On the H200, XLA's scheduler printed "The byte size of input/output arguments
+    (121064390656)" for the Qwen3-30B weight gradient's dot
+    (benchmarks/results/logs/moe-layer-qwen3-oom-20261202-1643-h200.log)."""
+    cfg = bench.moe_config(bench.QWEN3_30B, **bench.CASES["xla"])
+    assert bench.ragged_dot_fwd_bwd_bytes(bench.QWEN3_30B, cfg) == 121064390656
+
+
+@pytest.fixture
+def h200_bytes():
+    """What JAX's allocator may take of an H200 (141 GB: 143771 MiB) at its default
+    memory fraction, 0.75: the setting moe_layer.py runs under."""
+    from dropless.perf import memory
+
+    return memory.target("h200", env={"XLA_PYTHON_CLIENT_MEM_FRACTION": "0.75"}).usable_bytes
+
+
+@pytest.fixture
+def hopper(bench, monkeypatch):
+    """gmm_backend=auto resolves as on a Hopper GPU (to the Mosaic kernels), not as on this CPU
+    (to xla)."""
+    monkeypatch.setattr(bench, "resolve_backend", lambda backend, *_: "mosaic" if backend == "auto"
+                        else backend)
+
+
+def test_only_qwen3_30bs_xla_case_is_skipped_on_an_h200(bench, h200_bytes, hopper):
+    skipped = bench.skip_row("xla", bench.QWEN3_30B, h200_bytes)
+    assert skipped["case"] == "xla" and skipped["backend"] == "xla"
+    assert skipped["estimate_bytes"] == 121064390656 and skipped["device_bytes"] == h200_bytes
+    assert skipped["skipped"] == ("fwd+bwd needs >= 112.8 GiB (ragged_dot's dense operands), "
+                                  "device allows 105.3 GiB")
+    assert [n for n in bench.CASES if bench.skip_row(n, bench.QWEN3_30B, h200_bytes)] == ["xla"]
+    assert not [n for n in bench.CASES if bench.skip_row(n, bench.FULL, h200_bytes)]
+    # Where the device reports no limit (CPU), nothing is skipped.
+    assert bench.skip_row("xla", bench.QWEN3_30B, None) is None
+
+
+def test_a_skipped_case_is_recorded_printed_and_not_compiled(bench, h200_bytes, hopper, tmp_path,
+                                                              capsys, monkeypatch):
+    """run() at the Qwen3-30B shape on an H200-sized device: the xla case gets one line, a
+    row with the reason in the record and in the table, and is never built or compiled."""
+    import io
+
+    from rich.console import Console
+
+    def never(*_):
+        raise AssertionError("a skipped case must not be built")
+
+    monkeypatch.setattr(bench, "time_case", never)
+    record = bench.run(quick=True, out_dir=tmp_path, shape_name="qwen3-30b", cases=["xla"],
+                       trace=False, device_bytes=h200_bytes)
+    line = ("skipping xla: fwd+bwd needs >= 112.8 GiB (ragged_dot's dense operands), "
+            "device allows 105.3 GiB")
+    assert line in capsys.readouterr().out
+    (row,) = json.loads(Path(record["path"]).read_text())["rows"]
+    assert row["case"] == "xla" and row["skipped"] in line and "fwd_bwd_ms" not in row
+    assert record["torch_speedup"] == {}
+    out = io.StringIO()
+    bench.print_tables(record, console=Console(file=out, width=200))
+    assert "skipped: fwd+bwd needs >= 112.8 GiB" in out.getvalue()

@@ -36,7 +36,10 @@ def moe_record(created, fwd_bwd_ms):
              "dropped_fraction": 0.0},
             {"case": "xla", "backend": "xla", "fwd_ms": 300.0, "fwd_bwd_ms": None,
              "fwd_bwd_error": "XlaRuntimeError: RESOURCE_EXHAUSTED", "dropped_fraction": 0.0},
-            {"case": "capacity-1.0", "error": "ValueError: boom"}]
+            {"case": "capacity-1.0", "error": "ValueError: boom"},
+            {"case": "xla-big", "backend": "xla",
+             "skipped": "fwd+bwd needs >= 112.8 GiB (ragged_dot's dense operands), device allows "
+                        "105.3 GiB"}]
     pieces = [{"piece": p, "fwd_ms": 1.0, "fwd_bwd_ms": ms}
               for p, ms in (("router", 1.0), ("permute", 1.5), ("gmm", 25.0), ("combine", 1.0),
                             ("shared", 3.0))]
@@ -108,6 +111,7 @@ def test_render_page(results, tmp_path):
     assert "| ours | mosaic | 11.00 | 590 | 34.00 |" in text and "1.28x" in text
     assert "34.00 ms, met" in text and "10.3%, met" in text
     assert "XlaRuntimeError" in text and "error: ValueError: boom" in text
+    assert "| xla-big | skipped: fwd+bwd needs >= 112.8 GiB" in text
     assert "| gmm | 1.000 | 25.000 | 73.5 |" in text
     # step: ratio to the best baseline.
     assert "| ours | ours | 500.0 | 10.00x |" in text and "| xla baseline | baseline | 40.0 | 0.80x |" in text

@@ -20,7 +20,8 @@ Record fields read (aliases accepted, so the benchmarks' own formats work):
   ``ragged``; ops ``fwd``, ``dgrad``, ``wgrad``, ``fwd+dgrad+wgrad``. Flat rows
   ``{shape, layout, op, impl, tflops}`` are accepted too.
 - **moe_layer** (``benchmarks/moe_layer.py``): ``rows`` per case with
-  ``fwd_ms``, ``fwd_bwd_ms``, ``*_tflops``, ``dropped_fraction``; ``split``
+  ``fwd_ms``, ``fwd_bwd_ms``, ``*_tflops``, ``dropped_fraction`` (or ``error``, or
+  ``skipped``: why a case that cannot fit the device was not run); ``split``
   with per-piece times; ``targets``.
 - **profile** (``dropless profile --out``): ``config`` with ``precision``
   ("bf16" | "fp8"; derived from ``quantization`` / ``te_gmm_quantization``
@@ -258,6 +259,9 @@ def moe_section(record: dict, path: Path, fig_dir: Path, md_dir: Path) -> str:
     for r in record.get("rows", []):
         if "error" in r:
             body.append([r["case"], f"error: {r['error'][:80]}", *["-"] * 7])
+            continue
+        if "skipped" in r:
+            body.append([r["case"], f"skipped: {r['skipped']}", *["-"] * 7])
             continue
         ms = r.get("fwd_bwd_ms")
         body.append([r["case"], r.get("backend", "-"), _num(r.get("fwd_ms"), ".2f"),
