@@ -128,7 +128,8 @@ def test_training_is_unchanged_by_the_warmup(small_model, make_train, tmp_path, 
     assert re.search(r"; steps? \d+(-\d+)? run from batches already on the device", text)
     assert "checkpoint: pinned host memory warmed in" in text
     warmed = [r for r in rows_on if "checkpoint_warm_s" in r]
-    assert len(warmed) == 1 and warmed[0]["step"] >= 3 and warmed[0]["checkpoint_warm_gib"] > 0
+    # on the first row written after it ended: the window row before the quiet steps at the earliest
+    assert len(warmed) == 1 and warmed[0]["step"] >= 2 and warmed[0]["checkpoint_warm_gib"] > 0
     assert on.checkpoint_saves == 2
     assert on.checkpoint_first_blocked_s is not None and on.checkpoint_first_blocked_s <= on.checkpoint_blocked_s
 

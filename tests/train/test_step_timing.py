@@ -66,12 +66,16 @@ class FakeDevice:
         self.now += DISPATCH_S
         start = max(self.now, self.free)
         self.free = start + STEP_S
-        self.now = max(self.now, start + self.sync_frac * STEP_S)  # host reads the cond predicate
+        if self.sync_frac is not None:  # None: dispatch never waits for the device
+            self.now = max(self.now, start + self.sync_frac * STEP_S)  # host reads the cond predicate
         self.ran.append((start, self.free))
         out = _Out(loss=1.0, lm_loss=1.0, aux_loss=0.0, mtp_loss=0.0, grad_norm=1.0,
                    learning_rate=1e-3, finite=True, applied=True, skipped_steps=0)
         out.done = self.free
         return state + 1, out
+
+    def ready(self, out: _Out) -> bool:
+        return out.done <= self.now
 
     def fetch(self, out: _Out) -> _Out:
         self.now = max(self.now, out.done)
@@ -117,6 +121,7 @@ def _run(tmp_path, monkeypatch, *, steps, period, sync_frac, start=0, put_hook=N
     dev = FakeDevice(sync_frac)
     monkeypatch.setattr(loop, "_clock", dev.clock)
     monkeypatch.setattr(loop, "_fetch", dev.fetch)
+    monkeypatch.setattr(loop, "_ready", dev.ready)
     monkeypatch.setattr(loop, "_jit_step", lambda s: dev.step_fn)
     monkeypatch.setattr(loop, "_overflow_monitor", lambda s, console: None)
     feed = types.SimpleNamespace(local=lambda step: step,
@@ -294,8 +299,9 @@ def test_the_warmup_runs_beside_quiet_steps(tmp_path, monkeypatch, sync_frac):
 
 def test_a_warmup_longer_than_its_batches_is_waited_for_and_reported(tmp_path, monkeypatch):
     """Planned from an estimate a third of the truth, the staged batches run out first:
-    the loop waits for the warm-up (no transfer before it ends), prints the wait and
-    puts it on that step's row; the window's step time includes it."""
+    the loop waits for the warm-up (no transfer before it ends) and puts the wait on
+    that step's row; the device ran dry during it, so a line says so, and the
+    window's step time includes it."""
     dev, ckpt, ran, result, text, warm = _run_warm(tmp_path, monkeypatch, steps=60, period=50,
                                                    sync_frac=0.5, warm_s=12.0, estimate_s=4.0)
     assert warm.violations == 0
@@ -306,10 +312,26 @@ def test_a_warmup_longer_than_its_batches_is_waited_for_and_reported(tmp_path, m
     # The host is half-way into the 6th quiet step (sync_frac) when it finds no batch left;
     # of the dispatches only the first adds host time (the others wait for the device).
     assert held[0]["checkpoint_warm_held_s"] == pytest.approx(12.0 - 5.5 * STEP_S - DISPATCH_S)
-    assert f"the loop waited {held[0]['checkpoint_warm_held_s']:.1f} s after step {last}" in text
+    assert (f"warm-up outlasted the quiet steps: the device may have idled up to "
+            f"{held[0]['checkpoint_warm_held_s']:.1f} s after step {last}") in text
     assert [r["step"] for r in ran.rows] == list(range(1, 61))
     window = held[0]["step_time_s"] * held[0]["step_time_steps"]
     assert window == pytest.approx(12.0)  # from the warm-up's start to its end: the steps ran inside
+
+
+def test_a_host_ahead_of_the_device_waits_without_loss(tmp_path, monkeypatch):
+    """Where dispatch never waits (the host queues all 18 quiet steps at once), the host
+    waits out the warm-up while the device works through them: the wait is on the row,
+    no idle line is printed, and the window's step time is the device's."""
+    dev, ckpt, ran, result, text, warm = _run_warm(tmp_path, monkeypatch, steps=60, period=50,
+                                                   sync_frac=None, warm_s=12.0, estimate_s=12.0)
+    assert warm.violations == 0
+    first, last = _quiet_span(text)
+    held = [r for r in ran.rows if "checkpoint_warm_held_s" in r]
+    assert [r["step"] for r in held] == [last] and held[0]["checkpoint_warm_held_s"] > 11.9
+    assert "may have idled" not in text
+    assert held[0]["step_time_s"] == pytest.approx(STEP_S, abs=DISPATCH_S)
+    _check_rows(dev, ran, 0)
 
 
 def test_a_save_inside_the_quiet_steps_ends_them(tmp_path, monkeypatch):

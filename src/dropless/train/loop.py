@@ -40,9 +40,10 @@ H200 a loop that fetched a scalar per iteration ran 58x slower beside it, one
 that moved nothing kept its speed). Their rows are written when it ends,
 together; its line and ``checkpoint_warm_s`` come with them. A save, the last
 step, a stop, or the staged batches running out end the quiet steps early:
-the loop then waits for the warm-up, prints the wait and reports it as
+the loop then waits for the warm-up and reports the wait as
 ``checkpoint_warm_held_s`` on that step's row, whose window's step time
-includes it (the device runs the queued steps meanwhile). With
+includes whatever the device lost in it (the device runs the steps queued
+meanwhile; a line says when they ran out before the wait ended). With
 ``checkpoint_device_snapshot`` a save copies the state on the device and Orbax
 saves the copy from a background thread (``checkpoint``): its hold is the copy
 and the handoff, and the seconds Orbax's save of the copy took beside the steps
@@ -384,6 +385,11 @@ def _fetch(raw_device):
     return jax.device_get(jax.block_until_ready(raw_device))
 
 
+def _ready(raw_device) -> bool:
+    """Whether a step's metrics are computed, without waiting or copying anything."""
+    return all(x.is_ready() for x in jax.tree.leaves(raw_device) if isinstance(x, jax.Array))
+
+
 def _save(ckpt, step_no, state, force, console):
     """Save if due; returns the save's timing (None if not due), warning when it waited."""
     if not ckpt.save(step_no, state, force=force):
@@ -568,14 +574,17 @@ def _train_steps(s: _Setup, train: TrainConfig, state, start, ckpt, writer, cons
                 "device, and their rows follow when it ends", markup=False)
             warm.start()
 
-        def end_quiet(done):
-            """Wait for a warm-up still running (reported), then write the held-back rows."""
+        def end_quiet(done, raw):
+            """Wait for a warm-up still running, then write the held-back rows. Returns the
+            host's wait; said in a line if the device may have idled in it (step ``done``,
+            whose metrics are ``raw``, had finished by the end of the wait)."""
             held = warm.wait()
-            if held >= 0.1:
-                console.print(f"checkpoint: the loop waited {held:.1f} s after step {done} for the host "
-                              "memory warm-up", style="yellow", markup=False)
-            for step_no, raw in quiet_rows:
-                finish(step_no, raw)
+            if held >= 0.1 and _ready(raw):
+                console.print(f"checkpoint: the host memory warm-up outlasted the quiet steps: the device "
+                              f"may have idled up to {held:.1f} s after step {done}", style="yellow",
+                              markup=False)
+            for step_no, raw_q in quiet_rows:
+                finish(step_no, raw_q)
             quiet_rows.clear()
             return held
 
@@ -604,7 +613,7 @@ def _train_steps(s: _Setup, train: TrainConfig, state, start, ckpt, writer, cons
                         ckpt.poll()
                     continue
                 quiet = False  # ends here, with this step's window
-                warm_held = end_quiet(done)
+                warm_held = end_quiet(done, raw)
             elif not (done == start + 1 or last or saving or stop or done % TIMING_WINDOW_STEPS == 0
                       or progress.prints(done)):
                 pending = functools.partial(finish, done, raw)
