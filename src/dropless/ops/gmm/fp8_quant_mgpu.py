@@ -1,42 +1,58 @@
-"""The 128x128 weight quantizer in Pallas Mosaic GPU (Hopper).
+"""FP8 quantizers in Pallas Mosaic GPU (Hopper): the 128x128 weight quantizer and the
+128x1 columns quantizer.
 
-Legend: G groups, K x N the weight dims, Kb = K / 128, Nb = N / 128.
+Legend: G groups, K x N the weight dims, Kb = K / 128, Nb = N / 128; M rows,
+C columns of an activation, Mb = M / 128.
 
-  w [G, K, N] -> codes [G, K, N] E4M3, codes [G, N, K] E4M3 (optional), scales [G, Kb, Nb]
+  weight   w [G, K, N] -> codes [G, K, N] E4M3, codes [G, N, K] E4M3 (optional),
+                          scales [G, Kb, Nb]
+  columns  a [M, C] -> codes [C, M] E4M3, scales [Mb, C]     (wgrad's x and dy)
 
-the same bits as ``ops.quant.quantize_blocks(w, (1, 128, 128))`` (tested, NaN,
-infinite, zero and float32-subnormal blocks included) and as
-``fp8_quant_kernels.quantize_weight`` (Pallas on Triton), but for the codes of a
-block whose scale is NaN: the compiled Triton kernel writes -448 there (its
-maximum ignores NaN on the GPU), this one NaN, as the model does. Dequantized,
-both are NaN.
+the same bits as ``ops.quant.quantize_blocks`` with blocks (1, 128, 128) and
+(128, 1) (tested, NaN, infinite, zero and float32-subnormal blocks included) and
+as ``fp8_quant_kernels.quantize_weight`` and ``quantize_columns`` (Pallas on
+Triton), but for the codes of a block whose scale is NaN: the compiled Triton
+kernels write -448 there (their maximum ignores NaN on the GPU), these NaN, as
+the model does. Dequantized, both are NaN.
 
-Why a second kernel: the model stores the layers' expert weights stacked
+Why the weight kernel: the model stores the layers' expert weights stacked
 [L, G, K, N] and each layer quantizes its slice ``w[l]``. XLA reads such a slice
 in place for a typed-FFI custom call, as Mosaic GPU's are (its dynamic-slice
 fusion; seen for the Mosaic GEMMs in the bf16 step), but copies it out first for
 a Triton call: on the H200 those copies took 3.95 ms of a 351 ms FP8 step
 (``benchmarks/notes/fp8_hlo.md``, Q2; ``benchmarks/fp8_weight_slice.py`` checks
-which happens for each kernel). It is also the first quantizer off Pallas's
-Triton backend, which jax 0.11.2 deprecates.
+which happens for each kernel). Why the columns kernel: the Triton one ran at
+about 56% of a plain copy's bandwidth on the H200 (``benchmarks/notes/fp8.md``),
+and it runs twice per MoE layer. Both are off Pallas's Triton backend, which jax
+0.11.2 deprecates.
 
-Design: one CTA (one warpgroup, lane semantics) per (group, 128-row band of
-K); it walks the band's Nb tiles with ``plgpu.emit_pipeline``, TMA loads
-``max_concurrent_steps`` tiles ahead and asynchronous TMA stores of the codes
-from ``out_slots`` smem buffers, so w is read once and each output written once.
+Design, shared: one warpgroup per CTA (lane semantics) walks a line of 128x128
+tiles with ``plgpu.emit_pipeline``, TMA loads ``max_concurrent_steps`` tiles
+ahead and asynchronous TMA stores of the codes from ``out_slots`` smem buffers,
+so the input is read once and each output written once.
 
 - The bf16 tile lands in swizzled smem and is read into registers in the WGMMA
-  layout (ldmatrix). Mosaic GPU reduces such a tiled array one axis at a time,
-  so the block's amax is a max over columns, then over rows.
+  layout (ldmatrix). Mosaic GPU reduces such a tiled array one axis at a time.
 - NaN becomes +inf before the max (``quant._tensor_amax``'s rule), so the
   result does not depend on whether a max propagates NaN; a non-finite amax
   gives the NaN scale either way.
-- The transposed codes come from reading the same smem tile through its
-  transpose (``w_smem.T``, a transposing ldmatrix) and scaling it again: two
-  smem reads and twice the arithmetic per tile, no extra global traffic.
-  Mosaic GPU has no register transpose, and storing the codes through a
-  transposed view of their smem tile does not lower (1-byte elements).
-- The scale is stored as a scalar into global memory.
+- Mosaic GPU has no register transpose, and storing codes through a transposed
+  view of their smem tile does not lower (1-byte elements); a transposed layout
+  comes from reading the bf16 tile through its transpose (``smem.T``, a
+  transposing ldmatrix).
+
+Weight: one CTA per (group, 128-row band of K), walking the band's Nb tiles.
+The block's amax is a max over columns, then over rows. The transposed codes
+come from reading the same smem tile again through its transpose and scaling it
+again: two smem reads and twice the arithmetic per tile, no extra global
+traffic. The scale is stored as a scalar into global memory.
+
+Columns: one CTA per (128-column band of C, run of ``m_tiles`` row tiles).
+Each tile is read transposed, [128 C, 128 M], so a 128x1 block of a is a row of
+registers: its amax is a max over axis 1 (a row-layout vector, one value per
+C), broadcast back along the rows to scale, and the codes tile is already in
+the [C, M] layout. The 128 scales are stored from that row-layout vector
+straight into global memory (each value by the four lanes that hold its row).
 """
 
 import functools
@@ -62,13 +78,29 @@ def _swizzle_transforms(dtype):
             plgpu.SwizzleTransform(swizzle))
 
 
+def _magnitudes(x):
+    """|x| in x's dtype, +inf where x is NaN (``quant._tensor_amax``'s rule)."""
+    a = jnp.abs(x)
+    return jnp.where(jnp.isnan(a), jnp.asarray(jnp.inf, a.dtype), a)
+
+
+def _flushed(amax):
+    """amax as float32, 0 where below the smallest normal (where ``quant._read`` flushes
+    every value reduced to zero)."""
+    amax = amax.astype(jnp.float32)
+    return jnp.where(amax < quant._F32_TINY, jnp.float32(0), amax)
+
+
 def _amax(x):
     """max |_read(x)| of a tile as float32, +inf where it holds a NaN or an infinity
     (``quant._tensor_amax``, reduced one axis at a time)."""
-    a = jnp.abs(x)
-    a = jnp.where(jnp.isnan(a), jnp.asarray(jnp.inf, a.dtype), a)
-    amax = jnp.max(jnp.max(a, axis=1), axis=0).astype(jnp.float32)
-    return jnp.where(amax < quant._F32_TINY, jnp.float32(0), amax)
+    return _flushed(jnp.max(jnp.max(_magnitudes(x), axis=1), axis=0))
+
+
+def _row_amax(x):
+    """max |_read(x)| of each row of a tile as float32 [rows], +inf where the row holds a
+    NaN or an infinity."""
+    return _flushed(jnp.max(_magnitudes(x), axis=1))
 
 
 def _codes(x, inv):
@@ -162,3 +194,80 @@ def quantize_weight(w_GKN, transposed=True, max_concurrent_steps=2, out_slots=1)
         compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Lane),
     )(w_GKN)
     return tuple(vary_like(o, (w_GKN,)) for o in out)
+
+
+def _check_columns(shape, dtype):
+    if len(shape) != 2 or any(s % BLOCK for s in shape) or 0 in shape:
+        raise ValueError(f"fp8_quant_mgpu.quantize_columns: a must be [M, C] with M and C "
+                         f"positive multiples of {BLOCK}, got {tuple(shape)}")
+    if jnp.dtype(dtype) != jnp.bfloat16:
+        raise ValueError(f"fp8_quant_mgpu.quantize_columns: a must be bfloat16, got {jnp.dtype(dtype)}")
+
+
+def _divisor_at_most(n, cap):
+    """The largest divisor of n not above cap."""
+    return max(d for d in range(1, min(n, cap) + 1) if n % d == 0)
+
+
+@functools.partial(jax.jit, static_argnames=("m_tiles", "max_concurrent_steps", "out_slots"))
+def quantize_columns(a_MC, m_tiles=8, max_concurrent_steps=2, out_slots=1):
+    """(aq [C, M] E4M3, sa [Mb, C] float32): 128x1 blocks of a [M, C] bf16 along M, codes
+    M-major (``fp8_quant_kernels.quantize_columns``, ``mosaic_fp8_tgmm.quantize_columns``).
+
+    How the kernel runs, not what it returns (the same bits): each CTA walks the
+    largest divisor of Mb not above ``m_tiles`` tiles down its 128-column band of C
+    (more CTAs than bands: C = 2048 has 16), ``max_concurrent_steps`` and
+    ``out_slots`` as in ``quantize_weight`` (a tiles 32 KiB of smem each, codes 16:
+    the defaults take 80 KiB, so two CTAs share an SM).
+
+    Off a GPU it runs only inside ``plgpu.force_gpu_interpret_mode``.
+
+    Raises:
+      ValueError: a not [M, C] bfloat16 with M and C positive multiples of 128;
+        m_tiles, max_concurrent_steps or out_slots < 1.
+    """
+    _check_columns(a_MC.shape, a_MC.dtype)
+    if min(m_tiles, max_concurrent_steps, out_slots) < 1:
+        raise ValueError(f"fp8_quant_mgpu.quantize_columns: {m_tiles=}, {max_concurrent_steps=} "
+                         f"and {out_slots=} must be >= 1")
+    m, c = a_MC.shape
+    mb, cb = m // BLOCK, c // BLOCK
+    steps = _divisor_at_most(mb, m_tiles)
+    out_type = [jax.ShapeDtypeStruct((c, m), E4M3), jax.ShapeDtypeStruct((mb, c), jnp.float32)]
+
+    def body(a_gmem, codes_gmem, s_gmem):
+        j, chunk = lax.axis_index("c"), lax.axis_index("m")
+
+        def scoped(codes_smem):
+            def tile(idx, a_smem):
+                (k,) = idx
+                i, slot = chunk * steps + k, k % out_slots
+                # The transposed read puts C on the rows: a block is a row's 128 values.
+                x = plgpu.load(a_smem.T, layout=plgpu.Layout.WGMMA)  # [C, M]
+                scale, inv = quant.pow2_scale_parts(_row_amax(x), E4M3)
+                s_gmem[i, pl.ds(j * BLOCK, BLOCK)] = scale
+                plgpu.wait_smem_to_gmem(out_slots - 1, wait_read_only=True)
+                codes_smem[slot] = _codes(x, lax.broadcast_in_dim(inv, x.shape, (0,)))
+                plgpu.commit_smem()
+                plgpu.copy_smem_to_gmem(
+                    codes_smem.at[slot],
+                    codes_gmem.at[pl.ds(j * BLOCK, BLOCK), pl.ds(i * BLOCK, BLOCK)],
+                    commit_group=True)
+
+            a_spec = plgpu.BlockSpec((BLOCK, BLOCK), lambda k: (chunk * steps + k, j),
+                                     transforms=_swizzle_transforms(a_MC.dtype))
+            plgpu.emit_pipeline(tile, grid=(steps,), in_specs=[a_spec],
+                                max_concurrent_steps=max_concurrent_steps)(a_gmem)
+            plgpu.wait_smem_to_gmem(0)
+
+        pl.run_scoped(scoped, plgpu.SMEM((out_slots, BLOCK, BLOCK), E4M3,
+                                         transforms=_swizzle_transforms(E4M3)))
+
+    out = plgpu.kernel(
+        body,
+        out_type=out_type,
+        grid=(cb, mb // steps),
+        grid_names=("c", "m"),
+        compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Lane),
+    )(a_MC)
+    return tuple(vary_like(o, (a_MC,)) for o in out)
