@@ -29,13 +29,16 @@ slow: the kernel rows are skipped there) to check the script.
 ``--columns-variants`` runs a sweep instead, for each activation shape of
 ``--variant-shapes`` (default [65536, C] bf16 for C = 7168, 4096, 2048): the
 Pallas columns kernel at each warp count (``fp8_quant_kernels.NUM_WARPS``),
-the rows kernel, rows + columns as two kernels, and the fused
-``quantize_rows_and_columns`` at each warp count, each against a plain bf16
-copy of the same array in the same run (CUPTI and wall-clock, GB/s; the
-columns outputs checked bit for bit against the first warp count's, the
-fused ones against the two kernels'). Its record is of kind
-``fp8_quant_columns`` (the report's FP8 section keeps reading the passes
-record).
+the Mosaic GPU columns kernel (``fp8_quant_mgpu.quantize_columns``) at each
+tile walk and pipeline depth of ``COLUMNS_DEPTHS``, the rows kernel, rows +
+columns as two kernels, and the fused ``quantize_rows_and_columns`` at each
+warp count, each against a plain bf16 copy of the same array in the same run
+(CUPTI and wall-clock, GB/s; the columns outputs, Mosaic GPU ones included,
+checked bit for bit against the first warp count's, the fused ones against
+the two kernels'). The Mosaic GPU rows need a Hopper GPU; with ``--smoke`` on
+CPU they run in Pallas GPU interpret mode, to check the script. Its record
+is of kind ``fp8_quant_columns`` (the report's FP8 section keeps reading the
+passes record).
 
 ``--weight-variants`` (Hopper GPU) likewise sweeps the weight quantizers at each
 w [G, K, N] of ``--weight-shapes`` (default DeepSeek-V3's 32 x 7168 x 4096 and
@@ -44,7 +47,8 @@ Qwen3-30B-A3B's 128 x 2048 x 1536, 128 x 768 x 2048): the Triton kernel
 pipeline depth (``WEIGHT_DEPTHS``), both layouts and the natural one alone,
 against a bf16 copy of w, each Mosaic output checked bit for bit against the
 Triton one's; record kind ``fp8_quant_weight``. The passes table above has the
-Mosaic kernel's rows too (``weight_mosaic``, ``weight2_mosaic``) on a Hopper GPU.
+Mosaic kernels' rows too (``weight_mosaic``, ``weight2_mosaic``, ``columns_mosaic``)
+on a Hopper GPU.
 """
 
 import argparse
@@ -119,14 +123,16 @@ def passes(m, g, k, n):
         **({"weight_mosaic": (functools.partial(fp8_quant_mgpu.quantize_weight, transposed=False),
                               "w", 2 * wn + wn + 4 * wn // 128**2),
             "weight2_mosaic": (fp8_quant_mgpu.quantize_weight, "w",
-                               2 * wn + 2 * wn + 4 * wn // 128**2)}
+                               2 * wn + 2 * wn + 4 * wn // 128**2),
+            "columns_mosaic": (fp8_quant_mgpu.quantize_columns, "x", 2 * e + e + 4 * e // 128)}
            if mosaic.is_available() else {}),
     }
 
 
 # pass -> the XLA pass whose outputs it must equal bit for bit
 SAME_AS = {"rows_pallas": "rows", "columns_pallas": "columns", "weight_pallas": "weight",
-           "weight2_pallas": "weight2", "weight_mosaic": "weight", "weight2_mosaic": "weight2"}
+           "weight2_pallas": "weight2", "weight_mosaic": "weight", "weight2_mosaic": "weight2",
+           "columns_mosaic": "columns"}
 
 
 def _bits(a):
@@ -178,12 +184,39 @@ def column_variants(m, c):
     for w in warps:
         out[f"columns w{w}"] = (functools.partial(fq.quantize_columns, num_warps=w), one,
                                 None if w == warps[0] else f"columns w{warps[0]}")
+    if mosaic.is_available() or jax.devices()[0].platform == "cpu":
+        for tiles, steps, slots in COLUMNS_DEPTHS:
+            out[f"columns mosaic t{tiles} s{steps} o{slots}"] = (
+                _mosaic_gpu(functools.partial(fp8_quant_mgpu.quantize_columns, m_tiles=tiles,
+                                              max_concurrent_steps=steps, out_slots=slots)),
+                one, f"columns w{warps[0]}")
     out["rows + columns"] = (lambda a: (*fq.quantize_rows(a), *fq.quantize_columns(a)), 2 * one, None)
     for w in warps:
         out[f"rows_and_columns w{w}"] = (
             functools.partial(fq.quantize_rows_and_columns, num_warps=w),
             one + e + 4 * e // 128, "rows + columns")  # one read, both copies written
     return out
+
+
+# (m_tiles, max_concurrent_steps, out_slots) of the Mosaic GPU columns quantizer to
+# time, its default first: tile walks of 2 to 64 row tiles per CTA (at M = 65536, C =
+# 2048: 4096 to 128 CTAs), smem 48 KiB (s1 o1) up to 128 KiB (s3 o2).
+COLUMNS_DEPTHS = ((8, 2, 1), (2, 2, 1), (4, 2, 1), (16, 2, 1), (64, 2, 1), (8, 1, 1),
+                  (8, 3, 1), (8, 2, 2), (16, 3, 2))
+
+
+def _mosaic_gpu(fn):
+    """fn on a Hopper GPU; elsewhere (``--smoke`` on CPU) under Pallas GPU interpret mode."""
+    if mosaic.is_available():
+        return fn
+
+    def interpreted(*args):
+        from jax.experimental.pallas import mosaic_gpu as plgpu
+
+        with plgpu.force_gpu_interpret_mode():
+            return fn(*args)
+
+    return interpreted
 
 
 def weight_variants(g, k, n):
