@@ -158,6 +158,8 @@ BAD = [
      "with gmm_fp8_impl=emulate only auto or xla is allowed"),
     (["te_gmm_quantization=te_fp8_blockwise", "gmm_fp8_impl=emulate", "gmm_fp8_quantizer=mosaic"],
      "with gmm_fp8_impl=emulate only auto or xla is allowed"),
+    (["te_gmm_quantization=te_fp8_blockwise", "gmm_fp8_quantizer=mosaic", "dtype=float32"],
+     "mosaic quantizes bfloat16 expert weights only, got dtype=float32; set dtype=bfloat16, or gmm_fp8_quantizer=auto"),
     (["te_gmm_quantization=te_fp8_blockwise", "gmm_fp8_impl=kernel", "emb_dim=256", "moe_mlp_dim=200"],
      "kernels need emb_dim and moe_mlp_dim multiples of 256, got moe_mlp_dim=200"),
     (["attention=cudnn_flash_te", "dtype=float32"], "got dtype=float32; set dtype=bfloat16 or attention=dot_product"),
@@ -209,7 +211,7 @@ def test_gmm_fp8_impl_and_quantizer_reach_the_grouped_gemms(monkeypatch, quantiz
     assert (default.gmm_fp8_impl, default.gmm_fp8_quantizer) == ("auto", "auto")
     section = resolve("te_gmm_quantization=te_fp8_blockwise", "gmm_fp8_impl=kernel", "emb_dim=256",
                       "moe_mlp_dim=256", "num_experts=4", "num_experts_per_tok=2",
-                      "gmm_backend=xla", f"gmm_fp8_quantizer={quantizer}").config.moe()
+                      "gmm_backend=xla", "dtype=bfloat16", f"gmm_fp8_quantizer={quantizer}").config.moe()
     assert section.gmm_fp8_impl == "kernel" and section.gmm_fp8_quantizer == quantizer
     seen, real_gmm = [], quantized.gmm
 

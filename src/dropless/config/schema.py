@@ -344,6 +344,8 @@ def _check_contradictions(c: Config):
         bad("gmm_fp8_impl", f"has FP8 kernels for te_gmm_quantization=te_fp8_blockwise only, got te_gmm_quantization={c.te_gmm_quantization}; allowed with it: auto or emulate")
     if c.gmm_fp8_quantizer not in ("auto", "xla") and c.gmm_fp8_impl == "emulate":
         bad("gmm_fp8_quantizer", f"chooses how the FP8 kernels quantize; with gmm_fp8_impl=emulate only auto or xla is allowed")
+    if c.gmm_fp8_quantizer == "mosaic" and c.te_gmm_quantization == "te_fp8_blockwise" and c.dtype != "bfloat16":
+        bad("gmm_fp8_quantizer", f"mosaic quantizes bfloat16 expert weights only, got dtype={c.dtype}; set dtype=bfloat16, or gmm_fp8_quantizer=auto (pallas for other dtypes)")
     if c.gmm_fp8_impl == "kernel" and c.hardware in ("cpu", "tpu"):
         bad("gmm_fp8_impl", f"runs Mosaic GPU kernels on a Hopper GPU; with hardware={c.hardware} only auto or emulate is allowed")
     if c.gmm_fp8_impl == "kernel":
