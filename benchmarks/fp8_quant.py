@@ -28,17 +28,18 @@ slow: the kernel rows are skipped there) to check the script.
 
 ``--columns-variants`` runs a sweep instead, for each activation shape of
 ``--variant-shapes`` (default [65536, C] bf16 for C = 7168, 4096, 2048): the
-Pallas columns kernel at each warp count (``fp8_quant_kernels.NUM_WARPS``),
-the Mosaic GPU columns kernel (``fp8_quant_mgpu.quantize_columns``) at each
-tile walk and pipeline depth of ``COLUMNS_DEPTHS``, the rows kernel, rows +
-columns as two kernels, and the fused ``quantize_rows_and_columns`` at each
-warp count, each against a plain bf16 copy of the same array in the same run
-(CUPTI and wall-clock, GB/s; the columns outputs, Mosaic GPU ones included,
-checked bit for bit against the first warp count's, the fused ones against
-the two kernels'). The Mosaic GPU rows need a Hopper GPU; with ``--smoke`` on
-CPU they run in Pallas GPU interpret mode, to check the script. Its record
-is of kind ``fp8_quant_columns`` (the report's FP8 section keeps reading the
-passes record).
+Pallas rows kernel, the Pallas columns kernel at each warp count
+(``fp8_quant_kernels.NUM_WARPS``), rows + columns as two kernels, the fused
+``quantize_rows_and_columns`` at each warp count, and the Mosaic GPU kernels
+of ``fp8_quant_mgpu`` (rows, columns, both) at each tile walk and pipeline
+depth of ``COLUMNS_DEPTHS``, each against a plain bf16 copy of the same array
+in the same run (CUPTI and wall-clock, GB/s; each Mosaic GPU kernel's outputs
+checked bit for bit against the Pallas kernel's of its layout, the columns
+against the first warp count's, the fused ones against the two Pallas
+kernels'). The Mosaic GPU variants need a Hopper GPU; with ``--smoke`` on CPU
+they run in Pallas GPU interpret mode, to check the script. Its record is of kind
+``fp8_quant_columns`` (the report's FP8 section keeps reading the passes
+record).
 
 ``--weight-variants`` (Hopper GPU) likewise sweeps the weight quantizers at each
 w [G, K, N] of ``--weight-shapes`` (default DeepSeek-V3's 32 x 7168 x 4096 and
@@ -47,8 +48,8 @@ Qwen3-30B-A3B's 128 x 2048 x 1536, 128 x 768 x 2048): the Triton kernel
 pipeline depth (``WEIGHT_DEPTHS``), both layouts and the natural one alone,
 against a bf16 copy of w, each Mosaic output checked bit for bit against the
 Triton one's; record kind ``fp8_quant_weight``. The passes table above has the
-Mosaic kernels' rows too (``weight_mosaic``, ``weight2_mosaic``, ``columns_mosaic``)
-on a Hopper GPU.
+Mosaic kernels' rows too (``weight_mosaic``, ``weight2_mosaic``, ``rows_mosaic``,
+``columns_mosaic``) on a Hopper GPU.
 """
 
 import argparse
@@ -119,11 +120,12 @@ def passes(m, g, k, n):
                           2 * wn + wn + 4 * wn // 128**2),
         "weight2_pallas": (fp8_quant_kernels.quantize_weight, "w",
                            2 * wn + 2 * wn + 4 * wn // 128**2),
-        # The Mosaic GPU weight kernel (fp8_quant_mgpu), on a Hopper GPU only.
+        # The Mosaic GPU kernels (fp8_quant_mgpu), on a Hopper GPU only.
         **({"weight_mosaic": (functools.partial(fp8_quant_mgpu.quantize_weight, transposed=False),
                               "w", 2 * wn + wn + 4 * wn // 128**2),
             "weight2_mosaic": (fp8_quant_mgpu.quantize_weight, "w",
                                2 * wn + 2 * wn + 4 * wn // 128**2),
+            "rows_mosaic": (fp8_quant_mgpu.quantize_rows, "x", 2 * e + e + 4 * e // 128),
             "columns_mosaic": (fp8_quant_mgpu.quantize_columns, "x", 2 * e + e + 4 * e // 128)}
            if mosaic.is_available() else {}),
     }
@@ -132,7 +134,7 @@ def passes(m, g, k, n):
 # pass -> the XLA pass whose outputs it must equal bit for bit
 SAME_AS = {"rows_pallas": "rows", "columns_pallas": "columns", "weight_pallas": "weight",
            "weight2_pallas": "weight2", "weight_mosaic": "weight", "weight2_mosaic": "weight2",
-           "columns_mosaic": "columns"}
+           "rows_mosaic": "rows", "columns_mosaic": "columns"}
 
 
 def _bits(a):
@@ -176,31 +178,39 @@ def products(x, w, gs, dy):
 
 def column_variants(m, c):
     """name -> (fn of a [M, C], bytes moved, the name whose outputs it must equal or None)."""
-    fq = fp8_quant_kernels
+    fq, mg = fp8_quant_kernels, fp8_quant_mgpu
     e = m * c
     one = 2 * e + e + 4 * e // 128  # read a once, write one copy of codes and its scales
-    out = {"copy": (lambda a: a * 2, 4 * e, None), "rows": (fq.quantize_rows, one, None)}
+    both = one + e + 4 * e // 128  # read a once, write both copies
+    with_mosaic = mosaic.is_available() or jax.devices()[0].platform == "cpu"
+
+    def mosaic_variants(name, fn, nbytes, same_as):
+        """fn at each tile walk and pipeline depth of ``COLUMNS_DEPTHS``."""
+        return {f"{name} mosaic t{tiles} s{steps} o{slots}": (
+            _mosaic_gpu(functools.partial(fn, m_tiles=tiles, max_concurrent_steps=steps,
+                                          out_slots=slots)), nbytes, same_as)
+            for tiles, steps, slots in COLUMNS_DEPTHS} if with_mosaic else {}
+
+    out = {"copy": (lambda a: a * 2, 4 * e, None), "rows": (fq.quantize_rows, one, None),
+           **mosaic_variants("rows", mg.quantize_rows, one, "rows")}
     warps = sorted(fq.NUM_WARPS)
     for w in warps:
         out[f"columns w{w}"] = (functools.partial(fq.quantize_columns, num_warps=w), one,
                                 None if w == warps[0] else f"columns w{warps[0]}")
-    if mosaic.is_available() or jax.devices()[0].platform == "cpu":
-        for tiles, steps, slots in COLUMNS_DEPTHS:
-            out[f"columns mosaic t{tiles} s{steps} o{slots}"] = (
-                _mosaic_gpu(functools.partial(fp8_quant_mgpu.quantize_columns, m_tiles=tiles,
-                                              max_concurrent_steps=steps, out_slots=slots)),
-                one, f"columns w{warps[0]}")
+    out.update(mosaic_variants("columns", mg.quantize_columns, one, f"columns w{warps[0]}"))
     out["rows + columns"] = (lambda a: (*fq.quantize_rows(a), *fq.quantize_columns(a)), 2 * one, None)
     for w in warps:
         out[f"rows_and_columns w{w}"] = (
-            functools.partial(fq.quantize_rows_and_columns, num_warps=w),
-            one + e + 4 * e // 128, "rows + columns")  # one read, both copies written
+            functools.partial(fq.quantize_rows_and_columns, num_warps=w), both, "rows + columns")
+    out.update(mosaic_variants("rows_and_columns", mg.quantize_rows_and_columns, both,
+                               "rows + columns"))
     return out
 
 
-# (m_tiles, max_concurrent_steps, out_slots) of the Mosaic GPU columns quantizer to
-# time, its default first: tile walks of 2 to 64 row tiles per CTA (at M = 65536, C =
-# 2048: 4096 to 128 CTAs), smem 48 KiB (s1 o1) up to 128 KiB (s3 o2).
+# (m_tiles, max_concurrent_steps, out_slots) of the Mosaic GPU activation quantizers
+# (rows, columns, both) to time, their default first: tile walks of 2 to 64 row tiles
+# per CTA (at M = 65536, C = 2048: 4096 to 128 CTAs), smem 48 KiB (s1 o1, one layout)
+# up to 160 KiB (s3 o2, both layouts).
 COLUMNS_DEPTHS = ((8, 2, 1), (2, 2, 1), (4, 2, 1), (16, 2, 1), (64, 2, 1), (8, 1, 1),
                   (8, 3, 1), (8, 2, 2), (16, 3, 2))
 
@@ -320,7 +330,8 @@ def main(argv=None):
     p.add_argument("--no-breakdown", action="store_true", help="skip the profiler breakdown")
     p.add_argument("--quick", action="store_true", help="5 iterations, no breakdown")
     p.add_argument("--columns-variants", action="store_true",
-                   help="only the sweep of the columns and fused kernels' warp counts")
+                   help="only the sweep of the activation quantizers (Pallas warp counts, "
+                        "Mosaic GPU tile walks and depths)")
     p.add_argument("--variant-shapes", default="65536x7168,65536x4096,65536x2048",
                    help="the sweep's activation shapes, MxC,... (multiples of 128)")
     p.add_argument("--weight-variants", action="store_true",

@@ -1,19 +1,22 @@
-"""FP8 quantizers in Pallas Mosaic GPU (Hopper): the 128x128 weight quantizer and the
-128x1 columns quantizer.
+"""FP8 quantizers in Pallas Mosaic GPU (Hopper): the 128x128 weight quantizer, the
+1x128 rows and 128x1 columns quantizers of an activation, and both of those from one
+read.
 
 Legend: G groups, K x N the weight dims, Kb = K / 128, Nb = N / 128; M rows,
-C columns of an activation, Mb = M / 128.
+C columns of an activation, Mb = M / 128, Cb = C / 128.
 
   weight   w [G, K, N] -> codes [G, K, N] E4M3, codes [G, N, K] E4M3 (optional),
                           scales [G, Kb, Nb]
+  rows     a [M, C] -> codes [M, C] E4M3, scales [Cb, M]     (fwd's x, dgrad's dy)
   columns  a [M, C] -> codes [C, M] E4M3, scales [Mb, C]     (wgrad's x and dy)
+  rows_and_columns  a [M, C] -> both of the above            (the backward's dy)
 
-the same bits as ``ops.quant.quantize_blocks`` with blocks (1, 128, 128) and
-(128, 1) (tested, NaN, infinite, zero and float32-subnormal blocks included) and
-as ``fp8_quant_kernels.quantize_weight`` and ``quantize_columns`` (Pallas on
-Triton), but for the codes of a block whose scale is NaN: the compiled Triton
-kernels write -448 there (their maximum ignores NaN on the GPU), these NaN, as
-the model does. Dequantized, both are NaN.
+the same bits as ``ops.quant.quantize_blocks`` with blocks (1, 128, 128), (1, 128)
+and (128, 1) (tested, NaN, infinite, zero and float32-subnormal blocks included)
+and as the Pallas-on-Triton kernels of the same names in ``fp8_quant_kernels``,
+but for the codes of a block whose scale is NaN: the compiled Triton kernels
+write -448 there (their maximum ignores NaN on the GPU), these NaN, as the model
+does. Dequantized, both are NaN.
 
 Why the weight kernel: the model stores the layers' expert weights stacked
 [L, G, K, N] and each layer quantizes its slice ``w[l]``. XLA reads such a slice
@@ -23,7 +26,7 @@ a Triton call: on the H200 those copies took 3.95 ms of a 351 ms FP8 step
 (``benchmarks/notes/fp8_hlo.md``, Q2; ``benchmarks/fp8_weight_slice.py`` checks
 which happens for each kernel). Why the columns kernel: the Triton one ran at
 about 56% of a plain copy's bandwidth on the H200 (``benchmarks/notes/fp8.md``),
-and it runs twice per MoE layer. Both are off Pallas's Triton backend, which jax
+and it runs twice per MoE layer. All are off Pallas's Triton backend, which jax
 0.11.2 deprecates.
 
 Design, shared: one warpgroup per CTA (lane semantics) walks a line of 128x128
@@ -47,12 +50,16 @@ come from reading the same smem tile again through its transpose and scaling it
 again: two smem reads and twice the arithmetic per tile, no extra global
 traffic. The scale is stored as a scalar into global memory.
 
-Columns: one CTA per (128-column band of C, run of ``m_tiles`` row tiles).
-Each tile is read transposed, [128 C, 128 M], so a 128x1 block of a is a row of
-registers: its amax is a max over axis 1 (a row-layout vector, one value per
-C), broadcast back along the rows to scale, and the codes tile is already in
-the [C, M] layout. The 128 scales are stored from that row-layout vector
-straight into global memory (each value by the four lanes that hold its row).
+Activations: one CTA per (128-column band of C, run of ``m_tiles`` row
+tiles). Whichever the layout, a block is a row of registers, reduced over axis 1
+to a row-layout vector (one value per row), broadcast back along the rows to
+scale, and the 128 scales are stored from that vector straight into global
+memory (each value by the four lanes that hold its row). Rows: the tile is read
+as it lies, [128 M, 128 C], so a 1x128 block is a row, and its scales go to
+``scales[j, 128 i:128 (i + 1)]`` of the transposed [Cb, M] scales. Columns: the
+tile is read transposed, [128 C, 128 M], so a 128x1 block of a is a row and the
+codes tile is already in the [C, M] layout. Both: the two reads of one smem tile,
+each with its own codes buffer and TMA store.
 """
 
 import functools
@@ -196,12 +203,12 @@ def quantize_weight(w_GKN, transposed=True, max_concurrent_steps=2, out_slots=1)
     return tuple(vary_like(o, (w_GKN,)) for o in out)
 
 
-def _check_columns(shape, dtype):
+def _check_activation(name, shape, dtype):
     if len(shape) != 2 or any(s % BLOCK for s in shape) or 0 in shape:
-        raise ValueError(f"fp8_quant_mgpu.quantize_columns: a must be [M, C] with M and C "
+        raise ValueError(f"fp8_quant_mgpu.{name}: a must be [M, C] with M and C "
                          f"positive multiples of {BLOCK}, got {tuple(shape)}")
     if jnp.dtype(dtype) != jnp.bfloat16:
-        raise ValueError(f"fp8_quant_mgpu.quantize_columns: a must be bfloat16, got {jnp.dtype(dtype)}")
+        raise ValueError(f"fp8_quant_mgpu.{name}: a must be bfloat16, got {jnp.dtype(dtype)}")
 
 
 def _divisor_at_most(n, cap):
@@ -209,7 +216,98 @@ def _divisor_at_most(n, cap):
     return max(d for d in range(1, min(n, cap) + 1) if n % d == 0)
 
 
-@functools.partial(jax.jit, static_argnames=("m_tiles", "max_concurrent_steps", "out_slots"))
+def _row_blocks(x):
+    """(scales [rows] float32, codes E4M3) of a register tile whose blocks are its rows."""
+    scale, inv = quant.pow2_scale_parts(_row_amax(x), E4M3)
+    return scale, _codes(x, lax.broadcast_in_dim(inv, x.shape, (0,)))
+
+
+def _activation_kernel(name, a_MC, rows, columns, m_tiles, max_concurrent_steps, out_slots):
+    """The rows outputs (codes [M, C], scales [Cb, M]) if ``rows``, then the columns
+    outputs (codes [C, M], scales [Mb, C]) if ``columns``, from one read of a [M, C]."""
+    _check_activation(name, a_MC.shape, a_MC.dtype)
+    if min(m_tiles, max_concurrent_steps, out_slots) < 1:
+        raise ValueError(f"fp8_quant_mgpu.{name}: {m_tiles=}, {max_concurrent_steps=} "
+                         f"and {out_slots=} must be >= 1")
+    m, c = a_MC.shape
+    mb, cb = m // BLOCK, c // BLOCK
+    steps = _divisor_at_most(mb, m_tiles)
+    out_type = []
+    if rows:
+        out_type += [jax.ShapeDtypeStruct((m, c), E4M3), jax.ShapeDtypeStruct((cb, m), jnp.float32)]
+    if columns:
+        out_type += [jax.ShapeDtypeStruct((c, m), E4M3), jax.ShapeDtypeStruct((mb, c), jnp.float32)]
+
+    def body(a_gmem, *out_gmem):
+        j, chunk = lax.axis_index("c"), lax.axis_index("m")
+
+        def scoped(*codes_smem):
+            def tile(idx, a_smem):
+                (k,) = idx
+                i, slot = chunk * steps + k, k % out_slots
+                tile_i, tile_j = pl.ds(i * BLOCK, BLOCK), pl.ds(j * BLOCK, BLOCK)
+                # The stores issued from these slots out_slots tiles ago must have read them.
+                plgpu.wait_smem_to_gmem(out_slots - 1, wait_read_only=True)
+                outs, smem, dst = iter(out_gmem), iter(codes_smem), []
+                if rows:  # the plain read: a 1x128 block is a row's 128 values
+                    codes_gmem, s_gmem = next(outs), next(outs)
+                    scale, q = _row_blocks(plgpu.load(a_smem, layout=plgpu.Layout.WGMMA))
+                    s_gmem[j, tile_i] = scale
+                    next(smem)[slot] = q
+                    dst.append(codes_gmem.at[tile_i, tile_j])
+                if columns:  # the transposed read, [C, M]: a 128x1 block is a row
+                    codes_gmem, s_gmem = next(outs), next(outs)
+                    scale, q = _row_blocks(plgpu.load(a_smem.T, layout=plgpu.Layout.WGMMA))
+                    s_gmem[i, tile_j] = scale
+                    next(smem)[slot] = q
+                    dst.append(codes_gmem.at[tile_j, tile_i])
+                # Orders this tile's smem writes, and its reads of a_smem (which the
+                # pipeline refills next, by TMA), before the asynchronous copies.
+                plgpu.commit_smem()
+                for n, (src, d) in enumerate(zip(codes_smem, dst, strict=True)):  # one group per tile
+                    plgpu.copy_smem_to_gmem(src.at[slot], d, commit_group=n == len(dst) - 1)
+
+            a_spec = plgpu.BlockSpec((BLOCK, BLOCK), lambda k: (chunk * steps + k, j),
+                                     transforms=_swizzle_transforms(a_MC.dtype))
+            plgpu.emit_pipeline(tile, grid=(steps,), in_specs=[a_spec],
+                                max_concurrent_steps=max_concurrent_steps)(a_gmem)
+            plgpu.wait_smem_to_gmem(0)
+
+        codes_smem = plgpu.SMEM((out_slots, BLOCK, BLOCK), E4M3, transforms=_swizzle_transforms(E4M3))
+        pl.run_scoped(scoped, *[codes_smem] * (rows + columns))
+
+    out = plgpu.kernel(
+        body,
+        out_type=out_type,
+        grid=(cb, mb // steps),
+        grid_names=("c", "m"),
+        compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Lane),
+    )(a_MC)
+    return tuple(vary_like(o, (a_MC,)) for o in out)
+
+
+_TILE_KWARGS = ("m_tiles", "max_concurrent_steps", "out_slots")
+
+
+@functools.partial(jax.jit, static_argnames=_TILE_KWARGS)
+def quantize_rows(a_MC, m_tiles=8, max_concurrent_steps=2, out_slots=1):
+    """(aq [M, C] E4M3, sa [Cb, M] float32): 1x128 blocks of a [M, C] bf16 along C, scales
+    transposed (``fp8_quant_kernels.quantize_rows``, ``mosaic_fp8.quantize_rows``).
+
+    How the kernel runs, not what it returns (the same bits): as in
+    ``quantize_columns``.
+
+    Off a GPU it runs only inside ``plgpu.force_gpu_interpret_mode``.
+
+    Raises:
+      ValueError: a not [M, C] bfloat16 with M and C positive multiples of 128;
+        m_tiles, max_concurrent_steps or out_slots < 1.
+    """
+    return _activation_kernel("quantize_rows", a_MC, True, False, m_tiles, max_concurrent_steps,
+                              out_slots)
+
+
+@functools.partial(jax.jit, static_argnames=_TILE_KWARGS)
 def quantize_columns(a_MC, m_tiles=8, max_concurrent_steps=2, out_slots=1):
     """(aq [C, M] E4M3, sa [Mb, C] float32): 128x1 blocks of a [M, C] bf16 along M, codes
     M-major (``fp8_quant_kernels.quantize_columns``, ``mosaic_fp8_tgmm.quantize_columns``).
@@ -226,48 +324,26 @@ def quantize_columns(a_MC, m_tiles=8, max_concurrent_steps=2, out_slots=1):
       ValueError: a not [M, C] bfloat16 with M and C positive multiples of 128;
         m_tiles, max_concurrent_steps or out_slots < 1.
     """
-    _check_columns(a_MC.shape, a_MC.dtype)
-    if min(m_tiles, max_concurrent_steps, out_slots) < 1:
-        raise ValueError(f"fp8_quant_mgpu.quantize_columns: {m_tiles=}, {max_concurrent_steps=} "
-                         f"and {out_slots=} must be >= 1")
-    m, c = a_MC.shape
-    mb, cb = m // BLOCK, c // BLOCK
-    steps = _divisor_at_most(mb, m_tiles)
-    out_type = [jax.ShapeDtypeStruct((c, m), E4M3), jax.ShapeDtypeStruct((mb, c), jnp.float32)]
+    return _activation_kernel("quantize_columns", a_MC, False, True, m_tiles,
+                              max_concurrent_steps, out_slots)
 
-    def body(a_gmem, codes_gmem, s_gmem):
-        j, chunk = lax.axis_index("c"), lax.axis_index("m")
 
-        def scoped(codes_smem):
-            def tile(idx, a_smem):
-                (k,) = idx
-                i, slot = chunk * steps + k, k % out_slots
-                # The transposed read puts C on the rows: a block is a row's 128 values.
-                x = plgpu.load(a_smem.T, layout=plgpu.Layout.WGMMA)  # [C, M]
-                scale, inv = quant.pow2_scale_parts(_row_amax(x), E4M3)
-                s_gmem[i, pl.ds(j * BLOCK, BLOCK)] = scale
-                plgpu.wait_smem_to_gmem(out_slots - 1, wait_read_only=True)
-                codes_smem[slot] = _codes(x, lax.broadcast_in_dim(inv, x.shape, (0,)))
-                plgpu.commit_smem()
-                plgpu.copy_smem_to_gmem(
-                    codes_smem.at[slot],
-                    codes_gmem.at[pl.ds(j * BLOCK, BLOCK), pl.ds(i * BLOCK, BLOCK)],
-                    commit_group=True)
+@functools.partial(jax.jit, static_argnames=_TILE_KWARGS)
+def quantize_rows_and_columns(a_MC, m_tiles=8, max_concurrent_steps=2, out_slots=1):
+    """``(*quantize_rows(a), *quantize_columns(a))`` from one read of a [M, C] bf16:
+    (aq [M, C] E4M3, sa [Cb, M], aq's 128x1 codes [C, M] E4M3, their scales [Mb, C]),
+    float32 scales (``fp8_quant_kernels.quantize_rows_and_columns``; the backward's
+    dy, which dgrad reads in 1x128 blocks and wgrad in 128x1 blocks).
 
-            a_spec = plgpu.BlockSpec((BLOCK, BLOCK), lambda k: (chunk * steps + k, j),
-                                     transforms=_swizzle_transforms(a_MC.dtype))
-            plgpu.emit_pipeline(tile, grid=(steps,), in_specs=[a_spec],
-                                max_concurrent_steps=max_concurrent_steps)(a_gmem)
-            plgpu.wait_smem_to_gmem(0)
+    How the kernel runs, not what it returns (the same bits): as in
+    ``quantize_columns``, with two codes tiles per slot (the defaults take 96 KiB of
+    smem, so two CTAs share an SM).
 
-        pl.run_scoped(scoped, plgpu.SMEM((out_slots, BLOCK, BLOCK), E4M3,
-                                         transforms=_swizzle_transforms(E4M3)))
+    Off a GPU it runs only inside ``plgpu.force_gpu_interpret_mode``.
 
-    out = plgpu.kernel(
-        body,
-        out_type=out_type,
-        grid=(cb, mb // steps),
-        grid_names=("c", "m"),
-        compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Lane),
-    )(a_MC)
-    return tuple(vary_like(o, (a_MC,)) for o in out)
+    Raises:
+      ValueError: a not [M, C] bfloat16 with M and C positive multiples of 128;
+        m_tiles, max_concurrent_steps or out_slots < 1.
+    """
+    return _activation_kernel("quantize_rows_and_columns", a_MC, True, True, m_tiles,
+                              max_concurrent_steps, out_slots)
