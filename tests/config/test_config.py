@@ -159,7 +159,7 @@ BAD = [
     (["te_gmm_quantization=te_fp8_blockwise", "gmm_fp8_impl=emulate", "gmm_fp8_quantizer=mosaic"],
      "with gmm_fp8_impl=emulate only auto or xla is allowed"),
     (["te_gmm_quantization=te_fp8_blockwise", "gmm_fp8_quantizer=mosaic", "dtype=float32"],
-     "mosaic quantizes bfloat16 expert weights only, got dtype=float32; set dtype=bfloat16, or gmm_fp8_quantizer=auto"),
+     "mosaic quantizes bfloat16 operands only, got dtype=float32; set dtype=bfloat16, or gmm_fp8_quantizer=auto"),
     (["te_gmm_quantization=te_fp8_blockwise", "gmm_fp8_impl=kernel", "emb_dim=256", "moe_mlp_dim=200"],
      "kernels need emb_dim and moe_mlp_dim multiples of 256, got moe_mlp_dim=200"),
     (["attention=cudnn_flash_te", "dtype=float32"], "got dtype=float32; set dtype=bfloat16 or attention=dot_product"),

@@ -160,16 +160,50 @@ def test_lowers_for_cuda(shape, transposed):
         jax.core.ShapedArray((g, k // B, n // B), jnp.float32),)
 
 
-def test_mosaic_quant_impl_uses_it_for_the_weight_only():
+def test_mosaic_quant_impl_uses_the_mosaic_kernels_for_every_operand():
     """``quant_impl="mosaic"`` quantizes the weight with this kernel (fwd: both
     layouts; the backward reuses the forward's codes) and the activations with the
-    Pallas ones. The same bits: the kernels are compared above, and
-    ``test_kernel_impl_with_pallas_quantizers_equals_xla_quantizers`` covers the rest
-    of the wiring."""
+    Mosaic GPU rows, columns and fused kernels."""
     q = quantized.quantizer("mosaic")
     assert q.weight_both is fp8_quant_mgpu.quantize_weight
     assert q.weight.func is fp8_quant_mgpu.quantize_weight and q.weight.keywords == {"transposed": False}
-    assert q.rows is fp8_quant_kernels.quantize_rows
+    assert (q.rows, q.columns, q.rows_and_columns) == (
+        fp8_quant_mgpu.quantize_rows, fp8_quant_mgpu.quantize_columns, fp8_quant_mgpu.quantize_rows_and_columns)
+
+
+@pytest.mark.parametrize("aligned", [True, False])
+def test_kernel_impl_with_mosaic_quantizers_equals_xla_quantizers(rng, monkeypatch, aligned):
+    """``quantized.gmm(impl="kernel", quant_impl="mosaic")``'s value and gradients equal
+    ``quant_impl="xla"``'s bit for bit (the same codes and scales into the same
+    products), with aligned groups (dy quantized into both layouts by one call) and
+    without (wgrad's dy regrouped), on data whose magnitudes vary by e^+-6 per row and
+    per column (so every block gets its own scale) with a zero group. The GEMM kernels
+    are replaced by their float32 references; the quantizers run in interpret mode."""
+    monkeypatch.setattr(mosaic, "is_available", lambda: True)
+    monkeypatch.setattr(mosaic_fp8, "gmm_fp8_blockwise", mosaic_fp8.reference)
+    from dropless.ops.gmm import mosaic_fp8_tgmm
+
+    monkeypatch.setattr(mosaic_fp8_tgmm, "tgmm_fp8_blockwise", mosaic_fp8_tgmm.reference)
+    m, k, n = 384, 512, 256
+    gs = jnp.asarray([128, 0, 256] if aligned else [100, 0, 284], jnp.int32)
+
+    def wide(shape):
+        a = rng.standard_normal(shape) * np.exp(rng.uniform(-6, 6, shape[:-1] + (1,)))
+        return jnp.asarray(a * np.exp(rng.uniform(-6, 6, shape[-1:])), jnp.bfloat16)
+
+    x, w, dy = wide((m, k)), wide((3, k, n)), wide((m, n))
+
+    def run(quant_impl):
+        f = lambda x, w: quantized.gmm(x, w, gs, recipe="te_fp8_blockwise", impl="kernel",  # noqa: E731
+                                       groups_aligned=aligned, quant_impl=quant_impl)
+        y, vjp = jax.vjp(f, x, w)
+        return (y, *vjp(dy))
+
+    with _interpret():
+        got = jax.block_until_ready(run("mosaic"))
+    assert not _races_found()
+    for g_, w_ in zip(got, run("xla"), strict=True):
+        np.testing.assert_array_equal(np.asarray(g_, np.float32), np.asarray(w_, np.float32))
 
 
 def test_auto_quant_impl_is_mosaic_for_bf16_weights_and_triton_otherwise(monkeypatch):

@@ -148,13 +148,14 @@ def test_wgrad_tile_orders_lower_for_cuda_at_a_qwen3_shape():
 
 
 @pytest.mark.parametrize("quant_impl,aligned", [("xla", False), ("pallas", False), ("pallas", True),
-                                               ("auto", False), ("auto", True)])
+                                               ("auto", False), ("auto", True), ("mosaic", False),
+                                               ("mosaic", True)])
 def test_kernel_impl_value_and_gradients_lower_for_cuda(monkeypatch, quant_impl, aligned):
     """The whole custom_vjp (quantizers, layouts, three kernels) at a DeepSeek-V3 shape,
     with XLA's quantization and with the Pallas quantizers (Triton calls; with aligned
     groups the backward quantizes dy in one fused call: 4 Triton calls, else 5), where
-    ``mosaic`` and the default ``auto`` (bf16 weights) quantize the weight with a fourth
-    Mosaic GPU call instead of a Triton one."""
+    the default ``auto`` (bf16 weights) quantizes the weight with a fourth Mosaic GPU
+    call instead of a Triton one, and ``mosaic`` every operand (no Triton call)."""
     monkeypatch.setattr(mosaic, "is_available", lambda: True)  # export from a CPU host
     monkeypatch.setattr(fp8_quant_kernels, "default_interpret", lambda: False)
     m, k, n, g = 65536, 7168, 2048, 32
@@ -174,10 +175,10 @@ def test_kernel_impl_value_and_gradients_lower_for_cuda(monkeypatch, quant_impl,
         exported = jax.export.export(fn, platforms=["cuda"], disabled_checks=checks)(
             S((m, k), jnp.bfloat16), S((g, k, n), jnp.bfloat16), gs)
     text = exported.mlir_module()
-    weight_mosaic = quant_impl in ("mosaic", "auto")
-    assert text.count("stablehlo.custom_call @mosaic_gpu") == 3 + weight_mosaic  # fwd, dgrad, wgrad
-    triton_calls = text.count("stablehlo.custom_call @__gpu$xla.gpu.triton")
-    assert triton_calls == (0 if quant_impl == "xla" else 4 if aligned else 5) - weight_mosaic
+    quantizers = 0 if quant_impl == "xla" else 4 if aligned else 5
+    in_mosaic = {"xla": 0, "pallas": 0, "auto": 1, "mosaic": quantizers}[quant_impl]
+    assert text.count("stablehlo.custom_call @mosaic_gpu") == 3 + in_mosaic  # + fwd, dgrad, wgrad
+    assert text.count("stablehlo.custom_call @__gpu$xla.gpu.triton") == quantizers - in_mosaic
 
 
 def test_shape_checks():

@@ -54,11 +54,11 @@ says so once per process. Hopper has no MXFP8 tensor-core mode, so
 the FP8 Mosaic GPU kernels of ``mosaic_fp8`` (fwd, dgrad) and
 ``mosaic_fp8_tgmm`` (wgrad) on E4M3 codes and float32 scales, each operand
 quantized (``quant_impl``: ``pallas``, the single-pass kernels of
-``fp8_quant_kernels``; ``mosaic``, the same with the weight quantized by
-``fp8_quant_mgpu``; or ``xla``, ``ops.quant`` fused by XLA; the same
+``fp8_quant_kernels``; ``mosaic``, their Mosaic GPU versions in
+``fp8_quant_mgpu`` (bf16 operands); or ``xla``, ``ops.quant`` fused by XLA; the same
 codes and scales bit for bit but for the codes of a NaN-scale block, whose
-dequantized values are NaN either way; ``auto`` is ``mosaic`` for bfloat16
-weights, else ``pallas``; ``quantizer`` decides) in the layout its
+dequantized values are NaN either way; ``auto`` is ``pallas`` with the
+weights of bfloat16 by ``fp8_quant_mgpu``; ``quantizer`` decides) in the layout its
 kernel reads:
 
   fwd    x 1x128 [M, K] + scales [Kb, M];  w 128x128, codes as [G, N, K]
@@ -99,9 +99,11 @@ IMPLS = ("auto", "emulate", "kernel")  # how te_fp8_blockwise runs (module docst
 KERNEL_RECIPE = "te_fp8_blockwise"
 # How impl="kernel" quantizes its operands: "xla", ``ops.quant`` fused by XLA;
 # "pallas", the single-pass kernels of ``fp8_quant_kernels`` (Pallas on Triton);
-# "mosaic", those with the weight quantizer of ``fp8_quant_mgpu`` (Mosaic GPU,
-# bf16 weights only; a typed-FFI call, whose operand XLA can slice out of the
-# stacked layers in place). All give the same codes and scales bit for bit.
+# "mosaic", every operand by the kernels of ``fp8_quant_mgpu`` (Mosaic GPU,
+# bf16 only; typed-FFI calls, whose operand XLA can slice out of the stacked
+# layers in place); "auto", the measured mix: ``fp8_quant_mgpu``'s weight
+# quantizer for bf16 weights, the Triton ones for the rest. All give the same
+# codes and scales bit for bit (but for a NaN-scale block's codes on the GPU).
 QUANT_IMPLS = ("auto", "xla", "pallas", "mosaic")
 _KERNEL_DIM = 256  # K and N: the kernels' CTA tiles are 256 wide along O, 128 along C
 _ALIGNMENT = {"te_no_quant": 1, "te_fp8_blockwise": quant.BLOCKWISE_TILE, "te_mxfp8": quant.MX_BLOCK}
@@ -297,11 +299,12 @@ class Quantizer(NamedTuple):
 
 def quantizer(quant_impl: str) -> Quantizer:
     """The ``Quantizer`` of ``quant_impl`` (``QUANT_IMPLS``); the one place it is decided:
-    ``auto`` is ``mosaic`` for bfloat16 weights and ``pallas`` for others (the Mosaic
-    weight kernel reads bfloat16 only). One object per choice, so it serves as a
-    static argument.
+    ``auto`` is ``pallas`` but for bfloat16 weights, which ``fp8_quant_mgpu``'s weight
+    kernel quantizes (it reads bfloat16 only); ``mosaic`` takes every operand to
+    ``fp8_quant_mgpu`` (its activation kernels are not yet timed on a GPU). One
+    object per choice, so it serves as a static argument.
 
-    Why ``mosaic``: on an H200 it quantizes DeepSeek-V3's expert weights in 1.05 ms
+    Why the Mosaic weight kernel: on an H200 it quantizes DeepSeek-V3's expert weights in 1.05 ms
     against Triton's 1.29 ms, and XLA hands it each layer's slice of the stacked
     weights in place where it copies the slice out for the Triton call (2.23 ms with
     the copy; ``fp8_quant_weight-20261202-163640``, ``fp8_weight_slice-20261202-163627``);
@@ -338,11 +341,14 @@ def _quantizer(name: str) -> Quantizer:
 
         return Quantizer("xla", mosaic_fp8.quantize_weight, both, mosaic_fp8.quantize_rows,
                          mosaic_fp8_tgmm.quantize_columns, rows_and_columns)
-    weight = {"mosaic": fp8_quant_mgpu.quantize_weight, "pallas": fp8_quant_kernels.quantize_weight,
-              "auto": _auto_weight}[name]
-    return Quantizer(name, functools.partial(weight, transposed=False),
-                     weight, fp8_quant_kernels.quantize_rows,
-                     fp8_quant_kernels.quantize_columns, fp8_quant_kernels.quantize_rows_and_columns)
+    if name == "mosaic":
+        kernels = fp8_quant_mgpu
+        weight = fp8_quant_mgpu.quantize_weight
+    else:
+        kernels = fp8_quant_kernels
+        weight = {"pallas": fp8_quant_kernels.quantize_weight, "auto": _auto_weight}[name]
+    return Quantizer(name, functools.partial(weight, transposed=False), weight, kernels.quantize_rows,
+                     kernels.quantize_columns, kernels.quantize_rows_and_columns)
 
 
 def _fwd_from_codes(x, wq_t, sw, group_sizes, out_dtype, q: Quantizer):
@@ -459,7 +465,7 @@ def gmm(x, w, group_sizes, *, recipe="te_no_quant", backend="auto", out_dtype=No
       impl: ``"auto"``, ``"emulate"`` or ``"kernel"`` (``IMPLS``; module
         docstring; ``resolve_impl``).
       quant_impl: how the kernels quantize their operands (``QUANT_IMPLS``;
-        ``auto`` is ``mosaic`` for bfloat16 weights, else ``pallas``).
+        ``auto`` is ``pallas`` with ``mosaic``'s weight kernel for bfloat16 weights).
       groups_aligned: the caller guarantees every group size is a multiple
         of ``required_alignment(recipe)``, so wgrad needs no regrouping.
 
