@@ -161,6 +161,9 @@ def quantize_tensor(x, dtype=E4M3):
     # Multiply by the inverse, as Transformer Engine does: XLA rewrites a division
     # by a broadcast scalar into a multiplication anyway, so this is what runs.
     # The cap keeps 1 / inv a float32 normal (a subnormal scale would flush to 0).
+    # On a GPU XLA divides with div.full.f32 (at most 2 ulp off the correctly
+    # rounded quotient), so inv and the scale may differ from a CPU's in the last
+    # bits (seen: 1 ulp on the H200; tests/ops/test_quant.py bounds it).
     inv = jnp.where(amax > 0, jnp.minimum(fmax / amax, _MAX_INV), jnp.float32(1))
     inv = jnp.where(jnp.isfinite(amax), inv, jnp.float32(jnp.nan))
     return _saturate(_read(x) * inv, dtype), 1 / inv
