@@ -125,7 +125,8 @@ def test_training_is_unchanged_by_the_warmup(small_model, make_train, tmp_path, 
         assert [r[key] for r in rows_on] == [r[key] for r in rows_off], key
     assert [r["step"] for r in rows_on] == list(range(1, 15))  # the quiet steps' rows too, in order
     assert "checkpoint: pinning 0.00 GiB of host memory for the first save" in text
-    assert re.search(r"; steps? \d+(-\d+)? run from batches already on the device", text)
+    assert re.search(r"; steps? \d+(-\d+)? run from batches put on the device beforehand \(in [\d.]+ s\)",
+                     text)
     assert "checkpoint: pinned host memory warmed in" in text
     warmed = [r for r in rows_on if "checkpoint_warm_s" in r]
     # on the first row written after it ended: the window row before the quiet steps at the earliest

@@ -566,12 +566,13 @@ def _train_steps(s: _Setup, train: TrainConfig, state, start, ckpt, writer, cons
             loop neither puts nor fetches (its small copies would wait for the pinning)."""
             batch_bytes = sum(getattr(x, "nbytes", 0) for x in jax.tree.leaves(batch))
             n = _quiet_steps(warm.estimate_s(), step_s, train.steps - done, batch_bytes)
-            stage(done, n)
+            t0 = _clock()
+            stage(done, n)  # the device idles meanwhile: said below
             steps = f"step {done + 1}" if n == 1 else f"steps {done + 1}-{done + n}"
             console.print(
                 f"checkpoint: pinning {warm.nbytes / ckpt_lib.GiB:.2f} GiB of host memory for the first "
-                f"save (about {warm.estimate_s():.0f} s); {steps} run from batches already on the "
-                "device, and their rows follow when it ends", markup=False)
+                f"save (about {warm.estimate_s():.0f} s); {steps} run from batches put on the device "
+                f"beforehand (in {_clock() - t0:.1f} s), and their rows follow when it ends", markup=False)
             warm.start()
 
         def end_quiet(done, raw):
