@@ -28,7 +28,8 @@ only that attempt):
             FP8 numerics, bf16 grouped-GEMM speed)
   ours_fp8_blockwise  the same with ``te_fp8_blockwise`` grouped GEMMs as
             users get them (``gmm_fp8_impl=auto``: on Hopper the FP8 Mosaic
-            kernels with the Pallas quantizers, elsewhere the emulation; the
+            kernels with ``auto``'s quantizers, the Mosaic GPU weight kernel and
+            the Pallas activation kernels; elsewhere the emulation; the
             row's ``gmm_fp8_impl_resolved`` says which) and the default
             ``fp8_min_dim=4096`` (MLA's narrow projections and the shared
             experts stay bf16)
@@ -40,7 +41,9 @@ only that attempt):
             quantization passes (``gmm_fp8_impl=kernel gmm_fp8_quantizer=xla``;
             Hopper only)
   ours_fp8kp ``ours_fp8k`` with the single-pass Pallas quantizers
-            (``gmm_fp8_quantizer=pallas``, what ``auto`` picks on Hopper)
+            (``gmm_fp8_quantizer=pallas``: on Triton, the weight's too)
+  ours_fp8km ``ours_fp8k`` with every operand quantized by the Mosaic GPU
+            kernels (``gmm_fp8_quantizer=mosaic``)
   ours_gfp8kp  ``ours_fp8kp``'s grouped GEMMs with bf16 dense projections: what
             the FP8 grouped GEMMs alone give the step
   ours_fp8kp_head  ``ours_fp8kp`` with the output head in FP8 too
@@ -96,7 +99,7 @@ import time
 CASES = ("xla", "capacity", "ours", "ours_fp8", "ours_fp8_blockwise")
 QWEN3_CASE = "qwen3-moe-proxy"  # ``ours`` on the Qwen3-MoE proxy instead of the DeepSeek one
 MIXTRAL_CASE = "mixtral-proxy"  # ``ours`` on the Mixtral proxy
-EXTRA_CASES = ("ours_fp8_all", "ours_fp8e", "ours_fp8k", "ours_fp8kp", "ours_fp8kp_head", "ours_gfp8kp", "ours_mla_unpadded",
+EXTRA_CASES = ("ours_fp8_all", "ours_fp8e", "ours_fp8k", "ours_fp8kp", "ours_fp8km", "ours_fp8kp_head", "ours_gfp8kp", "ours_mla_unpadded",
                "ours_mla_padded", "ours_scan", "ours_align64", "ours_align128",
                QWEN3_CASE, MIXTRAL_CASE)
 QUICK_CASES = ("xla", "capacity", "ours")
@@ -122,6 +125,7 @@ CASE_OVERRIDES = {
     "ours_fp8e": [*FP8_BLOCKWISE, "gmm_fp8_impl=emulate"],
     "ours_fp8k": [*FP8_BLOCKWISE, "gmm_fp8_impl=kernel", "gmm_fp8_quantizer=xla"],
     "ours_fp8kp": [*FP8_BLOCKWISE, "gmm_fp8_impl=kernel", "gmm_fp8_quantizer=pallas"],
+    "ours_fp8km": [*FP8_BLOCKWISE, "gmm_fp8_impl=kernel", "gmm_fp8_quantizer=mosaic"],
     "ours_gfp8kp": ["gmm_backend=auto", "te_gmm_quantization=te_fp8_blockwise", "gmm_fp8_impl=kernel",
                     "gmm_fp8_quantizer=pallas"],
     "ours_fp8kp_head": [*FP8_BLOCKWISE, "gmm_fp8_impl=kernel", "gmm_fp8_quantizer=pallas",
