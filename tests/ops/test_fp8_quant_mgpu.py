@@ -15,23 +15,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from dropless.ops import quant
 from dropless.ops.gmm import fp8_quant_kernels, fp8_quant_mgpu, mosaic, mosaic_fp8, quantized
+from mgpu_testing import bits as _bits, interpret as _interpret, races_found as _races_found
+from mgpu_testing import same_bits as _same_bits, same_codes_outside
 
 S = jax.ShapeDtypeStruct
 B = 128
-
-
-def _interpret():
-    return plgpu.force_gpu_interpret_mode(plgpu.InterpretGPUParams(detect_races=True))
-
-
-def _races_found():
-    from jax._src.pallas.mosaic_gpu.interpret.interpret_pallas_call import get_races
-
-    return get_races().races_found
 
 
 def _weights(rng, shape):
@@ -67,19 +58,6 @@ def _weights(rng, shape):
     a[1, 0:B, 0:B] = rng.uniform(-1, 1, (B, B))
     a[1, 3, 4] = 1.7578125 * 2.0**3  # mantissa 1.7578125 > 1.75, exact in bf16
     return jnp.asarray(a, jnp.bfloat16)
-
-
-def _bits(a):
-    """a's bytes as unsigned integers: NaN codes and NaN scales compare bit for bit."""
-    a = np.asarray(a)
-    return a.view({1: np.uint8, 4: np.uint32}[a.dtype.itemsize])
-
-
-def _same_bits(got, want):
-    assert len(got) == len(want)
-    for g_, w_ in zip(got, want, strict=True):
-        assert g_.shape == w_.shape and g_.dtype == w_.dtype
-        np.testing.assert_array_equal(_bits(g_), _bits(w_))
 
 
 @pytest.mark.parametrize("transposed", [True, False])
@@ -261,5 +239,4 @@ def _same_bits_but_nan_blocks(mine, triton):
     nan_elems = np.repeat(np.repeat(nan_blocks, B, axis=1), B, axis=2)  # [G, K, N]
     for got, want, mask in ((mine[0], triton[0], nan_elems),
                             (mine[1], triton[1], np.swapaxes(nan_elems, 1, 2))):
-        np.testing.assert_array_equal(np.where(mask, 0, _bits(got)), np.where(mask, 0, _bits(want)))
-        assert np.isnan(np.asarray(got).astype(np.float32)[mask]).all()
+        same_codes_outside(got, want, mask)

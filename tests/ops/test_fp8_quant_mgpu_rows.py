@@ -16,23 +16,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from dropless.ops import quant
 from dropless.ops.gmm import fp8_quant_kernels, fp8_quant_mgpu, mosaic, mosaic_fp8, mosaic_fp8_tgmm
+from mgpu_testing import bits as _bits, interpret as _interpret, races_found as _races_found
+from mgpu_testing import same_bits as _same_bits, same_codes_outside
 
 S = jax.ShapeDtypeStruct
 B = 128
-
-
-def _interpret():
-    return plgpu.force_gpu_interpret_mode(plgpu.InterpretGPUParams(detect_races=True))
-
-
-def _races_found():
-    from jax._src.pallas.mosaic_gpu.interpret.interpret_pallas_call import get_races
-
-    return get_races().races_found
 
 
 def _activations(rng, shape):
@@ -95,19 +86,6 @@ def _activations(rng, shape):
     a[band(5), 2 * B + 8] = rng.uniform(-1, 1, B)
     a[5 * B + 3, 2 * B + 8] = 1.7578125 * 2.0**3
     return jnp.asarray(a, jnp.bfloat16)
-
-
-def _bits(a):
-    """a's bytes as unsigned integers: NaN codes and NaN scales compare bit for bit."""
-    a = np.asarray(a)
-    return a.view({1: np.uint8, 4: np.uint32}[a.dtype.itemsize])
-
-
-def _same_bits(got, want):
-    assert len(got) == len(want)
-    for g_, w_ in zip(got, want, strict=True):
-        assert g_.shape == w_.shape and g_.dtype == w_.dtype
-        np.testing.assert_array_equal(_bits(g_), _bits(w_))
 
 
 def _check_rows_awkward(codes, scales):
@@ -286,6 +264,4 @@ def _same_bits_but_nan_blocks(mine, triton):
         assert nan_blocks.sum() == 6  # _activations' NaN, +inf and -inf blocks, each kind
         # rows: scales [Cb, M] -> codes [M, C]; columns: scales [Mb, C] -> codes [C, M]
         mask = np.repeat(nan_blocks, B, axis=0).T
-        np.testing.assert_array_equal(np.where(mask, 0, _bits(codes)),
-                                      np.where(mask, 0, _bits(triton[2 * n])))
-        assert np.isnan(np.asarray(codes).astype(np.float32)[mask]).all()
+        same_codes_outside(codes, triton[2 * n], mask)
