@@ -552,13 +552,17 @@ def _train_steps(s: _Setup, train: TrainConfig, state, start, ckpt, writer, cons
             if monitor is not None:
                 monitor.record(step_no, raw["overflow_tokens"], raw["buffer_factor_needed"])
 
+        def put_batch(step_no):
+            """Step ``step_no``'s batch on the device; the next one starts on the data thread."""
+            nonlocal future
+            batch = s.feed.put(future.result())
+            if step_no + 1 < train.steps:
+                future = pool.submit(s.feed.local, step_no + 1)
+            return batch
+
         def stage(first, n):
             """Put the batches of steps first..first+n-1 on the device, ready, for the quiet steps."""
-            nonlocal future
-            for step_no in range(first, first + n):
-                staged.append(s.feed.put(future.result()))
-                if step_no + 1 < train.steps:
-                    future = pool.submit(s.feed.local, step_no + 1)
+            staged.extend(put_batch(step_no) for step_no in range(first, first + n))
             jax.block_until_ready(list(staged))
 
         def start_quiet(done, step_s):
@@ -591,12 +595,7 @@ def _train_steps(s: _Setup, train: TrainConfig, state, start, ckpt, writer, cons
 
         quiet, warm_held = False, 0.0
         for step in range(start, train.steps):
-            if staged:
-                batch = staged.popleft()
-            else:
-                batch = s.feed.put(future.result())
-                if step + 1 < train.steps:
-                    future = pool.submit(s.feed.local, step + 1)
+            batch = staged.popleft() if staged else put_batch(step)
             if step == start and ckpt is not None and ckpt.device_snapshot:
                 _check_snapshot_room(step_fn, state, batch)
             state, raw = step_fn(state, batch)
