@@ -11,6 +11,8 @@ checks run on the host). A GPU test repeats the bitwise comparison with the
 compiled kernels on the hardware.
 """
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -171,6 +173,7 @@ def test_kernel_impl_with_mosaic_quantizers_equals_xla_quantizers(rng, monkeypat
 
     x, w, dy = wide((m, k)), wide((3, k, n)), wide((m, n))
 
+    @functools.partial(jax.jit, static_argnums=0)  # op by op, every op would compile
     def run(quant_impl):
         f = lambda x, w: quantized.gmm(x, w, gs, recipe="te_fp8_blockwise", impl="kernel",  # noqa: E731
                                        groups_aligned=aligned, quant_impl=quant_impl)

@@ -51,6 +51,7 @@ def numpy_schedule(sizes, m, bm):
 
 
 _schedule = jax.jit(schedule.row_tile_schedule, static_argnums=(1, 2))
+_group_order = jax.jit(schedule.tgmm_group_order, static_argnums=(1, 2))
 
 
 @given(problem_st())
@@ -85,7 +86,7 @@ def test_tiles_write_every_row_once_with_its_own_group(problem):
 
 
 def test_schedule_clamps_a_total_above_m():
-    sched = schedule.row_tile_schedule(jnp.array([5, 9, 7], jnp.int32), 16, 8)
+    sched = _schedule(jnp.array([5, 9, 7], jnp.int32), 16, 8)
     n = int(sched.num_tiles[0])
     assert int(np.max(np.asarray(sched.store_hi_T)[:n])) == 16
     starts, sizes = schedule.group_offsets(jnp.array([5, 9, 7], jnp.int32), 16)
@@ -98,7 +99,7 @@ def test_tgmm_group_order_sorts_groups_by_steps(problem):
     """Descending step counts, ties in group order; steps as the kernel counts them:
     from the group's first row rounded down to bm, 0 for an empty group."""
     m, bm, sizes = problem
-    order = np.asarray(schedule.tgmm_group_order(jnp.asarray(sizes), m, bm))
+    order = np.asarray(_group_order(jnp.asarray(sizes), m, bm))
     ends = np.minimum(np.cumsum(sizes), m)
     starts = np.concatenate([[0], ends[:-1]])
     steps = [len(range(s // bm, (e - 1) // bm + 1)) if e > s else 0 for s, e in zip(starts, ends)]
@@ -121,7 +122,7 @@ def test_snake_tile_visits_every_tile_once(num_tiles, num_sms):
 
 def test_schedule_size_does_not_depend_on_group_sizes():
     shapes = {
-        schedule.row_tile_schedule(jnp.asarray(s, jnp.int32), 1000, 128).group_T.shape
+        _schedule(jnp.asarray(s, jnp.int32), 1000, 128).group_T.shape
         for s in ([1000, 0, 0, 0], [250] * 4, [1, 1, 1, 997])
     }
     assert shapes == {(schedule.max_row_tiles(1000, 4, 128),)}

@@ -6,7 +6,13 @@ features, P buffer rows.
 The NumPy reference builds the buffer the slow way: walk the experts in
 order, append each expert's copies in token order, then pad the expert's
 rows with zeros up to a multiple of the alignment.
+
+Each Hypothesis example's JAX work runs as one jitted program: op by op,
+every op compiled again for each new shape, the tests took three to four
+times as long.
 """
+
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -54,14 +60,19 @@ def draw_experts(rng, t, e, k, skew):
     return rng.integers(0, e, (t, k)).astype(np.int32)  # repeats are still a bijection
 
 
+@functools.partial(jax.jit, static_argnums=(0, 1))
+def _plan_and_permute(num_experts, alignment, experts_TK, x_TD):
+    plan = P.make_plan(experts_TK, num_experts, alignment)
+    return plan, P.permute(x_TD, plan)
+
+
 @given(case=permute_case())
 def test_layout_matches_numpy(case, rng):
     t, e, k, alignment, skew = case
     experts = draw_experts(rng, t, e, k, skew)
     x = rng.standard_normal((t, 5)).astype(np.float32)
-    plan = P.make_plan(jnp.asarray(experts), e, alignment)
+    plan, x_pd = _plan_and_permute(e, alignment, experts, x)
     buf_ref, sizes_ref, row_ref = numpy_buffer(x, experts, e, alignment)
-    x_pd = P.permute(jnp.asarray(x), plan)
     assert x_pd.shape == (P.buffer_rows(t * k, e, alignment), 5)
     np.testing.assert_array_equal(x_pd, buf_ref)  # padding rows exact zeros
     np.testing.assert_array_equal(plan.group_sizes_E, sizes_ref)
@@ -72,23 +83,31 @@ def test_layout_matches_numpy(case, rng):
     assert np.all(np.asarray(plan.group_sizes_E) % alignment == 0)
 
 
+@functools.partial(jax.jit, static_argnums=(0, 1))
+def _round_trip(num_experts, alignment, experts_TK, x_TD, w_TK):
+    """(x permuted and combined back with weights 1/K, the buffer's rows tagged by
+    1 + their index and combined with weights w)."""
+    plan = P.make_plan(experts_TK, num_experts, alignment)
+    x_PD = P.permute(x_TD, plan)
+    back = P.unpermute(x_PD, jnp.full(w_TK.shape, 1.0 / w_TK.shape[1]), plan)
+    tag_PD = x_PD * (1.0 + jnp.arange(x_PD.shape[0], dtype=jnp.float32))[:, None]
+    return back, P.unpermute(tag_PD, w_TK, plan)
+
+
 @given(case=permute_case())
 def test_round_trip_and_weighted_combine(case, rng):
     t, e, k, alignment, skew = case
     experts = draw_experts(rng, t, e, k, skew)
     x = rng.standard_normal((t, 4)).astype(np.float32)
     w = rng.uniform(-1, 1, (t, k)).astype(np.float32)
-    plan = P.make_plan(jnp.asarray(experts), e, alignment)
-    x_pd = P.permute(jnp.asarray(x), plan)
+    back, got = _round_trip(e, alignment, experts, x, w)
     # Uniform weights 1/K invert permute exactly (up to the float sum).
-    back = P.unpermute(x_pd, jnp.full((t, k), 1.0 / k), plan)
     np.testing.assert_allclose(back, x, rtol=1e-6, atol=1e-6)
     # A per-row tag shows which buffer row each copy reads back.
-    tag_pd = x_pd * (1.0 + jnp.arange(x_pd.shape[0], dtype=jnp.float32))[:, None]
     row_ref = numpy_buffer(x, experts, e, alignment)[2]
     tagged_copies = x[:, None, :] * (1.0 + row_ref.reshape(t, k))[..., None]
     expected = np.einsum("tk,tkd->td", w, tagged_copies)
-    got = np.asarray(P.unpermute(tag_pd, jnp.asarray(w), plan))
+    got = np.asarray(got)
     # The float32 sum of K terms is off by at most ~K u sum|terms| (u = 6e-8), so bound the
     # error by the sum of absolute terms, not by |expected|: terms can cancel (a bound of
     # 1e-5 |expected| failed one draw in many). A wrong row changes a term by O(1) of itself.
@@ -107,24 +126,29 @@ def _plain_unpermute(y_PD, w_TK, plan):
     return jnp.einsum("tkd,tk->td", y_PD[plan.row_of_copy_C].reshape(t, k, -1), w_TK)
 
 
+@functools.partial(jax.jit, static_argnums=(0, 1))
+def _vjps(num_experts, alignment, experts_TK, x_TD, w_TK, y_PD, dy_PD, dout_TD):
+    """(ours, plain): the VJPs of permute (dx) and unpermute (dy, dw)."""
+    plan = P.make_plan(experts_TK, num_experts, alignment)
+    ours = (*jax.vjp(lambda x: P.permute(x, plan), x_TD)[1](dy_PD),
+            *jax.vjp(lambda y, w: P.unpermute(y, w, plan), y_PD, w_TK)[1](dout_TD))
+    plain = (*jax.vjp(lambda x: _plain_permute(x, plan), x_TD)[1](dy_PD),
+             *jax.vjp(lambda y, w: _plain_unpermute(y, w, plan), y_PD, w_TK)[1](dout_TD))
+    return ours, plain
+
+
 @given(case=permute_case())
 def test_custom_vjps_equal_autodiff_of_plain_gathers(case, rng):
     t, e, k, alignment, skew = case
     experts = draw_experts(rng, t, e, k, skew)
-    plan = P.make_plan(jnp.asarray(experts), e, alignment)
-    x = jnp.asarray(rng.standard_normal((t, 3)), jnp.float32)
-    w = jnp.asarray(rng.standard_normal((t, k)), jnp.float32)
-    y = jnp.asarray(rng.standard_normal((plan.copy_of_row_P.shape[0], 3)), jnp.float32)
-
-    _, vjp = jax.vjp(lambda x: P.permute(x, plan), x)
-    _, vjp_plain = jax.vjp(lambda x: _plain_permute(x, plan), x)
-    dy = jnp.asarray(rng.standard_normal(y.shape), jnp.float32)
-    np.testing.assert_allclose(vjp(dy)[0], vjp_plain(dy)[0], rtol=1e-5, atol=1e-6)
-
-    _, vjp = jax.vjp(lambda y, w: P.unpermute(y, w, plan), y, w)
-    _, vjp_plain = jax.vjp(lambda y, w: _plain_unpermute(y, w, plan), y, w)
-    dout = jnp.asarray(rng.standard_normal((t, 3)), jnp.float32)
-    for got, want in zip(vjp(dout), vjp_plain(dout)):
+    rows = P.buffer_rows(t * k, e, alignment)
+    x = rng.standard_normal((t, 3)).astype(np.float32)
+    w = rng.standard_normal((t, k)).astype(np.float32)
+    y = rng.standard_normal((rows, 3)).astype(np.float32)
+    dy = rng.standard_normal(y.shape).astype(np.float32)
+    dout = rng.standard_normal((t, 3)).astype(np.float32)
+    ours, plain = _vjps(e, alignment, experts, x, w, y, dy, dout)
+    for got, want in zip(ours, plain, strict=True):
         np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
 
 

@@ -6,7 +6,12 @@ S sequence.
 The brute force routes one token at a time in float64: it enumerates groups,
 sums each group's two best selection scores, keeps the best groups, sorts the
 eligible experts, and reads the weights off the unbiased scores.
+
+The Hypothesis tests route through ``jax.jit`` (one program per example's
+shapes: op by op, every op would compile again for each new shape).
 """
+
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -73,6 +78,11 @@ def routing_case(draw, grouped=None):
     )
 
 
+_jit_route = functools.partial(jax.jit, static_argnames=(
+    "k", "score_func", "norm_topk_prob", "routed_scaling_factor", "n_groups", "topk_groups"))(
+        routing.route)
+
+
 @given(case=routing_case())
 def test_route_matches_brute_force(case, rng):
     t, e, k = case["t"], case["e"], case["k"]
@@ -82,7 +92,7 @@ def test_route_matches_brute_force(case, rng):
             case["n_groups"], case["topk_groups"])
     experts_ref, weights_ref, scores_ref, margin = brute_force_route(logits, *args)
     assume(margin > 1e-5)  # float32 vs float64 may legitimately break near-ties
-    out = routing.route(
+    out = _jit_route(
         jnp.asarray(logits), k=k, score_func=case["score_func"], norm_topk_prob=case["norm"],
         routed_scaling_factor=case["scale"], bias_E=None if bias is None else jnp.asarray(bias),
         n_groups=case["n_groups"], topk_groups=case["topk_groups"],
@@ -97,8 +107,8 @@ def test_route_matches_brute_force(case, rng):
 def test_group_limited_never_leaves_chosen_groups(case, rng):
     t, e, k, g = case["t"], case["e"], case["k"], case["n_groups"]
     logits = rng.standard_normal((t, e)).astype(np.float32)
-    out = routing.route(jnp.asarray(logits), k=k, score_func=case["score_func"],
-                        n_groups=g, topk_groups=case["topk_groups"])
+    out = _jit_route(jnp.asarray(logits), k=k, score_func=case["score_func"],
+                     n_groups=g, topk_groups=case["topk_groups"])
     scores = np.asarray(out.scores_TE).reshape(t, g, e // g)
     group_scores = np.sort(scores, axis=-1)[..., ::-1][..., :2].sum(-1)
     chosen = np.argsort(-group_scores, axis=-1, kind="stable")[:, : case["topk_groups"]]

@@ -24,11 +24,16 @@ from dropless.train.loop import run_training
 MODEL_KEYS = ("params", "router_bias")
 
 
-def _state(model_cfg):
+def _abstract(model_cfg):
+    """(init, abstract state, its shardings) of ``model_cfg``'s train state; nothing runs."""
     tx = opt_lib.make_optimizer(opt_lib.OptimizerConfig(), 10)
     _, init = step_lib.init_state_fn(model_cfg, tx, 0)
     abstract = jax.eval_shape(init)
-    shardings = mesh_lib.param_shardings(mesh_lib.make_mesh(MeshConfig()), abstract)
+    return init, abstract, mesh_lib.param_shardings(mesh_lib.make_mesh(MeshConfig()), abstract)
+
+
+def _state(model_cfg):
+    init, abstract, shardings = _abstract(model_cfg)
     return jax.jit(init, out_shardings=shardings)(), abstract, shardings
 
 
@@ -186,7 +191,7 @@ def test_load_parameters(saved, small_model):
     with pytest.raises(ckpt_lib.CheckpointError, match="no such checkpoint"):
         ckpt_lib.load_parameters(str(root / "checkpoints" / "7"), abstract, shardings)
     wider = dataclasses.replace(small_model, emb_dim=24)
-    _, abstract_w, shardings_w = _state(wider)
+    _, abstract_w, shardings_w = _abstract(wider)  # a target the checkpoint does not fit
     with pytest.raises(ckpt_lib.CheckpointError, match="could not be restored"):
         ckpt_lib.load_parameters(step_dir, {k: abstract_w[k] for k in MODEL_KEYS},
                                  {k: shardings_w[k] for k in MODEL_KEYS})

@@ -192,7 +192,9 @@ def test_resume_after_sigkill_gives_identical_losses(small_model, make_train, tm
 
 def test_load_parameters_path_starts_from_trained_weights(reference, small_model, make_train, tmp_path):
     train, ref_result, _ = reference
-    fresh = make_train(tmp_path, steps=1, enable_checkpointing=False, enable_tensorboard=False,
+    # steps=STEPS: the reference's step program, so no second compile; only the first
+    # step's loss is compared.
+    fresh = make_train(tmp_path, steps=STEPS, enable_checkpointing=False, enable_tensorboard=False,
                        load_parameters_path=os.path.join(ref_result.run_dir, "checkpoints", str(STEPS)))
     result = run_training(small_model, fresh, MeshConfig(), console=_quiet())
     assert result.initial_loss < ref_result.initial_loss - 0.5
@@ -210,7 +212,8 @@ def test_setup_errors_come_before_any_work(small_model, make_train, tmp_path):
 
 def test_build_gives_a_steppable_trainer(small_model, make_train, tmp_path):
     one_layer = dataclasses.replace(small_model, num_decoder_layers=1, first_num_dense_layers=1)
-    built = build(one_layer, make_train(tmp_path, per_device_batch_size=2), MeshConfig())
+    # steps=3: the trainer of the test below, compiled once for both.
+    built = build(one_layer, make_train(tmp_path, per_device_batch_size=2, steps=3), MeshConfig())
     state, metrics = built.step_fn(built.state, next(built.batches))
     assert int(state["step"]) == 1 and float(metrics["loss"]) > 0
     assert built.tflops_per_step > 0 and built.global_batch == 2
