@@ -182,6 +182,9 @@ BAD = [
     (["hardware=abacus"], "hardware='abacus'"),
     (["ep_overflow_policy=ignore"], "'error' or 'warn'"),
     (["xla_gpu_not_a_real_flag_at_all=1"], "not an XLA flag"),
+    # auto | true | false keys name all three, not only the literal.
+    (["checkpoint_warm_host_memory=maybe"], "checkpoint_warm_host_memory='maybe' (from command line): must be one of 'auto', true or false"),
+    (["cudnn_mla_unpadded_v=2"], "must be one of 'auto', true or false"),
 ]
 
 

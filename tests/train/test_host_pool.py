@@ -11,6 +11,7 @@ import dataclasses
 import io
 import re
 import threading
+import types
 
 import jax
 import numpy as np
@@ -136,13 +137,32 @@ def test_training_is_unchanged_by_the_warmup(small_model, make_train, tmp_path, 
 
 
 def test_the_loop_says_why_the_warmup_is_skipped(make_train, tmp_path):
-    """On CPU, or without checkpoints, the key gives one line and no thread; off, nothing."""
+    """On CPU, or without checkpoints, true gives one line and no thread; auto (the
+    default) and false, no thread and nothing said."""
     console = Console(file=io.StringIO(), width=200)
     on = make_train(tmp_path, checkpoint_warm_host_memory=True)
     assert loop_lib._plan_warmup(None, on, object(), console) is None
     assert loop_lib._plan_warmup(None, on, None, console) is None
-    assert loop_lib._plan_warmup(None, make_train(tmp_path), object(), console) is None
+    assert make_train(tmp_path).checkpoint_warm_host_memory == "auto"
+    for key in ("auto", False):
+        train = make_train(tmp_path, checkpoint_warm_host_memory=key)
+        assert loop_lib._plan_warmup(None, train, object(), console) is None
+        assert loop_lib._plan_warmup(None, train, None, console) is None
     assert console.file.getvalue().splitlines() == [
         "checkpoint_warm_host_memory: skipped: the cpu backend: Orbax copies to pinned host memory only on GPU",
         "checkpoint_warm_host_memory: skipped: checkpointing is off",
     ]
+
+
+def test_auto_plans_the_warmup_where_it_helps(make_train, tmp_path, monkeypatch):
+    """auto (the default) plans a warm-up wherever true would, saying nothing extra;
+    with async saves off it stays off, silently."""
+    monkeypatch.setattr(host_pool, "BACKENDS", ("gpu", "cpu"))
+    console = Console(file=io.StringIO(), width=200)
+    s = types.SimpleNamespace(abstract={}, shardings={})
+    for key in ("auto", True):
+        warm = loop_lib._plan_warmup(s, make_train(tmp_path, checkpoint_warm_host_memory=key), object(), console)
+        assert isinstance(warm, host_pool.HostPoolWarmup), key
+    sync = make_train(tmp_path, async_checkpointing=False)
+    assert loop_lib._plan_warmup(s, sync, object(), console) is None
+    assert console.file.getvalue() == ""

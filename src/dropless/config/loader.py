@@ -193,11 +193,18 @@ def _validate(values: dict, sources: dict) -> Config:
                 f"{c.key}={c.value!r} (from {sources.get(c.key, 'default')}): {c}") from None
         key = str(err["loc"][0]) if err["loc"] else "?"
         value = values.get(key, "<missing>")
+        # A union (say Literal["auto"] | bool) fails once per member: name them all.
+        same = [x for x in e.errors() if x["loc"][:1] == err["loc"][:1]]
         raise ConfigError(
-            f"{key}={value!r} (from {sources.get(key, 'default')}): {_allowed(err)}") from None
+            f"{key}={value!r} (from {sources.get(key, 'default')}): {_allowed(same)}") from None
 
 
-def _allowed(err: dict) -> str:
+def _allowed(errs: list[dict]) -> str:
+    """One phrase for a key's validation errors: what is allowed."""
+    if len(errs) > 1 and all(x["type"] == "literal_error" or x["type"].startswith("bool") for x in errs):
+        literals = [x["ctx"]["expected"] for x in errs if x["type"] == "literal_error"]
+        return f"must be one of {', '.join(literals)}, true or false"
+    err = errs[0]
     ctx = err.get("ctx", {})
     if err["type"] == "literal_error":
         return f"must be one of {ctx.get('expected')}"

@@ -167,7 +167,7 @@ class TrainConfig:
     checkpoint_period: int = _d("checkpoint_period")
     async_checkpointing: bool = _d("async_checkpointing")
     max_num_checkpoints_to_keep: int = _d("max_num_checkpoints_to_keep")  # 0: keep all
-    checkpoint_warm_host_memory: bool = _d("checkpoint_warm_host_memory")
+    checkpoint_warm_host_memory: bool | str = _d("checkpoint_warm_host_memory")  # auto | True | False
     checkpoint_pinned_host_transfer: bool = _d("checkpoint_pinned_host_transfer")
     checkpoint_device_snapshot: bool = _d("checkpoint_device_snapshot")
     allow_config_change_on_resume: bool = _d("allow_config_change_on_resume")

@@ -442,13 +442,16 @@ def _check_snapshot_room(step_fn, state, batch) -> None:
 
 def _plan_warmup(s: _Setup, train: TrainConfig, ckpt, console):
     """The pinned host memory warm-up (``host_pool``), not yet started; None when off or
-    of no use (said in one line). The loop starts it in quiet steps (``_quiet_steps``)."""
-    if not train.checkpoint_warm_host_memory:
+    of no use (said in one line when asked for with ``true``; ``auto`` is silent). The loop
+    starts it in quiet steps (``_quiet_steps``)."""
+    asked = train.checkpoint_warm_host_memory
+    if asked is False:
         return None
     reason = "checkpointing is off" if ckpt is None else host_pool.skip_reason(
         async_save=train.async_checkpointing)
     if reason is not None:
-        console.print(f"checkpoint_warm_host_memory: skipped: {reason}", style="yellow", markup=False)
+        if asked is True:
+            console.print(f"checkpoint_warm_host_memory: skipped: {reason}", style="yellow", markup=False)
         return None
     return host_pool.HostPoolWarmup(s.abstract, s.shardings)
 
