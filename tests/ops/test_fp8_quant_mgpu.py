@@ -187,20 +187,34 @@ def test_kernel_impl_with_mosaic_quantizers_equals_xla_quantizers(rng, monkeypat
         np.testing.assert_array_equal(np.asarray(g_, np.float32), np.asarray(w_, np.float32))
 
 
-def test_auto_quant_impl_is_mosaic_for_bf16_weights_and_triton_otherwise(monkeypatch):
-    """``auto`` sends a bfloat16 weight to this kernel and any other to the Triton one
-    (this kernel reads bfloat16 only), in both layouts; activations go to Pallas."""
+def test_auto_quant_impl_is_mosaic_for_bf16_operands_and_triton_otherwise(monkeypatch):
+    """``auto`` sends each bfloat16 operand (weights in both layouts, and activations to
+    rows, columns or both) to this module's kernels and any other dtype to the Triton
+    ones (these read bfloat16 only); the keyword arguments pass through."""
     calls = []
+    ops = ("quantize_weight", "quantize_rows", "quantize_columns", "quantize_rows_and_columns")
     for mod in (fp8_quant_mgpu, fp8_quant_kernels):
-        monkeypatch.setattr(mod, "quantize_weight",
-                            lambda w, transposed=True, _m=mod.__name__: calls.append((_m, transposed)))
-    q = quantized.quantizer("auto")
-    assert q.rows is fp8_quant_kernels.quantize_rows
-    q.weight_both(jnp.zeros((1, B, B), jnp.bfloat16))
-    q.weight(jnp.zeros((1, B, B), jnp.bfloat16))
-    q.weight_both(jnp.zeros((1, B, B), jnp.float32))
+        for op in ops:
+            monkeypatch.setattr(mod, op, lambda a, _m=mod.__name__, _op=op, **kw: calls.append((_m, _op, kw)))
+    quantized._quantizer.cache_clear()  # built afresh over the patched modules
+    try:
+        q = quantized.quantizer("auto")
+        w16, w32 = jnp.zeros((1, B, B), jnp.bfloat16), jnp.zeros((1, B, B), jnp.float32)
+        a16, a32 = jnp.zeros((B, B), jnp.bfloat16), jnp.zeros((B, B), jnp.float32)
+        q.weight_both(w16)
+        q.weight(w16)
+        q.weight_both(w32)
+        for fn in (q.rows, q.columns, q.rows_and_columns):
+            fn(a16)
+            fn(a32)
+    finally:
+        quantized._quantizer.cache_clear()
     mgpu, tri = fp8_quant_mgpu.__name__, fp8_quant_kernels.__name__
-    assert calls == [(mgpu, True), (mgpu, False), (tri, True)]
+    assert calls == [(mgpu, "quantize_weight", {}), (mgpu, "quantize_weight", {"transposed": False}),
+                     (tri, "quantize_weight", {}),
+                     (mgpu, "quantize_rows", {}), (tri, "quantize_rows", {}),
+                     (mgpu, "quantize_columns", {}), (tri, "quantize_columns", {}),
+                     (mgpu, "quantize_rows_and_columns", {}), (tri, "quantize_rows_and_columns", {})]
 
 
 @pytest.mark.gpu

@@ -154,8 +154,8 @@ def test_kernel_impl_value_and_gradients_lower_for_cuda(monkeypatch, quant_impl,
     """The whole custom_vjp (quantizers, layouts, three kernels) at a DeepSeek-V3 shape,
     with XLA's quantization and with the Pallas quantizers (Triton calls; with aligned
     groups the backward quantizes dy in one fused call: 4 Triton calls, else 5), where
-    the default ``auto`` (bf16 weights) quantizes the weight with a fourth Mosaic GPU
-    call instead of a Triton one, and ``mosaic`` every operand (no Triton call)."""
+    and with ``mosaic`` and the default ``auto`` (bf16 operands), which quantize every
+    operand in Mosaic GPU calls (no Triton call)."""
     monkeypatch.setattr(mosaic, "is_available", lambda: True)  # export from a CPU host
     monkeypatch.setattr(fp8_quant_kernels, "default_interpret", lambda: False)
     m, k, n, g = 65536, 7168, 2048, 32
@@ -176,7 +176,7 @@ def test_kernel_impl_value_and_gradients_lower_for_cuda(monkeypatch, quant_impl,
             S((m, k), jnp.bfloat16), S((g, k, n), jnp.bfloat16), gs)
     text = exported.mlir_module()
     quantizers = 0 if quant_impl == "xla" else 4 if aligned else 5
-    in_mosaic = {"xla": 0, "pallas": 0, "auto": 1, "mosaic": quantizers}[quant_impl]
+    in_mosaic = {"xla": 0, "pallas": 0, "auto": quantizers, "mosaic": quantizers}[quant_impl]
     assert text.count("stablehlo.custom_call @mosaic_gpu") == 3 + in_mosaic  # + fwd, dgrad, wgrad
     assert text.count("stablehlo.custom_call @__gpu$xla.gpu.triton") == quantizers - in_mosaic
 

@@ -52,9 +52,15 @@ CASES = [
     ("loop_multiply_convert_fusion", "fusion.9 f8_result", QUANTIZATION),
     ("triton_kernel_call_3", "custom-call.3 jit(step)/jvp(gmm)/jit(quantize_columns)/pallas_call",
      QUANTIZATION),
+    # the Mosaic GPU quantizers by their kernel_name (fp8_quant_mgpu), not as grouped GEMMs
+    ("fp8_quantize_weight_mosaic_gpu_kernel", "custom-call.5", QUANTIZATION),
+    ("fp8_quantize_rows_and_columns_mosaic_gpu_kernel", "", QUANTIZATION),
     # grouped GEMM: our kernels by name, XLA's ragged_dot by op
     ("gmm_mosaic_gpu_kernel", "custom-call.4", GROUPED_GEMM),
     ("body_mosaic_gpu_kernel", "command_buffer_25", GROUPED_GEMM),  # bf16 and FP8 Mosaic kernels
+    ("gmm_fp8_mosaic_gpu_kernel", "", GROUPED_GEMM),
+    ("tgmm_fp8_mosaic_gpu_kernel", "", GROUPED_GEMM),
+    ("tgmm_mosaic_gpu_kernel", "", GROUPED_GEMM),
     ("main_kernel_mosaic_gpu", "", GROUPED_GEMM),
     ("tgmm_kernel", "", GROUPED_GEMM),
     ("ragged_dot_fusion", "", GROUPED_GEMM),

@@ -198,6 +198,7 @@ def quantize_weight(w_GKN, transposed=True, max_concurrent_steps=2, out_slots=1)
         out_type=out_type,
         grid=(g, kb),
         grid_names=("g", "k"),
+        kernel_name="fp8_quantize_weight",
         compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Lane),
     )(w_GKN)
     return tuple(vary_like(o, (w_GKN,)) for o in out)
@@ -281,6 +282,7 @@ def _activation_kernel(name, a_MC, rows, columns, m_tiles, max_concurrent_steps,
         out_type=out_type,
         grid=(cb, mb // steps),
         grid_names=("c", "m"),
+        kernel_name=f"fp8_{name}",  # fp8_quantize_rows, ...: told apart in a profile
         compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Lane),
     )(a_MC)
     return tuple(vary_like(o, (a_MC,)) for o in out)

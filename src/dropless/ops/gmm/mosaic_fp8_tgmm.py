@@ -294,7 +294,8 @@ def tgmm_fp8_blockwise(xq_KM, sx, dyq_NM, sdy, group_sizes_G, *, out_dtype=jnp.f
 
         plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
-    kernel = persistent_kernel(body, jax.ShapeDtypeStruct((num_groups, k, n), out_dtype), sms)
+    kernel = persistent_kernel(body, jax.ShapeDtypeStruct((num_groups, k, n), out_dtype), sms,
+                               name="tgmm_fp8")
     return kernel(starts_G, sizes_G, *order_refs, xq_KM, sx, dyq_NM, sdy)
 
 

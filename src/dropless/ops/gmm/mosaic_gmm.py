@@ -58,10 +58,11 @@ def num_sms(device=None):
     return int(getattr(device, "core_count", 0) or 1)
 
 
-def persistent_kernel(body, out_type, sms=None):
+def persistent_kernel(body, out_type, sms=None, *, name):
     """``body`` as a persistent, warp-specialised kernel: one CTA per SM (``sms``
     or the device's count), three warpgroups ``wg`` (0, 1 compute; 2 TMA), warpgroup
-    lowering. Every kernel of this package has this shape.
+    lowering. Every kernel of this package has this shape. ``name`` names the CUDA
+    kernel (``<name>_mosaic_gpu_kernel``), so a profile tells the kernels apart.
 
     Returns ``call(*operands)``. Inside ``shard_map`` (the MoE layer's experts run
     there) the output varies over the mesh axes its operands vary over
@@ -77,6 +78,7 @@ def persistent_kernel(body, out_type, sms=None):
             grid_names=("sm",),
             num_threads=3,
             thread_name="wg",
+            kernel_name=name,
             compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
         )(*operands)
         return vary_like(out, operands)
@@ -296,7 +298,7 @@ def gmm(x_MK, w, group_sizes_G, *, tiling: GmmTiling, transpose_rhs=False, out_d
 
         plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
-    kernel = persistent_kernel(body, jax.ShapeDtypeStruct((m, n_out), out_dtype), sms)
+    kernel = persistent_kernel(body, jax.ShapeDtypeStruct((m, n_out), out_dtype), sms, name="gmm")
     return kernel(
         sched.group_T, sched.row_start_T, sched.store_lo_T, sched.store_hi_T, sched.num_tiles,
         x_MK, w,

@@ -188,7 +188,7 @@ def tgmm(x_MK, dy_MN, group_sizes_G, *, num_groups, tiling: TgmmTiling, out_dtyp
 
         plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
-    kernel = persistent_kernel(body, jax.ShapeDtypeStruct((num_groups, k, n), out_dtype), sms)
+    kernel = persistent_kernel(body, jax.ShapeDtypeStruct((num_groups, k, n), out_dtype), sms, name="tgmm")
     return kernel(starts_G, sizes_G, *order_refs, x_MK, dy_MN)
 
 

@@ -101,8 +101,8 @@ KERNEL_RECIPE = "te_fp8_blockwise"
 # "pallas", the single-pass kernels of ``fp8_quant_kernels`` (Pallas on Triton);
 # "mosaic", every operand by the kernels of ``fp8_quant_mgpu`` (Mosaic GPU,
 # bf16 only; typed-FFI calls, whose operand XLA can slice out of the stacked
-# layers in place); "auto", the measured mix: ``fp8_quant_mgpu``'s weight
-# quantizer for bf16 weights, the Triton ones for the rest. All give the same
+# layers in place); "auto", ``fp8_quant_mgpu`` for each bf16 operand and the
+# Triton kernels for other dtypes (measured, ``quantizer``). All give the same
 # codes and scales bit for bit (but for a NaN-scale block's codes on the GPU).
 QUANT_IMPLS = ("auto", "xla", "pallas", "mosaic")
 _KERNEL_DIM = 256  # K and N: the kernels' CTA tiles are 256 wide along O, 128 along C
@@ -299,17 +299,21 @@ class Quantizer(NamedTuple):
 
 def quantizer(quant_impl: str) -> Quantizer:
     """The ``Quantizer`` of ``quant_impl`` (``QUANT_IMPLS``); the one place it is decided:
-    ``auto`` is ``pallas`` but for bfloat16 weights, which ``fp8_quant_mgpu``'s weight
-    kernel quantizes (it reads bfloat16 only); ``mosaic`` takes every operand to
-    ``fp8_quant_mgpu`` (its activation kernels are not yet timed on a GPU). One
-    object per choice, so it serves as a static argument.
+    ``auto`` quantizes each bfloat16 operand with ``fp8_quant_mgpu`` (Mosaic GPU, which
+    reads bfloat16 only) and any other with ``fp8_quant_kernels`` (Triton); ``mosaic``
+    takes every operand to ``fp8_quant_mgpu`` (bfloat16 only). One object per choice,
+    so it serves as a static argument.
 
-    Why the Mosaic weight kernel: on an H200 it quantizes DeepSeek-V3's expert weights in 1.05 ms
-    against Triton's 1.29 ms, and XLA hands it each layer's slice of the stacked
-    weights in place where it copies the slice out for the Triton call (2.23 ms with
-    the copy; ``fp8_quant_weight-20261202-163640``, ``fp8_weight_slice-20261202-163627``);
-    the FP8 proxy step ran at 1.077x bf16 with it against 1.051x with ``pallas``
-    (``step-20261202-163806``, ``step-20261202-162543``).
+    Why Mosaic GPU (measured on an H200): the weight kernel quantizes DeepSeek-V3's
+    expert weights in 1.05 ms against Triton's 1.29 ms, and XLA hands it each layer's
+    slice of the stacked weights in place where it copies the slice out for the
+    Triton call (``fp8_quant_weight-20261202-163640``, ``fp8_weight_slice-20261202-163627``);
+    the 128x1 columns kernel runs at 1.17x a plain copy's bandwidth against Triton's
+    0.57x, the fused rows-and-columns one at 0.96x against 0.59x (65536 x 2048,
+    ``fp8_quant_columns-20261202-232231``). The FP8 proxy step: 1.088x bf16 with every
+    operand on Mosaic GPU against 1.078x with Mosaic weights and Triton activations, in
+    one run (``step-20261203-054415``; profiles ``profile-20261203-053730`` / ``-053625``:
+    340.9 against 346.6 ms per step).
 
     Raises:
       ValueError: unknown ``quant_impl``.
@@ -319,12 +323,17 @@ def quantizer(quant_impl: str) -> Quantizer:
     return _quantizer(quant_impl)
 
 
-def _auto_weight(w, transposed=True):
-    """``auto``'s weight quantizer: ``fp8_quant_mgpu`` for bfloat16 w, else the Triton kernel."""
+def _by_dtype(name):
+    """``auto``'s quantizer ``name`` (``quantize_weight``, ``quantize_rows``, ...):
+    ``fp8_quant_mgpu``'s for a bfloat16 operand, else ``fp8_quant_kernels``'s."""
     from dropless.ops.gmm import fp8_quant_kernels, fp8_quant_mgpu
 
-    kernels = fp8_quant_mgpu if jnp.dtype(w.dtype) == jnp.bfloat16 else fp8_quant_kernels
-    return kernels.quantize_weight(w, transposed=transposed)
+    def quantize(a, **kwargs):
+        kernels = fp8_quant_mgpu if jnp.dtype(a.dtype) == jnp.bfloat16 else fp8_quant_kernels
+        return getattr(kernels, name)(a, **kwargs)
+
+    quantize.__name__ = f"auto_{name}"
+    return quantize
 
 
 @functools.cache
@@ -341,14 +350,14 @@ def _quantizer(name: str) -> Quantizer:
 
         return Quantizer("xla", mosaic_fp8.quantize_weight, both, mosaic_fp8.quantize_rows,
                          mosaic_fp8_tgmm.quantize_columns, rows_and_columns)
-    if name == "mosaic":
-        kernels = fp8_quant_mgpu
-        weight = fp8_quant_mgpu.quantize_weight
-    else:
-        kernels = fp8_quant_kernels
-        weight = {"pallas": fp8_quant_kernels.quantize_weight, "auto": _auto_weight}[name]
-    return Quantizer(name, functools.partial(weight, transposed=False), weight, kernels.quantize_rows,
-                     kernels.quantize_columns, kernels.quantize_rows_and_columns)
+    if name == "auto":
+        weight, rows, columns, both = (_by_dtype(f"quantize_{op}")
+                                       for op in ("weight", "rows", "columns", "rows_and_columns"))
+        return Quantizer(name, functools.partial(weight, transposed=False), weight, rows, columns, both)
+    kernels = {"mosaic": fp8_quant_mgpu, "pallas": fp8_quant_kernels}[name]
+    return Quantizer(name, functools.partial(kernels.quantize_weight, transposed=False),
+                     kernels.quantize_weight, kernels.quantize_rows, kernels.quantize_columns,
+                     kernels.quantize_rows_and_columns)
 
 
 def _fwd_from_codes(x, wq_t, sw, group_sizes, out_dtype, q: Quantizer):
@@ -465,7 +474,7 @@ def gmm(x, w, group_sizes, *, recipe="te_no_quant", backend="auto", out_dtype=No
       impl: ``"auto"``, ``"emulate"`` or ``"kernel"`` (``IMPLS``; module
         docstring; ``resolve_impl``).
       quant_impl: how the kernels quantize their operands (``QUANT_IMPLS``;
-        ``auto`` is ``pallas`` with ``mosaic``'s weight kernel for bfloat16 weights).
+        ``auto`` is ``mosaic`` for bfloat16 operands, ``pallas`` for others).
       groups_aligned: the caller guarantees every group size is a multiple
         of ``required_alignment(recipe)``, so wgrad needs no regrouping.
 
