@@ -19,7 +19,7 @@ def races_found():
 def bits(a):
     """a's bytes as unsigned integers: NaN codes and NaN scales compare bit for bit."""
     a = np.asarray(a)
-    return a.view({1: np.uint8, 4: np.uint32}[a.dtype.itemsize])
+    return a.view({1: np.uint8, 2: np.uint16, 4: np.uint32}[a.dtype.itemsize])
 
 
 def same_bits(got, want):
