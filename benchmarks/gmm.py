@@ -110,6 +110,9 @@ SMOKE_SHAPES_FP8 = [(300, 3, 256, 256)]  # the FP8 kernels need K and N multiple
 LAYOUTS = ["balanced", "dirichlet1.0", "dirichlet0.3", "empty"]
 OPS = ["fwd", "dgrad", "wgrad", "fwd+dgrad+wgrad"]
 IMPLS = ["ours", "dense", "torch", "jaxex", "ragged"]
+# Timed by wall clock too (``wall_clock_ms``), beside CUPTI's kernel time: what a step
+# pays. torch's do_bench is already a timing of whole calls (CUDA events).
+WALL_IMPLS = ("ours", "dense")
 QUANT_RECIPES = {"mxfp8": "te_mxfp8", "blockwise": "te_fp8_blockwise"}
 
 
@@ -160,6 +163,19 @@ def time_jax(fn, args, iters):
             jax.block_until_ready(fn(*args))
             times.append((time.perf_counter() - t0) * 1e3)
         return statistics.median(times), "wallclock"
+
+
+def wall_clock_ms(fn, args, iters):
+    """Median wall-clock time (ms) of one jitted call of fn(*args), each waited for
+    (``block_until_ready``), back to back after a warm-up: what a step pays for the
+    call, launch gaps and any schedule or layout kernels included."""
+    jax.block_until_ready(fn(*args))
+    times = []
+    for _ in range(iters):
+        t0 = time.perf_counter()
+        jax.block_until_ready(fn(*args))
+        times.append((time.perf_counter() - t0) * 1e3)
+    return statistics.median(times)
 
 
 def time_torch(fn, iters):
@@ -420,7 +436,7 @@ def bench_fp8_kernels(row, x, w, dy, gs, g, flops, args, fns_q):
 
 def bench_shape(m, g, k, n, layouts, impls, tilings, args, record):
     x, w, dy = random_inputs(m, g, k, n, seed=m + g + k + n)
-    dense_ms, dense8_ms = {}, {}
+    dense_ms, dense_wall_ms, dense8_ms = {}, {}, {}
     for layout in layouts:
         sizes = make_group_sizes(layout, m, g, seed=g)
         if args.quant != "none":  # as the MoE block pads them: whole scale blocks per group
@@ -445,16 +461,20 @@ def bench_shape(m, g, k, n, layouts, impls, tilings, args, record):
             if impl == "jaxex" and g > 32:
                 continue  # its group lookup is unrolled over G: long compiles
             if impl == "dense" and dense_ms:
-                for op, ms in dense_ms.items():
-                    row["ms"].setdefault(impl, {})[op] = ms
-                    row["tflops"].setdefault(impl, {})[op] = (3 if "+" in op else 1) * flops / ms / 1e9
+                for key, per_op in (("ms", dense_ms), ("wall_ms", dense_wall_ms)):
+                    for op, ms in per_op.items():
+                        _store(row, key, impl, op, flops, ms)
                 continue
             fns = jax_fns(impl, g, tilings, JAXEX_CFG)
             iters = 3 if impl == "ragged" else args.iters
             for op in OPS:
                 _run(row, impl, op, flops, lambda op=op: time_jax(fns[op], (x, w, dy, gs), iters))
+                if impl in WALL_IMPLS:
+                    _safe(lambda op=op: _store(row, "wall_ms", impl, op, flops,
+                                               wall_clock_ms(fns[op], (x, w, dy, gs), iters)), None)
             if impl == "dense":
                 dense_ms.update(row["ms"].get("dense", {}))
+                dense_wall_ms.update(row.get("wall_ms", {}).get("dense", {}))
             if impl == "ours":
                 row["rel_err_vs_torch"] = _safe(lambda: check_ours(fns, torch_f, x, w, dy, gs), {})
         if args.quant != "none":
@@ -478,6 +498,14 @@ def _safe(f, default):
         return default
 
 
+def _store(row, key, impl, op, flops, ms):
+    """row[key][impl][op] = ms, and its TF/s under key's tflops name (``ms`` ->
+    ``tflops``, ``wall_ms`` -> ``wall_tflops``)."""
+    row.setdefault(key, {}).setdefault(impl, {})[op] = ms
+    tf_key = key.replace("ms", "tflops")
+    row.setdefault(tf_key, {}).setdefault(impl, {})[op] = (3 if "+" in op else 1) * flops / ms / 1e9
+
+
 def _run(row, impl, op, flops, timed):
     try:
         ms, method = timed()
@@ -485,8 +513,7 @@ def _run(row, impl, op, flops, timed):
         msg = str(e).splitlines()[0][:200] if str(e) else type(e).__name__
         row.setdefault("errors", {})[f"{impl}/{op}"] = ("OOM: " if "RESOURCE_EXHAUSTED" in str(e) or "out of memory" in str(e).lower() else "") + msg
         return
-    row["ms"].setdefault(impl, {})[op] = ms
-    row["tflops"].setdefault(impl, {})[op] = (3 if "+" in op else 1) * flops / ms / 1e9
+    _store(row, "ms", impl, op, flops, ms)
     row.setdefault("timing", {})[impl] = method
 
 
@@ -501,6 +528,12 @@ def print_row(row):
         r1 = f"{ours / dense:9.3f}" if ours and dense else f"{'-':>9s}"
         r2 = f"{ours / torch_v:9.3f}" if ours and torch_v else f"{'-':>9s}"
         print(f"  {op:16s}" + "".join(f"{v:8.1f}" if v else f"{'-':>8s}" for v in vals) + r1 + r2)
+    wall = row.get("wall_tflops", {})
+    if wall.get("ours"):
+        print("  wall-clock TF/s (ours, dense; ours/torch): " + " | ".join(
+            f"{op} {wall['ours'][op]:.0f}, {wall.get('dense', {}).get(op, 0):.0f}"
+            + (f"; {wall['ours'][op] / t['torch'][op]:.3f}" if t.get("torch", {}).get(op) else "")
+            for op in OPS if wall["ours"].get(op)))
     if row.get("quant"):
         q, o, d8 = (t.get(i, {}) for i in ("ours_q", "ours", "dense8"))
         print(f"  {row['quant']}: " + "  ".join(
