@@ -207,7 +207,8 @@ def test_factor_must_be_exact_or_at_least_one():
 @pytest.mark.parametrize("quantization", ["te_no_quant", "te_fp8_blockwise"])
 def test_hopper_kernels_type_check_under_expert_parallelism(mesh_shape, quantization, monkeypatch):
     """What a Hopper GPU runs by default (``gmm_backend=auto`` -> the Mosaic kernels;
-    ``te_fp8_blockwise`` -> the FP8 kernels and the Pallas quantizers), traced for
+    ``te_fp8_blockwise`` -> the FP8 kernels and, for bf16 operands, the Mosaic GPU
+    quantizers), traced for
     value and gradients inside expert parallelism's ``shard_map``. Each kernel's
     output must vary over the mesh axes its operands vary over: typed as the same
     on every rank, the backward pass failed to trace (the custom_vjp of the
@@ -232,4 +233,7 @@ def test_hopper_kernels_type_check_under_expert_parallelism(mesh_shape, quantiza
                              sharding=NamedSharding(mesh, P(sharding.BATCH_AXES)))
     text = str(jax.jit(jax.grad(loss, argnums=(0, 1))).trace(abstract, x).jaxpr)
     assert "mpmd_map" in text  # the Mosaic GPU kernels were traced, not a fallback
-    assert ("pallas_call" in text) == (quantization == "te_fp8_blockwise")  # the quantizers
+    fp8 = quantization == "te_fp8_blockwise"
+    for name in ("gmm_fp8", "tgmm_fp8", "fp8_quantize_weight", "fp8_quantize_rows"):
+        assert (f"name={name}" in text) == fp8, name  # the FP8 kernels and their quantizers
+    assert "pallas_call" not in text  # no Triton quantizer for bf16 operands
