@@ -18,6 +18,7 @@ import pytest
 from dropless.ops import quant
 from dropless.ops.gmm import fp8_quant_kernels as fq
 from dropless.ops.gmm import mosaic, mosaic_fp8, mosaic_fp8_tgmm, quantized
+from mgpu_testing import kernel_path
 
 S = jax.ShapeDtypeStruct
 
@@ -212,12 +213,7 @@ def test_kernel_impl_with_pallas_quantizers_equals_xla_quantizers(rng, monkeypat
     w = jnp.asarray(_data(rng, (3, k, n)) / 1e3, jnp.float32)
     dy = jnp.asarray(_data(rng, (m, n)), jnp.float32)
 
-    @functools.partial(jax.jit, static_argnums=0)  # op by op, every op would compile
-    def run(quant_impl):
-        f = lambda x, w: quantized.gmm(x, w, gs, recipe="te_fp8_blockwise", impl="kernel",  # noqa: E731
-                                       groups_aligned=True, quant_impl=quant_impl)
-        y, vjp = jax.vjp(f, x, w)
-        return (y, *vjp(dy))
+    run = kernel_path(x, w, dy, gs, True)
 
     got, want = run("pallas"), run("xla")
     for g_, w_ in zip(got, want):

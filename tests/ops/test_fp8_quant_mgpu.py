@@ -11,8 +11,6 @@ checks run on the host). A GPU test repeats the bitwise comparison with the
 compiled kernels on the hardware.
 """
 
-import functools
-
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -21,7 +19,7 @@ import pytest
 from dropless.ops import quant
 from dropless.ops.gmm import fp8_quant_kernels, fp8_quant_mgpu, mosaic, mosaic_fp8, quantized
 from mgpu_testing import bits as _bits, interpret as _interpret, races_found as _races_found
-from mgpu_testing import same_bits as _same_bits, same_codes_outside
+from mgpu_testing import kernel_path, same_bits as _same_bits, same_codes_outside
 
 S = jax.ShapeDtypeStruct
 B = 128
@@ -173,12 +171,7 @@ def test_kernel_impl_with_mosaic_quantizers_equals_xla_quantizers(rng, monkeypat
 
     x, w, dy = wide((m, k)), wide((3, k, n)), wide((m, n))
 
-    @functools.partial(jax.jit, static_argnums=0)  # op by op, every op would compile
-    def run(quant_impl):
-        f = lambda x, w: quantized.gmm(x, w, gs, recipe="te_fp8_blockwise", impl="kernel",  # noqa: E731
-                                       groups_aligned=aligned, quant_impl=quant_impl)
-        y, vjp = jax.vjp(f, x, w)
-        return (y, *vjp(dy))
+    run = kernel_path(x, w, dy, gs, aligned)
 
     with _interpret():
         got = jax.block_until_ready(run("mosaic"))
@@ -276,12 +269,7 @@ def test_gpu_kernel_path_with_auto_equals_pallas_bit_for_bit(rng, aligned):
         rng.standard_normal(shape) * np.exp(rng.uniform(-4, 4, shape[:-1] + (1,))), jnp.bfloat16)
     x, w, dy = wide((m, k)), wide((len(sizes), k, n)) / 16, wide((m, n))
 
-    @functools.partial(jax.jit, static_argnums=0)
-    def run(quant_impl):
-        f = lambda x, w: quantized.gmm(x, w, gs, recipe="te_fp8_blockwise", impl="kernel",  # noqa: E731
-                                       groups_aligned=aligned, quant_impl=quant_impl)
-        y, vjp = jax.vjp(f, x, w)
-        return (y, *vjp(dy))
+    run = kernel_path(x, w, dy, gs, aligned)
 
     got, want = run("auto"), run("pallas")
     assert all(bool(jnp.all(jnp.isfinite(v[:total].astype(jnp.float32)))) for v in got[:2])
