@@ -291,6 +291,22 @@ def test_profile_bf16_and_fp8_side_by_side(tmp_path):
     assert "- step profile (bf16): 500 ms/step" in text
     assert (tmp_path / "figures" / "profile_categories.png").read_bytes()[:4] == b"\x89PNG"
     assert "](figures/profile_categories.png)" in text
+    assert "_Not one run_" not in text  # one commit: nothing to warn of
+
+
+def test_profiles_of_two_commits_say_they_are_not_one_run(tmp_path):
+    """bf16 and FP8 profiles from different commits (so different runs, likely different
+    loans) render with a line saying their step times are no same-run ratio."""
+    d = tmp_path / "r"
+    d.mkdir()
+    (d / "p-bf16.json").write_text(json.dumps(profile_record("bf16", "2026-12-02T00:00:00+00:00",
+                                                             200.0, 0.0)))
+    fp8 = {**profile_record("fp8", "2026-12-02T01:00:00+00:00", 150.0, 50.0),
+           "commit": {"commit": "abcdef0123", "dirty": None, "source": "env"}}
+    (d / "p-fp8.json").write_text(json.dumps(fp8))
+    text = report.render(d, tmp_path / "R.md", log=lambda _: None).read_text()
+    assert ("- _Not one run_ (bf16 at `aaaaaaa`, fp8 at `abcdef0`): the step times are not "
+            "a same-run ratio") in text
 
 
 def test_profile_bf16_only(tmp_path):

@@ -6,7 +6,7 @@ import os
 from pathlib import Path
 
 from dropless.perf.report_md import (TITLES, _num, _plt, _save, _source_line, fp8_impl_text,
-                                     md_table)
+                                     md_table, provenance)
 
 
 def profile_precision(record: dict) -> str:
@@ -55,6 +55,11 @@ def profile_section(variants: dict, fig_dir: Path, md_dir: Path) -> str:
     missing = [v for v in ("bf16", "fp8") if v not in variants]
     if missing:
         parts.append(f"- {', '.join(missing)}: _no profile yet_")
+    commits = {v: str(provenance(variants[v][0])["commit"])[:7] for v in names}
+    if len(set(commits.values())) > 1:
+        # Loans differ by several percent in step time: across runs, no ratio.
+        parts.append("- _Not one run_ (" + ", ".join(f"{v} at `{c}`" for v, c in commits.items())
+                     + "): the step times are not a same-run ratio; the Training step section's are.")
     parts += ["", "Kernel time per step and device by category (`dropless profile`, "
               "jax.profiler trace); % of summed kernel time and of the step's wall time.", ""]
     rows = {v: _profile_rows(variants[v][0]) for v in names}
