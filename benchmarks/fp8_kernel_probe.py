@@ -22,6 +22,9 @@ exits: the run to put under Nsight Compute
   # fwd and dgrad with and without overlap:
   PYTHONPATH=src python3 benchmarks/fp8_kernel_probe.py --wgrad-variants= \
       --variants rows_gtw8,rows_gtw8_overlap,cols_gtw1,cols_gtw1_overlap
+  # fwd and dgrad with each CTA's tile pipelines chained, at both DeepSeek-V3 expert shapes:
+  PYTHONPATH=src python3 benchmarks/fp8_kernel_probe.py --wgrad-variants= \
+      --variants rows_gtw8,rows_gtw8_chain --shape 65536,32,2048,7168
   # wgrad's tile orders under skew at a Qwen3-30B shape:
   PYTHONPATH=src python3 benchmarks/fp8_kernel_probe.py --variants= --shape 65536,128,768,2048 \
       --layout dirichlet0.3 --wgrad-variants wgrad_rows_overlap,wgrad_rows_overlap_sorted
@@ -54,6 +57,8 @@ VARIANTS = {
     "rows_gtw8_s3": dict(split="rows", grid_tile_width=8, num_stages=3),
     "rows_gtw8_overlap": dict(split="rows", grid_tile_width=8, overlap=True),
     "cols_gtw1_overlap": dict(split="columns", grid_tile_width=1, overlap=True),
+    # each CTA's tile pipelines chained: the next tile's loads start before this one ends
+    "rows_gtw8_chain": dict(split="rows", grid_tile_width=8, chain=True),
 }
 # name -> keyword arguments of tgmm_fp8_blockwise; the first, the kernel's default
 # (what training runs), is the reference of the bitwise check. overlap: promotion

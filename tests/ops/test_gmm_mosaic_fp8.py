@@ -132,6 +132,18 @@ def test_fwd_dgrad_overlap_lowers_for_cuda_at_a_deepseek_shape(kind, split):
     assert "mosaic_gpu" in exported.mlir_module()
 
 
+@pytest.mark.parametrize("kind", ["fwd", "dgrad"])
+@pytest.mark.parametrize("k_n", [(7168, 4096), (2048, 7168)], ids=str)
+def test_fwd_dgrad_chain_lowers_for_cuda_at_deepseek_shapes(kind, k_n):
+    """``chain=True``: the pipeline state is a traced value, and a CTA's chain of one
+    tile takes the ordinary pipeline; both lower for CUDA (56 and 16 steps per tile,
+    multiples of the 4 stages)."""
+    fn, args = _lowering_args(kind, 65536, *k_n, 32)
+    exported = jax.export.export(jax.jit(lambda *a: fn(*a, sms=132, chain=True)),
+                                 platforms=["cuda"])(*args)
+    assert "mosaic_gpu" in exported.mlir_module()
+
+
 def test_wgrad_tile_orders_lower_for_cuda_at_a_qwen3_shape():
     """Both tile orders lower in the FP8 wgrad kernel at Qwen3-30B's G=128 (fewer tiles
     per group than SMs: where the order matters), as training runs it (defaults, bf16
@@ -271,6 +283,33 @@ def test_interpret_fwd_overlap_equals_the_plain_step_bit_for_bit(rng, split):
         want = run(overlap=False)
     np.testing.assert_array_equal(np.asarray(y), np.asarray(want))
     _assert_close(y, mosaic_fp8.reference(*ops, gs, out_dtype=jnp.float32), total)
+
+
+@pytest.mark.parametrize("sms", [1, 5])
+def test_interpret_fwd_chain_equals_the_plain_kernel_bit_for_bit(rng, sms):
+    """``chain=True`` runs each CTA's tile pipelines as one chain (the next tile's loads
+    before the previous tile ends) and stores the tiles past the total in a loop of
+    their own; the same products, so the same bits as the plain kernel. One CTA runs
+    a chain of six tiles; five CTAs, chains of two and of one (an ordinary pipeline).
+    Two stages, so the two steps along K fill whole rounds of the slots."""
+    m, sizes = ROW_LAYOUTS["several_unaligned_empty_tail"]
+    k, n = 256, 256
+    gs = jnp.asarray(np.array(sizes, np.int32))
+    total = sum(sizes)
+    x = _nan_tail(_scaled(rng, (m, k), (0, 1)), total)
+    wq, sw = mosaic_fp8.quantize_weight(_scaled(rng, (len(sizes), k, n), (1, 2)))
+    ops = mosaic_fp8.fwd_operands(x, wq, sw)
+    run = functools.partial(mosaic_fp8.gmm_fp8_blockwise, *ops, gs, out_dtype=jnp.float32,
+                            num_stages=2, sms=sms)
+    with _interpret(detect_races=True):
+        y = run(chain=True).block_until_ready()
+    assert not _races_found()
+    with _interpret():
+        want = run(chain=False)
+    np.testing.assert_array_equal(np.asarray(y), np.asarray(want))
+    np.testing.assert_array_equal(np.asarray(y)[total:], 0.0)
+    with pytest.raises(ValueError, match="chain=True needs C / 128 = 2 steps to be a multiple of"):
+        mosaic_fp8.gmm_fp8_blockwise(*ops, gs, num_stages=4, chain=True)
 
 
 # (M, group sizes), each a multiple of 128 as the recipe requires; a group of
@@ -521,6 +560,21 @@ def test_gpu_fwd_dgrad_overlap_equals_the_plain_step_bit_for_bit(rng, product, s
     ops = fwd_ops if product == "fwd" else dgrad_ops
     np.testing.assert_array_equal(_run_fwd_like(ops, gs, split=split, overlap=True),
                                   _run_fwd_like(ops, gs, split=split, overlap=False))
+
+
+@gpu_test
+@pytest.mark.parametrize("product", ["fwd", "dgrad"])
+def test_gpu_fwd_dgrad_chain_equals_the_plain_kernel_bit_for_bit(rng, product):
+    """``chain=True`` on the hardware (what interpret mode cannot show: the memory
+    warpgroup running ahead into the next tile's loads while the compute warpgroups
+    store, with the slots' barrier phases carried from tile to tile): the same bits
+    as the plain kernel at dgrad's 56 and fwd's 16 steps, with a tail of zero tiles.
+    Two stages: float32 output caps the kernel at 3, which divides neither."""
+    fwd_ops, dgrad_ops, gs, _ = _fwd_dgrad_inputs(rng, lambda r, s: _scaled(r, s, (0, 1)
+                                                  if len(s) == 2 else (1, 2)))
+    ops = fwd_ops if product == "fwd" else dgrad_ops
+    np.testing.assert_array_equal(_run_fwd_like(ops, gs, num_stages=2, chain=True),
+                                  _run_fwd_like(ops, gs, num_stages=2))
 
 
 def _run_wgrad(ops, gs, **kw):

@@ -155,18 +155,27 @@ def check_shapes(aq_MC, sa, bq_GOC, sb, group_sizes_G):
 
 
 def gmm_fp8_blockwise(aq_MC, sa, bq_GOC, sb, group_sizes_G, *, out_dtype=jnp.bfloat16,
-                      num_stages=4, grid_tile_width=8, sms=None, split="rows", overlap=False):
+                      num_stages=4, grid_tile_width=8, sms=None, split="rows", overlap=False,
+                      chain=False):
     """y [M, O] = per-group blockwise-scaled a . b[g]^T; see the module docstring.
 
     Rows past ``sum(group_sizes)`` come out as zeros. ``split`` (``SPLITS``),
     ``grid_tile_width`` (the tile walk sweeps the column bands over this many
-    row tiles at a time), ``num_stages`` and ``overlap`` (promote each step's
-    product during the next step's wgmma) change how the kernel runs, not
-    its bits.
+    row tiles at a time), ``num_stages``, ``overlap`` (promote each step's
+    product during the next step's wgmma) and ``chain`` change how the kernel
+    runs, not its bits.
+
+    ``chain`` (experimental, not yet timed on a GPU): each CTA's tile pipelines
+    run as one chain (``emit_pipeline_warp_specialized``'s ``pipeline_state``), so
+    the memory warpgroup loads a tile's first steps while the compute warpgroups
+    finish the previous tile, instead of after. It needs the step count C / 128
+    to be a multiple of ``num_stages`` (every slot's barrier phase then lines up
+    from one tile to the next). The tiles past the groups' rows (zeros) are
+    stored first, in their own loop, so every CTA's chain ends on a real tile.
 
     Raises:
       ValueError: shapes or dtypes the kernel cannot take (``check_shapes``), an
-        unknown ``split``.
+        unknown ``split``, ``chain`` with C / 128 not a multiple of ``num_stages``.
     """
     m, c, o, _ = check_shapes(aq_MC, sa, bq_GOC, sb, group_sizes_G)
     num_c = c // BLOCK
@@ -176,6 +185,9 @@ def gmm_fp8_blockwise(aq_MC, sa, bq_GOC, sb, group_sizes_G, *, out_dtype=jnp.bfl
     if split not in SPLITS:
         raise ValueError(f"mosaic fp8 gmm: {split=} must be one of {SPLITS}")
     bm, bo, bc = BLOCK_M, BLOCK, BLOCK  # one warpgroup's tile: 64 x 128
+    if chain and (c // bc) % num_stages:
+        raise ValueError(f"mosaic fp8 gmm: chain=True needs C / {bc} = {c // bc} steps to be a "
+                         f"multiple of {num_stages=}")
     by_rows = split == "rows"
     cta_m, cta_o = (2 * bm, bo) if by_rows else (bm, 2 * bo)
     n_bands = o // cta_o
@@ -183,7 +195,7 @@ def gmm_fp8_blockwise(aq_MC, sa, bq_GOC, sb, group_sizes_G, *, out_dtype=jnp.bfl
     in_transforms = _swizzle_transforms(bc, aq_MC.dtype)
     out_transforms = _swizzle_transforms(64, out_dtype)
 
-    def make_pipeline(mma_body, compute_context):
+    def make_pipeline(mma_body, compute_context, pipeline_state=None):
         return plgpu.emit_pipeline_warp_specialized(
             mma_body,
             grid=(c // bc,),
@@ -197,10 +209,11 @@ def gmm_fp8_blockwise(aq_MC, sa, bq_GOC, sb, group_sizes_G, *, out_dtype=jnp.bfl
             num_compute_wgs=2,
             max_concurrent_steps=num_stages,
             compute_context=compute_context,
+            pipeline_state=pipeline_state,
         )
 
-    def body(group_ref, row_start_ref, lo_ref, hi_ref, num_tiles_ref, a_gmem, sa_gmem, b_gmem,
-             sb_gmem, o_gmem):
+    def body(group_ref, row_start_ref, lo_ref, hi_ref, num_tiles_ref, num_real_ref, a_gmem, sa_gmem,
+             b_gmem, sb_gmem, o_gmem):
         ignore = lambda *_, **__: None
         pipeline_allocs = make_pipeline(ignore, ignore).get_allocations(
             a_gmem.at[pl.ds(0, cta_m)], b_gmem.at[0, pl.ds(0, cta_o)],
@@ -221,10 +234,9 @@ def gmm_fp8_blockwise(aq_MC, sa, bq_GOC, sb, group_sizes_G, *, out_dtype=jnp.bfl
         def _scope(pipeline_allocs, out_smem):
             wg = lax.axis_index("wg")
 
-            @plgpu.nd_loop((num_tiles_ref[0] * n_bands,), collective_axes="sm")
-            def _tile_loop(loop_info):
-                t, band = plgpu.planar_snake(loop_info.index[0], (num_tiles_ref[0], n_bands), 0,
-                                             grid_tile_width)
+            def tile(t, band, state=None):
+                """Tile t, column band ``band``: its product (``state``: its place in a
+                chain), or zeros."""
                 group = group_ref[t]
                 row_start = pl.multiple_of(row_start_ref[t], cta_m)
                 # This warpgroup's 64 x 128 part of the CTA tile.
@@ -316,24 +328,56 @@ def gmm_fp8_blockwise(aq_MC, sa, bq_GOC, sb, group_sizes_G, *, out_dtype=jnp.bfl
                     part_carry = pl.run_scoped(c_step, plgpu.ACC((bm, bo), jnp.float32))
                     return (*part_carry, next_scale)
 
-                @pl.when(group >= 0)
-                def _matmul_tile():
-                    make_pipeline(mma_body_overlap if overlap else mma_body, compute_context)(
+                def run(state):
+                    make_pipeline(mma_body_overlap if overlap else mma_body, compute_context,
+                                  state)(
                         a_gmem.at[pl.ds(row_start, bm)],
                         b_gmem.at[group, pl.ds(band * cta_o, cta_o)],
                         sa_gmem.at[:, pl.ds(row_start, bm)],
                         allocations=pipeline_allocs,
                     )
 
+                if state is None:
+                    pl.when(group >= 0)(lambda: run(None))
+                else:  # a chained tile is a real one (``chain`` above)
+                    run(state)
+
                 @pl.when((group < 0) & (wg < 2))
                 def _zero_tile():
                     store(plgpu.layout_cast(jnp.zeros((bm, bo), out_dtype), plgpu.Layout.WGMMA))
 
+            if not chain:
+                @plgpu.nd_loop((num_tiles_ref[0] * n_bands,), collective_axes="sm")
+                def _tile_loop(loop_info):
+                    tile(*plgpu.planar_snake(loop_info.index[0], (num_tiles_ref[0], n_bands), 0,
+                                             grid_tile_width))
+            else:
+                num_real = num_real_ref[0]  # the tiles in [num_real, num_tiles) hold zeros
+
+                @plgpu.nd_loop(((num_tiles_ref[0] - num_real) * n_bands,), collective_axes="sm")
+                def _zero_loop(loop_info):
+                    flat = loop_info.index[0]
+                    tile(num_real + lax.div(flat, n_bands), lax.rem(flat, n_bands))
+
+                @plgpu.nd_loop((num_real * n_bands,), collective_axes="sm")
+                def _chain_loop(loop_info):
+                    t, band = plgpu.planar_snake(loop_info.index[0], (num_real, n_bands), 0,
+                                                 grid_tile_width)
+                    i, n = loop_info.local_index, loop_info.num_local_steps
+                    stage = plgpu.PipelinePipeline
+                    # A chain of one tile is an ordinary pipeline: it must start and stop.
+                    pl.when(n == 1)(lambda: tile(t, band))
+                    state = jnp.where(i == 0, int(stage.START),
+                                      jnp.where(i == n - 1, int(stage.STOP), int(stage.STEADY)))
+                    pl.when(n > 1)(lambda: tile(t, band, state))
+
         plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
     kernel = persistent_kernel(body, jax.ShapeDtypeStruct((m, o), out_dtype), sms, name="gmm_fp8")
+    # Tiles with a group come first in the schedule, the rows past the total last.
+    num_real = jnp.sum(sched.group_T >= 0, dtype=jnp.int32).reshape(1)
     return kernel(sched.group_T, sched.row_start_T, sched.store_lo_T, sched.store_hi_T,
-                  sched.num_tiles, aq_MC, sa, bq_GOC, sb)
+                  sched.num_tiles, num_real, aq_MC, sa, bq_GOC, sb)
 
 
 # ----------------------------------------------------------------------------
