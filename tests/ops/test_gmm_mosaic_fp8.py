@@ -259,6 +259,17 @@ def test_interpret_fwd_and_dgrad_match_dequantized_product(rng, layout):
     _assert_close(dx, mosaic_fp8.reference(*dgrad_ops, gs, out_dtype=jnp.float32), total)
 
 
+def _awkward_fwd_operands(rng):
+    """(fwd operands, group sizes, total) at ``several_unaligned_empty_tail``, K = N = 256:
+    two steps along K, an empty group, a tail past the total."""
+    m, sizes = ROW_LAYOUTS["several_unaligned_empty_tail"]
+    k, n = 256, 256
+    total = sum(sizes)
+    x = _nan_tail(_scaled(rng, (m, k), (0, 1)), total)
+    wq, sw = mosaic_fp8.quantize_weight(_scaled(rng, (len(sizes), k, n), (1, 2)))
+    return mosaic_fp8.fwd_operands(x, wq, sw), jnp.asarray(np.array(sizes, np.int32)), total
+
+
 @pytest.mark.parametrize("split", mosaic_fp8.SPLITS)
 def test_interpret_fwd_overlap_equals_the_plain_step_bit_for_bit(rng, split):
     """``overlap=True`` promotes each step's product during the next step's wgmma with
@@ -267,13 +278,7 @@ def test_interpret_fwd_overlap_equals_the_plain_step_bit_for_bit(rng, split):
     and the dequantized product within float32 accumulation order. The shapes and
     awkward layout of the test above (two steps along K: the second takes the first's
     pending product and passes its own to the epilogue), in each split."""
-    m, sizes = ROW_LAYOUTS["several_unaligned_empty_tail"]
-    k, n = 256, 256
-    gs = jnp.asarray(np.array(sizes, np.int32))
-    total = sum(sizes)
-    x = _nan_tail(_scaled(rng, (m, k), (0, 1)), total)
-    wq, sw = mosaic_fp8.quantize_weight(_scaled(rng, (len(sizes), k, n), (1, 2)))
-    ops = mosaic_fp8.fwd_operands(x, wq, sw)
+    ops, gs, total = _awkward_fwd_operands(rng)
     run = functools.partial(mosaic_fp8.gmm_fp8_blockwise, *ops, gs, out_dtype=jnp.float32,
                             split=split)
     with _interpret(detect_races=True):
@@ -292,13 +297,7 @@ def test_interpret_fwd_chain_equals_the_plain_kernel_bit_for_bit(rng, sms):
     their own; the same products, so the same bits as the plain kernel. One CTA runs
     a chain of six tiles; five CTAs, chains of two and of one (an ordinary pipeline).
     Two stages, so the two steps along K fill whole rounds of the slots."""
-    m, sizes = ROW_LAYOUTS["several_unaligned_empty_tail"]
-    k, n = 256, 256
-    gs = jnp.asarray(np.array(sizes, np.int32))
-    total = sum(sizes)
-    x = _nan_tail(_scaled(rng, (m, k), (0, 1)), total)
-    wq, sw = mosaic_fp8.quantize_weight(_scaled(rng, (len(sizes), k, n), (1, 2)))
-    ops = mosaic_fp8.fwd_operands(x, wq, sw)
+    ops, gs, total = _awkward_fwd_operands(rng)
     run = functools.partial(mosaic_fp8.gmm_fp8_blockwise, *ops, gs, out_dtype=jnp.float32,
                             num_stages=2, sms=sms)
     with _interpret(detect_races=True):
