@@ -16,6 +16,8 @@ Three levels:
   checked per group.
 """
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -111,6 +113,19 @@ def test_kernels_lower_for_cuda(kind):
     assert "mosaic_gpu" in exported.mlir_module()
 
 
+@pytest.mark.parametrize("transpose", [False, True], ids=["fwd", "dgrad"])
+def test_chain_lowers_for_cuda(transpose):
+    """``GmmTiling(chain=True)`` at DeepSeek-V3's down projection (32 / 112 steps)."""
+    s, bf = jax.ShapeDtypeStruct, jnp.bfloat16
+    m, k, n, g = 65536, 2048, 7168, 32
+    a = s((m, n if transpose else k), bf)
+    fn = lambda a, w, gs: mosaic_gmm.gmm(a, w, gs, tiling=GmmTiling(chain=True),  # noqa: E731
+                                         transpose_rhs=transpose, sms=132)
+    exported = jax.export.export(jax.jit(fn), platforms=["cuda"])(a, s((g, k, n), bf),
+                                                                  s((g,), jnp.int32))
+    assert "mosaic_gpu" in exported.mlir_module()
+
+
 def test_groups_tile_order_lowers_for_cuda():
     """The round robin (``tile_order="groups"``; the default ``"sorted_snake"``, its
     on-device group order and snake loop lower in ``test_kernels_lower_for_cuda``)
@@ -192,6 +207,29 @@ def test_interpret_fwd_and_dgrad_awkward_layout(rng):
     assert_rows_match(dx, reference.gmm(clean(dy), w, gs, transpose_rhs=True), sizes)
 
 
+@pytest.mark.parametrize("sms", [1, 7])
+def test_interpret_fwd_and_dgrad_chain_equal_the_plain_walk_bit_for_bit(rng, sms):
+    """``GmmTiling(chain=True)``: each CTA's tile pipelines as one chain, the zero tiles
+    past the total in a loop of their own (``mosaic_gmm.walk_row_tiles``). The same
+    products, so the same bits as the plain walk: one CTA's chain of every tile, and
+    seven CTAs' chains of one and of two (block_k 64: 2 steps along K = 128, 4 along
+    N = 256; two stages)."""
+    m, k, n, g = 520, 128, 256, 6  # the kernel itself takes rows in 8s
+    sizes = np.array([70, 0, 330, 10, 40, 0], np.int32)
+    x, w, dy = problem(rng, m, k, n, g, sizes)
+    gs = jnp.asarray(sizes)
+    plain = GmmTiling(block_n=64, grid_tile_width=2, num_stages=2)
+    chained = dataclasses.replace(plain, chain=True)
+    for a, transpose in ((x, False), (dy, True)):
+        with _interpret(detect_races=True):
+            got = mosaic_gmm.gmm(a, w, gs, tiling=chained, transpose_rhs=transpose, sms=sms)
+            got = got.block_until_ready()
+        assert not _races_found()
+        with _interpret():
+            want = mosaic_gmm.gmm(a, w, gs, tiling=plain, transpose_rhs=transpose, sms=sms)
+        np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(want, np.float32))
+
+
 @pytest.mark.parametrize("sizes", [[1, 2, 3, 64, 65, 100, 0], [0, 0, 300, 0, 0, 0, 0]], ids=str)
 def test_interpret_wgrad_masks_neighbour_and_nan_rows(rng, sizes):
     m, k, n = 300, 256, 128
@@ -271,6 +309,23 @@ def test_gpu_fwd_dgrad_wgrad_match_reference(shape, layout, rng):
     _poison_allocator((g, k, n))
     dw = mosaic.tgmm(x, dy, gs, num_groups=g)
     assert_groups_match(dw, reference.tgmm(clean(x), clean(dy), gs, num_groups=g), sizes)
+
+
+@pytest.mark.gpu
+@hopper
+@pytest.mark.parametrize("transpose", [False, True], ids=["fwd", "dgrad"])
+def test_gpu_fwd_dgrad_chain_equals_the_plain_walk_bit_for_bit(rng, transpose):
+    """``GmmTiling(chain=True)`` on the hardware, where the memory warpgroup really runs
+    ahead into the next tile: the same bits as the plain walk (DeepSeek-V3's down
+    projection: 32 steps along K = 2048 and 112 along N = 7168, four stages)."""
+    m, k, n, g = 8192, 2048, 7168, 8
+    sizes = layout_sizes("random_with_empty", m, g, rng)
+    x, w, dy = problem(rng, m, k, n, g, sizes)
+    gs = jnp.asarray(sizes)
+    a = dy if transpose else x
+    got = mosaic_gmm.gmm(a, w, gs, tiling=GmmTiling(chain=True), transpose_rhs=transpose)
+    want = mosaic_gmm.gmm(a, w, gs, tiling=GmmTiling(), transpose_rhs=transpose)
+    np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(want, np.float32))
 
 
 @pytest.mark.gpu

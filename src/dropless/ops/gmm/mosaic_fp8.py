@@ -115,7 +115,7 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 from dropless.ops import quant
 from dropless.ops.gmm import reference as ref_backend
 from dropless.ops.gmm import schedule as schedule_lib
-from dropless.ops.gmm.mosaic_gmm import _store_tile, persistent_kernel
+from dropless.ops.gmm.mosaic_gmm import _store_tile, num_real_tiles, persistent_kernel, walk_row_tiles
 
 BLOCK = quant.BLOCKWISE_TILE  # 128: scale block along the contraction and the outputs (DeepSeek-V3)
 BLOCK_M = 64  # two f32 accumulators per thread must fit the register file
@@ -234,9 +234,8 @@ def gmm_fp8_blockwise(aq_MC, sa, bq_GOC, sb, group_sizes_G, *, out_dtype=jnp.bfl
         def _scope(pipeline_allocs, out_smem):
             wg = lax.axis_index("wg")
 
-            def tile(t, band, state=None):
-                """Tile t, column band ``band``: its product (``state``: its place in a
-                chain), or zeros."""
+            @walk_row_tiles(num_tiles_ref[0], num_real_ref[0], n_bands, grid_tile_width, chain)
+            def _tile(t, band, state):
                 group = group_ref[t]
                 row_start = pl.multiple_of(row_start_ref[t], cta_m)
                 # This warpgroup's 64 x 128 part of the CTA tile.
@@ -339,45 +338,18 @@ def gmm_fp8_blockwise(aq_MC, sa, bq_GOC, sb, group_sizes_G, *, out_dtype=jnp.bfl
 
                 if state is None:
                     pl.when(group >= 0)(lambda: run(None))
-                else:  # a chained tile is a real one (``chain`` above)
+                else:  # a chained tile is a real one (walk_row_tiles)
                     run(state)
 
                 @pl.when((group < 0) & (wg < 2))
                 def _zero_tile():
                     store(plgpu.layout_cast(jnp.zeros((bm, bo), out_dtype), plgpu.Layout.WGMMA))
 
-            if not chain:
-                @plgpu.nd_loop((num_tiles_ref[0] * n_bands,), collective_axes="sm")
-                def _tile_loop(loop_info):
-                    tile(*plgpu.planar_snake(loop_info.index[0], (num_tiles_ref[0], n_bands), 0,
-                                             grid_tile_width))
-            else:
-                num_real = num_real_ref[0]  # the tiles in [num_real, num_tiles) hold zeros
-
-                @plgpu.nd_loop(((num_tiles_ref[0] - num_real) * n_bands,), collective_axes="sm")
-                def _zero_loop(loop_info):
-                    flat = loop_info.index[0]
-                    tile(num_real + lax.div(flat, n_bands), lax.rem(flat, n_bands))
-
-                @plgpu.nd_loop((num_real * n_bands,), collective_axes="sm")
-                def _chain_loop(loop_info):
-                    t, band = plgpu.planar_snake(loop_info.index[0], (num_real, n_bands), 0,
-                                                 grid_tile_width)
-                    i, n = loop_info.local_index, loop_info.num_local_steps
-                    stage = plgpu.PipelinePipeline
-                    # A chain of one tile is an ordinary pipeline: it must start and stop.
-                    pl.when(n == 1)(lambda: tile(t, band))
-                    state = jnp.where(i == 0, int(stage.START),
-                                      jnp.where(i == n - 1, int(stage.STOP), int(stage.STEADY)))
-                    pl.when(n > 1)(lambda: tile(t, band, state))
-
         plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
     kernel = persistent_kernel(body, jax.ShapeDtypeStruct((m, o), out_dtype), sms, name="gmm_fp8")
-    # Tiles with a group come first in the schedule, the rows past the total last.
-    num_real = jnp.sum(sched.group_T >= 0, dtype=jnp.int32).reshape(1)
     return kernel(sched.group_T, sched.row_start_T, sched.store_lo_T, sched.store_hi_T,
-                  sched.num_tiles, num_real, aq_MC, sa, bq_GOC, sb)
+                  sched.num_tiles, num_real_tiles(sched), aq_MC, sa, bq_GOC, sb)
 
 
 # ----------------------------------------------------------------------------

@@ -162,6 +162,57 @@ def walk_tiles(grid, order_ref_G=None):
     return decorator
 
 
+def walk_row_tiles(num_tiles, num_real, n_bands, grid_tile_width, chain):
+    """Decorator: call ``tile(t, band, state)`` for this CTA's share of a forward-style
+    kernel's (row tile, column band) grid, ``num_tiles`` row tiles of which the first
+    ``num_real`` have a group (``schedule.row_tile_schedule``: the rows past the total
+    come last).
+
+    Without ``chain``: one ``nd_loop`` over the whole grid, walking
+    ``grid_tile_width`` row tiles per band (``planar_snake``: concurrent CTAs share
+    rows of x and columns of w in L2), ``state`` None.
+    With ``chain``: the zero tiles first, in a loop of their own (``state`` None), then
+    the real tiles in the same walk, each CTA's as one chain of pipelines
+    (``emit_pipeline_warp_specialized``'s ``pipeline_state``: START, STEADY..., STOP,
+    a traced value), so the memory warpgroup loads a tile's first steps while the
+    compute warpgroups finish the one before; a CTA's chain of one tile gets ``state``
+    None (an ordinary pipeline: it must both start and stop). The chain needs the
+    pipeline's step count to be a multiple of its stages (the caller's to check).
+    """
+
+    def decorator(tile):
+        if not chain:
+            @plgpu.nd_loop((num_tiles * n_bands,), collective_axes="sm")
+            def _tile_loop(loop_info):
+                t, band = plgpu.planar_snake(loop_info.index[0], (num_tiles, n_bands), 0,
+                                             grid_tile_width)
+                tile(t, band, None)
+            return
+
+        @plgpu.nd_loop(((num_tiles - num_real) * n_bands,), collective_axes="sm")
+        def _zero_loop(loop_info):
+            flat = loop_info.index[0]
+            tile(num_real + lax.div(flat, n_bands), lax.rem(flat, n_bands), None)
+
+        @plgpu.nd_loop((num_real * n_bands,), collective_axes="sm")
+        def _chain_loop(loop_info):
+            t, band = plgpu.planar_snake(loop_info.index[0], (num_real, n_bands), 0,
+                                         grid_tile_width)
+            i, n = loop_info.local_index, loop_info.num_local_steps
+            stage = plgpu.PipelinePipeline
+            pl.when(n == 1)(lambda: tile(t, band, None))
+            state = jnp.where(i == 0, int(stage.START),
+                              jnp.where(i == n - 1, int(stage.STOP), int(stage.STEADY)))
+            pl.when(n > 1)(lambda: tile(t, band, state))
+
+    return decorator
+
+
+def num_real_tiles(sched):
+    """[1] int32: the row tiles of ``sched`` that have a group (they come first)."""
+    return jnp.sum(sched.group_T >= 0, dtype=jnp.int32).reshape(1)
+
+
 def _swizzle_transforms(minor_elems, dtype):
     swizzle = plgpu.find_swizzle(minor_elems * jnp.dtype(dtype).itemsize * 8)
     swizzle_elems = swizzle // jnp.dtype(dtype).itemsize
@@ -198,11 +249,13 @@ def gmm(x_MK, w, group_sizes_G, *, tiling: GmmTiling, transpose_rhs=False, out_d
     k_steps = k // bk
     # 4-byte outputs double the epilogue buffers; one load stage less keeps smem in bounds.
     num_stages = tiling.num_stages if out_dtype.itemsize <= 2 else min(tiling.num_stages, 3)
+    # ``tiling.chain`` where the chain's slots line up (``GmmTiling``); else the plain walk.
+    chain = tiling.chain and k_steps % num_stages == 0
     sched = schedule_lib.row_tile_schedule(group_sizes_G, m, bm)
     in_transforms = _swizzle_transforms(bk, x_MK.dtype)
     out_transforms = _swizzle_transforms(_EPI, out_dtype)
 
-    def make_pipeline(mma_body, compute_context):
+    def make_pipeline(mma_body, compute_context, pipeline_state=None):
         w_block = (cta_n, bk) if transpose_rhs else (bk, cta_n)
         w_index = (lambda kk: (0, kk)) if transpose_rhs else (lambda kk: (kk, 0))
         return plgpu.emit_pipeline_warp_specialized(
@@ -217,9 +270,11 @@ def gmm(x_MK, w, group_sizes_G, *, tiling: GmmTiling, transpose_rhs=False, out_d
             num_compute_wgs=2,
             max_concurrent_steps=num_stages,
             compute_context=compute_context,
+            pipeline_state=pipeline_state,
         )
 
-    def body(group_ref, row_start_ref, lo_ref, hi_ref, num_tiles_ref, x_gmem, w_gmem, o_gmem):
+    def body(group_ref, row_start_ref, lo_ref, hi_ref, num_tiles_ref, num_real_ref, x_gmem, w_gmem,
+             o_gmem):
         ignore = lambda *_, **__: None
         w_alloc_ref = w_gmem.at[0, :, pl.ds(0, cta_n)] if not transpose_rhs else w_gmem.at[0, pl.ds(0, cta_n)]
         pipeline_allocs = make_pipeline(ignore, ignore).get_allocations(
@@ -244,15 +299,10 @@ def gmm(x_MK, w, group_sizes_G, *, tiling: GmmTiling, transpose_rhs=False, out_d
         )
         def _scope(pipeline_allocs, out_smem):
             wg = lax.axis_index("wg")
-            n_tiles = num_tiles_ref[0]
 
-            @plgpu.nd_loop((n_tiles * n_bands,), collective_axes="sm")
-            def _tile_loop(loop_info):
-                # Walk grid_tile_width row tiles per column band, snaking, so
-                # concurrent CTAs share rows of x and columns of w in L2.
-                t, band = plgpu.planar_snake(
-                    loop_info.index[0], (n_tiles, n_bands), 0, tiling.grid_tile_width
-                )
+            @walk_row_tiles(num_tiles_ref[0], num_real_ref[0], n_bands, tiling.grid_tile_width,
+                            chain)
+            def _tile(t, band, state):
                 group = group_ref[t]
                 row_start = pl.multiple_of(row_start_ref[t], bm)
                 col0 = pl.multiple_of(band * cta_n + wg * bn, bn)
@@ -283,13 +333,17 @@ def gmm(x_MK, w, group_sizes_G, *, tiling: GmmTiling, transpose_rhs=False, out_d
                     plgpu.wgmma_wait(0)
                     return acc_ref
 
-                @pl.when(group >= 0)
-                def _matmul_tile():
+                def matmul_tile():
                     w_cols = pl.ds(band * cta_n, cta_n)
                     w_ref = w_gmem.at[group, w_cols] if transpose_rhs else w_gmem.at[group, :, w_cols]
-                    make_pipeline(mma_body, compute_context)(
+                    make_pipeline(mma_body, compute_context, state)(
                         x_gmem.at[pl.ds(row_start, bm)], w_ref, allocations=pipeline_allocs
                     )
+
+                if state is None:
+                    pl.when(group >= 0)(matmul_tile)
+                else:  # a chained tile is a real one (walk_row_tiles)
+                    matmul_tile()
 
                 @pl.when((group < 0) & (wg < 2))
                 def _zero_tile():
@@ -301,7 +355,7 @@ def gmm(x_MK, w, group_sizes_G, *, tiling: GmmTiling, transpose_rhs=False, out_d
     kernel = persistent_kernel(body, jax.ShapeDtypeStruct((m, n_out), out_dtype), sms, name="gmm")
     return kernel(
         sched.group_T, sched.row_start_T, sched.store_lo_T, sched.store_hi_T, sched.num_tiles,
-        x_MK, w,
+        num_real_tiles(sched), x_MK, w,
     )
 
 

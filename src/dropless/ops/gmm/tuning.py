@@ -41,6 +41,12 @@ class GmmTiling:
     # Consecutive row tiles walked per column band before moving right: a band
     # keeps the same weight columns hot in L2 (see planar_snake).
     grid_tile_width: int = 1
+    # Each CTA's tile pipelines as one chain, the next tile's loads overlapping this
+    # one's end (``mosaic_gmm.walk_row_tiles``); the same bits. Taken where the
+    # contraction's steps (K / block_k) are a multiple of the stages the call runs
+    # with (one fewer for 4-byte outputs), else the plain walk. Experimental: off
+    # until a ``benchmarks/gmm.py --tune`` run on the GPU picks it.
+    chain: bool = False
 
     def __post_init__(self):
         if self.block_m % 64 or self.block_n % 64 or self.block_k % 64:
