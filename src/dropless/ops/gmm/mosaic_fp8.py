@@ -349,7 +349,7 @@ def gmm_fp8_blockwise(aq_MC, sa, bq_GOC, sb, group_sizes_G, *, out_dtype=jnp.bfl
 
     kernel = persistent_kernel(body, jax.ShapeDtypeStruct((m, o), out_dtype), sms, name="gmm_fp8")
     return kernel(sched.group_T, sched.row_start_T, sched.store_lo_T, sched.store_hi_T,
-                  sched.num_tiles, num_real_tiles(sched), aq_MC, sa, bq_GOC, sb)
+                  sched.num_tiles, num_real_tiles(sched, chain), aq_MC, sa, bq_GOC, sb)
 
 
 # ----------------------------------------------------------------------------

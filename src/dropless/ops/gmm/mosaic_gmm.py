@@ -208,8 +208,12 @@ def walk_row_tiles(num_tiles, num_real, n_bands, grid_tile_width, chain):
     return decorator
 
 
-def num_real_tiles(sched):
-    """[1] int32: the row tiles of ``sched`` that have a group (they come first)."""
+def num_real_tiles(sched, chain):
+    """[1] int32: the row tiles of ``sched`` that have a group (they come first); only
+    a chained walk reads it, so without ``chain`` it is ``num_tiles`` as is (no extra
+    XLA reduction before each launch)."""
+    if not chain:
+        return sched.num_tiles
     return jnp.sum(sched.group_T >= 0, dtype=jnp.int32).reshape(1)
 
 
@@ -355,7 +359,7 @@ def gmm(x_MK, w, group_sizes_G, *, tiling: GmmTiling, transpose_rhs=False, out_d
     kernel = persistent_kernel(body, jax.ShapeDtypeStruct((m, n_out), out_dtype), sms, name="gmm")
     return kernel(
         sched.group_T, sched.row_start_T, sched.store_lo_T, sched.store_hi_T, sched.num_tiles,
-        num_real_tiles(sched), x_MK, w,
+        num_real_tiles(sched, chain), x_MK, w,
     )
 
 
