@@ -717,3 +717,108 @@ def test_quantize_columns_equals_128x1_blocks_transposed(rng):
     np.testing.assert_array_equal(np.asarray(aq.astype(jnp.float32)),
                                   np.asarray(want_q.T.astype(jnp.float32)))
     np.testing.assert_array_equal(np.asarray(sa), np.asarray(want_s))
+
+
+# --- The fresh-accumulator rewrite (``wgmma_fresh``): each step's first wgmma says
+# scale-d = 0 instead of reading 64 zeroed registers per thread.
+
+def _lowered_mosaic_modules(monkeypatch, fn, args):
+    """The Mosaic GPU modules ``fn`` lowers to for CUDA, as LLVM-dialect text walks:
+    a list of (scale-d constant, whether its accumulator input is undefined) for every
+    ``wgmma.mma_async`` that starts a chain (its accumulator input is not another
+    wgmma's output)."""
+    import importlib
+
+    core = importlib.import_module("jax.experimental.mosaic.gpu.core")
+    found = []
+    orig = core._run_serde_pass
+
+    def walk(op):
+        for region in op.regions:
+            for block in region:
+                for inner in block:
+                    yield inner
+                    yield from walk(inner)
+
+    def defining(value):
+        owner = value.owner
+        return owner if hasattr(owner, "name") else None
+
+    def from_wgmma(value):
+        ext = defining(value)
+        if ext is None or ext.name != "llvm.extractvalue":
+            return False
+        asm = defining(ext.operands[0])
+        return asm is not None and "wgmma.mma_async" in str(asm.attributes["asm_string"])
+
+    def undefined(value):
+        """Whether value is llvm.mlir.undef, through slices and broadcasts only (jax's
+        zeroed accumulator instead comes out of the barrier's insertelements)."""
+        op = defining(value)
+        while op is not None and op.name in ("vector.extract_strided_slice", "vector.extract",
+                                             "vector.broadcast", "vector.splat"):
+            op = defining(op.operands[0])
+        return op is not None and op.name == "llvm.mlir.undef"
+
+    def capture(module, **kw):
+        for op in walk(module.operation):
+            if op.name != "llvm.inline_asm" or "wgmma.mma_async" not in str(
+                    op.attributes["asm_string"]):
+                continue
+            if from_wgmma(op.operands[0]):
+                continue
+            num_acc = str(op.attributes["constraints"]).count("=")
+            scale_d = defining(op.operands[num_acc + 2])  # [acc..., a desc, b desc, scale-d]
+            found.append((int(str(scale_d.attributes["value"]).split(":")[0]),
+                          undefined(op.operands[0])))
+        return orig(module, **kw)
+
+    with monkeypatch.context() as patch:
+        patch.setattr(core, "_run_serde_pass", capture)
+        jax.export.export(jax.jit(lambda *a: fn(*a, sms=132)), platforms=["cuda"])(*args)
+    return found
+
+
+@pytest.mark.parametrize("kind", ["fwd", "dgrad", "wgrad", "wgrad_rows_wait"])
+def test_fresh_accumulator_starts_with_scale_d_zero_on_undefined_registers(monkeypatch, kind):
+    """Every FP8 kernel takes a fresh accumulator per 128-wide step. With the rewrite
+    (the default) each chain of wgmma instructions starts with scale-d = 0 on
+    undefined registers: none zeroed, none read. With it off (jax's own lowering) the
+    same chains start with scale-d = 1 on zeroed registers."""
+    from dropless.ops.gmm import wgmma_fresh
+
+    if not wgmma_fresh.install():
+        pytest.skip(f"the rewrite is for jax {wgmma_fresh.JAX_VERSION}")
+    fn, args = _lowering_args(kind, 65536, 7168, 4096, 32)
+    on = _lowered_mosaic_modules(monkeypatch, fn, args)
+    assert on and all(entry == (0, True) for entry in on), on
+    with wgmma_fresh.fresh_accumulators(False):
+        off = _lowered_mosaic_modules(monkeypatch, fn, args)
+    assert len(off) == len(on) and all(entry == (1, False) for entry in off), off
+
+
+@gpu_test
+@pytest.mark.parametrize("product", ["fwd", "dgrad", "wgrad"])
+def test_gpu_fresh_accumulator_rewrite_gives_the_same_bits(rng, product):
+    """On the hardware, each kernel lowered with the rewrite and without it (jax's
+    zeroed accumulators) gives the same bits on random data with ragged groups and
+    a NaN tail: scale-d = 0 makes wgmma compute A.B alone, which is 0 + A.B."""
+    from dropless.ops.gmm import wgmma_fresh
+
+    make = lambda r, s: _scaled(r, s, (0, 1) if len(s) == 2 else (1, 2))  # noqa: E731
+    if product == "wgrad":
+        ops, gs = _wgrad_inputs(rng, make)
+        run = lambda: _f64(jax.jit(lambda o: mosaic_fp8_tgmm.tgmm_fp8_blockwise(  # noqa: E731
+            *o, gs, out_dtype=jnp.float32))(ops))
+    else:
+        fwd_ops, dgrad_ops, gs, _ = _fwd_dgrad_inputs(rng, make)
+        ops = fwd_ops if product == "fwd" else dgrad_ops
+        run = lambda: _f64(jax.jit(lambda o: mosaic_fp8.gmm_fp8_blockwise(  # noqa: E731
+            *o, gs, out_dtype=jnp.float32))(ops))
+    before = wgmma_fresh.rewritten_count()
+    with wgmma_fresh.fresh_accumulators(True):
+        fresh = run()
+    assert wgmma_fresh.rewritten_count() > before
+    with wgmma_fresh.fresh_accumulators(False):
+        zeroed = run()
+    np.testing.assert_array_equal(fresh, zeroed)
