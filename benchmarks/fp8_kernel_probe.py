@@ -16,10 +16,6 @@ dgrad. ``--once VARIANT`` runs one kernel (``--product``) three times and
 exits: the run to put under Nsight Compute
 (``ncu --launch-skip 2 --launch-count 1 -k regex:mosaic``).
 
-Any variant name may end in ``_zeroed``: the same kernel lowered with
-``wgmma_fresh`` off, so each step's fresh accumulator is zeroed in registers
-(jax's own lowering) instead of its first wgmma saying scale-d = 0.
-
   PYTHONPATH=src python3 benchmarks/fp8_kernel_probe.py [--shape M,G,K,N] [--out DIR]
   PYTHONPATH=src python3 benchmarks/fp8_kernel_probe.py --variants= \
       --wgrad-variants wgrad_rows_overlap,wgrad_rows
@@ -29,9 +25,6 @@ Any variant name may end in ``_zeroed``: the same kernel lowered with
   # fwd and dgrad with each CTA's tile pipelines chained, at both DeepSeek-V3 expert shapes:
   PYTHONPATH=src python3 benchmarks/fp8_kernel_probe.py --wgrad-variants= \
       --variants rows_gtw8,rows_gtw8_chain --shape 65536,32,2048,7168
-  # the fresh-accumulator rewrite against jax's zeroing, every product:
-  PYTHONPATH=src python3 benchmarks/fp8_kernel_probe.py --variants rows_gtw8,rows_gtw8_zeroed \
-      --wgrad-variants wgrad_rows_overlap_sorted,wgrad_rows_overlap_sorted_zeroed
   # wgrad's tile orders under skew at a Qwen3-30B shape:
   PYTHONPATH=src python3 benchmarks/fp8_kernel_probe.py --variants= --shape 65536,128,768,2048 \
       --layout dirichlet0.3 --wgrad-variants wgrad_rows_overlap,wgrad_rows_overlap_sorted
@@ -48,7 +41,7 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
-from dropless.ops.gmm import mosaic_fp8, mosaic_fp8_tgmm, wgmma_fresh  # noqa: E402
+from dropless.ops.gmm import mosaic_fp8, mosaic_fp8_tgmm  # noqa: E402
 from dropless.perf import measure  # noqa: E402
 from dropless.perf.bench import load_module  # noqa: E402
 
@@ -78,18 +71,6 @@ WGRAD_VARIANTS = {
     "wgrad_columns_overlap": dict(split="columns", overlap=True, tile_order="groups"),
     "wgrad_columns": dict(split="columns", overlap=False, tile_order="groups"),
 }
-
-
-ZEROED = "_zeroed"
-
-
-def variant_kwargs(name, table):
-    """(keyword arguments, whether the fresh-accumulator rewrite is on) of ``name``."""
-    return table[name.removesuffix(ZEROED)], not name.endswith(ZEROED)
-
-
-def known(name, table):
-    return name.removesuffix(ZEROED) in table
 
 
 def cupti_ms(fn, args, iters):
@@ -140,33 +121,30 @@ def main(argv=None):
         p.error(f"unknown --layout {a.layout}; known: {', '.join(gmm.LAYOUTS)}")
     names = [v for v in a.variants.split(",") if v]
     wgrad_names = [v for v in a.wgrad_variants.split(",") if v]
-    unknown = ([v for v in names if not known(v, VARIANTS)]
-               + [v for v in wgrad_names if not known(v, WGRAD_VARIANTS)])
+    unknown = ([v for v in names if v not in VARIANTS]
+               + [v for v in wgrad_names if v not in WGRAD_VARIANTS])
     if a.once:
-        unknown = [a.once] if not known(a.once, WGRAD_VARIANTS if a.product == "wgrad"
-                                        else VARIANTS) else []
+        unknown = [a.once] if a.once not in (WGRAD_VARIANTS if a.product == "wgrad"
+                                             else VARIANTS) else []
     if unknown:
         p.error(f"unknown variant(s) {', '.join(unknown)}")
     sizes = group_sizes(gmm, a.layout, m, g)
     ops, gs = operands(m, g, k, n, sizes)
     if a.once:
         if a.product == "wgrad":
-            kw, fresh = variant_kwargs(a.once, WGRAD_VARIANTS)
-            f = jax.jit(lambda o: mosaic_fp8_tgmm.tgmm_fp8_blockwise(*o, gs, **kw))
+            f = jax.jit(lambda o: mosaic_fp8_tgmm.tgmm_fp8_blockwise(*o, gs,
+                                                                     **WGRAD_VARIANTS[a.once]))
         else:
-            kw, fresh = variant_kwargs(a.once, VARIANTS)
-            f = jax.jit(lambda o: mosaic_fp8.gmm_fp8_blockwise(*o, gs, **kw))
-        with wgmma_fresh.fresh_accumulators(fresh):
-            for _ in range(3):
-                jax.block_until_ready(f(ops[a.product]))
+            f = jax.jit(lambda o: mosaic_fp8.gmm_fp8_blockwise(*o, gs, **VARIANTS[a.once]))
+        for _ in range(3):
+            jax.block_until_ready(f(ops[a.product]))
         return 0
     flops = 2 * int(sizes.sum()) * k * n  # real rows only, as gmm.py counts
     record = measure.new_record("fp8_kernels", {"M": m, "G": g, "K": k, "N": n,
                                                 "layout": a.layout, "rows": int(sizes.sum()),
                                                 "max_group": int(sizes.max()), "iters": a.iters,
                                                 "variants": VARIANTS,
-                                                "wgrad_variants": WGRAD_VARIANTS,
-                                                "wgmma_fresh_installed": wgmma_fresh.enabled()})
+                                                "wgrad_variants": WGRAD_VARIANTS})
     print(f"{'variant':<30} {'product':<6} {'kernel ms':>9} {'wall ms':>8} {'TF/s kern':>9} "
           f"{'TF/s wall':>9}")
     jobs = [(v, prod) for v in names for prod in ("fwd", "dgrad")]
@@ -175,15 +153,13 @@ def main(argv=None):
     jobs += [(f"{v}{dt}", "wgrad") for v in wgrad_names for dt in ("", "_bf16")]
     for v, prod in jobs:
         if prod == "wgrad":
-            kw, fresh = variant_kwargs(v.removesuffix("_bf16"), WGRAD_VARIANTS)
-            f = jax.jit(lambda o, kw=kw, dt=jnp.bfloat16 if v.endswith("_bf16") else jnp.float32:
+            f = jax.jit(lambda o, kw=WGRAD_VARIANTS[v.removesuffix("_bf16")],
+                        dt=jnp.bfloat16 if v.endswith("_bf16") else jnp.float32:
                         mosaic_fp8_tgmm.tgmm_fp8_blockwise(*o, gs, out_dtype=dt, **kw))
         else:
-            kw, fresh = variant_kwargs(v, VARIANTS)
-            f = jax.jit(lambda o, kw=kw: mosaic_fp8.gmm_fp8_blockwise(*o, gs, **kw))
+            f = jax.jit(lambda o, kw=VARIANTS[v]: mosaic_fp8.gmm_fp8_blockwise(*o, gs, **kw))
         try:
-            with wgmma_fresh.fresh_accumulators(fresh):  # acts where f is lowered: its first call
-                kms = cupti_ms(f, (ops[prod],), a.iters)
+            kms = cupti_ms(f, (ops[prod],), a.iters)
             wms = measure.time_fn(f, ops[prod], iters=a.iters)["median_ms"]
         except Exception as e:  # noqa: BLE001 - one variant failing must not lose the others
             print(f"{v:<30} {prod:<6} failed: {type(e).__name__}: {str(e)[:200]}")
@@ -196,21 +172,17 @@ def main(argv=None):
               f"{row['tflops_wall']:>9.0f}")
     # Every variant computes each output element from the same wgmma steps in the
     # same order, so the results must agree bit for bit with the first variant.
-    def run_one(prod, v):
-        table = WGRAD_VARIANTS if prod == "wgrad" else VARIANTS
-        kw, fresh = variant_kwargs(v, table)
-        kernel = (mosaic_fp8_tgmm.tgmm_fp8_blockwise if prod == "wgrad"
-                  else mosaic_fp8.gmm_fp8_blockwise)
-        with wgmma_fresh.fresh_accumulators(fresh):  # a new function: lowered here
-            return jax.jit(lambda o: kernel(*o, gs, **kw))(ops[prod])
-
+    run = {"fwd": lambda v: mosaic_fp8.gmm_fp8_blockwise(*ops["fwd"], gs, **VARIANTS[v]),
+           "dgrad": lambda v: mosaic_fp8.gmm_fp8_blockwise(*ops["dgrad"], gs, **VARIANTS[v]),
+           "wgrad": lambda v: mosaic_fp8_tgmm.tgmm_fp8_blockwise(*ops["wgrad"], gs,
+                                                                 **WGRAD_VARIANTS[v])}
     for prod, prod_names in (("fwd", names), ("dgrad", names), ("wgrad", wgrad_names)):
         if len(prod_names) < 2:
             continue
-        want = np.asarray(run_one(prod, prod_names[0]).astype(jnp.float32))
+        want = np.asarray(run[prod](prod_names[0]).astype(jnp.float32))
         for v in prod_names[1:]:
             try:
-                same = bool(np.array_equal(np.asarray(run_one(prod, v).astype(jnp.float32)), want))
+                same = bool(np.array_equal(np.asarray(run[prod](v).astype(jnp.float32)), want))
             except Exception as e:  # noqa: BLE001 - reported above with its timing row
                 print(f"{prod} {v}: failed: {type(e).__name__}")
                 continue

@@ -46,10 +46,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from dropless.ops.gmm import schedule as schedule_lib
-from dropless.ops.gmm import wgmma_fresh
 from dropless.ops.gmm.tuning import GmmTiling
-
-wgmma_fresh.install()  # a fresh accumulator's first wgmma says scale-d = 0 (wgmma_fresh.py)
 
 _EPI = 64  # epilogue tile edge: one 128-byte swizzle row of bf16
 _MEMORY_REGISTERS = 40  # the TMA warpgroup needs few registers; the rest go to wgmma
