@@ -13,21 +13,28 @@ set -u
 out=${1:?usage: fp8_kernel_anatomy.sh OUT_DIR [product:variant:kernel ...]}
 shift
 specs=("$@")
-[ ${#specs[@]} -gt 0 ] || specs=(fwd:rows_gtw8:gmm_fp8 wgrad:wgrad_rows_overlap_sorted:tgmm_fp8
-                                 wgrad:wgrad_rows:tgmm_fp8)
+[ ${#specs[@]} -gt 0 ] || specs=(fwd:rows_gtw8:gmm_fp8 wgrad:wgrad_rows_overlap_sorted:tgmm_fp8)
 ncu=$(command -v ncu || ls /usr/local/cuda*/bin/ncu 2>/dev/null | head -1)
 probe="python3 benchmarks/fp8_kernel_probe.py"
 for spec in "${specs[@]}"; do
   IFS=: read -r product variant kernel <<<"$spec"
   mkdir -p "$out/sass-$variant"
-  echo "== $product $variant: SASS and PTX"
+  echo "== $product $variant: PTX (and SASS where nvdisasm is installed)"
   MOSAIC_GPU_DUMP_SASS=1 MOSAIC_GPU_DUMP_PTX=1 MOSAIC_GPU_DUMP_TO="$out/sass-$variant" \
     timeout 90 $probe --once "$variant" --product "$product" >"$out/sass-$variant/stdout.txt" 2>&1
   echo "   exit $?; $(ls "$out/sass-$variant" | wc -l) files"
+  rm -f "$out/sass-$variant"/*.mlir-passes.log  # 15-25 MB each, every pass's IR
   echo "== $product $variant: ncu"
-  timeout 120 "$ncu" --set full --page raw -k "regex:^$kernel" --launch-skip 2 --launch-count 1 \
-    $probe --once "$variant" --product "$product" >"$out/ncu-$variant.txt" 2>&1
+  timeout 120 "$ncu" --set full --import-source no -f -o "$out/ncu-$variant" -k "regex:^$kernel" \
+    --launch-skip 2 --launch-count 1 $probe --once "$variant" --product "$product" \
+    >"$out/ncu-$variant.log" 2>&1
   echo "   exit $?"
+  "$ncu" -i "$out/ncu-$variant.ncu-rep" --page raw >"$out/ncu-$variant.txt" 2>&1
+  "$ncu" -i "$out/ncu-$variant.ncu-rep" --page source --print-source sass --csv \
+    >"$out/ncu-source-$variant.csv" 2>&1
+  echo "   source page: $(wc -l <"$out/ncu-source-$variant.csv") lines"
+  gzip -f "$out/ncu-source-$variant.csv"
+  rm -f "$out/ncu-$variant.ncu-rep"  # printed above; the file is large and needs ncu to read
   grep -E "inst_executed_op_ffma|inst_executed_op_fmul|inst_executed_op_fadd|smsp__inst_executed.sum |pipe_tensor.*pct|issue_active.avg.pct" \
     "$out/ncu-$variant.txt" | head -20
 done
