@@ -193,10 +193,7 @@ def cupti_ms(fn, args, iters):
     if jax.default_backend() != "gpu":
         return None
     try:
-        from jax.experimental.mosaic.gpu import profiler
-
-        _, times = profiler.measure(fn, iterations=iters)(*args)
-        return statistics.median(times)
+        return statistics.median(measure.cupti_kernel_ms(fn, *args, iters=iters))
     except Exception:  # noqa: BLE001 - no CUPTI: wall-clock only
         return None
 

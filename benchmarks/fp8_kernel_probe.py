@@ -74,11 +74,8 @@ WGRAD_VARIANTS = {
 
 
 def cupti_ms(fn, args, iters):
-    from jax.experimental.mosaic.gpu import profiler
-
     jax.block_until_ready(fn(*args))
-    _, times = profiler.measure(fn, iterations=iters)(*args)
-    return statistics.median(times)
+    return statistics.median(measure.cupti_kernel_ms(fn, *args, iters=iters))
 
 
 def group_sizes(gmm, layout, m, g):

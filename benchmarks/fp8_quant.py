@@ -81,10 +81,7 @@ from dropless.perf import measure  # noqa: E402
 def cupti_ms(fn, args, iters):
     """Median summed kernel time of one call (ms), or None where CUPTI is unavailable."""
     try:
-        from jax.experimental.mosaic.gpu import profiler
-
-        _, times = profiler.measure(fn, iterations=iters)(*args)
-        return statistics.median(times)
+        return statistics.median(measure.cupti_kernel_ms(fn, *args, iters=iters))
     except Exception:  # noqa: BLE001 - CPU, or no CUPTI
         return None
 

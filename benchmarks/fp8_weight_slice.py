@@ -109,9 +109,7 @@ def slice_verdict(hlo_text, target):
 def _cupti_ms(fn, args, iters):
     """Median summed kernel time of one call (ms), or None where CUPTI is unavailable."""
     try:
-        from jax.experimental.mosaic.gpu import profiler
-
-        return statistics.median(profiler.measure(fn, iterations=iters)(*args)[1])
+        return statistics.median(measure.cupti_kernel_ms(fn, *args, iters=iters))
     except Exception:  # noqa: BLE001 - no CUPTI
         return None
 

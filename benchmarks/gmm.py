@@ -61,6 +61,7 @@ import numpy as np  # noqa: E402
 from jax import lax  # noqa: E402
 
 from dropless.ops.gmm import api, mosaic, tuning, xla  # noqa: E402
+from dropless.perf import measure  # noqa: E402
 
 # Shapes (M, G, K, N): the expert GEMMs of the presets, read through the CLI's
 # loader when a set is chosen. M = 65536 rows (8192 tokens x top-8), gate|up
@@ -150,12 +151,9 @@ def quantized_alignment(quant):
 
 def time_jax(fn, args, iters):
     """Median device kernel time (ms) of fn(*args) over iters runs, after a warm-up."""
-    from jax.experimental.mosaic.gpu import profiler
-
     jax.block_until_ready(fn(*args))
-    try:
-        _, times = profiler.measure(fn, iterations=iters)(*args)
-        return statistics.median(times), "cupti"
+    try:  # in chunks: at G=256 ten iterations' outputs alone would not fit
+        return statistics.median(measure.cupti_kernel_ms(fn, *args, iters=iters)), "cupti"
     except Exception:  # CUPTI unavailable: synchronized wall clock per call
         times = []
         for _ in range(iters):

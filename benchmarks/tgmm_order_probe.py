@@ -43,11 +43,8 @@ TILE_COST, MASK_COST = 6.0, 1.5
 
 
 def cupti_ms(fn, args, iters):
-    from jax.experimental.mosaic.gpu import profiler
-
     jax.block_until_ready(fn(*args))
-    _, times = profiler.measure(fn, iterations=iters)(*args)
-    return statistics.median(times)
+    return statistics.median(measure.cupti_kernel_ms(fn, *args, iters=iters))
 
 
 def timed(fn, args, iters):

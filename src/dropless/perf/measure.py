@@ -180,6 +180,52 @@ def time_fn(fn, *args, warmup: int = 2, iters: int = 10, reps: int | None = None
             "max_ms": max(samples), "iters": iters, "reps": reps, "samples_ms": samples}
 
 
+# CUPTI's measure holds every iteration's outputs until it returns; this bounds them.
+CUPTI_LIVE_BYTES = 16 * 2**30
+
+
+def cupti_kernel_ms(fn, *args, iters: int = 10, max_live_bytes: int = CUPTI_LIVE_BYTES) -> list:
+    """Per-call device kernel time of ``fn(*args)`` in milliseconds, from CUPTI (the sum
+    of the kernels one call launches; ``jax.experimental.mosaic.gpu.profiler``).
+
+    The profiler runs its iterations back to back and keeps all their outputs alive
+    until it returns, so at [256, 7168, 2048] (a 7.5 GB gradient) ten iterations ask
+    for 75 GB on top of the operands; JAX's allocator then waits instead of failing.
+    Here the iterations run in chunks whose outputs together stay under
+    ``max_live_bytes`` (at least one call per chunk), so small outputs keep one
+    back-to-back chunk as before. No warm-up: call ``fn`` once first.
+
+    Returns:
+      ``iters`` per-call times (take the median).
+
+    Raises:
+      ValueError: ``iters`` < 1.
+      RuntimeError: the default backend is not a GPU. (Off the GPU the profiler
+        still runs the function and tries to start CUPTI; on a CPU host a
+        Pallas interpret-mode kernel run after that attempt never finished.)
+      Whatever the profiler raises where CUPTI is unavailable.
+    """
+    import jax
+
+    if iters < 1:
+        raise ValueError(f"{iters=} must be >= 1")
+    if jax.default_backend() != "gpu":
+        raise RuntimeError(f"CUPTI times GPU kernels; the backend is {jax.default_backend()}")
+    from jax.experimental.mosaic.gpu import profiler
+
+    out_bytes = sum(a.size * a.dtype.itemsize
+                    for a in jax.tree.leaves(jax.eval_shape(fn, *args)))
+    chunk = int(max(1, min(iters, max_live_bytes // max(out_bytes, 1))))
+    times = []
+    while len(times) < iters:
+        n = min(chunk, iters - len(times))
+        _, t = profiler.measure(fn, iterations=n)(*args)
+        if t is None:
+            raise RuntimeError("CUPTI timed no kernel launch of the function")
+        times.extend([t] if n == 1 else t)
+    return times
+
+
 def profile_calls(fn, *args, calls: int = 3, log_dir: str | os.PathLike | None = None):
     """Kernel-time breakdown of ``calls`` calls of ``fn(*args)``, each traced as one step.
 
