@@ -15,6 +15,7 @@ shift
 specs=("$@")
 [ ${#specs[@]} -gt 0 ] || specs=(fwd:rows_gtw8:gmm_fp8 wgrad:wgrad_rows_overlap_sorted:tgmm_fp8)
 ncu=$(command -v ncu || ls /usr/local/cuda*/bin/ncu 2>/dev/null | head -1)
+pages=()
 probe="python3 benchmarks/fp8_kernel_probe.py"
 for spec in "${specs[@]}"; do
   IFS=: read -r product variant kernel <<<"$spec"
@@ -30,6 +31,7 @@ for spec in "${specs[@]}"; do
     >"$out/ncu-$variant.log" 2>&1
   echo "   exit $?"
   "$ncu" -i "$out/ncu-$variant.ncu-rep" --page raw >"$out/ncu-$variant.txt" 2>&1
+  pages+=("$product-$variant=$out/ncu-$variant.txt")
   "$ncu" -i "$out/ncu-$variant.ncu-rep" --page source --print-source sass --csv \
     >"$out/ncu-source-$variant.csv" 2>&1
   echo "   source page: $(wc -l <"$out/ncu-source-$variant.csv") lines"
@@ -38,3 +40,7 @@ for spec in "${specs[@]}"; do
   grep -E "inst_executed_op_ffma|inst_executed_op_fmul|inst_executed_op_fadd|smsp__inst_executed.sum |pipe_tensor.*pct|issue_active.avg.pct" \
     "$out/ncu-$variant.txt" | head -20
 done
+# The quoted figures as a results record (GPU, jax version, commit), in the parent of
+# OUT_DIR: the folder the device tool brings back.
+python3 benchmarks/ncu_summary.py --out "$(dirname "$out")" \
+  --config "fp8_kernel_probe.py --once (its default shape), ncu --set full" "${pages[@]}"
