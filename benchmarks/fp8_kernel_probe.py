@@ -105,7 +105,8 @@ def operands(m, g, k, n, sizes):
 
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--shape", default="65536,32,7168,4096", help="M,G,K,N")
+    p.add_argument("--shape", help="M,G,K,N (default: DeepSeek-V3's gate/up expert GEMM at "
+                   "expert parallelism 8, from its preset, as gmm.py reads it: 65536,32,7168,4096)")
     p.add_argument("--layout", default="balanced", help="group sizes: one of gmm.py's LAYOUTS")
     p.add_argument("--iters", type=int, default=10)
     p.add_argument("--variants", default=",".join(VARIANTS), help="fwd/dgrad; empty: none")
@@ -115,11 +116,12 @@ def main(argv=None):
     p.add_argument("--product", default="fwd", choices=["fwd", "dgrad", "wgrad"])
     p.add_argument("--out", default=str(measure.DEFAULT_RESULTS_DIR))
     a = p.parse_args(argv)
+    gmm = load_module("gmm", BENCH_DIR)
     try:
-        m, g, k, n = map(int, a.shape.split(","))
+        m, g, k, n = (map(int, a.shape.split(",")) if a.shape
+                      else gmm.preset_expert_shapes("deepseek3-671b", ep=8)[0])
     except ValueError:
         p.error(f"--shape {a.shape}: expected M,G,K,N")
-    gmm = load_module("gmm", BENCH_DIR)
     if a.layout not in gmm.LAYOUTS:
         p.error(f"unknown --layout {a.layout}; known: {', '.join(gmm.LAYOUTS)}")
     names = [v for v in a.variants.split(",") if v]

@@ -155,25 +155,14 @@ def time_jax(fn, args, iters):
     try:  # in chunks: at G=256 ten iterations' outputs alone would not fit
         return statistics.median(measure.cupti_kernel_ms(fn, *args, iters=iters)), "cupti"
     except Exception:  # CUPTI unavailable: synchronized wall clock per call
-        times = []
-        for _ in range(iters):
-            t0 = time.perf_counter()
-            jax.block_until_ready(fn(*args))
-            times.append((time.perf_counter() - t0) * 1e3)
-        return statistics.median(times), "wallclock"
+        return wall_clock_ms(fn, args, iters), "wallclock"
 
 
 def wall_clock_ms(fn, args, iters):
     """Median wall-clock time (ms) of one jitted call of fn(*args), each waited for
     (``block_until_ready``), back to back after a warm-up: what a step pays for the
     call, launch gaps and any schedule or layout kernels included."""
-    jax.block_until_ready(fn(*args))
-    times = []
-    for _ in range(iters):
-        t0 = time.perf_counter()
-        jax.block_until_ready(fn(*args))
-        times.append((time.perf_counter() - t0) * 1e3)
-    return statistics.median(times)
+    return measure.time_fn(fn, *args, warmup=1, iters=iters, reps=1)["median_ms"]
 
 
 def time_torch(fn, iters):
