@@ -453,11 +453,10 @@ _kgmm.defvjp(_kgmm_fwd, _kgmm_bwd)
 
 
 def _interpreting():
-    """True inside ``plgpu.force_gpu_interpret_mode`` (Pallas keeps it in this private flag)."""
-    from jax._src import config as jax_config
+    """True inside ``plgpu.force_gpu_interpret_mode``."""
+    from dropless.ops.gmm import mosaic_fp8
 
-    flag = getattr(jax_config, "pallas_tpu_interpret_mode_context_manager", None)
-    return flag is not None and flag.value is not None
+    return mosaic_fp8.interpreting()
 
 
 def gmm(x, w, group_sizes, *, recipe="te_no_quant", backend="auto", out_dtype=None,
