@@ -62,9 +62,6 @@ VARIANTS = {
     "cols_gtw1_overlap": dict(split="columns", grid_tile_width=1, overlap=True),
     # each CTA's tile pipelines chained: the next tile's loads start before this one ends
     "rows_gtw8_chain": dict(split="rows", grid_tile_width=8, chain=True),
-    # overlap with a fence after the wgmma: ptxas keeps the step's wgmmas together
-    "rows_gtw8_overlap_fenced": dict(split="rows", grid_tile_width=8, overlap=True,
-                                     fence_wgmma=True),
 }
 # name -> keyword arguments of tgmm_fp8_blockwise; the first, the kernel's default
 # (what training runs), is the reference of the bitwise check. overlap: promotion
@@ -75,11 +72,6 @@ WGRAD_VARIANTS = {
     # the promotion deferred whole into the next step: 2 float32 ops per element, not 3
     "wgrad_rows_overlap_sorted_deferred": dict(split="rows", overlap=True,
                                                tile_order="sorted_snake", defer_scale=True),
-    # a fence after the wgmma: ptxas keeps the step's wgmmas together (wgmma_then_fence)
-    "wgrad_rows_overlap_sorted_fenced": dict(split="rows", overlap=True,
-                                             tile_order="sorted_snake", fence_wgmma=True),
-    "wgrad_rows_overlap_sorted_deferred_fenced": dict(
-        split="rows", overlap=True, tile_order="sorted_snake", defer_scale=True, fence_wgmma=True),
     "wgrad_rows_overlap": dict(split="rows", overlap=True, tile_order="groups"),
     "wgrad_rows": dict(split="rows", overlap=False, tile_order="groups"),
     "wgrad_columns_overlap": dict(split="columns", overlap=True, tile_order="groups"),

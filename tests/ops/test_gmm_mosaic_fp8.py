@@ -144,20 +144,6 @@ def test_fwd_dgrad_chain_lowers_for_cuda_at_deepseek_shapes(kind, k_n):
     assert "mosaic_gpu" in exported.mlir_module()
 
 
-@pytest.mark.parametrize("kind", ["fwd", "wgrad", "wgrad_rows_deferred"])
-def test_fence_wgmma_lowers_for_cuda_with_its_fence(kind):
-    """``fence_wgmma=True`` puts one ``fence.acq_rel.cta`` after each overlapped step's
-    wgmma (``mosaic_fp8.wgmma_then_fence``) into the kernel it lowers for CUDA; the
-    default kernels carry none."""
-    fn, args = _lowering_args(kind, 65536, 7168, 4096, 32)
-    overlap = dict(overlap=True) if kind == "fwd" else {}
-    for fence in (False, True):
-        exported = jax.export.export(jax.jit(lambda *a: fn(*a, sms=132, fence_wgmma=fence,
-                                                           **overlap)),
-                                     platforms=["cuda"])(*args)
-        assert ("fence.acq_rel.cta" in exported.mlir_module()) == fence
-
-
 def test_wgrad_tile_orders_lower_for_cuda_at_a_qwen3_shape():
     """Both tile orders lower in the FP8 wgrad kernel at Qwen3-30B's G=128 (fewer tiles
     per group than SMs: where the order matters), as training runs it (defaults, bf16
@@ -389,20 +375,6 @@ def test_interpret_wgrad_defer_scale_equals_the_plain_step_bit_for_bit(rng, spli
     np.testing.assert_array_equal(np.asarray(dw), np.asarray(want))
     with pytest.raises(ValueError, match="defer_scale=True needs overlap=True"):
         run(overlap=False, defer_scale=True)
-
-
-def test_interpret_fence_wgmma_is_left_out(rng):
-    """Interpret mode runs no PTX: ``fence_wgmma=True`` leaves its fence out there (the
-    interpreter refuses inline Mosaic GPU code) and computes the same bits."""
-    m, sizes = 512, [256, 0, 128]
-    gs = jnp.asarray(np.array(sizes, np.int32))
-    x = _nan_tail(_scaled(rng, (m, 128), (0, 1)), sum(sizes))
-    dy = _nan_tail(_scaled(rng, (m, 256), (0, 1)), sum(sizes))
-    ops = mosaic_fp8_tgmm.wgrad_operands(x, dy)
-    with _interpret():
-        fenced = mosaic_fp8_tgmm.tgmm_fp8_blockwise(*ops, gs, sms=2, fence_wgmma=True)
-        plain = mosaic_fp8_tgmm.tgmm_fp8_blockwise(*ops, gs, sms=2)
-    np.testing.assert_array_equal(np.asarray(fenced), np.asarray(plain))
 
 
 def test_interpret_wgrad_tile_orders_agree_bit_for_bit(rng):
@@ -652,32 +624,6 @@ def test_gpu_wgrad_defer_scale_equals_the_plain_step_bit_for_bit(rng):
     x, dy = _dequantized_wgrad_operands(*ops)
     total = sum(WGRAD_SIZES)
     np.testing.assert_array_equal(_run_wgrad(ops, gs, defer_scale=True),
-                                  fp8_acc.tgmm(x[:total], dy[:total], WGRAD_SIZES))
-
-
-@gpu_test
-@pytest.mark.parametrize("product", ["fwd", "dgrad", "wgrad", "wgrad_deferred"])
-def test_gpu_fence_wgmma_equals_the_plain_step_bit_for_bit(rng, product):
-    """``fence_wgmma=True`` on the hardware: the fence after each overlapped step's
-    wgmma changes where ptxas schedules the promotion, not what it computes, so the
-    overlapped kernel's bits (the plain step's: ``overlap`` tests above) on random
-    data, ragged groups and a NaN tail; and the exact product on integer-exact data."""
-    make = lambda r, s: _scaled(r, s, (0, 1) if len(s) == 2 else (1, 2))  # noqa: E731
-    if product in ("fwd", "dgrad"):
-        for data in (make, _integer_exact):
-            fwd_ops, dgrad_ops, gs, _ = _fwd_dgrad_inputs(rng, data)
-            ops = fwd_ops if product == "fwd" else dgrad_ops
-            np.testing.assert_array_equal(
-                _run_fwd_like(ops, gs, overlap=True, fence_wgmma=True),
-                _run_fwd_like(ops, gs, overlap=False))
-        return
-    kw = dict(fence_wgmma=True, defer_scale=product == "wgrad_deferred")
-    ops, gs = _wgrad_inputs(rng, make)
-    np.testing.assert_array_equal(_run_wgrad(ops, gs, **kw), _run_wgrad(ops, gs, overlap=False))
-    ops, gs = _wgrad_inputs(rng, _integer_exact)
-    x, dy = _dequantized_wgrad_operands(*ops)
-    total = sum(WGRAD_SIZES)
-    np.testing.assert_array_equal(_run_wgrad(ops, gs, **kw),
                                   fp8_acc.tgmm(x[:total], dy[:total], WGRAD_SIZES))
 
 

@@ -110,7 +110,6 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
-from jax.experimental.mosaic.gpu import utils as mgpu_utils
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from dropless.ops import quant
@@ -131,40 +130,6 @@ def _swizzle_transforms(minor_elems, dtype):
     swizzle = plgpu.find_swizzle(minor_elems * jnp.dtype(dtype).itemsize * 8)
     swizzle_elems = swizzle // jnp.dtype(dtype).itemsize
     return (plgpu.TilingTransform((8, swizzle_elems)), plgpu.SwizzleTransform(swizzle))
-
-
-def interpreting():
-    """True inside ``plgpu.force_gpu_interpret_mode`` (Pallas keeps it in this private flag)."""
-    from jax._src import config as jax_config
-
-    flag = getattr(jax_config, "pallas_tpu_interpret_mode_context_manager", None)
-    return flag is not None and flag.value is not None
-
-
-@plgpu.inline_mgpu()
-def _fence_acq_rel_cta(ctx):
-    del ctx
-    mgpu_utils.inline_ptx("fence.acq_rel.cta;")
-
-
-def wgmma_then_fence(acc_ref, lhs, rhs, fence):
-    """Issue a step's wgmma; with ``fence``, follow it with ``fence.acq_rel.cta``.
-
-    ptxas moves no instruction across that fence. Without it, in a step that
-    overlaps float32 work with its wgmma, ptxas schedules that work, which does
-    not depend on the wgmma, between the step's four k32 wgmma instructions: in
-    the wgrad kernel's overlap it put 108 and 60 instructions after the first and
-    the second (ptxas 13.0, sm_90a; the same placement Nsight Compute sampled on
-    the H200, ``notes/fp8.md``), so the tensor cores waited for the rest of the
-    step's wgmmas. With the fence the four issue back to back (``fence.proxy.async``
-    and ``bar.sync`` there do not do it). The fence also waits for this thread's
-    earlier memory loads, so the callers issue a step's loads after it. Left out in
-    Pallas interpret mode: the interpreter runs no PTX, and there is no ptxas to
-    constrain.
-    """
-    plgpu.wgmma(acc_ref, lhs, rhs)
-    if fence and not interpreting():
-        _fence_acq_rel_cta()
 
 
 def check_shapes(aq_MC, sa, bq_GOC, sb, group_sizes_G):
@@ -191,16 +156,14 @@ def check_shapes(aq_MC, sa, bq_GOC, sb, group_sizes_G):
 
 def gmm_fp8_blockwise(aq_MC, sa, bq_GOC, sb, group_sizes_G, *, out_dtype=jnp.bfloat16,
                       num_stages=4, grid_tile_width=8, sms=None, split="rows", overlap=False,
-                      chain=False, fence_wgmma=False):
+                      chain=False):
     """y [M, O] = per-group blockwise-scaled a . b[g]^T; see the module docstring.
 
     Rows past ``sum(group_sizes)`` come out as zeros. ``split`` (``SPLITS``),
     ``grid_tile_width`` (the tile walk sweeps the column bands over this many
     row tiles at a time), ``num_stages``, ``overlap`` (promote each step's
-    product during the next step's wgmma), ``fence_wgmma`` (with ``overlap``: keep
-    ptxas from scheduling that promotion between the step's wgmma instructions,
-    ``wgmma_then_fence``; experimental) and ``chain`` change how the kernel runs,
-    not its bits.
+    product during the next step's wgmma) and ``chain`` change how the kernel
+    runs, not its bits.
 
     ``chain`` (experimental, not yet timed on a GPU): each CTA's tile pipelines
     run as one chain (``emit_pipeline_warp_specialized``'s ``pipeline_state``), so
@@ -349,20 +312,20 @@ def gmm_fp8_blockwise(aq_MC, sa, bq_GOC, sb, group_sizes_G, *, out_dtype=jnp.bfl
                     # scale, promoted here while this step's wgmma runs (module docstring).
                     (kk,) = idx
                     total, pending, pending_scale, w_scale = carry
+                    next_scale = next_weight_scale(kk)
                     lhs, rhs, rows = operands(a_smem, b_smem, sa_smem)
 
                     def c_step(acc_ref):
-                        wgmma_then_fence(acc_ref, lhs, rhs, fence_wgmma)
-                        # While the tensor cores run: the loads (after the fence, which
-                        # would wait for them), this step's scale, then the previous
-                        # step's promotion, the plain step's expression.
-                        next_scale = next_weight_scale(kk)
+                        plgpu.wgmma(acc_ref, lhs, rhs)
+                        # While the tensor cores run: this step's scale, then the
+                        # previous step's promotion, the plain step's expression.
                         step_scale = load_row_scale(rows) * w_scale
                         total_next = total + pending * by_row(pending_scale)
                         plgpu.wgmma_wait(0)
-                        return total_next, acc_ref[...], step_scale, next_scale
+                        return total_next, acc_ref[...], step_scale
 
-                    return pl.run_scoped(c_step, plgpu.ACC((bm, bo), jnp.float32))
+                    part_carry = pl.run_scoped(c_step, plgpu.ACC((bm, bo), jnp.float32))
+                    return (*part_carry, next_scale)
 
                 def run(state):
                     make_pipeline(mma_body_overlap if overlap else mma_body, compute_context,

@@ -104,8 +104,7 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 from dropless.ops import quant
 from dropless.ops.gmm import reference as ref_backend
 from dropless.ops.gmm import schedule as schedule_lib
-from dropless.ops.gmm.mosaic_fp8 import (BLOCK, _MEMORY_REGISTERS, _swizzle_transforms,
-                                         wgmma_then_fence)
+from dropless.ops.gmm.mosaic_fp8 import BLOCK, _MEMORY_REGISTERS, _swizzle_transforms
 from dropless.ops.gmm.mosaic_gmm import persistent_kernel, tile_order_operands, walk_tiles
 from dropless.ops.gmm.mosaic_tgmm import _store_tile
 
@@ -144,15 +143,12 @@ def check_shapes(xq_KM, sx, dyq_NM, sdy, group_sizes_G):
 
 def tgmm_fp8_blockwise(xq_KM, sx, dyq_NM, sdy, group_sizes_G, *, out_dtype=jnp.float32,
                        num_stages=4, sms=None, split="rows", overlap=True, tile_order="sorted_snake",
-                       defer_scale=False, fence_wgmma=False):
+                       defer_scale=False):
     """dw [G, K, N] = per-group blockwise-scaled x^T dy; zeros for empty groups.
 
     See the module docstring for the operand layouts. ``split`` (``SPLITS``),
     ``overlap`` (promote each step's product during the next step's wgmma),
-    ``defer_scale`` (with ``overlap``: scale it there too, module docstring),
-    ``fence_wgmma`` (with ``overlap``: keep ptxas from scheduling that promotion
-    between the step's wgmma instructions, ``mosaic_fp8.wgmma_then_fence``;
-    experimental) and
+    ``defer_scale`` (with ``overlap``: scale it there too, module docstring) and
     ``tile_order`` (``mosaic_gmm.TILE_ORDERS``: which CTA computes which output
     tile, ``mosaic_gmm.walk_tiles``) change how the kernel runs, not its bits;
     the split and overlap defaults had the shortest kernel time on the H200
@@ -292,7 +288,7 @@ def tgmm_fp8_blockwise(xq_KM, sx, dyq_NM, sdy, group_sizes_G, *, out_dtype=jnp.f
                     lhs, rhs, rows, cols = operands(x_smem, dy_smem, sx_smem, sdy_smem)
 
                     def m_step(acc_ref):
-                        wgmma_then_fence(acc_ref, lhs, rhs, fence_wgmma)
+                        plgpu.wgmma(acc_ref, lhs, rhs)
                         # While the tensor cores run: the previous step's add, then
                         # this step's scale (loaded after the add: fewer live registers).
                         total_next = total + pending
@@ -309,7 +305,7 @@ def tgmm_fp8_blockwise(xq_KM, sx, dyq_NM, sdy, group_sizes_G, *, out_dtype=jnp.f
                     lhs, rhs, rows, cols = operands(x_smem, dy_smem, sx_smem, sdy_smem)
 
                     def m_step(acc_ref):
-                        wgmma_then_fence(acc_ref, lhs, rhs, fence_wgmma)
+                        plgpu.wgmma(acc_ref, lhs, rhs)
                         # The promotion first (it frees the pending product and its
                         # scales), then this step's scale vectors.
                         total_next = total + pending * outer(pending_rows, pending_cols)
