@@ -110,8 +110,7 @@ def _lowering_args(kind, m, k, n, g):
 WGRAD_KINDS = {"wgrad": dict(out_dtype=jnp.bfloat16),
                **{f"wgrad_{split}_{'overlap' if overlap else 'wait'}": dict(split=split,
                                                                             overlap=overlap)
-                  for split in mosaic_fp8_tgmm.SPLITS for overlap in (False, True)},
-               "wgrad_rows_deferred": dict(split="rows", defer_scale=True)}
+                  for split in mosaic_fp8_tgmm.SPLITS for overlap in (False, True)}}
 
 
 @pytest.mark.parametrize("kind", ["fwd", "dgrad", *WGRAD_KINDS])
@@ -353,30 +352,6 @@ def test_interpret_wgrad_matches_dequantized_product(rng, layout, split, overlap
             _assert_close(dw[e], ref[e])
 
 
-@pytest.mark.parametrize("split", mosaic_fp8_tgmm.SPLITS)
-def test_interpret_wgrad_defer_scale_equals_the_plain_step_bit_for_bit(rng, split):
-    """``defer_scale=True`` carries each step's unscaled product and its two scale
-    vectors to the next step and promotes there: the same products, scaled exactly
-    by powers of two, summed in the same order, so the plain step's bits (race
-    detector on; a group of three steps carries through a whole step, a group of
-    one goes straight to the compute context). Without ``overlap`` it is refused."""
-    m, sizes = WGRAD_LAYOUTS["several_empty_tail"]
-    k, n = 256, 512 if split == "columns" else 256
-    gs = jnp.asarray(np.array(sizes, np.int32))
-    x = _nan_tail(_scaled(rng, (m, k), (0, 1)), sum(sizes))
-    dy = _nan_tail(_scaled(rng, (m, n), (0, 1)), sum(sizes))
-    ops = mosaic_fp8_tgmm.wgrad_operands(x, dy)
-    run = functools.partial(mosaic_fp8_tgmm.tgmm_fp8_blockwise, *ops, gs, split=split)
-    with _interpret(detect_races=True):
-        dw = run(defer_scale=True).block_until_ready()
-    assert not _races_found()
-    with _interpret():
-        want = run(overlap=False)
-    np.testing.assert_array_equal(np.asarray(dw), np.asarray(want))
-    with pytest.raises(ValueError, match="defer_scale=True needs overlap=True"):
-        run(overlap=False, defer_scale=True)
-
-
 def test_interpret_wgrad_tile_orders_agree_bit_for_bit(rng):
     """Each output tile is computed whole by one CTA in the same steps whatever the
     order, so "sorted_snake" must equal "groups" exactly. 3 CTAs over 7 groups x 2
@@ -608,23 +583,6 @@ def _run_wgrad(ops, gs, **kw):
 WGRAD_CONFIGS = pytest.mark.parametrize(
     "split,overlap", [(s_, o_) for s_ in mosaic_fp8_tgmm.SPLITS for o_ in (True, False)],
     ids=lambda v: v if isinstance(v, str) else ("overlap" if v else "wait"))
-
-
-@gpu_test
-def test_gpu_wgrad_defer_scale_equals_the_plain_step_bit_for_bit(rng):
-    """On the hardware the deferred promotion is one fused multiply-add per element
-    where the plain step multiplies and adds; the scaling is exact (powers of two),
-    so the bits must agree on random data, ragged groups and a NaN tail, and on
-    integer-exact data both equal the exact product."""
-    make = lambda r, s: _scaled(r, s, (0, 1))  # noqa: E731
-    ops, gs = _wgrad_inputs(rng, make)
-    np.testing.assert_array_equal(_run_wgrad(ops, gs, defer_scale=True),
-                                  _run_wgrad(ops, gs, overlap=False))
-    ops, gs = _wgrad_inputs(rng, _integer_exact)
-    x, dy = _dequantized_wgrad_operands(*ops)
-    total = sum(WGRAD_SIZES)
-    np.testing.assert_array_equal(_run_wgrad(ops, gs, defer_scale=True),
-                                  fp8_acc.tgmm(x[:total], dy[:total], WGRAD_SIZES))
 
 
 @gpu_test

@@ -79,18 +79,6 @@ then the scale outer product 64 once the pending product is spent (the
 scale vectors 34 while it forms); the multiply after the wait is not
 overlapped (64 of the 192 per-step float32 operations per thread). ptxas
 gave the overlap kernel 168 registers, no spills (H200, 2026-12-02).
-
-``defer_scale=True`` (with ``overlap``; experimental, off by default): that
-multiply-add is three float32 operations per element (the outer product,
-the multiply after the wait, the add in the next step; read off the PTX and
-Nsight Compute on the H200, 2026-12-03, ``notes/fp8.md``). Here each step
-instead carries its product unscaled with its two scale vectors, and the
-next step evaluates ``total + pending * outer(rows, cols)`` while its wgmma
-runs: the outer product and one fused multiply-add, two operations, all
-overlapped. The same registers at the peak (sum, pending product and
-accumulator, plus the 34 scale registers while they are live), and the same
-bits: ``pending * scale`` is exact as above, so the fused multiply-add
-rounds once where the multiply and add did.
 """
 
 import functools
@@ -142,13 +130,11 @@ def check_shapes(xq_KM, sx, dyq_NM, sdy, group_sizes_G):
 
 
 def tgmm_fp8_blockwise(xq_KM, sx, dyq_NM, sdy, group_sizes_G, *, out_dtype=jnp.float32,
-                       num_stages=4, sms=None, split="rows", overlap=True, tile_order="sorted_snake",
-                       defer_scale=False):
+                       num_stages=4, sms=None, split="rows", overlap=True, tile_order="sorted_snake"):
     """dw [G, K, N] = per-group blockwise-scaled x^T dy; zeros for empty groups.
 
     See the module docstring for the operand layouts. ``split`` (``SPLITS``),
-    ``overlap`` (promote each step's product during the next step's wgmma),
-    ``defer_scale`` (with ``overlap``: scale it there too, module docstring) and
+    ``overlap`` (promote each step's product during the next step's wgmma) and
     ``tile_order`` (``mosaic_gmm.TILE_ORDERS``: which CTA computes which output
     tile, ``mosaic_gmm.walk_tiles``) change how the kernel runs, not its bits;
     the split and overlap defaults had the shortest kernel time on the H200
@@ -160,12 +146,9 @@ def tgmm_fp8_blockwise(xq_KM, sx, dyq_NM, sdy, group_sizes_G, *, out_dtype=jnp.f
 
     Raises:
       ValueError: shapes or dtypes the kernel cannot take (``check_shapes``), an
-        unknown ``split`` or ``tile_order``, ``defer_scale`` without ``overlap``.
+        unknown ``split`` or ``tile_order``.
     """
     m, k, n = check_shapes(xq_KM, sx, dyq_NM, sdy, group_sizes_G)
-    if defer_scale and not overlap:
-        raise ValueError("mosaic fp8 tgmm: defer_scale=True needs overlap=True (it defers "
-                         "the scaling into the next step's overlap)")
     num_groups = group_sizes_G.shape[0]
     out_dtype = jnp.dtype(out_dtype)
     num_stages = num_stages if out_dtype.itemsize <= 2 else min(num_stages, 3)
@@ -233,15 +216,7 @@ def tgmm_fp8_blockwise(xq_KM, sx, dyq_NM, sdy, group_sizes_G, *, out_dtype=jnp.f
                                                   plgpu.Layout.WGMMA)
 
                 def compute_context(eval_pipeline):
-                    if defer_scale:  # the last step's product and scales are still pending
-                        no_rows = plgpu.layout_cast(jnp.zeros((bk,), jnp.float32),
-                                                    plgpu.Layout.WGMMA.reduce(1))
-                        no_cols = plgpu.layout_cast(jnp.zeros((bn,), jnp.float32),
-                                                    plgpu.Layout.WGMMA.reduce(0))
-                        total, pending, rows, cols = eval_pipeline(
-                            (zeros(), zeros(), no_rows, no_cols))
-                        total = total + pending * outer(rows, cols)
-                    elif overlap:  # the last step's product is still pending
+                    if overlap:  # the last step's product is still pending
                         total, pending = eval_pipeline((zeros(), zeros()))
                         total = total + pending
                     else:
@@ -298,31 +273,13 @@ def tgmm_fp8_blockwise(xq_KM, sx, dyq_NM, sdy, group_sizes_G, *, out_dtype=jnp.f
 
                     return pl.run_scoped(m_step, plgpu.ACC((bk, bn), jnp.float32))
 
-                def mma_body_deferred(_, x_smem, dy_smem, sx_smem, sdy_smem, carry):
-                    # carry: the running sum, the previous step's unscaled product and
-                    # its scale vectors, promoted here while this step's wgmma runs.
-                    total, pending, pending_rows, pending_cols = carry
-                    lhs, rhs, rows, cols = operands(x_smem, dy_smem, sx_smem, sdy_smem)
-
-                    def m_step(acc_ref):
-                        plgpu.wgmma(acc_ref, lhs, rhs)
-                        # The promotion first (it frees the pending product and its
-                        # scales), then this step's scale vectors.
-                        total_next = total + pending * outer(pending_rows, pending_cols)
-                        row_scale, col_scale = load_scale(rows, cols)
-                        plgpu.wgmma_wait(0)
-                        return total_next, acc_ref[...], row_scale, col_scale
-
-                    return pl.run_scoped(m_step, plgpu.ACC((bk, bn), jnp.float32))
-
                 @pl.when(steps > 0)
                 def _contract():
                     # Views may run past M (and Mb): TMA zero-fills, and the
                     # step count stops at the group's last block.
                     cols = pl.ds(first_block * bm, m)
                     blocks = pl.ds(first_block, mb)
-                    step_body = (mma_body_deferred if defer_scale
-                                 else mma_body_overlap if overlap else mma_body)
+                    step_body = mma_body_overlap if overlap else mma_body
                     make_pipeline(step_body, compute_context, steps)(
                         x_gmem.at[pl.ds(k_tile * cta_k, cta_k), cols],
                         dy_gmem.at[pl.ds(band * cta_n, cta_n), cols],
