@@ -649,6 +649,7 @@ def main():
         "jax": jax.__version__, "jaxlib": _jaxlib_version(),
         "torch": getattr(torch, "__version__", None), "commit": args.commit,
         "shape_set": args.shape_set or ("custom" if args.shape else "deepseek"),
+        "shape_selection": args.shapes or None,  # --shapes: a subset of the set
         "dtype": "bfloat16", "iters": args.iters, "quick": args.quick,
         "timing": "jax: CUPTI kernel time (profiler.measure), median; torch: do_bench median",
         "flops": "2 * sum(group_sizes) * K * N per product; x3 for fwd+dgrad+wgrad",

@@ -586,6 +586,25 @@ def test_gmm_shape_sets_render_side_by_side(tmp_path):
     assert (tmp_path / "figures" / "gmm_tflops_qwen3-30b.png").exists()
 
 
+def test_gmm_run_of_some_shapes_keeps_the_whole_set(tmp_path):
+    """A newer run of one shape of the set (``gmm.py --shapes 2``, G=256) renders as its
+    own table and leaves the set's newest whole run in place."""
+    d = tmp_path / "r"
+    d.mkdir()
+    g256 = gmm_record(ours_fwd=656.0)
+    g256.update(date="2026-12-03T10:43:01", shape_set="deepseek", shape_selection="2")
+    g256["results"][0].update(G=256)
+    (d / "gmm-a.json").write_text(json.dumps(gmm_record()))
+    (d / "gmm-b.json").write_text(json.dumps(g256))
+    newest = report.newest_records(d, log=lambda _: None)
+    assert {k: p.name for k, (_, p) in newest.items()} == {
+        "gmm:deepseek": "gmm-a.json", "gmm:deepseek-shapes2": "gmm-b.json"}
+    text = report.render(d, tmp_path / "R.md", log=lambda _: None).read_text()
+    whole, part = text.index("### Shapes: deepseek\n"), text.index("### Shapes: deepseek-shapes2")
+    assert whole < part
+    assert "| 600.0 |" in text[whole:part] and "| 656.0 |" in text[part:]
+
+
 def test_fp8_kernels_sweeps_at_other_shapes_are_their_own_variant(tmp_path):
     """A wgrad sweep at another shape or layout (a Qwen3 skewed one) does not replace the
     DeepSeek balanced sweep: each renders under its own title; the other shape's rows and

@@ -67,8 +67,16 @@ DEFAULT_MD = REPO_ROOT / "benchmarks" / "RESULTS.md"
 KINDS = ("gmm", "moe_layer", "step", "fp8_kernels", "fp8_quant", "profile", "fp8_dense",
          "fp8_loss")  # fp8_loss: a headline, no section
 # Kinds whose newest record is kept per variant (key "<kind>:<variant>"), rendered together.
+def gmm_variant(record: dict) -> str:
+    """The record's shape set (``gmm.py --shape-set``); a run of some of its shapes
+    (``--shapes 2``) renders as its own table, not in place of the set's whole run."""
+    name = record.get("shape_set") or "deepseek"
+    selection = record.get("shape_selection")
+    return f"{name}-shapes{str(selection).replace(',', '-')}" if selection else name
+
+
 VARIANTS = {"profile": profile_precision, "step": step_variant, "fp8_kernels": fp8_kernels_variant,
-            "gmm": lambda record: record.get("shape_set") or "deepseek"}
+            "gmm": gmm_variant}
 GMM_IMPLS = {"ours": "ours", "dense": "dense cuBLAS (ceiling)", "torch": "torch._grouped_mm",
              "jaxex": "jax example kernels", "ragged": "lax.ragged_dot"}
 GMM_OPS = ("fwd", "dgrad", "wgrad", "fwd+dgrad+wgrad")
