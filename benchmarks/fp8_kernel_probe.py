@@ -25,6 +25,9 @@ exits: the run to put under Nsight Compute
   # fwd and dgrad with each CTA's tile pipelines chained, at both DeepSeek-V3 expert shapes:
   PYTHONPATH=src python3 benchmarks/fp8_kernel_probe.py --wgrad-variants= \
       --variants rows_gtw8,rows_gtw8_chain --shape 65536,32,2048,7168
+  # wgrad with each CTA's tiles in one pipeline, at G=32 and at Qwen3-30B's G=128:
+  PYTHONPATH=src python3 benchmarks/fp8_kernel_probe.py --variants= \
+      --wgrad-variants wgrad_rows_overlap_sorted,wgrad_rows_overlap_sorted_chain
   # wgrad's tile orders under skew at a Qwen3-30B shape:
   PYTHONPATH=src python3 benchmarks/fp8_kernel_probe.py --variants= --shape 65536,128,768,2048 \
       --layout dirichlet0.3 --wgrad-variants wgrad_rows_overlap,wgrad_rows_overlap_sorted
@@ -66,6 +69,9 @@ VARIANTS = {
 # skewed group sizes (``mosaic_gmm.walk_tiles``).
 WGRAD_VARIANTS = {
     "wgrad_rows_overlap_sorted": dict(split="rows", overlap=True, tile_order="sorted_snake"),
+    # one pipeline over all of a CTA's tiles: the next tile's loads start before this one ends
+    "wgrad_rows_overlap_sorted_chain": dict(split="rows", overlap=True, tile_order="sorted_snake",
+                                            chain=True),
     "wgrad_rows_overlap": dict(split="rows", overlap=True, tile_order="groups"),
     "wgrad_rows": dict(split="rows", overlap=False, tile_order="groups"),
     "wgrad_columns_overlap": dict(split="columns", overlap=True, tile_order="groups"),

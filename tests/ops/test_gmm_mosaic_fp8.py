@@ -110,7 +110,8 @@ def _lowering_args(kind, m, k, n, g):
 WGRAD_KINDS = {"wgrad": dict(out_dtype=jnp.bfloat16),
                **{f"wgrad_{split}_{'overlap' if overlap else 'wait'}": dict(split=split,
                                                                             overlap=overlap)
-                  for split in mosaic_fp8_tgmm.SPLITS for overlap in (False, True)}}
+                  for split in mosaic_fp8_tgmm.SPLITS for overlap in (False, True)},
+               "wgrad_chain": dict(out_dtype=jnp.bfloat16, chain=True)}
 
 
 @pytest.mark.parametrize("kind", ["fwd", "dgrad", *WGRAD_KINDS])
@@ -352,6 +353,30 @@ def test_interpret_wgrad_matches_dequantized_product(rng, layout, split, overlap
             _assert_close(dw[e], ref[e])
 
 
+@pytest.mark.parametrize("order,overlap", [("sorted_snake", True), ("groups", False)])
+def test_interpret_wgrad_chain_equals_the_plain_kernel_bit_for_bit(rng, order, overlap):
+    """``chain=True``: one loop over all of a CTA's tiles' steps, slots and barrier
+    phases running on from tile to tile, so each tile gets the plain kernel's steps
+    in the same order: its bits (race detector on). 3 CTAs over 7 groups x 2 N
+    tiles: 5 rounds, the last partial (a CTA visits no tile there), empty groups
+    (zero stores with no steps), a NaN tail past the total, 3 stages over tiles of
+    1, 2 and 3 steps."""
+    m, sizes = 1024, [128, 0, 384, 0, 256, 128, 0]
+    gs = jnp.asarray(np.array(sizes, np.int32))
+    x = _nan_tail(_scaled(rng, (m, 256), (0, 1)), sum(sizes))
+    dy = _nan_tail(_scaled(rng, (m, 256), (0, 1)), sum(sizes))
+    ops = mosaic_fp8_tgmm.wgrad_operands(x, dy)
+    kw = dict(sms=3, num_stages=3, tile_order=order, overlap=overlap)
+    with _interpret(detect_races=True):
+        chained = mosaic_fp8_tgmm.tgmm_fp8_blockwise(*ops, gs, chain=True, **kw)
+        chained.block_until_ready()
+        assert not _races_found()
+    with _interpret():
+        plain = mosaic_fp8_tgmm.tgmm_fp8_blockwise(*ops, gs, **kw)
+    np.testing.assert_array_equal(np.asarray(chained), np.asarray(plain))
+    assert not np.isnan(np.asarray(chained)).any()
+
+
 def test_interpret_wgrad_tile_orders_agree_bit_for_bit(rng):
     """Each output tile is computed whole by one CTA in the same steps whatever the
     order, so "sorted_snake" must equal "groups" exactly. 3 CTAs over 7 groups x 2
@@ -583,6 +608,23 @@ def _run_wgrad(ops, gs, **kw):
 WGRAD_CONFIGS = pytest.mark.parametrize(
     "split,overlap", [(s_, o_) for s_ in mosaic_fp8_tgmm.SPLITS for o_ in (True, False)],
     ids=lambda v: v if isinstance(v, str) else ("overlap" if v else "wait"))
+
+
+@gpu_test
+def test_gpu_wgrad_chain_equals_the_plain_kernel_bit_for_bit(rng):
+    """``chain=True`` on the hardware (what interpret mode cannot show: the memory
+    warpgroup loading the next tile's steps while the compute warpgroups store, the
+    barriers' phases carried across tiles of 8, 0, 24, 1, 0 and 23 steps): the plain
+    kernel's bits on random data with a NaN tail, and the exact product on
+    integer-exact data."""
+    make = lambda r, s: _scaled(r, s, (0, 1))  # noqa: E731
+    ops, gs = _wgrad_inputs(rng, make)
+    np.testing.assert_array_equal(_run_wgrad(ops, gs, chain=True), _run_wgrad(ops, gs))
+    ops, gs = _wgrad_inputs(rng, _integer_exact)
+    x, dy = _dequantized_wgrad_operands(*ops)
+    total = sum(WGRAD_SIZES)
+    np.testing.assert_array_equal(_run_wgrad(ops, gs, chain=True),
+                                  fp8_acc.tgmm(x[:total], dy[:total], WGRAD_SIZES))
 
 
 @gpu_test

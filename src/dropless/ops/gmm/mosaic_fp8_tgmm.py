@@ -79,6 +79,25 @@ then the scale outer product 64 once the pending product is spent (the
 scale vectors 34 while it forms); the multiply after the wait is not
 overlapped (64 of the 192 per-step float32 operations per thread). ptxas
 gave the overlap kernel 168 registers, no spills (H200, 2026-12-02).
+
+``chain=True`` (experimental, not yet timed on a GPU): the default kernel runs
+one ``emit_pipeline_warp_specialized`` per output tile, so every tile starts
+with its pipeline empty (the compute warpgroups wait for the first TMA) and the
+memory warpgroup idles through the epilogue. On the H200 that cost about 1.2-1.6
+us per tile: wgrad ran at 827, 727 and 474 TF/s with 64, 16 and 4 steps per tile
+(G = 8, 32, 128 at M=65536 K=7168 N=4096; ``notes/fp8.md``), 11-14% of the
+kernel at G=32 and about 40% at G=128. jax's pipeline chaining
+(``pipeline_state``) needs a static step count that is a multiple of the
+stages; a group's step count is read on the device. So ``chain`` runs its own
+warp-specialised loop, as DeepGEMM does: both sides walk the CTA's tiles in the
+same order (``mosaic_gmm.walk_tiles_carry``) with a slot counter that runs on
+from one tile into the next; the memory warpgroup waits for a slot's
+``consumed`` barrier (both compute warpgroups arrive) and issues the step's four
+TMA copies on its ``loaded`` barrier, the compute warpgroups wait on
+``loaded``, run the same step bodies and arrive on ``consumed``. The memory
+warpgroup thus loads the next tile's first steps while the compute warpgroups
+promote and store the last. The same steps in the same order per tile, so the
+same bits.
 """
 
 import functools
@@ -93,10 +112,14 @@ from dropless.ops import quant
 from dropless.ops.gmm import reference as ref_backend
 from dropless.ops.gmm import schedule as schedule_lib
 from dropless.ops.gmm.mosaic_fp8 import BLOCK, _MEMORY_REGISTERS, _swizzle_transforms
-from dropless.ops.gmm.mosaic_gmm import persistent_kernel, tile_order_operands, walk_tiles
+from dropless.ops.gmm.mosaic_gmm import (persistent_kernel, tile_order_operands, walk_tiles,
+                                        walk_tiles_carry)
 from dropless.ops.gmm.mosaic_tgmm import _store_tile
 
 BLOCK_K = 64  # rows of dw per warpgroup (wgmma's M)
+# ``chain``'s compute warpgroups take what the memory warpgroup leaves of the 512 registers
+# per thread-slot, split in two and rounded down to 8 (as ``emit_pipeline_warp_specialized``).
+_COMPUTE_REGISTERS = (512 - _MEMORY_REGISTERS) // 2 // 8 * 8
 # How the two compute warpgroups share a CTA tile (as in ``mosaic_fp8``):
 # "columns", 64 (K) x 256 (N), both reading one x tile; "rows" (the default),
 # 128 (K) x 128 (N), each its 64 K rows, both reading one dy tile.
@@ -130,12 +153,14 @@ def check_shapes(xq_KM, sx, dyq_NM, sdy, group_sizes_G):
 
 
 def tgmm_fp8_blockwise(xq_KM, sx, dyq_NM, sdy, group_sizes_G, *, out_dtype=jnp.float32,
-                       num_stages=4, sms=None, split="rows", overlap=True, tile_order="sorted_snake"):
+                       num_stages=4, sms=None, split="rows", overlap=True, tile_order="sorted_snake",
+                       chain=False):
     """dw [G, K, N] = per-group blockwise-scaled x^T dy; zeros for empty groups.
 
     See the module docstring for the operand layouts. ``split`` (``SPLITS``),
-    ``overlap`` (promote each step's product during the next step's wgmma) and
-    ``tile_order`` (``mosaic_gmm.TILE_ORDERS``: which CTA computes which output
+    ``overlap`` (promote each step's product during the next step's wgmma),
+    ``chain`` (experimental: one pipeline over all of a CTA's tiles, module
+    docstring) and ``tile_order`` (``mosaic_gmm.TILE_ORDERS``: which CTA computes which output
     tile, ``mosaic_gmm.walk_tiles``) change how the kernel runs, not its bits;
     the split and overlap defaults had the shortest kernel time on the H200
     (module docstring). ``"sorted_snake"`` ranks groups by their 128-row steps;
@@ -183,6 +208,80 @@ def tgmm_fp8_blockwise(xq_KM, sx, dyq_NM, sdy, group_sizes_G, *, out_dtype=jnp.f
             compute_context=compute_context,
         )
 
+    def tile_steps(starts_ref, sizes_ref, g):
+        """(first 128-row block, step count) of group g's tiles; no steps if it is empty."""
+        start, size = starts_ref[g], sizes_ref[g]
+        first_block = start // bm
+        # schedule.tgmm_steps at block_m = bm: what "sorted_snake" ranks groups by.
+        return first_block, jnp.where(size > 0, (start + size + bm - 1) // bm - first_block, 0)
+
+    def tile_store(o_gmem, out_smem, wg, g, k_tile, band):
+        """Store this warpgroup's part of output tile (g, k_tile, band)."""
+        return functools.partial(
+            _store_tile, out_smem=out_smem, wg=wg, bk=bk, bn=bn,
+            dst=o_gmem.at[g, pl.ds(k_tile * cta_k + (wg * bk if by_rows else 0), bk),
+                          pl.ds(band * cta_n + (0 if by_rows else wg * bn), bn)],
+        )
+
+    def step_functions(wg):
+        """(step body, its initial carry, the carry's final sum) for warpgroup ``wg``."""
+        zeros = lambda: plgpu.layout_cast(jnp.zeros((bk, bn), jnp.float32),  # noqa: E731
+                                          plgpu.Layout.WGMMA)
+
+        def operands(x_smem, dy_smem, sx_smem, sdy_smem):
+            """This warpgroup's (lhs, rhs, row scales, column scales) refs."""
+            if by_rows:  # [M, N] views of M-major storage
+                return (x_smem.at[pl.ds(wg * bk, bk)], dy_smem.T,
+                        sx_smem.at[0, pl.ds(wg * bk, bk)], sdy_smem.at[0])
+            return (x_smem, dy_smem.at[pl.ds(wg * bn, bn)].T,
+                    sx_smem.at[0], sdy_smem.at[0, pl.ds(wg * bn, bn)])
+
+        def load_scale(rows, cols):
+            """The step's scale sx[rows] (x) sdy[cols], after the reads' proxy fence."""
+            row_scale = plgpu.load(rows, layout=plgpu.Layout.WGMMA.reduce(1))
+            col_scale = plgpu.load(cols, layout=plgpu.Layout.WGMMA.reduce(0))
+            # Fence the generic-proxy scale reads before TMA refills the slot.
+            plgpu.commit_smem()
+            return row_scale, col_scale
+
+        def outer(row_scale, col_scale):
+            return (lax.broadcast_in_dim(row_scale, (bk, bn), (0,))
+                    * lax.broadcast_in_dim(col_scale, (bk, bn), (1,)))
+
+        def mma_body(_, x_smem, dy_smem, sx_smem, sdy_smem, total):
+            lhs, rhs, rows, cols = operands(x_smem, dy_smem, sx_smem, sdy_smem)
+            # Scales first: their loads overlap the wgmma.
+            row_scale, col_scale = load_scale(rows, cols)
+
+            def m_step(acc_ref):
+                plgpu.wgmma(acc_ref, lhs, rhs)
+                plgpu.wgmma_wait(0)
+                return acc_ref[...]
+
+            part = pl.run_scoped(m_step, plgpu.ACC((bk, bn), jnp.float32))
+            return total + part * outer(row_scale, col_scale)
+
+        def mma_body_overlap(_, x_smem, dy_smem, sx_smem, sdy_smem, carry):
+            # carry: the running sum and the previous step's scaled product,
+            # added here while this step's wgmma runs (module docstring).
+            total, pending = carry
+            lhs, rhs, rows, cols = operands(x_smem, dy_smem, sx_smem, sdy_smem)
+
+            def m_step(acc_ref):
+                plgpu.wgmma(acc_ref, lhs, rhs)
+                # While the tensor cores run: the previous step's add, then
+                # this step's scale (loaded after the add: fewer live registers).
+                total_next = total + pending
+                scale = outer(*load_scale(rows, cols))
+                plgpu.wgmma_wait(0)
+                return total_next, acc_ref[...] * scale
+
+            return pl.run_scoped(m_step, plgpu.ACC((bk, bn), jnp.float32))
+
+        if overlap:  # the last step's product is still pending
+            return mma_body_overlap, lambda: (zeros(), zeros()), lambda c: c[0] + c[1]
+        return mma_body, zeros, lambda total: total
+
     def body(starts_ref, sizes_ref, *refs):
         *order_ref, x_gmem, sx_gmem, dy_gmem, sdy_gmem, o_gmem = refs  # order_ref: [] or [order]
         ignore = lambda *_, **__: None
@@ -199,79 +298,15 @@ def tgmm_fp8_blockwise(xq_KM, sx, dyq_NM, sdy, group_sizes_G, *, out_dtype=jnp.f
         )
         def _scope(pipeline_allocs, out_smem):
             wg = lax.axis_index("wg")
+            step_body, init, finish = step_functions(wg)
 
             @walk_tiles((num_groups, k_tiles, n_bands), *order_ref)
             def _tile(g, k_tile, band):
-                start, size = starts_ref[g], sizes_ref[g]
-                first_block = start // bm
-                # schedule.tgmm_steps at block_m = bm: what "sorted_snake" ranks groups by.
-                steps = jnp.where(size > 0, (start + size + bm - 1) // bm - first_block, 0)
-                store = functools.partial(
-                    _store_tile, out_smem=out_smem, wg=wg, bk=bk, bn=bn,
-                    dst=o_gmem.at[g, pl.ds(k_tile * cta_k + (wg * bk if by_rows else 0), bk),
-                                  pl.ds(band * cta_n + (0 if by_rows else wg * bn), bn)],
-                )
-
-                zeros = lambda: plgpu.layout_cast(jnp.zeros((bk, bn), jnp.float32),
-                                                  plgpu.Layout.WGMMA)
+                first_block, steps = tile_steps(starts_ref, sizes_ref, g)
+                store = tile_store(o_gmem, out_smem, wg, g, k_tile, band)
 
                 def compute_context(eval_pipeline):
-                    if overlap:  # the last step's product is still pending
-                        total, pending = eval_pipeline((zeros(), zeros()))
-                        total = total + pending
-                    else:
-                        total = eval_pipeline(zeros())
-                    store(total.astype(out_dtype))
-
-                def operands(x_smem, dy_smem, sx_smem, sdy_smem):
-                    """This warpgroup's (lhs, rhs, row scales, column scales) refs."""
-                    if by_rows:  # [M, N] views of M-major storage
-                        return (x_smem.at[pl.ds(wg * bk, bk)], dy_smem.T,
-                                sx_smem.at[0, pl.ds(wg * bk, bk)], sdy_smem.at[0])
-                    return (x_smem, dy_smem.at[pl.ds(wg * bn, bn)].T,
-                            sx_smem.at[0], sdy_smem.at[0, pl.ds(wg * bn, bn)])
-
-                def load_scale(rows, cols):
-                    """The step's scale sx[rows] (x) sdy[cols], after the reads' proxy fence."""
-                    row_scale = plgpu.load(rows, layout=plgpu.Layout.WGMMA.reduce(1))
-                    col_scale = plgpu.load(cols, layout=plgpu.Layout.WGMMA.reduce(0))
-                    # Fence the generic-proxy scale reads before TMA refills the slot.
-                    plgpu.commit_smem()
-                    return row_scale, col_scale
-
-                def outer(row_scale, col_scale):
-                    return (lax.broadcast_in_dim(row_scale, (bk, bn), (0,))
-                            * lax.broadcast_in_dim(col_scale, (bk, bn), (1,)))
-
-                def mma_body(_, x_smem, dy_smem, sx_smem, sdy_smem, total):
-                    lhs, rhs, rows, cols = operands(x_smem, dy_smem, sx_smem, sdy_smem)
-                    # Scales first: their loads overlap the wgmma.
-                    row_scale, col_scale = load_scale(rows, cols)
-
-                    def m_step(acc_ref):
-                        plgpu.wgmma(acc_ref, lhs, rhs)
-                        plgpu.wgmma_wait(0)
-                        return acc_ref[...]
-
-                    part = pl.run_scoped(m_step, plgpu.ACC((bk, bn), jnp.float32))
-                    return total + part * outer(row_scale, col_scale)
-
-                def mma_body_overlap(_, x_smem, dy_smem, sx_smem, sdy_smem, carry):
-                    # carry: the running sum and the previous step's scaled product,
-                    # added here while this step's wgmma runs (module docstring).
-                    total, pending = carry
-                    lhs, rhs, rows, cols = operands(x_smem, dy_smem, sx_smem, sdy_smem)
-
-                    def m_step(acc_ref):
-                        plgpu.wgmma(acc_ref, lhs, rhs)
-                        # While the tensor cores run: the previous step's add, then
-                        # this step's scale (loaded after the add: fewer live registers).
-                        total_next = total + pending
-                        scale = outer(*load_scale(rows, cols))
-                        plgpu.wgmma_wait(0)
-                        return total_next, acc_ref[...] * scale
-
-                    return pl.run_scoped(m_step, plgpu.ACC((bk, bn), jnp.float32))
+                    store(finish(eval_pipeline(init())).astype(out_dtype))
 
                 @pl.when(steps > 0)
                 def _contract():
@@ -279,7 +314,6 @@ def tgmm_fp8_blockwise(xq_KM, sx, dyq_NM, sdy, group_sizes_G, *, out_dtype=jnp.f
                     # step count stops at the group's last block.
                     cols = pl.ds(first_block * bm, m)
                     blocks = pl.ds(first_block, mb)
-                    step_body = mma_body_overlap if overlap else mma_body
                     make_pipeline(step_body, compute_context, steps)(
                         x_gmem.at[pl.ds(k_tile * cta_k, cta_k), cols],
                         dy_gmem.at[pl.ds(band * cta_n, cta_n), cols],
@@ -294,7 +328,93 @@ def tgmm_fp8_blockwise(xq_KM, sx, dyq_NM, sdy, group_sizes_G, *, out_dtype=jnp.f
 
         plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
-    kernel = persistent_kernel(body, jax.ShapeDtypeStruct((num_groups, k, n), out_dtype), sms,
+    def chained_body(starts_ref, sizes_ref, *refs):
+        """``chain=True``: one warp-specialised loop over all of this CTA's tiles' steps,
+        with slot and barrier phase running on from tile to tile (module docstring)."""
+        *order_ref, x_gmem, sx_gmem, dy_gmem, sdy_gmem, o_gmem = refs
+
+        @functools.partial(
+            pl.run_scoped,
+            x_smem=plgpu.SMEM((num_stages, cta_k, bm), xq_KM.dtype, transforms=in_transforms),
+            dy_smem=plgpu.SMEM((num_stages, cta_n, bm), dyq_NM.dtype, transforms=in_transforms),
+            sx_smem=plgpu.SMEM((num_stages, 1, cta_k), jnp.float32),
+            sdy_smem=plgpu.SMEM((num_stages, 1, cta_n), jnp.float32),
+            loaded=plgpu.Barrier(num_arrivals=4, num_barriers=num_stages),  # one per copy
+            consumed=plgpu.Barrier(num_arrivals=2, num_barriers=num_stages),  # one per compute wg
+            out_smem=plgpu.SMEM((2, 2, 64, 64), out_dtype, transforms=out_transforms),
+            collective_axes="wg",
+        )
+        def _scope(x_smem, dy_smem, sx_smem, sdy_smem, loaded, consumed, out_smem):
+            wg = lax.axis_index("wg")
+            grid = (num_groups, k_tiles, n_bands)
+            walk = lambda tile: walk_tiles_carry(grid, tile, jnp.int32(0), *order_ref)  # noqa: E731
+
+            @pl.when(wg == 2)
+            def _memory():
+                plgpu.set_max_registers(_MEMORY_REGISTERS, action="decrease")
+
+                def tile(g, k_tile, band, real, it):
+                    first_block, steps = tile_steps(starts_ref, sizes_ref, g)
+
+                    def load(s, it):
+                        slot = lax.rem(it, num_stages)
+
+                        @pl.when(it >= num_stages)
+                        def _wait_for_the_slot():
+                            plgpu.barrier_wait(consumed.at[slot])
+
+                        rows = pl.ds((first_block + s) * bm, bm)
+                        block = pl.ds(first_block + s, 1)
+                        for src, dst in (
+                                (x_gmem.at[pl.ds(k_tile * cta_k, cta_k), rows], x_smem),
+                                (dy_gmem.at[pl.ds(band * cta_n, cta_n), rows], dy_smem),
+                                (sx_gmem.at[block, pl.ds(k_tile * cta_k, cta_k)], sx_smem),
+                                (sdy_gmem.at[block, pl.ds(band * cta_n, cta_n)], sdy_smem)):
+                            plgpu.copy_gmem_to_smem(src, dst.at[slot], loaded.at[slot])
+                        return it + 1
+
+                    return lax.fori_loop(0, jnp.where(real, steps, 0), load, it)
+
+                loads = walk(tile)
+
+                # See the last stages' slots consumed before the barriers go (as the
+                # pipeline does): no arrival is left unobserved.
+                @pl.loop(jnp.maximum(loads - num_stages, 0), loads)
+                def _quiesce(it):
+                    plgpu.barrier_wait(consumed.at[lax.rem(it, num_stages)])
+
+            @pl.when(wg < 2)
+            def _compute():
+                plgpu.set_max_registers(_COMPUTE_REGISTERS, action="increase")
+                step_body, init, finish = step_functions(wg)
+
+                def tile(g, k_tile, band, real, it):
+                    _, steps = tile_steps(starts_ref, sizes_ref, g)
+
+                    def step(_, carry):
+                        it, acc = carry
+                        slot = lax.rem(it, num_stages)
+                        plgpu.barrier_wait(loaded.at[slot])
+                        acc = step_body(None, x_smem.at[slot], dy_smem.at[slot],
+                                        sx_smem.at[slot], sdy_smem.at[slot], acc)
+                        plgpu.barrier_arrive(consumed.at[slot])
+                        return it + 1, acc
+
+                    it, acc = lax.fori_loop(0, jnp.where(real, steps, 0), step, (it, init()))
+
+                    @pl.when(real)
+                    def _store():  # an empty group's tile stores the zero sum
+                        tile_store(o_gmem, out_smem, wg, g, k_tile, band)(
+                            finish(acc).astype(out_dtype))
+
+                    return it
+
+                walk(tile)
+
+        plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+
+    kernel = persistent_kernel(chained_body if chain else body,
+                               jax.ShapeDtypeStruct((num_groups, k, n), out_dtype), sms,
                                name="tgmm_fp8")
     return kernel(starts_G, sizes_G, *order_refs, xq_KM, sx, dyq_NM, sdy)
 

@@ -162,6 +162,30 @@ def walk_tiles(grid, order_ref_G=None):
     return decorator
 
 
+def walk_tiles_carry(grid, tile, init, order_ref_G=None):
+    """``walk_tiles``'s order with a carry: ``tile(g, k_tile, n_tile, real, carry)`` returns
+    the next carry, for every round of the CTA's walk; returns the last carry. A CTA
+    whose last round falls past the grid gets ``real`` False there (and the last tile's
+    indices): the caller must neither load nor store for it. For loops that run on
+    from one tile into the next (``mosaic_fp8_tgmm``'s ``chain``)."""
+    num_groups, k_tiles, n_tiles = grid
+    num_tiles = num_groups * k_tiles * n_tiles
+    sm, num_sms = lax.axis_index("sm"), lax.axis_size("sm")
+
+    def visit(wave, carry):
+        if order_ref_G is None:  # "groups": nd_loop's round robin
+            t = wave * num_sms + sm
+        else:  # "sorted_snake"
+            t = schedule_lib.snake_tile(wave, sm, num_sms)
+        real = t < num_tiles
+        t = jnp.minimum(t, num_tiles - 1)
+        rank, rest = t // (k_tiles * n_tiles), t % (k_tiles * n_tiles)
+        g = rank if order_ref_G is None else order_ref_G[rank]
+        return tile(g, rest // n_tiles, rest % n_tiles, real, carry)
+
+    return lax.fori_loop(0, (num_tiles + num_sms - 1) // num_sms, visit, init)
+
+
 def walk_row_tiles(num_tiles, num_real, n_bands, grid_tile_width, chain):
     """Decorator: call ``tile(t, band, state)`` for this CTA's share of a forward-style
     kernel's (row tile, column band) grid, ``num_tiles`` row tiles of which the first
