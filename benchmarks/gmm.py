@@ -554,7 +554,7 @@ TUNE_CANDIDATES = {
     "fwd": [tuning.GmmTiling(), tuning.GmmTiling(grid_tile_width=8), tuning.GmmTiling(num_stages=3),
             tuning.GmmTiling(grid_tile_width=8, chain=True)],
     "wgrad": [tuning.TgmmTiling(), tuning.TgmmTiling(num_stages=3),
-              tuning.TgmmTiling(block_k=64, block_n=256)],
+              tuning.TgmmTiling(block_k=64, block_n=256), tuning.TgmmTiling(chain=True)],
 }
 TUNE_CANDIDATES["dgrad"] = TUNE_CANDIDATES["fwd"]
 

@@ -113,6 +113,18 @@ def test_kernels_lower_for_cuda(kind):
     assert "mosaic_gpu" in exported.mlir_module()
 
 
+@pytest.mark.parametrize("shape", [(65536, 7168, 4096, 32), (65536, 7168, 4096, 256)], ids=str)
+def test_wgrad_chain_lowers_for_cuda(shape):
+    """``TgmmTiling(chain=True)`` at DeepSeek-V3's gate/up shape, G=32 and G=256."""
+    s, bf = jax.ShapeDtypeStruct, jnp.bfloat16
+    m, k, n, g = shape
+    fn = lambda x, dy, gs: mosaic_tgmm.tgmm(x, dy, gs, num_groups=g,  # noqa: E731
+                                            tiling=TgmmTiling(chain=True), sms=132)
+    exported = jax.export.export(jax.jit(fn), platforms=["cuda"])(
+        s((m, k), bf), s((m, n), bf), s((g,), jnp.int32))
+    assert "mosaic_gpu" in exported.mlir_module()
+
+
 @pytest.mark.parametrize("transpose", [False, True], ids=["fwd", "dgrad"])
 def test_chain_lowers_for_cuda(transpose):
     """``GmmTiling(chain=True)`` at DeepSeek-V3's down projection (32 / 112 steps)."""
@@ -263,6 +275,30 @@ def test_interpret_wgrad_tile_orders_agree_bit_for_bit(rng, sizes):
     assert_groups_match(sorted_snake, ref, sizes)
 
 
+@pytest.mark.parametrize("order", ["sorted_snake", "groups"])
+def test_interpret_wgrad_chain_equals_the_plain_kernel_bit_for_bit(rng, order):
+    """``TgmmTiling(chain=True)``: one loop over all of a CTA's tiles' steps, slots and
+    barrier phases running on from tile to tile, so each tile gets the plain
+    kernel's steps, masks included, in the same order: its bits (race detector on).
+    3 CTAs over 8 groups x 2 N tiles: 6 rounds, the last partial; groups that start
+    and end inside a step (masked), empty ones, NaN rows past the total; 3 stages."""
+    m, k, n = 560, 256, 256
+    sizes = np.array([300, 3, 0, 64, 65, 100, 0, 1], np.int32)
+    x, _, dy = problem(rng, m, k, n, len(sizes), sizes)
+    gs = jnp.asarray(sizes)
+    run = lambda chain: mosaic_tgmm.tgmm(  # noqa: E731
+        x, dy, gs, num_groups=len(sizes), tiling=TgmmTiling(num_stages=3, chain=chain), sms=3,
+        tile_order=order)
+    with _interpret(detect_races=True):
+        chained = run(True).block_until_ready()
+        assert not _races_found()
+    with _interpret():
+        plain = run(False)
+    np.testing.assert_array_equal(np.asarray(chained, np.float32), np.asarray(plain, np.float32))
+    ref = reference.tgmm(clean(x), clean(dy), gs, num_groups=len(sizes))
+    assert_groups_match(chained, ref, sizes)
+
+
 @pytest.mark.parametrize("k, n", [(96, 160), (200, 128)], ids=str)
 def test_interpret_unaligned_k_n_are_padded(rng, k, n):
     """K or N not a multiple of 128: zero-padded to the kernels' tiles, cut back, exact."""
@@ -310,6 +346,23 @@ def test_gpu_fwd_dgrad_wgrad_match_reference(shape, layout, rng):
     _poison_allocator((g, k, n))
     dw = mosaic.tgmm(x, dy, gs, num_groups=g)
     assert_groups_match(dw, reference.tgmm(clean(x), clean(dy), gs, num_groups=g), sizes)
+
+
+@pytest.mark.gpu
+@hopper
+@pytest.mark.parametrize("g", [8, 64])
+def test_gpu_wgrad_chain_equals_the_plain_kernel_bit_for_bit(rng, g):
+    """``TgmmTiling(chain=True)`` on the hardware, where the memory warpgroup really runs
+    ahead into the next tile's steps while the compute warpgroups store: the plain
+    kernel's bits, with ragged groups (masked first and last steps) and empty ones;
+    at G=64 tiles of a few steps each, where a tile's start costs most."""
+    m, k, n = 8192, 1024, 1024
+    sizes = layout_sizes("random_with_empty", m, g, rng)
+    x, _, dy = problem(rng, m, k, n, g, sizes)
+    gs = jnp.asarray(sizes)
+    got = mosaic_tgmm.tgmm(x, dy, gs, num_groups=g, tiling=TgmmTiling(chain=True))
+    want = mosaic_tgmm.tgmm(x, dy, gs, num_groups=g, tiling=TgmmTiling())
+    np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(want, np.float32))
 
 
 @pytest.mark.gpu

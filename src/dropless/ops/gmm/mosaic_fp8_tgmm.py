@@ -112,14 +112,11 @@ from dropless.ops import quant
 from dropless.ops.gmm import reference as ref_backend
 from dropless.ops.gmm import schedule as schedule_lib
 from dropless.ops.gmm.mosaic_fp8 import BLOCK, _MEMORY_REGISTERS, _swizzle_transforms
-from dropless.ops.gmm.mosaic_gmm import (persistent_kernel, tile_order_operands, walk_tiles,
-                                        walk_tiles_carry)
+from dropless.ops.gmm.mosaic_gmm import (chained_tile_pipeline, persistent_kernel,
+                                        tile_order_operands, walk_tiles)
 from dropless.ops.gmm.mosaic_tgmm import _store_tile
 
 BLOCK_K = 64  # rows of dw per warpgroup (wgmma's M)
-# ``chain``'s compute warpgroups take what the memory warpgroup leaves of the 512 registers
-# per thread-slot, split in two and rounded down to 8 (as ``emit_pipeline_warp_specialized``).
-_COMPUTE_REGISTERS = (512 - _MEMORY_REGISTERS) // 2 // 8 * 8
 # How the two compute warpgroups share a CTA tile (as in ``mosaic_fp8``):
 # "columns", 64 (K) x 256 (N), both reading one x tile; "rows" (the default),
 # 128 (K) x 128 (N), each its 64 K rows, both reading one dy tile.
@@ -329,8 +326,7 @@ def tgmm_fp8_blockwise(xq_KM, sx, dyq_NM, sdy, group_sizes_G, *, out_dtype=jnp.f
         plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
     def chained_body(starts_ref, sizes_ref, *refs):
-        """``chain=True``: one warp-specialised loop over all of this CTA's tiles' steps,
-        with slot and barrier phase running on from tile to tile (module docstring)."""
+        """``chain=True``: ``mosaic_gmm.chained_tile_pipeline`` over this CTA's tiles."""
         *order_ref, x_gmem, sx_gmem, dy_gmem, sdy_gmem, o_gmem = refs
 
         @functools.partial(
@@ -346,70 +342,35 @@ def tgmm_fp8_blockwise(xq_KM, sx, dyq_NM, sdy, group_sizes_G, *, out_dtype=jnp.f
         )
         def _scope(x_smem, dy_smem, sx_smem, sdy_smem, loaded, consumed, out_smem):
             wg = lax.axis_index("wg")
-            grid = (num_groups, k_tiles, n_bands)
-            walk = lambda tile: walk_tiles_carry(grid, tile, jnp.int32(0), *order_ref)  # noqa: E731
+            step_body, init, finish = step_functions(wg)
 
-            @pl.when(wg == 2)
-            def _memory():
-                plgpu.set_max_registers(_MEMORY_REGISTERS, action="decrease")
+            def tile_of(g):
+                first_block, steps = tile_steps(starts_ref, sizes_ref, g)
+                return steps, first_block
 
-                def tile(g, k_tile, band, real, it):
-                    first_block, steps = tile_steps(starts_ref, sizes_ref, g)
+            def sources_of(first_block, k_tile, band, s):
+                block = first_block + s
+                rows = pl.ds(block * bm, bm)
+                return (x_gmem.at[pl.ds(k_tile * cta_k, cta_k), rows],
+                        dy_gmem.at[pl.ds(band * cta_n, cta_n), rows],
+                        sx_gmem.at[pl.ds(block, 1), pl.ds(k_tile * cta_k, cta_k)],
+                        sdy_gmem.at[pl.ds(block, 1), pl.ds(band * cta_n, cta_n)])
 
-                    def load(s, it):
-                        slot = lax.rem(it, num_stages)
+            def compute(g, k_tile, band, real, loop):
+                acc, it = loop(lambda s, slots, acc: step_body(None, *slots, acc), init())
 
-                        @pl.when(it >= num_stages)
-                        def _wait_for_the_slot():
-                            plgpu.barrier_wait(consumed.at[slot])
+                @pl.when(real)
+                def _store():  # an empty group's tile stores the zero sum
+                    tile_store(o_gmem, out_smem, wg, g, k_tile, band)(
+                        finish(acc).astype(out_dtype))
 
-                        rows = pl.ds((first_block + s) * bm, bm)
-                        block = pl.ds(first_block + s, 1)
-                        for src, dst in (
-                                (x_gmem.at[pl.ds(k_tile * cta_k, cta_k), rows], x_smem),
-                                (dy_gmem.at[pl.ds(band * cta_n, cta_n), rows], dy_smem),
-                                (sx_gmem.at[block, pl.ds(k_tile * cta_k, cta_k)], sx_smem),
-                                (sdy_gmem.at[block, pl.ds(band * cta_n, cta_n)], sdy_smem)):
-                            plgpu.copy_gmem_to_smem(src, dst.at[slot], loaded.at[slot])
-                        return it + 1
+                return it
 
-                    return lax.fori_loop(0, jnp.where(real, steps, 0), load, it)
-
-                loads = walk(tile)
-
-                # See the last stages' slots consumed before the barriers go (as the
-                # pipeline does): no arrival is left unobserved.
-                @pl.loop(jnp.maximum(loads - num_stages, 0), loads)
-                def _quiesce(it):
-                    plgpu.barrier_wait(consumed.at[lax.rem(it, num_stages)])
-
-            @pl.when(wg < 2)
-            def _compute():
-                plgpu.set_max_registers(_COMPUTE_REGISTERS, action="increase")
-                step_body, init, finish = step_functions(wg)
-
-                def tile(g, k_tile, band, real, it):
-                    _, steps = tile_steps(starts_ref, sizes_ref, g)
-
-                    def step(_, carry):
-                        it, acc = carry
-                        slot = lax.rem(it, num_stages)
-                        plgpu.barrier_wait(loaded.at[slot])
-                        acc = step_body(None, x_smem.at[slot], dy_smem.at[slot],
-                                        sx_smem.at[slot], sdy_smem.at[slot], acc)
-                        plgpu.barrier_arrive(consumed.at[slot])
-                        return it + 1, acc
-
-                    it, acc = lax.fori_loop(0, jnp.where(real, steps, 0), step, (it, init()))
-
-                    @pl.when(real)
-                    def _store():  # an empty group's tile stores the zero sum
-                        tile_store(o_gmem, out_smem, wg, g, k_tile, band)(
-                            finish(acc).astype(out_dtype))
-
-                    return it
-
-                walk(tile)
+            chained_tile_pipeline(
+                (num_groups, k_tiles, n_bands), order_ref[0] if order_ref else None, wg=wg,
+                buffers=(x_smem, dy_smem, sx_smem, sdy_smem), loaded=loaded, consumed=consumed,
+                tile_of=tile_of,
+                sources_of=sources_of, compute=compute)
 
         plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 

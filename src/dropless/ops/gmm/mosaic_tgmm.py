@@ -28,6 +28,13 @@ Design:
   read on device; no code depends on G.
 - x is the transposed (A) wgmma operand, read through an smem transpose.
 - Empty groups store zero tiles.
+- ``TgmmTiling(chain=True)`` (experimental, not yet timed on a GPU): one
+  pipeline over all of a CTA's tiles (``mosaic_gmm.chained_tile_pipeline``), so
+  the memory warpgroup loads the next tile's first steps while the compute
+  warpgroups store; the same steps and masks per tile, so the same bits. Where
+  groups are small (G=256 at M=65536: 256 rows, 4 steps of 64 per tile) the
+  per-tile start is a large share: the FP8 wgrad kernel lost about 1.2-1.6 us
+  per tile to it on the H200 (``mosaic_fp8_tgmm``).
 """
 
 import functools
@@ -40,7 +47,8 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from dropless.ops.gmm import schedule as schedule_lib
 from dropless.ops.gmm.mosaic_gmm import (_EPI, _MEMORY_REGISTERS, _swizzle_transforms,
-                                         persistent_kernel, tile_order_operands, walk_tiles)
+                                         chained_tile_pipeline, persistent_kernel,
+                                         tile_order_operands, walk_tiles)
 from dropless.ops.gmm.tuning import TgmmTiling
 
 
@@ -109,6 +117,45 @@ def tgmm(x_MK, dy_MN, group_sizes_G, *, num_groups, tiling: TgmmTiling, out_dtyp
 
     order_refs = tile_order_operands(tile_order, group_sizes_G, m, bm)
 
+    def geometry(starts_ref, sizes_ref, g):
+        """Group g's (first row, rounded down to block_m; step count; rows of the
+        neighbour before it in the first step; end of its rows in the last step)."""
+        start = starts_ref[g]
+        size = sizes_ref[g]
+        first_row = pl.multiple_of((start // bm) * bm, bm)
+        steps = jnp.where(size > 0, (start + size - first_row + bm - 1) // bm, 0)
+        return first_row, steps, start - first_row, start + size - first_row - (steps - 1) * bm
+
+    def tile_store(o_gmem, out_smem, wg, g, k_band, n_tile):
+        """Store this warpgroup's part of output tile (g, k_band, n_tile)."""
+        return functools.partial(
+            _store_tile, out_smem=out_smem, wg=wg, bk=bk, bn=bn,
+            dst=o_gmem.at[g, pl.ds(k_band * cta_k + wg * bk, bk), pl.ds(n_tile * bn, bn)],
+        )
+
+    def mma_step(wg, mask_barrier, step, steps, head, end_in_last, x_smem, dy_smem, acc_ref):
+        """One step: mask the rows of other groups (first and last step), then the wgmma."""
+        x_half = x_smem.at[:, pl.ds(wg * bk, bk)]
+
+        lo = jnp.where(step == 0, head, 0)
+        hi = jnp.where(step == steps - 1, end_in_last, bm)
+
+        @pl.when((lo > 0) | (hi < bm))
+        def _mask_foreign_rows():
+            _mask_rows(x_half, lo, hi)  # this warpgroup's own columns of x
+
+            @pl.when(wg == 0)
+            def _mask_shared_dy():
+                _mask_rows(dy_smem, lo, hi)
+
+            plgpu.commit_smem()
+            plgpu.barrier_arrive(mask_barrier)
+            plgpu.barrier_wait(mask_barrier)
+
+        plgpu.wgmma(acc_ref, x_half.T, dy_smem)
+        plgpu.wgmma_wait(0)
+        return acc_ref
+
     def body(starts_ref, sizes_ref, *refs):
         *order_ref, x_gmem, dy_gmem, o_gmem = refs  # order_ref: [] or [the group order]
         ignore = lambda *_, **__: None
@@ -128,19 +175,8 @@ def tgmm(x_MK, dy_MN, group_sizes_G, *, num_groups, tiling: TgmmTiling, out_dtyp
 
             @walk_tiles((num_groups, k_bands, n_tiles), *order_ref)
             def _tile(g, k_band, n_tile):
-                start = starts_ref[g]
-                size = sizes_ref[g]
-                first_row = pl.multiple_of((start // bm) * bm, bm)
-                steps = (start + size - first_row + bm - 1) // bm
-                # Rows [head, tail) of step s are the group's, counted from the
-                # step's first row: head > 0 only for s == 0, tail < bm only
-                # for the last step.
-                head = start - first_row
-                end_in_last = start + size - first_row - (steps - 1) * bm
-                store = functools.partial(
-                    _store_tile, out_smem=out_smem, wg=wg, bk=bk, bn=bn,
-                    dst=o_gmem.at[g, pl.ds(k_band * cta_k + wg * bk, bk), pl.ds(n_tile * bn, bn)],
-                )
+                first_row, steps, head, end_in_last = geometry(starts_ref, sizes_ref, g)
+                store = tile_store(o_gmem, out_smem, wg, g, k_band, n_tile)
 
                 def compute_context(eval_pipeline):
                     @functools.partial(pl.run_scoped, acc_ref=plgpu.ACC((bk, bn), jnp.float32))
@@ -150,30 +186,10 @@ def tgmm(x_MK, dy_MN, group_sizes_G, *, num_groups, tiling: TgmmTiling, out_dtyp
 
                 def mma_body(idx, x_smem, dy_smem, acc_ref):
                     (step,) = idx
-                    x_half = x_smem.at[:, pl.ds(wg * bk, bk)]
+                    return mma_step(wg, mask_barrier, step, steps, head, end_in_last, x_smem,
+                                    dy_smem, acc_ref)
 
-                    lo = jnp.where(step == 0, head, 0)
-                    hi = jnp.where(step == steps - 1, end_in_last, bm)
-
-                    @pl.when((lo > 0) | (hi < bm))
-                    def _mask_foreign_rows():
-                        _mask_rows(x_half, lo, hi)  # this warpgroup's own columns of x
-
-                        @pl.when(wg == 0)
-                        def _mask_shared_dy():
-                            _mask_rows(dy_smem, lo, hi)
-
-                        # Make the writes visible to wgmma (async proxy), then
-                        # wait until both warpgroups' masks are in place.
-                        plgpu.commit_smem()
-                        plgpu.barrier_arrive(mask_barrier)
-                        plgpu.barrier_wait(mask_barrier)
-
-                    plgpu.wgmma(acc_ref, x_half.T, dy_smem)
-                    plgpu.wgmma_wait(0)
-                    return acc_ref
-
-                @pl.when(size > 0)
+                @pl.when(steps > 0)
                 def _contract():
                     rows = pl.ds(first_row, m)  # may run past M: TMA zero-fills, and we mask
                     make_pipeline(mma_body, compute_context, steps)(
@@ -182,13 +198,65 @@ def tgmm(x_MK, dy_MN, group_sizes_G, *, num_groups, tiling: TgmmTiling, out_dtyp
                         allocations=pipeline_allocs,
                     )
 
-                @pl.when((size == 0) & (wg < 2))
+                @pl.when((steps == 0) & (wg < 2))
                 def _empty_group():
                     store(plgpu.layout_cast(jnp.zeros((bk, bn), out_dtype), plgpu.Layout.WGMMA))
 
         plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
-    kernel = persistent_kernel(body, jax.ShapeDtypeStruct((num_groups, k, n), out_dtype), sms, name="tgmm")
+    def chained_body(starts_ref, sizes_ref, *refs):
+        """``tiling.chain``: ``mosaic_gmm.chained_tile_pipeline`` over this CTA's tiles."""
+        *order_ref, x_gmem, dy_gmem, o_gmem = refs
+
+        @functools.partial(
+            pl.run_scoped,
+            x_smem=plgpu.SMEM((num_stages, bm, cta_k), x_MK.dtype, transforms=x_transforms),
+            dy_smem=plgpu.SMEM((num_stages, bm, bn), dy_MN.dtype, transforms=dy_transforms),
+            loaded=plgpu.Barrier(num_arrivals=2, num_barriers=num_stages),  # one per copy
+            consumed=plgpu.Barrier(num_arrivals=2, num_barriers=num_stages),  # one per compute wg
+            out_smem=plgpu.SMEM((2, 2, _EPI, _EPI), out_dtype, transforms=out_transforms),
+            mask_barrier=plgpu.Barrier(num_arrivals=2),
+            collective_axes="wg",
+        )
+        def _scope(x_smem, dy_smem, loaded, consumed, out_smem, mask_barrier):
+            wg = lax.axis_index("wg")
+
+            def tile_of(g):
+                first_row, steps, _, _ = geometry(starts_ref, sizes_ref, g)
+                return steps, first_row
+
+            def sources_of(first_row, k_band, n_tile, s):
+                rows = pl.ds(first_row, m)  # may run past M: TMA zero-fills, and we mask
+                step_rows = pl.ds(s * bm, bm)
+                return (x_gmem.at[rows, pl.ds(k_band * cta_k, cta_k)].at[step_rows],
+                        dy_gmem.at[rows, pl.ds(n_tile * bn, bn)].at[step_rows])
+
+            def compute(g, k_band, n_tile, real, loop):
+                _, steps, head, end_in_last = geometry(starts_ref, sizes_ref, g)
+
+                @functools.partial(pl.run_scoped, acc_ref=plgpu.ACC((bk, bn), jnp.float32))
+                def it_end(acc_ref):  # an empty group's tile stores the zeros it starts as
+                    _, it = loop(lambda s, slots, acc: mma_step(wg, mask_barrier, s, steps, head,
+                                                               end_in_last, *slots, acc), acc_ref)
+
+                    @pl.when(real)
+                    def _store():
+                        tile_store(o_gmem, out_smem, wg, g, k_band, n_tile)(
+                            acc_ref[...].astype(out_dtype))
+
+                    return it
+
+                return it_end
+
+            chained_tile_pipeline(
+                (num_groups, k_bands, n_tiles), order_ref[0] if order_ref else None, wg=wg,
+                buffers=(x_smem, dy_smem), loaded=loaded, consumed=consumed, tile_of=tile_of,
+                sources_of=sources_of, compute=compute)
+
+        plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+
+    kernel = persistent_kernel(chained_body if tiling.chain else body,
+                               jax.ShapeDtypeStruct((num_groups, k, n), out_dtype), sms, name="tgmm")
     return kernel(starts_G, sizes_G, *order_refs, x_MK, dy_MN)
 
 

@@ -67,6 +67,9 @@ class TgmmTiling:
     block_n: int = 128
     block_m: int = 64
     num_stages: int = 4
+    # One pipeline over all of a CTA's tiles, the next tile's loads overlapping this
+    # one's end (``mosaic_gmm.chained_tile_pipeline``); same bits. Experimental.
+    chain: bool = False
 
     def __post_init__(self):
         if self.block_k % 64 or self.block_n % 64 or self.block_m % 64:
