@@ -118,13 +118,15 @@ def tgmm(x_MK, dy_MN, group_sizes_G, *, num_groups, tiling: TgmmTiling, out_dtyp
     order_refs = tile_order_operands(tile_order, group_sizes_G, m, bm)
 
     def geometry(starts_ref, sizes_ref, g):
-        """Group g's (first row, rounded down to block_m; step count; rows of the
-        neighbour before it in the first step; end of its rows in the last step)."""
+        """Group g's (size; first row, rounded down to block_m; step count if it is not
+        empty; rows of the neighbour before it in the first step; end of its rows in
+        the last step)."""
         start = starts_ref[g]
         size = sizes_ref[g]
         first_row = pl.multiple_of((start // bm) * bm, bm)
-        steps = jnp.where(size > 0, (start + size - first_row + bm - 1) // bm, 0)
-        return first_row, steps, start - first_row, start + size - first_row - (steps - 1) * bm
+        steps = (start + size - first_row + bm - 1) // bm
+        head = start - first_row
+        return size, first_row, steps, head, start + size - first_row - (steps - 1) * bm
 
     def tile_store(o_gmem, out_smem, wg, g, k_band, n_tile):
         """Store this warpgroup's part of output tile (g, k_band, n_tile)."""
@@ -175,7 +177,7 @@ def tgmm(x_MK, dy_MN, group_sizes_G, *, num_groups, tiling: TgmmTiling, out_dtyp
 
             @walk_tiles((num_groups, k_bands, n_tiles), *order_ref)
             def _tile(g, k_band, n_tile):
-                first_row, steps, head, end_in_last = geometry(starts_ref, sizes_ref, g)
+                size, first_row, steps, head, end_in_last = geometry(starts_ref, sizes_ref, g)
                 store = tile_store(o_gmem, out_smem, wg, g, k_band, n_tile)
 
                 def compute_context(eval_pipeline):
@@ -189,7 +191,7 @@ def tgmm(x_MK, dy_MN, group_sizes_G, *, num_groups, tiling: TgmmTiling, out_dtyp
                     return mma_step(wg, mask_barrier, step, steps, head, end_in_last, x_smem,
                                     dy_smem, acc_ref)
 
-                @pl.when(steps > 0)
+                @pl.when(size > 0)
                 def _contract():
                     rows = pl.ds(first_row, m)  # may run past M: TMA zero-fills, and we mask
                     make_pipeline(mma_body, compute_context, steps)(
@@ -198,7 +200,7 @@ def tgmm(x_MK, dy_MN, group_sizes_G, *, num_groups, tiling: TgmmTiling, out_dtyp
                         allocations=pipeline_allocs,
                     )
 
-                @pl.when((steps == 0) & (wg < 2))
+                @pl.when((size == 0) & (wg < 2))
                 def _empty_group():
                     store(plgpu.layout_cast(jnp.zeros((bk, bn), out_dtype), plgpu.Layout.WGMMA))
 
@@ -222,8 +224,8 @@ def tgmm(x_MK, dy_MN, group_sizes_G, *, num_groups, tiling: TgmmTiling, out_dtyp
             wg = lax.axis_index("wg")
 
             def tile_of(g):
-                first_row, steps, _, _ = geometry(starts_ref, sizes_ref, g)
-                return steps, first_row
+                size, first_row, steps, _, _ = geometry(starts_ref, sizes_ref, g)
+                return jnp.where(size > 0, steps, 0), first_row
 
             def sources_of(first_row, k_band, n_tile, s):
                 rows = pl.ds(first_row, m)  # may run past M: TMA zero-fills, and we mask
@@ -232,7 +234,7 @@ def tgmm(x_MK, dy_MN, group_sizes_G, *, num_groups, tiling: TgmmTiling, out_dtyp
                         dy_gmem.at[rows, pl.ds(n_tile * bn, bn)].at[step_rows])
 
             def compute(g, k_band, n_tile, real, loop):
-                _, steps, head, end_in_last = geometry(starts_ref, sizes_ref, g)
+                _, _, steps, head, end_in_last = geometry(starts_ref, sizes_ref, g)
 
                 @functools.partial(pl.run_scoped, acc_ref=plgpu.ACC((bk, bn), jnp.float32))
                 def it_end(acc_ref):  # an empty group's tile stores the zeros it starts as
