@@ -72,6 +72,13 @@ WGRAD_VARIANTS = {
     # one pipeline over all of a CTA's tiles: the next tile's loads start before this one ends
     "wgrad_rows_overlap_sorted_chain": dict(split="rows", overlap=True, tile_order="sorted_snake",
                                             chain=True),
+    # the compute warpgroups issue their wgmmas in turn: one promotes while the other's runs
+    "wgrad_rows_sorted_pingpong": dict(split="rows", overlap=False, tile_order="sorted_snake",
+                                       pingpong=True),
+    "wgrad_rows_overlap_sorted_pingpong": dict(split="rows", overlap=True,
+                                               tile_order="sorted_snake", pingpong=True),
+    "wgrad_rows_sorted_pingpong_chain": dict(split="rows", overlap=False,
+                                             tile_order="sorted_snake", pingpong=True, chain=True),
     "wgrad_rows_overlap": dict(split="rows", overlap=True, tile_order="groups"),
     "wgrad_rows": dict(split="rows", overlap=False, tile_order="groups"),
     "wgrad_columns_overlap": dict(split="columns", overlap=True, tile_order="groups"),

@@ -111,7 +111,8 @@ WGRAD_KINDS = {"wgrad": dict(out_dtype=jnp.bfloat16),
                **{f"wgrad_{split}_{'overlap' if overlap else 'wait'}": dict(split=split,
                                                                             overlap=overlap)
                   for split in mosaic_fp8_tgmm.SPLITS for overlap in (False, True)},
-               "wgrad_chain": dict(out_dtype=jnp.bfloat16, chain=True)}
+               "wgrad_chain": dict(out_dtype=jnp.bfloat16, chain=True),
+               "wgrad_pingpong": dict(out_dtype=jnp.bfloat16, overlap=False, pingpong=True)}
 
 
 @pytest.mark.parametrize("kind", ["fwd", "dgrad", *WGRAD_KINDS])
@@ -377,6 +378,27 @@ def test_interpret_wgrad_chain_equals_the_plain_kernel_bit_for_bit(rng, order, o
     assert not np.isnan(np.asarray(chained)).any()
 
 
+@pytest.mark.parametrize("chain,overlap", [(False, False), (False, True), (True, False)])
+def test_interpret_wgrad_pingpong_equals_the_plain_kernel_bit_for_bit(rng, chain, overlap):
+    """``pingpong=True``: the compute warpgroups issue their wgmmas in turn (one barrier
+    each, first and last turn at the ends), which changes the order of issue only:
+    the plain kernel's bits, with no race and no deadlock, over tiles of 0 to 3 steps
+    and a partial last round, in either driver."""
+    m, sizes = 1024, [128, 0, 384, 0, 256, 128, 0]
+    gs = jnp.asarray(np.array(sizes, np.int32))
+    x = _nan_tail(_scaled(rng, (m, 256), (0, 1)), sum(sizes))
+    dy = _nan_tail(_scaled(rng, (m, 256), (0, 1)), sum(sizes))
+    ops = mosaic_fp8_tgmm.wgrad_operands(x, dy)
+    kw = dict(sms=3, num_stages=3, overlap=overlap, chain=chain)
+    with _interpret(detect_races=True):
+        got = mosaic_fp8_tgmm.tgmm_fp8_blockwise(*ops, gs, pingpong=True, **kw)
+        got.block_until_ready()
+        assert not _races_found()
+    with _interpret():
+        plain = mosaic_fp8_tgmm.tgmm_fp8_blockwise(*ops, gs, **kw)
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(plain))
+
+
 def test_interpret_wgrad_tile_orders_agree_bit_for_bit(rng):
     """Each output tile is computed whole by one CTA in the same steps whatever the
     order, so "sorted_snake" must equal "groups" exactly. 3 CTAs over 7 groups x 2
@@ -608,6 +630,23 @@ def _run_wgrad(ops, gs, **kw):
 WGRAD_CONFIGS = pytest.mark.parametrize(
     "split,overlap", [(s_, o_) for s_ in mosaic_fp8_tgmm.SPLITS for o_ in (True, False)],
     ids=lambda v: v if isinstance(v, str) else ("overlap" if v else "wait"))
+
+
+@gpu_test
+@pytest.mark.parametrize("overlap", [False, True], ids=["wait", "overlap"])
+def test_gpu_wgrad_pingpong_equals_the_plain_kernel_bit_for_bit(rng, overlap):
+    """``pingpong=True`` on the hardware (the turn barriers under real concurrency):
+    the plain kernel's bits on random data with a NaN tail, and the exact product
+    on integer-exact data."""
+    make = lambda r, s: _scaled(r, s, (0, 1))  # noqa: E731
+    ops, gs = _wgrad_inputs(rng, make)
+    np.testing.assert_array_equal(_run_wgrad(ops, gs, overlap=overlap, pingpong=True),
+                                  _run_wgrad(ops, gs, overlap=overlap))
+    ops, gs = _wgrad_inputs(rng, _integer_exact)
+    x, dy = _dequantized_wgrad_operands(*ops)
+    total = sum(WGRAD_SIZES)
+    np.testing.assert_array_equal(_run_wgrad(ops, gs, overlap=overlap, pingpong=True),
+                                  fp8_acc.tgmm(x[:total], dy[:total], WGRAD_SIZES))
 
 
 @gpu_test

@@ -98,6 +98,19 @@ TMA copies on its ``loaded`` barrier, the compute warpgroups wait on
 warpgroup thus loads the next tile's first steps while the compute warpgroups
 promote and store the last. The same steps in the same order per tile, so the
 same bits.
+
+``pingpong=True`` (experimental, not yet timed on a GPU): both compute
+warpgroups wait on the same stage and run the same code, so they issue their
+wgmmas together, the tensor cores work through both, and then both promote
+while the tensor cores idle: on the H200 a step took about 0.63 us against 0.28
+of tensor work, and the compute warps' samples were a third issue-bound
+(``notes/fp8.md``, 2026-12-03 midday). With ``pingpong`` a warpgroup waits for
+its turn (a barrier the other one arrives on once it has issued its wgmma)
+before it issues its own, so the wgmmas alternate, 0, 1, 0, 1, ..., and each
+warpgroup promotes while the other's wgmma runs (FlashAttention-3's ping-pong
+schedule, CUTLASS's "pingpong" kernels). Warpgroup 0 goes first; warpgroup 1's
+last arrival is taken at the end. Only the order of issue changes, so the bits
+do not.
 """
 
 import functools
@@ -151,13 +164,14 @@ def check_shapes(xq_KM, sx, dyq_NM, sdy, group_sizes_G):
 
 def tgmm_fp8_blockwise(xq_KM, sx, dyq_NM, sdy, group_sizes_G, *, out_dtype=jnp.float32,
                        num_stages=4, sms=None, split="rows", overlap=True, tile_order="sorted_snake",
-                       chain=False):
+                       chain=False, pingpong=False):
     """dw [G, K, N] = per-group blockwise-scaled x^T dy; zeros for empty groups.
 
     See the module docstring for the operand layouts. ``split`` (``SPLITS``),
     ``overlap`` (promote each step's product during the next step's wgmma),
     ``chain`` (experimental: one pipeline over all of a CTA's tiles, module
-    docstring) and ``tile_order`` (``mosaic_gmm.TILE_ORDERS``: which CTA computes which output
+    docstring), ``pingpong`` (experimental: the two compute warpgroups issue their
+    wgmmas in turn, module docstring) and ``tile_order`` (``mosaic_gmm.TILE_ORDERS``: which CTA computes which output
     tile, ``mosaic_gmm.walk_tiles``) change how the kernel runs, not its bits;
     the split and overlap defaults had the shortest kernel time on the H200
     (module docstring). ``"sorted_snake"`` ranks groups by their 128-row steps;
@@ -205,6 +219,19 @@ def tgmm_fp8_blockwise(xq_KM, sx, dyq_NM, sdy, group_sizes_G, *, out_dtype=jnp.f
             compute_context=compute_context,
         )
 
+    def turn_barriers():
+        """``pingpong``'s allocation: one barrier per compute warpgroup, on which the
+        other arrives once it has issued its wgmma."""
+        return dict(turns=plgpu.Barrier(num_arrivals=1, num_barriers=2)) if pingpong else {}
+
+    def first_turn(wg, turns):
+        if turns is not None:  # warpgroup 0 issues first
+            pl.when(wg == 1)(lambda: plgpu.barrier_arrive(turns.at[0]))
+
+    def last_turn(wg, turns):
+        if turns is not None:  # warpgroup 1's last arrival, so that none is left unseen
+            pl.when(wg == 0)(lambda: plgpu.barrier_wait(turns.at[0]))
+
     def tile_steps(starts_ref, sizes_ref, g):
         """(first 128-row block, step count) of group g's tiles; no steps if it is empty."""
         start, size = starts_ref[g], sizes_ref[g]
@@ -220,8 +247,9 @@ def tgmm_fp8_blockwise(xq_KM, sx, dyq_NM, sdy, group_sizes_G, *, out_dtype=jnp.f
                           pl.ds(band * cta_n + (0 if by_rows else wg * bn), bn)],
         )
 
-    def step_functions(wg):
-        """(step body, its initial carry, the carry's final sum) for warpgroup ``wg``."""
+    def step_functions(wg, turns=None):
+        """(step body, its initial carry, the carry's final sum) for warpgroup ``wg``;
+        with ``turns`` (``pingpong``), the two warpgroups issue their wgmmas in turn."""
         zeros = lambda: plgpu.layout_cast(jnp.zeros((bk, bn), jnp.float32),  # noqa: E731
                                           plgpu.Layout.WGMMA)
 
@@ -245,13 +273,23 @@ def tgmm_fp8_blockwise(xq_KM, sx, dyq_NM, sdy, group_sizes_G, *, out_dtype=jnp.f
             return (lax.broadcast_in_dim(row_scale, (bk, bn), (0,))
                     * lax.broadcast_in_dim(col_scale, (bk, bn), (1,)))
 
+        def issue(acc_ref, lhs, rhs):
+            """This step's wgmma; with ``turns``, after the other warpgroup's (module
+            docstring, ``pingpong``)."""
+            if turns is None:
+                plgpu.wgmma(acc_ref, lhs, rhs)
+                return
+            plgpu.barrier_wait(turns.at[wg])
+            plgpu.wgmma(acc_ref, lhs, rhs)
+            plgpu.barrier_arrive(turns.at[1 - wg])
+
         def mma_body(_, x_smem, dy_smem, sx_smem, sdy_smem, total):
             lhs, rhs, rows, cols = operands(x_smem, dy_smem, sx_smem, sdy_smem)
             # Scales first: their loads overlap the wgmma.
             row_scale, col_scale = load_scale(rows, cols)
 
             def m_step(acc_ref):
-                plgpu.wgmma(acc_ref, lhs, rhs)
+                issue(acc_ref, lhs, rhs)
                 plgpu.wgmma_wait(0)
                 return acc_ref[...]
 
@@ -265,7 +303,7 @@ def tgmm_fp8_blockwise(xq_KM, sx, dyq_NM, sdy, group_sizes_G, *, out_dtype=jnp.f
             lhs, rhs, rows, cols = operands(x_smem, dy_smem, sx_smem, sdy_smem)
 
             def m_step(acc_ref):
-                plgpu.wgmma(acc_ref, lhs, rhs)
+                issue(acc_ref, lhs, rhs)
                 # While the tensor cores run: the previous step's add, then
                 # this step's scale (loaded after the add: fewer live registers).
                 total_next = total + pending
@@ -291,11 +329,13 @@ def tgmm_fp8_blockwise(xq_KM, sx, dyq_NM, sdy, group_sizes_G, *, out_dtype=jnp.f
             pl.run_scoped,
             pipeline_allocs=pipeline_allocs,
             out_smem=plgpu.SMEM((2, 2, 64, 64), out_dtype, transforms=out_transforms),
+            **turn_barriers(),
             collective_axes="wg",
         )
-        def _scope(pipeline_allocs, out_smem):
+        def _scope(pipeline_allocs, out_smem, turns=None):
             wg = lax.axis_index("wg")
-            step_body, init, finish = step_functions(wg)
+            step_body, init, finish = step_functions(wg, turns)
+            first_turn(wg, turns)
 
             @walk_tiles((num_groups, k_tiles, n_bands), *order_ref)
             def _tile(g, k_tile, band):
@@ -323,6 +363,8 @@ def tgmm_fp8_blockwise(xq_KM, sx, dyq_NM, sdy, group_sizes_G, *, out_dtype=jnp.f
                 def _empty_group():
                     store(plgpu.layout_cast(jnp.zeros((bk, bn), out_dtype), plgpu.Layout.WGMMA))
 
+            last_turn(wg, turns)
+
         plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
     def chained_body(starts_ref, sizes_ref, *refs):
@@ -338,11 +380,13 @@ def tgmm_fp8_blockwise(xq_KM, sx, dyq_NM, sdy, group_sizes_G, *, out_dtype=jnp.f
             loaded=plgpu.Barrier(num_arrivals=4, num_barriers=num_stages),  # one per copy
             consumed=plgpu.Barrier(num_arrivals=2, num_barriers=num_stages),  # one per compute wg
             out_smem=plgpu.SMEM((2, 2, 64, 64), out_dtype, transforms=out_transforms),
+            **turn_barriers(),
             collective_axes="wg",
         )
-        def _scope(x_smem, dy_smem, sx_smem, sdy_smem, loaded, consumed, out_smem):
+        def _scope(x_smem, dy_smem, sx_smem, sdy_smem, loaded, consumed, out_smem, turns=None):
             wg = lax.axis_index("wg")
-            step_body, init, finish = step_functions(wg)
+            step_body, init, finish = step_functions(wg, turns)
+            first_turn(wg, turns)
 
             def tile_of(g):
                 first_block, steps = tile_steps(starts_ref, sizes_ref, g)
@@ -371,6 +415,7 @@ def tgmm_fp8_blockwise(xq_KM, sx, dyq_NM, sdy, group_sizes_G, *, out_dtype=jnp.f
                 buffers=(x_smem, dy_smem, sx_smem, sdy_smem), loaded=loaded, consumed=consumed,
                 tile_of=tile_of,
                 sources_of=sources_of, compute=compute)
+            last_turn(wg, turns)
 
         plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
