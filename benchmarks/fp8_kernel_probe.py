@@ -62,6 +62,10 @@ VARIANTS = {
     "cols_gtw1_overlap": dict(split="columns", grid_tile_width=1, overlap=True),
     # each CTA's tile pipelines chained: the next tile's loads start before this one ends
     "rows_gtw8_chain": dict(split="rows", grid_tile_width=8, chain=True),
+    # the compute warpgroups issue their wgmmas in turn: one promotes while the other's runs
+    "rows_gtw8_pingpong": dict(split="rows", grid_tile_width=8, pingpong=True),
+    "rows_gtw8_overlap_pingpong": dict(split="rows", grid_tile_width=8, overlap=True,
+                                       pingpong=True),
 }
 # name -> keyword arguments of tgmm_fp8_blockwise; the first, the kernel's default
 # (what training runs), is the reference of the bitwise check. overlap: promotion

@@ -124,7 +124,8 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 from dropless.ops import quant
 from dropless.ops.gmm import reference as ref_backend
 from dropless.ops.gmm import schedule as schedule_lib
-from dropless.ops.gmm.mosaic_fp8 import BLOCK, _MEMORY_REGISTERS, _swizzle_transforms
+from dropless.ops.gmm.mosaic_fp8 import (BLOCK, _MEMORY_REGISTERS, _swizzle_transforms, first_turn,
+                                         issue_in_turn, last_turn, turn_allocations)
 from dropless.ops.gmm.mosaic_gmm import (chained_tile_pipeline, persistent_kernel,
                                         tile_order_operands, walk_tiles)
 from dropless.ops.gmm.mosaic_tgmm import _store_tile
@@ -219,19 +220,6 @@ def tgmm_fp8_blockwise(xq_KM, sx, dyq_NM, sdy, group_sizes_G, *, out_dtype=jnp.f
             compute_context=compute_context,
         )
 
-    def turn_barriers():
-        """``pingpong``'s allocation: one barrier per compute warpgroup, on which the
-        other arrives once it has issued its wgmma."""
-        return dict(turns=plgpu.Barrier(num_arrivals=1, num_barriers=2)) if pingpong else {}
-
-    def first_turn(wg, turns):
-        if turns is not None:  # warpgroup 0 issues first
-            pl.when(wg == 1)(lambda: plgpu.barrier_arrive(turns.at[0]))
-
-    def last_turn(wg, turns):
-        if turns is not None:  # warpgroup 1's last arrival, so that none is left unseen
-            pl.when(wg == 0)(lambda: plgpu.barrier_wait(turns.at[0]))
-
     def tile_steps(starts_ref, sizes_ref, g):
         """(first 128-row block, step count) of group g's tiles; no steps if it is empty."""
         start, size = starts_ref[g], sizes_ref[g]
@@ -273,23 +261,13 @@ def tgmm_fp8_blockwise(xq_KM, sx, dyq_NM, sdy, group_sizes_G, *, out_dtype=jnp.f
             return (lax.broadcast_in_dim(row_scale, (bk, bn), (0,))
                     * lax.broadcast_in_dim(col_scale, (bk, bn), (1,)))
 
-        def issue(acc_ref, lhs, rhs):
-            """This step's wgmma; with ``turns``, after the other warpgroup's (module
-            docstring, ``pingpong``)."""
-            if turns is None:
-                plgpu.wgmma(acc_ref, lhs, rhs)
-                return
-            plgpu.barrier_wait(turns.at[wg])
-            plgpu.wgmma(acc_ref, lhs, rhs)
-            plgpu.barrier_arrive(turns.at[1 - wg])
-
         def mma_body(_, x_smem, dy_smem, sx_smem, sdy_smem, total):
             lhs, rhs, rows, cols = operands(x_smem, dy_smem, sx_smem, sdy_smem)
             # Scales first: their loads overlap the wgmma.
             row_scale, col_scale = load_scale(rows, cols)
 
             def m_step(acc_ref):
-                issue(acc_ref, lhs, rhs)
+                issue_in_turn(acc_ref, lhs, rhs, wg, turns)
                 plgpu.wgmma_wait(0)
                 return acc_ref[...]
 
@@ -303,7 +281,7 @@ def tgmm_fp8_blockwise(xq_KM, sx, dyq_NM, sdy, group_sizes_G, *, out_dtype=jnp.f
             lhs, rhs, rows, cols = operands(x_smem, dy_smem, sx_smem, sdy_smem)
 
             def m_step(acc_ref):
-                issue(acc_ref, lhs, rhs)
+                issue_in_turn(acc_ref, lhs, rhs, wg, turns)
                 # While the tensor cores run: the previous step's add, then
                 # this step's scale (loaded after the add: fewer live registers).
                 total_next = total + pending
@@ -329,7 +307,7 @@ def tgmm_fp8_blockwise(xq_KM, sx, dyq_NM, sdy, group_sizes_G, *, out_dtype=jnp.f
             pl.run_scoped,
             pipeline_allocs=pipeline_allocs,
             out_smem=plgpu.SMEM((2, 2, 64, 64), out_dtype, transforms=out_transforms),
-            **turn_barriers(),
+            **turn_allocations(pingpong),
             collective_axes="wg",
         )
         def _scope(pipeline_allocs, out_smem, turns=None):
@@ -380,7 +358,7 @@ def tgmm_fp8_blockwise(xq_KM, sx, dyq_NM, sdy, group_sizes_G, *, out_dtype=jnp.f
             loaded=plgpu.Barrier(num_arrivals=4, num_barriers=num_stages),  # one per copy
             consumed=plgpu.Barrier(num_arrivals=2, num_barriers=num_stages),  # one per compute wg
             out_smem=plgpu.SMEM((2, 2, 64, 64), out_dtype, transforms=out_transforms),
-            **turn_barriers(),
+            **turn_allocations(pingpong),
             collective_axes="wg",
         )
         def _scope(x_smem, dy_smem, sx_smem, sdy_smem, loaded, consumed, out_smem, turns=None):
