@@ -279,7 +279,7 @@ def _awkward_fwd_operands(rng):
     return mosaic_fp8.fwd_operands(x, wq, sw), jnp.asarray(np.array(sizes, np.int32)), total
 
 
-@pytest.mark.parametrize("overlap", [False, True], ids=["wait", "overlap"])
+@pytest.mark.parametrize("overlap", [False], ids=["wait"])  # overlap: the wgrad test
 def test_interpret_fwd_pingpong_equals_the_plain_kernel_bit_for_bit(rng, overlap):
     """``pingpong=True``: the compute warpgroups issue their wgmmas in turn, which
     changes the order of issue only: the plain kernel's bits, with no race and no
@@ -378,7 +378,7 @@ def test_interpret_wgrad_matches_dequantized_product(rng, layout, split, overlap
             _assert_close(dw[e], ref[e])
 
 
-@pytest.mark.parametrize("order,overlap", [("sorted_snake", True), ("groups", False)])
+@pytest.mark.parametrize("order,overlap", [("sorted_snake", True)])  # "groups": bf16 test
 def test_interpret_wgrad_chain_equals_the_plain_kernel_bit_for_bit(rng, order, overlap):
     """``chain=True``: one loop over all of a CTA's tiles' steps, slots and barrier
     phases running on from tile to tile, so each tile gets the plain kernel's steps
