@@ -378,6 +378,16 @@ def test_interpret_wgrad_matches_dequantized_product(rng, layout, split, overlap
             _assert_close(dw[e], ref[e])
 
 
+def _schedule_wgrad_case(rng):
+    """(operands, group sizes) for the wgrad schedule tests: with 3 CTAs over 7 groups x
+    2 N tiles (K = N = 256, split rows), 5 rounds, the last partial; empty groups;
+    tiles of 1, 2 and 3 steps; a NaN tail past the total."""
+    m, sizes = 1024, [128, 0, 384, 0, 256, 128, 0]
+    x = _nan_tail(_scaled(rng, (m, 256), (0, 1)), sum(sizes))
+    dy = _nan_tail(_scaled(rng, (m, 256), (0, 1)), sum(sizes))
+    return mosaic_fp8_tgmm.wgrad_operands(x, dy), jnp.asarray(np.array(sizes, np.int32))
+
+
 @pytest.mark.parametrize("order,overlap", [("sorted_snake", True)])  # "groups": bf16 test
 def test_interpret_wgrad_chain_equals_the_plain_kernel_bit_for_bit(rng, order, overlap):
     """``chain=True``: one loop over all of a CTA's tiles' steps, slots and barrier
@@ -386,11 +396,7 @@ def test_interpret_wgrad_chain_equals_the_plain_kernel_bit_for_bit(rng, order, o
     tiles: 5 rounds, the last partial (a CTA visits no tile there), empty groups
     (zero stores with no steps), a NaN tail past the total, 3 stages over tiles of
     1, 2 and 3 steps."""
-    m, sizes = 1024, [128, 0, 384, 0, 256, 128, 0]
-    gs = jnp.asarray(np.array(sizes, np.int32))
-    x = _nan_tail(_scaled(rng, (m, 256), (0, 1)), sum(sizes))
-    dy = _nan_tail(_scaled(rng, (m, 256), (0, 1)), sum(sizes))
-    ops = mosaic_fp8_tgmm.wgrad_operands(x, dy)
+    ops, gs = _schedule_wgrad_case(rng)
     kw = dict(sms=3, num_stages=3, tile_order=order, overlap=overlap)
     with _interpret(detect_races=True):
         chained = mosaic_fp8_tgmm.tgmm_fp8_blockwise(*ops, gs, chain=True, **kw)
@@ -408,11 +414,7 @@ def test_interpret_wgrad_pingpong_equals_the_plain_kernel_bit_for_bit(rng, chain
     each, first and last turn at the ends), which changes the order of issue only:
     the plain kernel's bits, with no race and no deadlock, over tiles of 0 to 3 steps
     and a partial last round, in either driver."""
-    m, sizes = 1024, [128, 0, 384, 0, 256, 128, 0]
-    gs = jnp.asarray(np.array(sizes, np.int32))
-    x = _nan_tail(_scaled(rng, (m, 256), (0, 1)), sum(sizes))
-    dy = _nan_tail(_scaled(rng, (m, 256), (0, 1)), sum(sizes))
-    ops = mosaic_fp8_tgmm.wgrad_operands(x, dy)
+    ops, gs = _schedule_wgrad_case(rng)
     kw = dict(sms=3, num_stages=3, overlap=overlap, chain=chain)
     with _interpret(detect_races=True):
         got = mosaic_fp8_tgmm.tgmm_fp8_blockwise(*ops, gs, pingpong=True, **kw)

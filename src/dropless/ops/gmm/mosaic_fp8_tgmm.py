@@ -351,17 +351,11 @@ def tgmm_fp8_blockwise(xq_KM, sx, dyq_NM, sdy, group_sizes_G, *, out_dtype=jnp.f
 
         @functools.partial(
             pl.run_scoped,
-            x_smem=plgpu.SMEM((num_stages, cta_k, bm), xq_KM.dtype, transforms=in_transforms),
-            dy_smem=plgpu.SMEM((num_stages, cta_n, bm), dyq_NM.dtype, transforms=in_transforms),
-            sx_smem=plgpu.SMEM((num_stages, 1, cta_k), jnp.float32),
-            sdy_smem=plgpu.SMEM((num_stages, 1, cta_n), jnp.float32),
-            loaded=plgpu.Barrier(num_arrivals=4, num_barriers=num_stages),  # one per copy
-            consumed=plgpu.Barrier(num_arrivals=2, num_barriers=num_stages),  # one per compute wg
             out_smem=plgpu.SMEM((2, 2, 64, 64), out_dtype, transforms=out_transforms),
             **turn_allocations(pingpong),
             collective_axes="wg",
         )
-        def _scope(x_smem, dy_smem, sx_smem, sdy_smem, loaded, consumed, out_smem, turns=None):
+        def _scope(out_smem, turns=None):
             wg = lax.axis_index("wg")
             step_body, init, finish = step_functions(wg, turns)
             first_turn(wg, turns)
@@ -378,7 +372,7 @@ def tgmm_fp8_blockwise(xq_KM, sx, dyq_NM, sdy, group_sizes_G, *, out_dtype=jnp.f
                         sx_gmem.at[pl.ds(block, 1), pl.ds(k_tile * cta_k, cta_k)],
                         sdy_gmem.at[pl.ds(block, 1), pl.ds(band * cta_n, cta_n)])
 
-            def compute(g, k_tile, band, real, loop):
+            def compute(g, k_tile, band, real, _, loop):
                 acc, it = loop(lambda s, slots, acc: step_body(None, *slots, acc), init())
 
                 @pl.when(real)
@@ -390,9 +384,12 @@ def tgmm_fp8_blockwise(xq_KM, sx, dyq_NM, sdy, group_sizes_G, *, out_dtype=jnp.f
 
             chained_tile_pipeline(
                 (num_groups, k_tiles, n_bands), order_ref[0] if order_ref else None, wg=wg,
-                buffers=(x_smem, dy_smem, sx_smem, sdy_smem), loaded=loaded, consumed=consumed,
-                tile_of=tile_of,
-                sources_of=sources_of, compute=compute)
+                buffers=(
+                    plgpu.SMEM((num_stages, cta_k, bm), xq_KM.dtype, transforms=in_transforms),
+                    plgpu.SMEM((num_stages, cta_n, bm), dyq_NM.dtype, transforms=in_transforms),
+                    plgpu.SMEM((num_stages, 1, cta_k), jnp.float32),
+                    plgpu.SMEM((num_stages, 1, cta_n), jnp.float32)),
+                tile_of=tile_of, sources_of=sources_of, compute=compute)
             last_turn(wg, turns)
 
         plgpu.wait_smem_to_gmem(0, wait_read_only=True)

@@ -192,83 +192,91 @@ def walk_tiles_carry(grid, tile, init, order_ref_G=None):
 _COMPUTE_REGISTERS = (512 - _MEMORY_REGISTERS) // 2 // 8 * 8
 
 
-def chained_tile_pipeline(grid, order_ref_G, *, wg, buffers, loaded, consumed, tile_of,
-                          sources_of, compute):
+def chained_tile_pipeline(grid, order_ref_G, *, wg, buffers, tile_of, sources_of, compute):
     """One warp-specialised pipeline over all of this CTA's weight-gradient tiles: the
     slot counter and the barriers' phases run on from one tile into the next, so the
     memory warpgroup (``wg`` 2) loads a tile's first steps while the compute
     warpgroups (0, 1) finish the tile before (DeepGEMM's structure). jax's own
     chaining (``pipeline_state``) needs a static step count that is a multiple of the
-    stages; a group's step count is read on the device.
+    stages; a group's step count is read on the device. Call it from every
+    warpgroup: it allocates the stage buffers and their two barriers (``loaded``: one
+    TMA copy per buffer arrives; ``consumed``: each compute warpgroup arrives once it
+    has read the slot).
 
     Args:
       grid, order_ref_G: the tiles and their order, as ``walk_tiles``.
-      buffers: smem refs [stages, ...], one per operand of a step.
-      loaded: ``Barrier(num_arrivals=len(buffers), num_barriers=stages)``: one TMA
-        copy per buffer arrives on it.
-      consumed: ``Barrier(num_arrivals=2, num_barriers=stages)``: each compute
-        warpgroup arrives once it has read the slot.
-      tile_of(g): (the tiles' step count in group g, 0 if it is empty; what
-        ``sources_of`` needs of the group), read once per tile.
+      buffers: ``plgpu.SMEM`` types [stages, ...], one per operand of a step.
+      tile_of(g): (the tiles' step count in group g, 0 if it is empty; ``info``, what
+        ``sources_of`` and ``compute`` need of the group), read once per tile.
       sources_of(info, k_tile, n_tile, s): the gmem refs of step s, one per buffer.
-      compute(g, k_tile, n_tile, real, loop): a compute warpgroup's work on a tile,
-        ``real`` False past the grid (store nothing). It calls ``loop(body, init)``
-        once, which runs ``carry = body(s, slot_refs, carry)`` over the tile's steps
-        and returns (the last carry, the slot counter after them), and it returns
-        that counter (so the counter leaves any ``run_scoped`` it was made in).
+      compute(g, k_tile, n_tile, real, info, loop): a compute warpgroup's work on a
+        tile, ``real`` False past the grid (store nothing). It calls
+        ``loop(body, init)`` once, which runs ``carry = body(s, slot_refs, carry)``
+        over the tile's steps and returns (the last carry, the slot counter after
+        them), and it returns that counter (so the counter leaves any ``run_scoped``
+        it was made in).
     """
     num_stages = buffers[0].shape[0]
 
-    @pl.when(wg == 2)
-    def _memory():
-        plgpu.set_max_registers(_MEMORY_REGISTERS, action="decrease")
+    @functools.partial(
+        pl.run_scoped,
+        buffers=list(buffers),
+        loaded=plgpu.Barrier(num_arrivals=len(buffers), num_barriers=num_stages),
+        consumed=plgpu.Barrier(num_arrivals=2, num_barriers=num_stages),
+        collective_axes="wg",
+    )
+    def _scope(buffers, loaded, consumed):
+        @pl.when(wg == 2)
+        def _memory():
+            plgpu.set_max_registers(_MEMORY_REGISTERS, action="decrease")
 
-        def tile(g, k_tile, n_tile, real, it):
-            count, info = tile_of(g)
+            def tile(g, k_tile, n_tile, real, it):
+                count, info = tile_of(g)
 
-            def load(s, it):
-                slot = lax.rem(it, num_stages)
-
-                @pl.when(it >= num_stages)
-                def _wait_for_the_slot():
-                    plgpu.barrier_wait(consumed.at[slot])
-
-                for src, dst in zip(sources_of(info, k_tile, n_tile, s), buffers, strict=True):
-                    plgpu.copy_gmem_to_smem(src, dst.at[slot], loaded.at[slot])
-                return it + 1
-
-            return lax.fori_loop(0, jnp.where(real, count, 0), load, it)
-
-        loads = walk_tiles_carry(grid, tile, jnp.int32(0), order_ref_G)
-
-        # See the last stages' slots consumed before the barriers go (as jax's
-        # pipeline does): no arrival is left unobserved.
-        @pl.loop(jnp.maximum(loads - num_stages, 0), loads)
-        def _quiesce(it):
-            plgpu.barrier_wait(consumed.at[lax.rem(it, num_stages)])
-
-    @pl.when(wg < 2)
-    def _compute():
-        plgpu.set_max_registers(_COMPUTE_REGISTERS, action="increase")
-
-        def tile(g, k_tile, n_tile, real, it):
-            count = jnp.where(real, tile_of(g)[0], 0)
-
-            def loop(body, init):
-                def step(s, carry):
-                    it, acc = carry
+                def load(s, it):
                     slot = lax.rem(it, num_stages)
-                    plgpu.barrier_wait(loaded.at[slot])
-                    acc = body(s, [b.at[slot] for b in buffers], acc)
-                    plgpu.barrier_arrive(consumed.at[slot])
-                    return it + 1, acc
 
-                it_end, acc = lax.fori_loop(0, count, step, (it, init))
-                return acc, it_end
+                    @pl.when(it >= num_stages)
+                    def _wait_for_the_slot():
+                        plgpu.barrier_wait(consumed.at[slot])
 
-            return compute(g, k_tile, n_tile, real, loop)
+                    for src, dst in zip(sources_of(info, k_tile, n_tile, s), buffers,
+                                        strict=True):
+                        plgpu.copy_gmem_to_smem(src, dst.at[slot], loaded.at[slot])
+                    return it + 1
 
-        walk_tiles_carry(grid, tile, jnp.int32(0), order_ref_G)
+                return lax.fori_loop(0, jnp.where(real, count, 0), load, it)
+
+            loads = walk_tiles_carry(grid, tile, jnp.int32(0), order_ref_G)
+
+            # See the last stages' slots consumed before the barriers go (as jax's
+            # pipeline does): no arrival is left unobserved.
+            @pl.loop(jnp.maximum(loads - num_stages, 0), loads)
+            def _quiesce(it):
+                plgpu.barrier_wait(consumed.at[lax.rem(it, num_stages)])
+
+        @pl.when(wg < 2)
+        def _compute():
+            plgpu.set_max_registers(_COMPUTE_REGISTERS, action="increase")
+
+            def tile(g, k_tile, n_tile, real, it):
+                count, info = tile_of(g)
+
+                def loop(body, init):
+                    def step(s, carry):
+                        it, acc = carry
+                        slot = lax.rem(it, num_stages)
+                        plgpu.barrier_wait(loaded.at[slot])
+                        acc = body(s, [b.at[slot] for b in buffers], acc)
+                        plgpu.barrier_arrive(consumed.at[slot])
+                        return it + 1, acc
+
+                    it_end, acc = lax.fori_loop(0, jnp.where(real, count, 0), step, (it, init))
+                    return acc, it_end
+
+                return compute(g, k_tile, n_tile, real, info, loop)
+
+            walk_tiles_carry(grid, tile, jnp.int32(0), order_ref_G)
 
 
 def walk_row_tiles(num_tiles, num_real, n_bands, grid_tile_width, chain):

@@ -212,29 +212,25 @@ def tgmm(x_MK, dy_MN, group_sizes_G, *, num_groups, tiling: TgmmTiling, out_dtyp
 
         @functools.partial(
             pl.run_scoped,
-            x_smem=plgpu.SMEM((num_stages, bm, cta_k), x_MK.dtype, transforms=x_transforms),
-            dy_smem=plgpu.SMEM((num_stages, bm, bn), dy_MN.dtype, transforms=dy_transforms),
-            loaded=plgpu.Barrier(num_arrivals=2, num_barriers=num_stages),  # one per copy
-            consumed=plgpu.Barrier(num_arrivals=2, num_barriers=num_stages),  # one per compute wg
             out_smem=plgpu.SMEM((2, 2, _EPI, _EPI), out_dtype, transforms=out_transforms),
             mask_barrier=plgpu.Barrier(num_arrivals=2),
             collective_axes="wg",
         )
-        def _scope(x_smem, dy_smem, loaded, consumed, out_smem, mask_barrier):
+        def _scope(out_smem, mask_barrier):
             wg = lax.axis_index("wg")
 
             def tile_of(g):
-                size, first_row, steps, _, _ = geometry(starts_ref, sizes_ref, g)
-                return jnp.where(size > 0, steps, 0), first_row
+                size, *info = geometry(starts_ref, sizes_ref, g)  # first_row, steps, ...
+                return jnp.where(size > 0, info[1], 0), info
 
-            def sources_of(first_row, k_band, n_tile, s):
-                rows = pl.ds(first_row, m)  # may run past M: TMA zero-fills, and we mask
+            def sources_of(info, k_band, n_tile, s):
+                rows = pl.ds(info[0], m)  # may run past M: TMA zero-fills, and we mask
                 step_rows = pl.ds(s * bm, bm)
                 return (x_gmem.at[rows, pl.ds(k_band * cta_k, cta_k)].at[step_rows],
                         dy_gmem.at[rows, pl.ds(n_tile * bn, bn)].at[step_rows])
 
-            def compute(g, k_band, n_tile, real, loop):
-                _, _, steps, head, end_in_last = geometry(starts_ref, sizes_ref, g)
+            def compute(g, k_band, n_tile, real, info, loop):
+                _, steps, head, end_in_last = info
 
                 @functools.partial(pl.run_scoped, acc_ref=plgpu.ACC((bk, bn), jnp.float32))
                 def it_end(acc_ref):  # an empty group's tile stores the zeros it starts as
@@ -252,8 +248,10 @@ def tgmm(x_MK, dy_MN, group_sizes_G, *, num_groups, tiling: TgmmTiling, out_dtyp
 
             chained_tile_pipeline(
                 (num_groups, k_bands, n_tiles), order_ref[0] if order_ref else None, wg=wg,
-                buffers=(x_smem, dy_smem), loaded=loaded, consumed=consumed, tile_of=tile_of,
-                sources_of=sources_of, compute=compute)
+                buffers=(
+                    plgpu.SMEM((num_stages, bm, cta_k), x_MK.dtype, transforms=x_transforms),
+                    plgpu.SMEM((num_stages, bm, bn), dy_MN.dtype, transforms=dy_transforms)),
+                tile_of=tile_of, sources_of=sources_of, compute=compute)
 
         plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
