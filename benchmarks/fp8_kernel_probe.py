@@ -72,18 +72,21 @@ VARIANTS = {
 # during the next step's wgmma; sorted: the tile order that balances the SMs under
 # skewed group sizes (``mosaic_gmm.walk_tiles``).
 WGRAD_VARIANTS = {
-    "wgrad_rows_overlap_sorted": dict(split="rows", overlap=True, tile_order="sorted_snake"),
     # one pipeline over all of a CTA's tiles: the next tile's loads start before this one ends
     "wgrad_rows_overlap_sorted_chain": dict(split="rows", overlap=True, tile_order="sorted_snake",
                                             chain=True),
+    # a pipeline per output tile (the default until 2026-12-03)
+    "wgrad_rows_overlap_sorted": dict(split="rows", overlap=True, tile_order="sorted_snake",
+                                      chain=False),
     # the compute warpgroups issue their wgmmas in turn: one promotes while the other's runs
     "wgrad_rows_sorted_pingpong": dict(split="rows", overlap=False, tile_order="sorted_snake",
-                                       pingpong=True),
+                                       pingpong=True, chain=False),
     "wgrad_rows_overlap_sorted_pingpong": dict(split="rows", overlap=True,
-                                               tile_order="sorted_snake", pingpong=True),
+                                               tile_order="sorted_snake", pingpong=True,
+                                               chain=False),
     "wgrad_rows_sorted_pingpong_chain": dict(split="rows", overlap=False,
                                              tile_order="sorted_snake", pingpong=True, chain=True),
-    "wgrad_rows_overlap": dict(split="rows", overlap=True, tile_order="groups"),
+"wgrad_rows_overlap": dict(split="rows", overlap=True, tile_order="groups"),
     "wgrad_rows": dict(split="rows", overlap=False, tile_order="groups"),
     "wgrad_columns_overlap": dict(split="columns", overlap=True, tile_order="groups"),
     "wgrad_columns": dict(split="columns", overlap=False, tile_order="groups"),

@@ -165,7 +165,7 @@ def check_shapes(xq_KM, sx, dyq_NM, sdy, group_sizes_G):
 
 def tgmm_fp8_blockwise(xq_KM, sx, dyq_NM, sdy, group_sizes_G, *, out_dtype=jnp.float32,
                        num_stages=4, sms=None, split="rows", overlap=True, tile_order="sorted_snake",
-                       chain=False, pingpong=False):
+                       chain=True, pingpong=False):
     """dw [G, K, N] = per-group blockwise-scaled x^T dy; zeros for empty groups.
 
     See the module docstring for the operand layouts. ``split`` (``SPLITS``),
