@@ -62,10 +62,6 @@ VARIANTS = {
     "cols_gtw1_overlap": dict(split="columns", grid_tile_width=1, overlap=True),
     # each CTA's tile pipelines chained: the next tile's loads start before this one ends
     "rows_gtw8_chain": dict(split="rows", grid_tile_width=8, chain=True),
-    # the compute warpgroups issue their wgmmas in turn: one promotes while the other's runs
-    "rows_gtw8_pingpong": dict(split="rows", grid_tile_width=8, pingpong=True),
-    "rows_gtw8_overlap_pingpong": dict(split="rows", grid_tile_width=8, overlap=True,
-                                       pingpong=True),
 }
 # name -> keyword arguments of tgmm_fp8_blockwise; the first, the kernel's default
 # (what training runs), is the reference of the bitwise check. overlap: promotion
@@ -78,18 +74,12 @@ WGRAD_VARIANTS = {
     # a pipeline per output tile (the default until 2026-12-03)
     "wgrad_rows_overlap_sorted": dict(split="rows", overlap=True, tile_order="sorted_snake",
                                       chain=False),
-    # the compute warpgroups issue their wgmmas in turn: one promotes while the other's runs
-    "wgrad_rows_sorted_pingpong": dict(split="rows", overlap=False, tile_order="sorted_snake",
-                                       pingpong=True, chain=False),
-    "wgrad_rows_overlap_sorted_pingpong": dict(split="rows", overlap=True,
-                                               tile_order="sorted_snake", pingpong=True,
-                                               chain=False),
-    "wgrad_rows_sorted_pingpong_chain": dict(split="rows", overlap=False,
-                                             tile_order="sorted_snake", pingpong=True, chain=True),
-"wgrad_rows_overlap": dict(split="rows", overlap=True, tile_order="groups"),
-    "wgrad_rows": dict(split="rows", overlap=False, tile_order="groups"),
-    "wgrad_columns_overlap": dict(split="columns", overlap=True, tile_order="groups"),
-    "wgrad_columns": dict(split="columns", overlap=False, tile_order="groups"),
+    # the tile orders and splits, each a pipeline per tile
+    "wgrad_rows_overlap": dict(split="rows", overlap=True, tile_order="groups", chain=False),
+    "wgrad_rows": dict(split="rows", overlap=False, tile_order="groups", chain=False),
+    "wgrad_columns_overlap": dict(split="columns", overlap=True, tile_order="groups",
+                                  chain=False),
+    "wgrad_columns": dict(split="columns", overlap=False, tile_order="groups", chain=False),
 }
 
 

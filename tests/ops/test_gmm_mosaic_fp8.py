@@ -105,14 +105,13 @@ def _lowering_args(kind, m, k, n, g):
                 S((mb, n), jnp.float32), gs)
 
 
-# The wgrad kernel's configurations: its defaults (split rows, overlap) with bf16
-# output, as training runs it, and each (split, overlap).
+# The wgrad kernel's configurations: its defaults (split rows, overlap, chain) with
+# bf16 output, as training runs it, each (split, overlap), and a pipeline per tile.
 WGRAD_KINDS = {"wgrad": dict(out_dtype=jnp.bfloat16),
                **{f"wgrad_{split}_{'overlap' if overlap else 'wait'}": dict(split=split,
                                                                             overlap=overlap)
                   for split in mosaic_fp8_tgmm.SPLITS for overlap in (False, True)},
-               "wgrad_chain": dict(out_dtype=jnp.bfloat16, chain=True),
-               "wgrad_pingpong": dict(out_dtype=jnp.bfloat16, overlap=False, pingpong=True)}
+               "wgrad_per_tile": dict(out_dtype=jnp.bfloat16, chain=False)}
 
 
 @pytest.mark.parametrize("kind", ["fwd", "dgrad", *WGRAD_KINDS])
@@ -130,14 +129,6 @@ def test_fwd_dgrad_overlap_lowers_for_cuda_at_a_deepseek_shape(kind, split):
     pipeline loop: Mosaic's layout inference must take the carry in either split."""
     fn, args = _lowering_args(kind, 65536, 7168, 4096, 32)
     exported = jax.export.export(jax.jit(lambda *a: fn(*a, sms=132, split=split, overlap=True)),
-                                 platforms=["cuda"])(*args)
-    assert "mosaic_gpu" in exported.mlir_module()
-
-
-@pytest.mark.parametrize("kind", ["fwd", "dgrad"])
-def test_fwd_dgrad_pingpong_lowers_for_cuda_at_a_deepseek_shape(kind):
-    fn, args = _lowering_args(kind, 65536, 7168, 4096, 32)
-    exported = jax.export.export(jax.jit(lambda *a: fn(*a, sms=132, pingpong=True)),
                                  platforms=["cuda"])(*args)
     assert "mosaic_gpu" in exported.mlir_module()
 
@@ -279,22 +270,6 @@ def _awkward_fwd_operands(rng):
     return mosaic_fp8.fwd_operands(x, wq, sw), jnp.asarray(np.array(sizes, np.int32)), total
 
 
-@pytest.mark.parametrize("overlap", [False], ids=["wait"])  # overlap: the wgrad test
-def test_interpret_fwd_pingpong_equals_the_plain_kernel_bit_for_bit(rng, overlap):
-    """``pingpong=True``: the compute warpgroups issue their wgmmas in turn, which
-    changes the order of issue only: the plain kernel's bits, with no race and no
-    deadlock (the awkward layout above, with its zero tiles and ragged groups)."""
-    ops, gs, _ = _awkward_fwd_operands(rng)
-    run = functools.partial(mosaic_fp8.gmm_fp8_blockwise, *ops, gs, out_dtype=jnp.float32,
-                            overlap=overlap)
-    with _interpret(detect_races=True):
-        y = run(pingpong=True).block_until_ready()
-    assert not _races_found()
-    with _interpret():
-        want = run()
-    np.testing.assert_array_equal(np.asarray(y), np.asarray(want))
-
-
 @pytest.mark.parametrize("split", mosaic_fp8.SPLITS)
 def test_interpret_fwd_overlap_equals_the_plain_step_bit_for_bit(rng, split):
     """``overlap=True`` promotes each step's product during the next step's wgmma with
@@ -406,23 +381,6 @@ def test_interpret_wgrad_chain_equals_the_plain_kernel_bit_for_bit(rng, order, o
         plain = mosaic_fp8_tgmm.tgmm_fp8_blockwise(*ops, gs, chain=False, **kw)
     np.testing.assert_array_equal(np.asarray(chained), np.asarray(plain))
     assert not np.isnan(np.asarray(chained)).any()
-
-
-@pytest.mark.parametrize("chain,overlap", [(False, True), (True, False)])
-def test_interpret_wgrad_pingpong_equals_the_plain_kernel_bit_for_bit(rng, chain, overlap):
-    """``pingpong=True``: the compute warpgroups issue their wgmmas in turn (one barrier
-    each, first and last turn at the ends), which changes the order of issue only:
-    the plain kernel's bits, with no race and no deadlock, over tiles of 0 to 3 steps
-    and a partial last round, in either driver."""
-    ops, gs = _schedule_wgrad_case(rng)
-    kw = dict(sms=3, num_stages=3, overlap=overlap, chain=chain)
-    with _interpret(detect_races=True):
-        got = mosaic_fp8_tgmm.tgmm_fp8_blockwise(*ops, gs, pingpong=True, **kw)
-        got.block_until_ready()
-        assert not _races_found()
-    with _interpret():
-        plain = mosaic_fp8_tgmm.tgmm_fp8_blockwise(*ops, gs, **kw)
-    np.testing.assert_array_equal(np.asarray(got), np.asarray(plain))
 
 
 def test_interpret_wgrad_tile_orders_agree_bit_for_bit(rng):
@@ -635,19 +593,6 @@ def test_gpu_fwd_dgrad_overlap_equals_the_plain_step_bit_for_bit(rng, product, s
 
 @gpu_test
 @pytest.mark.parametrize("product", ["fwd", "dgrad"])
-def test_gpu_fwd_dgrad_pingpong_equals_the_plain_kernel_bit_for_bit(rng, product):
-    """``pingpong=True`` on the hardware (the turn barriers under real concurrency):
-    the plain kernel's bits on random data, and the exact product on integer data,
-    at dgrad's 56 and fwd's 16 steps."""
-    for make in (lambda r, s: _scaled(r, s, (0, 1) if len(s) == 2 else (1, 2)), _integer_exact):
-        fwd_ops, dgrad_ops, gs, _ = _fwd_dgrad_inputs(rng, make)
-        ops = fwd_ops if product == "fwd" else dgrad_ops
-        np.testing.assert_array_equal(_run_fwd_like(ops, gs, pingpong=True),
-                                      _run_fwd_like(ops, gs))
-
-
-@gpu_test
-@pytest.mark.parametrize("product", ["fwd", "dgrad"])
 def test_gpu_fwd_dgrad_chain_equals_the_plain_kernel_bit_for_bit(rng, product):
     """``chain=True`` on the hardware (what interpret mode cannot show: the memory
     warpgroup running ahead into the next tile's loads while the compute warpgroups
@@ -669,23 +614,6 @@ def _run_wgrad(ops, gs, **kw):
 WGRAD_CONFIGS = pytest.mark.parametrize(
     "split,overlap", [(s_, o_) for s_ in mosaic_fp8_tgmm.SPLITS for o_ in (True, False)],
     ids=lambda v: v if isinstance(v, str) else ("overlap" if v else "wait"))
-
-
-@gpu_test
-@pytest.mark.parametrize("overlap", [False, True], ids=["wait", "overlap"])
-def test_gpu_wgrad_pingpong_equals_the_plain_kernel_bit_for_bit(rng, overlap):
-    """``pingpong=True`` on the hardware (the turn barriers under real concurrency):
-    the plain kernel's bits on random data with a NaN tail, and the exact product
-    on integer-exact data."""
-    make = lambda r, s: _scaled(r, s, (0, 1))  # noqa: E731
-    ops, gs = _wgrad_inputs(rng, make)
-    np.testing.assert_array_equal(_run_wgrad(ops, gs, overlap=overlap, pingpong=True),
-                                  _run_wgrad(ops, gs, overlap=overlap))
-    ops, gs = _wgrad_inputs(rng, _integer_exact)
-    x, dy = _dequantized_wgrad_operands(*ops)
-    total = sum(WGRAD_SIZES)
-    np.testing.assert_array_equal(_run_wgrad(ops, gs, overlap=overlap, pingpong=True),
-                                  fp8_acc.tgmm(x[:total], dy[:total], WGRAD_SIZES))
 
 
 @gpu_test

@@ -132,36 +132,6 @@ def _swizzle_transforms(minor_elems, dtype):
     return (plgpu.TilingTransform((8, swizzle_elems)), plgpu.SwizzleTransform(swizzle))
 
 
-def turn_allocations(pingpong):
-    """``pingpong``'s scoped allocation (kwargs of ``pl.run_scoped``): one barrier per
-    compute warpgroup, on which the other arrives once it has issued its wgmma."""
-    return dict(turns=plgpu.Barrier(num_arrivals=1, num_barriers=2)) if pingpong else {}
-
-
-def first_turn(wg, turns):
-    """Warpgroup 0 issues first (no-op without ``turns``)."""
-    if turns is not None:
-        pl.when(wg == 1)(lambda: plgpu.barrier_arrive(turns.at[0]))
-
-
-def last_turn(wg, turns):
-    """Take warpgroup 1's last arrival, so that none is left unseen (no-op without)."""
-    if turns is not None:
-        pl.when(wg == 0)(lambda: plgpu.barrier_wait(turns.at[0]))
-
-
-def issue_in_turn(acc_ref, lhs, rhs, wg, turns):
-    """A step's wgmma; with ``turns`` (``pingpong``), after the other warpgroup has
-    issued its own: the two warpgroups' wgmmas then alternate, and each promotes
-    while the other's runs (FlashAttention-3's ping-pong schedule)."""
-    if turns is None:
-        plgpu.wgmma(acc_ref, lhs, rhs)
-        return
-    plgpu.barrier_wait(turns.at[wg])
-    plgpu.wgmma(acc_ref, lhs, rhs)
-    plgpu.barrier_arrive(turns.at[1 - wg])
-
-
 def check_shapes(aq_MC, sa, bq_GOC, sb, group_sizes_G):
     """Raise ValueError unless the kernel takes these operands; returns (m, c, o, g)."""
     m, c = aq_MC.shape
@@ -186,15 +156,14 @@ def check_shapes(aq_MC, sa, bq_GOC, sb, group_sizes_G):
 
 def gmm_fp8_blockwise(aq_MC, sa, bq_GOC, sb, group_sizes_G, *, out_dtype=jnp.bfloat16,
                       num_stages=4, grid_tile_width=8, sms=None, split="rows", overlap=False,
-                      chain=False, pingpong=False):
+                      chain=False):
     """y [M, O] = per-group blockwise-scaled a . b[g]^T; see the module docstring.
 
     Rows past ``sum(group_sizes)`` come out as zeros. ``split`` (``SPLITS``),
     ``grid_tile_width`` (the tile walk sweeps the column bands over this many
     row tiles at a time), ``num_stages``, ``overlap`` (promote each step's
-    product during the next step's wgmma), ``pingpong`` (experimental: the two
-    compute warpgroups issue their wgmmas in turn, ``issue_in_turn``) and ``chain``
-    change how the kernel runs, not its bits.
+    product during the next step's wgmma) and ``chain`` change how the kernel
+    runs, not its bits.
 
     ``chain`` (experimental, not yet timed on a GPU): each CTA's tile pipelines
     run as one chain (``emit_pipeline_warp_specialized``'s ``pipeline_state``), so
@@ -260,12 +229,10 @@ def gmm_fp8_blockwise(aq_MC, sa, bq_GOC, sb, group_sizes_G, *, out_dtype=jnp.bfl
                 )
                 for _ in range(2)
             ],
-            **turn_allocations(pingpong),
             collective_axes="wg",
         )
-        def _scope(pipeline_allocs, out_smem, turns=None):
+        def _scope(pipeline_allocs, out_smem):
             wg = lax.axis_index("wg")
-            first_turn(wg, turns)
 
             @walk_row_tiles(num_tiles_ref[0], num_real_ref[0], n_bands, grid_tile_width, chain)
             def _tile(t, band, state):
@@ -332,7 +299,7 @@ def gmm_fp8_blockwise(aq_MC, sa, bq_GOC, sb, group_sizes_G, *, out_dtype=jnp.bfl
                     row_scale = load_row_scale(rows)
 
                     def c_step(acc_ref):
-                        issue_in_turn(acc_ref, lhs, rhs, wg, turns)
+                        plgpu.wgmma(acc_ref, lhs, rhs)
                         step_scale = row_scale * w_scale  # while the wgmma runs
                         plgpu.wgmma_wait(0)
                         return acc_ref[...], step_scale
@@ -349,7 +316,7 @@ def gmm_fp8_blockwise(aq_MC, sa, bq_GOC, sb, group_sizes_G, *, out_dtype=jnp.bfl
                     lhs, rhs, rows = operands(a_smem, b_smem, sa_smem)
 
                     def c_step(acc_ref):
-                        issue_in_turn(acc_ref, lhs, rhs, wg, turns)
+                        plgpu.wgmma(acc_ref, lhs, rhs)
                         # While the tensor cores run: this step's scale, then the
                         # previous step's promotion, the plain step's expression.
                         step_scale = load_row_scale(rows) * w_scale
@@ -377,8 +344,6 @@ def gmm_fp8_blockwise(aq_MC, sa, bq_GOC, sb, group_sizes_G, *, out_dtype=jnp.bfl
                 @pl.when((group < 0) & (wg < 2))
                 def _zero_tile():
                     store(plgpu.layout_cast(jnp.zeros((bm, bo), out_dtype), plgpu.Layout.WGMMA))
-
-            last_turn(wg, turns)
 
         plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 

@@ -80,8 +80,8 @@ scale vectors 34 while it forms); the multiply after the wait is not
 overlapped (64 of the 192 per-step float32 operations per thread). ptxas
 gave the overlap kernel 168 registers, no spills (H200, 2026-12-02).
 
-``chain=True`` (experimental, not yet timed on a GPU): the default kernel runs
-one ``emit_pipeline_warp_specialized`` per output tile, so every tile starts
+``chain=True`` (the default; ``chain=False`` runs a pipeline per tile): a
+plain ``emit_pipeline_warp_specialized`` per output tile starts every tile
 with its pipeline empty (the compute warpgroups wait for the first TMA) and the
 memory warpgroup idles through the epilogue. On the H200 that cost about 1.2-1.6
 us per tile: wgrad ran at 827, 727 and 474 TF/s with 64, 16 and 4 steps per tile
@@ -97,20 +97,19 @@ TMA copies on its ``loaded`` barrier, the compute warpgroups wait on
 ``loaded``, run the same step bodies and arrive on ``consumed``. The memory
 warpgroup thus loads the next tile's first steps while the compute warpgroups
 promote and store the last. The same steps in the same order per tile, so the
-same bits.
+same bits. On the H200 at M=65536 K=7168 N=4096 (kernel time, float32 out) the
+chain ran 851 TF/s against 723 at G=32, 593 against 470 at G=128 and 797 against
+714 at G=32 under Dirichlet(0.3), bit for bit equal (``fp8_kernels-20261203-130033``,
+``-130213``, ``-131851``); the training step's FP8 case rose from 1.088x bf16 to
+1.093x (``step-20261203-131400``).
 
-``pingpong=True`` (experimental, not yet timed on a GPU): both compute
-warpgroups wait on the same stage and run the same code, so they issue their
-wgmmas together, the tensor cores work through both, and then both promote
-while the tensor cores idle: on the H200 a step took about 0.63 us against 0.28
-of tensor work, and the compute warps' samples were a third issue-bound
-(``notes/fp8.md``, 2026-12-03 midday). With ``pingpong`` a warpgroup waits for
-its turn (a barrier the other one arrives on once it has issued its wgmma)
-before it issues its own, so the wgmmas alternate, 0, 1, 0, 1, ..., and each
-warpgroup promotes while the other's wgmma runs (FlashAttention-3's ping-pong
-schedule, CUTLASS's "pingpong" kernels). Warpgroup 0 goes first; warpgroup 1's
-last arrival is taken at the end. Only the order of issue changes, so the bits
-do not.
+Two other schedules were measured on the H200 and removed. A ping-pong (the
+compute warpgroups issue their wgmmas in turn through two barriers, so each
+promotes while the other's runs) ran 0.98x the overlapped per-tile kernel with
+the plain step and 0.88x with the overlapped one (G=32,
+``fp8_kernels-20261203-130033``); in the forward kernel 0.87x
+(``-130213``). Deferring the scale multiply (``defer_scale``) ran 0.90x
+(``-102051``).
 """
 
 import functools
@@ -124,8 +123,7 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 from dropless.ops import quant
 from dropless.ops.gmm import reference as ref_backend
 from dropless.ops.gmm import schedule as schedule_lib
-from dropless.ops.gmm.mosaic_fp8 import (BLOCK, _MEMORY_REGISTERS, _swizzle_transforms, first_turn,
-                                         issue_in_turn, last_turn, turn_allocations)
+from dropless.ops.gmm.mosaic_fp8 import BLOCK, _MEMORY_REGISTERS, _swizzle_transforms
 from dropless.ops.gmm.mosaic_gmm import (chained_tile_pipeline, persistent_kernel,
                                         tile_order_operands, walk_tiles)
 from dropless.ops.gmm.mosaic_tgmm import _store_tile
@@ -165,16 +163,15 @@ def check_shapes(xq_KM, sx, dyq_NM, sdy, group_sizes_G):
 
 def tgmm_fp8_blockwise(xq_KM, sx, dyq_NM, sdy, group_sizes_G, *, out_dtype=jnp.float32,
                        num_stages=4, sms=None, split="rows", overlap=True, tile_order="sorted_snake",
-                       chain=True, pingpong=False):
+                       chain=True):
     """dw [G, K, N] = per-group blockwise-scaled x^T dy; zeros for empty groups.
 
     See the module docstring for the operand layouts. ``split`` (``SPLITS``),
     ``overlap`` (promote each step's product during the next step's wgmma),
-    ``chain`` (experimental: one pipeline over all of a CTA's tiles, module
-    docstring), ``pingpong`` (experimental: the two compute warpgroups issue their
-    wgmmas in turn, module docstring) and ``tile_order`` (``mosaic_gmm.TILE_ORDERS``: which CTA computes which output
+    ``chain`` (one pipeline over all of a CTA's tiles, module docstring) and
+    ``tile_order`` (``mosaic_gmm.TILE_ORDERS``: which CTA computes which output
     tile, ``mosaic_gmm.walk_tiles``) change how the kernel runs, not its bits;
-    the split and overlap defaults had the shortest kernel time on the H200
+    the split, overlap and chain defaults had the shortest kernel time on the H200
     (module docstring). ``"sorted_snake"`` ranks groups by their 128-row steps;
     it is the default as in the bf16 kernel (``mosaic_tgmm.tgmm``): at Qwen3-30B's
     M=65536 G=128 K=768 N=2048 it ran 1.07x (float32 out) and 1.05x (bf16 out)
@@ -235,9 +232,8 @@ def tgmm_fp8_blockwise(xq_KM, sx, dyq_NM, sdy, group_sizes_G, *, out_dtype=jnp.f
                           pl.ds(band * cta_n + (0 if by_rows else wg * bn), bn)],
         )
 
-    def step_functions(wg, turns=None):
-        """(step body, its initial carry, the carry's final sum) for warpgroup ``wg``;
-        with ``turns`` (``pingpong``), the two warpgroups issue their wgmmas in turn."""
+    def step_functions(wg):
+        """(step body, its initial carry, the carry's final sum) for warpgroup ``wg``."""
         zeros = lambda: plgpu.layout_cast(jnp.zeros((bk, bn), jnp.float32),  # noqa: E731
                                           plgpu.Layout.WGMMA)
 
@@ -267,7 +263,7 @@ def tgmm_fp8_blockwise(xq_KM, sx, dyq_NM, sdy, group_sizes_G, *, out_dtype=jnp.f
             row_scale, col_scale = load_scale(rows, cols)
 
             def m_step(acc_ref):
-                issue_in_turn(acc_ref, lhs, rhs, wg, turns)
+                plgpu.wgmma(acc_ref, lhs, rhs)
                 plgpu.wgmma_wait(0)
                 return acc_ref[...]
 
@@ -281,7 +277,7 @@ def tgmm_fp8_blockwise(xq_KM, sx, dyq_NM, sdy, group_sizes_G, *, out_dtype=jnp.f
             lhs, rhs, rows, cols = operands(x_smem, dy_smem, sx_smem, sdy_smem)
 
             def m_step(acc_ref):
-                issue_in_turn(acc_ref, lhs, rhs, wg, turns)
+                plgpu.wgmma(acc_ref, lhs, rhs)
                 # While the tensor cores run: the previous step's add, then
                 # this step's scale (loaded after the add: fewer live registers).
                 total_next = total + pending
@@ -307,13 +303,11 @@ def tgmm_fp8_blockwise(xq_KM, sx, dyq_NM, sdy, group_sizes_G, *, out_dtype=jnp.f
             pl.run_scoped,
             pipeline_allocs=pipeline_allocs,
             out_smem=plgpu.SMEM((2, 2, 64, 64), out_dtype, transforms=out_transforms),
-            **turn_allocations(pingpong),
             collective_axes="wg",
         )
-        def _scope(pipeline_allocs, out_smem, turns=None):
+        def _scope(pipeline_allocs, out_smem):
             wg = lax.axis_index("wg")
-            step_body, init, finish = step_functions(wg, turns)
-            first_turn(wg, turns)
+            step_body, init, finish = step_functions(wg)
 
             @walk_tiles((num_groups, k_tiles, n_bands), *order_ref)
             def _tile(g, k_tile, band):
@@ -341,8 +335,6 @@ def tgmm_fp8_blockwise(xq_KM, sx, dyq_NM, sdy, group_sizes_G, *, out_dtype=jnp.f
                 def _empty_group():
                     store(plgpu.layout_cast(jnp.zeros((bk, bn), out_dtype), plgpu.Layout.WGMMA))
 
-            last_turn(wg, turns)
-
         plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
     def chained_body(starts_ref, sizes_ref, *refs):
@@ -352,13 +344,11 @@ def tgmm_fp8_blockwise(xq_KM, sx, dyq_NM, sdy, group_sizes_G, *, out_dtype=jnp.f
         @functools.partial(
             pl.run_scoped,
             out_smem=plgpu.SMEM((2, 2, 64, 64), out_dtype, transforms=out_transforms),
-            **turn_allocations(pingpong),
             collective_axes="wg",
         )
-        def _scope(out_smem, turns=None):
+        def _scope(out_smem):
             wg = lax.axis_index("wg")
-            step_body, init, finish = step_functions(wg, turns)
-            first_turn(wg, turns)
+            step_body, init, finish = step_functions(wg)
 
             def tile_of(g):
                 first_block, steps = tile_steps(starts_ref, sizes_ref, g)
@@ -390,7 +380,6 @@ def tgmm_fp8_blockwise(xq_KM, sx, dyq_NM, sdy, group_sizes_G, *, out_dtype=jnp.f
                     plgpu.SMEM((num_stages, 1, cta_k), jnp.float32),
                     plgpu.SMEM((num_stages, 1, cta_n), jnp.float32)),
                 tile_of=tile_of, sources_of=sources_of, compute=compute)
-            last_turn(wg, turns)
 
         plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 

@@ -44,8 +44,10 @@ class GmmTiling:
     # Each CTA's tile pipelines as one chain, the next tile's loads overlapping this
     # one's end (``mosaic_gmm.walk_row_tiles``); the same bits. Taken where the
     # contraction's steps (K / block_k) are a multiple of the stages the call runs
-    # with (one fewer for 4-byte outputs), else the plain walk. Experimental: off
-    # until a ``benchmarks/gmm.py --tune`` run on the GPU picks it.
+    # with (one fewer for 4-byte outputs), else the plain walk. The H200's tune picked
+    # it at DeepSeek-V3's K=7168 N=4096 (fwd 796 TF/s against 795, dgrad 784 against
+    # 763 at G=32; ``tuning_h200.json``); off in ``default_tiling``, where it is
+    # unmeasured.
     chain: bool = False
 
     def __post_init__(self):
@@ -68,7 +70,10 @@ class TgmmTiling:
     block_m: int = 64
     num_stages: int = 4
     # One pipeline over all of a CTA's tiles, the next tile's loads overlapping this
-    # one's end (``mosaic_gmm.chained_tile_pipeline``); same bits. Experimental.
+    # one's end (``mosaic_gmm.chained_tile_pipeline``); same bits. On the H200 at
+    # K=7168 N=4096 it ran 785 TF/s against 766 at G=32 and 548 against 510 at G=256
+    # (``benchmarks/gmm.py --tune``, same runs), so ``default_tiling`` takes it.
+    # Table entries written before it existed keep it off, as they were measured.
     chain: bool = False
 
     def __post_init__(self):
@@ -105,18 +110,19 @@ def fits(tiling, kind, k, n):
 
 
 def default_tiling(kind, k, n):
-    """Fallback rule: 128-wide warpgroup tiles when they divide, else 64-wide.
+    """Fallback rule: 128-wide warpgroup tiles when they divide, else 64-wide; the
+    wgrad chained (``TgmmTiling.chain``).
 
     Returns None when no standard tile divides the shape (K or N not a
     multiple of 128).
     """
     cls = tiling_cls(kind)
     for width in (128, 64):
-        tiling = cls(block_k=width) if kind == "wgrad" else cls(block_n=width)
+        tiling = cls(block_k=width, chain=True) if kind == "wgrad" else cls(block_n=width)
         if fits(tiling, kind, k, n):
             return tiling
         if kind == "wgrad":
-            tiling = cls(block_k=width, block_n=64)
+            tiling = cls(block_k=width, block_n=64, chain=True)
             if fits(tiling, kind, k, n):
                 return tiling
     return None
