@@ -106,12 +106,15 @@ def _lowering_args(kind, m, k, n, g):
 
 
 # The wgrad kernel's configurations: its defaults (split rows, overlap, chain) with
-# bf16 output, as training runs it, each (split, overlap), and a pipeline per tile.
+# bf16 output, as training runs it, each (split, overlap), a pipeline per tile, and
+# two accumulators (``dual``; the GPU interpreter cannot run it: below).
 WGRAD_KINDS = {"wgrad": dict(out_dtype=jnp.bfloat16),
                **{f"wgrad_{split}_{'overlap' if overlap else 'wait'}": dict(split=split,
                                                                             overlap=overlap)
                   for split in mosaic_fp8_tgmm.SPLITS for overlap in (False, True)},
-               "wgrad_per_tile": dict(out_dtype=jnp.bfloat16, chain=False)}
+               "wgrad_per_tile": dict(out_dtype=jnp.bfloat16, chain=False),
+               "wgrad_dual": dict(out_dtype=jnp.bfloat16, dual=True),
+               "wgrad_dual_f32_columns": dict(dual=True, split="columns")}
 
 
 @pytest.mark.parametrize("kind", ["fwd", "dgrad", *WGRAD_KINDS])
@@ -631,6 +634,52 @@ def test_gpu_wgrad_chain_equals_the_plain_kernel_bit_for_bit(rng):
     total = sum(WGRAD_SIZES)
     np.testing.assert_array_equal(_run_wgrad(ops, gs, chain=True),
                                   fp8_acc.tgmm(x[:total], dy[:total], WGRAD_SIZES))
+
+
+def test_wgrad_dual_needs_the_chain():
+    ops, gs = _schedule_wgrad_case(np.random.default_rng(0))
+    with pytest.raises(ValueError, match="dual=True needs chain=True"):
+        mosaic_fp8_tgmm.tgmm_fp8_blockwise(*ops, gs, dual=True, chain=False)
+
+
+# ``dual`` at every step-count case of its loop: 0, 1 (one step alone), 2 (the first
+# pair alone), 3 (one step, then a pair), 4, 5, and the long tiles of WGRAD_SIZES.
+DUAL_SIZES = [256, 384, 0, 128, 512, 640, 1024]
+DUAL_M = 3072  # 2944 rows in groups, then a NaN tail
+
+
+@gpu_test
+@pytest.mark.parametrize("num_stages", [2, 3, 4])
+@pytest.mark.parametrize("split", mosaic_fp8_tgmm.SPLITS)
+def test_gpu_wgrad_dual_equals_the_chained_kernel_bit_for_bit(rng, split, num_stages):
+    """``dual=True`` (two accumulators, each step's product promoted from its
+    accumulator while the next step's wgmma runs, its slot held until then) on the
+    hardware. jax 0.11.2's GPU interpreter has no rule for a store to an accumulator
+    (``acc_ref[...] = zeros``), so this kernel has no interpret-mode test: here it
+    must give the default kernel's bits on random data with a NaN tail, at every
+    step count of its loop and with two stages (each slot held to the last
+    moment), and the exact product on integer-exact data, in both output dtypes.
+    Powers-of-two scales make ``part * scale`` exact, so its fused multiply-add
+    equals the default's multiply then add."""
+    make = lambda r, s: _scaled(r, s, (0, 1))  # noqa: E731
+    for sizes, m in ((DUAL_SIZES, DUAL_M), (WGRAD_SIZES, WGRAD_M)):
+        total = sum(sizes)
+        x = _nan_tail(make(rng, (m, WGRAD_K)), total)
+        dy = _nan_tail(make(rng, (m, WGRAD_N)), total)
+        ops = mosaic_fp8_tgmm.wgrad_operands(x, dy)
+        gs = jnp.asarray(np.array(sizes, np.int32))
+        for out_dtype in (jnp.float32, jnp.bfloat16):
+            kw = dict(split=split, num_stages=num_stages, out_dtype=out_dtype)
+            got = mosaic_fp8_tgmm.tgmm_fp8_blockwise(*ops, gs, dual=True, **kw)
+            want = mosaic_fp8_tgmm.tgmm_fp8_blockwise(*ops, gs, **kw)
+            np.testing.assert_array_equal(_f64(got), _f64(want))
+            assert not np.isnan(_f64(got)).any()
+    ops, gs = _wgrad_inputs(rng, _integer_exact)
+    x, dy = _dequantized_wgrad_operands(*ops)
+    total = sum(WGRAD_SIZES)
+    np.testing.assert_array_equal(
+        _run_wgrad(ops, gs, split=split, num_stages=num_stages, dual=True),
+        fp8_acc.tgmm(x[:total], dy[:total], WGRAD_SIZES))
 
 
 @gpu_test

@@ -37,6 +37,7 @@ all of them have) and, for the two weight-gradient kernels, ``walk_tiles``
 (which CTA computes which output tile).
 """
 
+import dataclasses
 import functools
 
 import jax
@@ -186,6 +187,48 @@ def walk_tiles_carry(grid, tile, init, order_ref_G=None):
     return lax.fori_loop(0, (num_tiles + num_sms - 1) // num_sms, visit, init)
 
 
+@dataclasses.dataclass(frozen=True)
+class TileSteps:
+    """A compute warpgroup's view of one tile's steps in ``chained_tile_pipeline``:
+    ``count`` steps (0 past the grid), the first at slot counter ``start``. Step s is
+    at counter ``start + s``; wait for its data, read its slot, release it once both
+    the reads and any wgmma reading it are done."""
+
+    count: jax.Array
+    start: jax.Array
+    buffers: tuple
+    loaded: object
+    consumed: object
+
+    def slots(self, it):
+        """The buffers' refs at counter ``it``'s slot (no wait)."""
+        slot = lax.rem(it, self.buffers[0].shape[0])
+        return [b.at[slot] for b in self.buffers]
+
+    def wait(self, it):
+        """Wait for counter ``it``'s data; its slots' refs."""
+        plgpu.barrier_wait(self.loaded.at[lax.rem(it, self.buffers[0].shape[0])])
+        return self.slots(it)
+
+    def release(self, it):
+        """Hand counter ``it``'s slot back to the memory warpgroup."""
+        plgpu.barrier_arrive(self.consumed.at[lax.rem(it, self.buffers[0].shape[0])])
+
+    def __call__(self, body, init):
+        """``carry = body(s, slot_refs, carry)`` over the steps, each slot released
+        when its body returns; (the last carry, the counter after the steps)."""
+        def step(s, carry):
+            it, acc = carry
+            slot = lax.rem(it, self.buffers[0].shape[0])
+            plgpu.barrier_wait(self.loaded.at[slot])
+            acc = body(s, [b.at[slot] for b in self.buffers], acc)
+            plgpu.barrier_arrive(self.consumed.at[slot])
+            return it + 1, acc
+
+        it_end, acc = lax.fori_loop(0, self.count, step, (self.start, init))
+        return acc, it_end
+
+
 # A chained tile pipeline's compute warpgroups take what the memory warpgroup leaves of
 # the 512 registers per thread slot, split in two and rounded down to 8 (as
 # ``emit_pipeline_warp_specialized`` does).
@@ -214,7 +257,9 @@ def chained_tile_pipeline(grid, order_ref_G, *, wg, buffers, tile_of, sources_of
         ``loop(body, init)`` once, which runs ``carry = body(s, slot_refs, carry)``
         over the tile's steps and returns (the last carry, the slot counter after
         them), and it returns that counter (so the counter leaves any ``run_scoped``
-        it was made in).
+        it was made in). Or it walks the steps itself with ``loop``'s ``TileSteps``
+        methods (``count``, ``start``, ``wait``, ``slots``, ``release``): a body that
+        keeps a step's wgmma in flight into the next step must hold its slot until then.
     """
     num_stages = buffers[0].shape[0]
 
@@ -262,18 +307,7 @@ def chained_tile_pipeline(grid, order_ref_G, *, wg, buffers, tile_of, sources_of
             def tile(g, k_tile, n_tile, real, it):
                 count, info = tile_of(g)
 
-                def loop(body, init):
-                    def step(s, carry):
-                        it, acc = carry
-                        slot = lax.rem(it, num_stages)
-                        plgpu.barrier_wait(loaded.at[slot])
-                        acc = body(s, [b.at[slot] for b in buffers], acc)
-                        plgpu.barrier_arrive(consumed.at[slot])
-                        return it + 1, acc
-
-                    it_end, acc = lax.fori_loop(0, jnp.where(real, count, 0), step, (it, init))
-                    return acc, it_end
-
+                loop = TileSteps(jnp.where(real, count, 0), it, buffers, loaded, consumed)
                 return compute(g, k_tile, n_tile, real, info, loop)
 
             walk_tiles_carry(grid, tile, jnp.int32(0), order_ref_G)
