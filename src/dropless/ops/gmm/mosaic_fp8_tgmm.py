@@ -115,8 +115,9 @@ carry; the price is a step's slot held until the next step has read its scales
 (``mosaic_gmm.TileSteps``), so it needs the chained pipeline. The steps are
 arranged so that the last lands in B: an odd count starts with one step into B, an
 even one with a pair. The same products are added in the same order, and ``part *
-scale`` is exact, so it gives the default's bits. jax 0.11.2's GPU interpreter has
-no rule for the store that zeroes an accumulator, so only the GPU tests check it.
+scale`` is exact, so it gives the default's bits. (jax 0.11.2's GPU interpreter
+has no rule for the store that zeroes an accumulator; the interpret-mode test runs
+it as the swap it is.)
 
 Two other schedules were measured on the H200 and removed. A ping-pong (the
 compute warpgroups issue their wgmmas in turn through two barriers, so each
