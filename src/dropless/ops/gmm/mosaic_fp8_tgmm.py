@@ -185,7 +185,8 @@ def tgmm_fp8_blockwise(xq_KM, sx, dyq_NM, sdy, group_sizes_G, *, out_dtype=jnp.f
     See the module docstring for the operand layouts. ``split`` (``SPLITS``),
     ``overlap`` (promote each step's product during the next step's wgmma),
     ``chain`` (one pipeline over all of a CTA's tiles, module docstring), ``dual``
-    (two accumulators, promoted in turn; needs ``chain``; module docstring) and
+    (two accumulators, promoted in turn: its own step, so ``overlap`` does not apply;
+    needs ``chain``; module docstring) and
     ``tile_order`` (``mosaic_gmm.TILE_ORDERS``: which CTA computes which output
     tile, ``mosaic_gmm.walk_tiles``) change how the kernel runs, not its bits;
     the split, overlap and chain defaults had the shortest kernel time on the H200

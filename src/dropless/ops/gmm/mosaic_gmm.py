@@ -196,30 +196,32 @@ class TileSteps:
 
     count: jax.Array
     start: jax.Array
-    buffers: tuple
+    buffers: list  # [stages, ...] shared-memory refs, one per operand of a step
     loaded: object
     consumed: object
 
+    def _slot(self, it):
+        return lax.rem(it, self.buffers[0].shape[0])
+
     def slots(self, it):
         """The buffers' refs at counter ``it``'s slot (no wait)."""
-        slot = lax.rem(it, self.buffers[0].shape[0])
-        return [b.at[slot] for b in self.buffers]
+        return [b.at[self._slot(it)] for b in self.buffers]
 
     def wait(self, it):
         """Wait for counter ``it``'s data; its slots' refs."""
-        plgpu.barrier_wait(self.loaded.at[lax.rem(it, self.buffers[0].shape[0])])
+        plgpu.barrier_wait(self.loaded.at[self._slot(it)])
         return self.slots(it)
 
     def release(self, it):
         """Hand counter ``it``'s slot back to the memory warpgroup."""
-        plgpu.barrier_arrive(self.consumed.at[lax.rem(it, self.buffers[0].shape[0])])
+        plgpu.barrier_arrive(self.consumed.at[self._slot(it)])
 
     def __call__(self, body, init):
         """``carry = body(s, slot_refs, carry)`` over the steps, each slot released
         when its body returns; (the last carry, the counter after the steps)."""
         def step(s, carry):
             it, acc = carry
-            slot = lax.rem(it, self.buffers[0].shape[0])
+            slot = self._slot(it)
             plgpu.barrier_wait(self.loaded.at[slot])
             acc = body(s, [b.at[slot] for b in self.buffers], acc)
             plgpu.barrier_arrive(self.consumed.at[slot])
