@@ -565,20 +565,26 @@ def test_step_variant_reads_the_quantization_keys():
     assert report.step_variant(with_set) == "variants vocab_size=16384"
 
 
+def _render_beside_a_deepseek_run(tmp_path, other):
+    """Records gmm-a.json (the whole DeepSeek-V3 set) and gmm-b.json (``other``): the
+    newest record file per key, and the rendered RESULTS.md."""
+    d = tmp_path / "r"
+    d.mkdir()
+    (d / "gmm-a.json").write_text(json.dumps(gmm_record()))
+    (d / "gmm-b.json").write_text(json.dumps(other))
+    newest = report.newest_records(d, log=lambda _: None)
+    text = report.render(d, tmp_path / "R.md", log=lambda _: None).read_text()
+    return {k: p.name for k, (_, p) in newest.items()}, text
+
+
 def test_gmm_shape_sets_render_side_by_side(tmp_path):
     """A newer record of another shape set (``--shape-set qwen3-30b``) does not hide the
     DeepSeek-V3 shapes: each set renders its newest record, DeepSeek's first."""
-    d = tmp_path / "r"
-    d.mkdir()
     qwen = gmm_record(ours_fwd=574.0)
     qwen.update(date="2026-12-02T07:52:00", shape_set="qwen3-30b")
     qwen["results"][0].update(G=128, K=768, N=2048)
-    (d / "gmm-a.json").write_text(json.dumps(gmm_record()))
-    (d / "gmm-b.json").write_text(json.dumps(qwen))
-    newest = report.newest_records(d, log=lambda _: None)
-    assert {k: p.name for k, (_, p) in newest.items()} == {
-        "gmm:deepseek": "gmm-a.json", "gmm:qwen3-30b": "gmm-b.json"}
-    text = report.render(d, tmp_path / "R.md", log=lambda _: None).read_text()
+    newest, text = _render_beside_a_deepseek_run(tmp_path, qwen)
+    assert newest == {"gmm:deepseek": "gmm-a.json", "gmm:qwen3-30b": "gmm-b.json"}
     first, second = text.index("### Shapes: deepseek"), text.index("### Shapes: qwen3-30b")
     assert first < second
     assert "| 600.0 |" in text[first:second] and "| 574.0 |" in text[second:]
@@ -589,17 +595,11 @@ def test_gmm_shape_sets_render_side_by_side(tmp_path):
 def test_gmm_run_of_some_shapes_keeps_the_whole_set(tmp_path):
     """A newer run of one shape of the set (``gmm.py --shapes 2``, G=256) renders as its
     own table and leaves the set's newest whole run in place."""
-    d = tmp_path / "r"
-    d.mkdir()
     g256 = gmm_record(ours_fwd=656.0)
     g256.update(date="2026-12-03T10:43:01", shape_set="deepseek", shape_selection="2")
     g256["results"][0].update(G=256)
-    (d / "gmm-a.json").write_text(json.dumps(gmm_record()))
-    (d / "gmm-b.json").write_text(json.dumps(g256))
-    newest = report.newest_records(d, log=lambda _: None)
-    assert {k: p.name for k, (_, p) in newest.items()} == {
-        "gmm:deepseek": "gmm-a.json", "gmm:deepseek-shapes2": "gmm-b.json"}
-    text = report.render(d, tmp_path / "R.md", log=lambda _: None).read_text()
+    newest, text = _render_beside_a_deepseek_run(tmp_path, g256)
+    assert newest == {"gmm:deepseek": "gmm-a.json", "gmm:deepseek-shapes2": "gmm-b.json"}
     whole, part = text.index("### Shapes: deepseek\n"), text.index("### Shapes: deepseek-shapes2")
     assert whole < part
     assert "| 600.0 |" in text[whole:part] and "| 656.0 |" in text[part:]

@@ -66,7 +66,8 @@ from dropless.perf.report_step import step_headline, step_section, step_variant
 DEFAULT_MD = REPO_ROOT / "benchmarks" / "RESULTS.md"
 KINDS = ("gmm", "moe_layer", "step", "fp8_kernels", "fp8_quant", "profile", "fp8_dense",
          "fp8_loss")  # fp8_loss: a headline, no section
-# Kinds whose newest record is kept per variant (key "<kind>:<variant>"), rendered together.
+
+
 def gmm_variant(record: dict) -> str:
     """The record's shape set (``gmm.py --shape-set``); a run of some of its shapes
     (``--shapes 2``) renders as its own table, not in place of the set's whole run."""
@@ -75,6 +76,7 @@ def gmm_variant(record: dict) -> str:
     return f"{name}-shapes{str(selection).replace(',', '-')}" if selection else name
 
 
+# Kinds whose newest record is kept per variant (key "<kind>:<variant>"), rendered together.
 VARIANTS = {"profile": profile_precision, "step": step_variant, "fp8_kernels": fp8_kernels_variant,
             "gmm": gmm_variant}
 GMM_IMPLS = {"ours": "ours", "dense": "dense cuBLAS (ceiling)", "torch": "torch._grouped_mm",

@@ -157,10 +157,18 @@ def walk_tiles(grid, order_ref_G=None):
 
             @pl.when(t < num_tiles)
             def _visit():
-                rank, rest = t // (k_tiles * n_tiles), t % (k_tiles * n_tiles)
-                tile(order_ref_G[rank], rest // n_tiles, rest % n_tiles)
+                tile(*_tile_indices(grid, t, order_ref_G))
 
     return decorator
+
+
+def _tile_indices(grid, t, order_ref_G):
+    """(g, k_tile, n_tile) of flat grid index ``t``; group rank r is group
+    ``order_ref_G[r]`` when given (``walk_tiles``)."""
+    _, k_tiles, n_tiles = grid
+    rank, rest = t // (k_tiles * n_tiles), t % (k_tiles * n_tiles)
+    g = rank if order_ref_G is None else order_ref_G[rank]
+    return g, rest // n_tiles, rest % n_tiles
 
 
 def walk_tiles_carry(grid, tile, init, order_ref_G=None):
@@ -168,7 +176,7 @@ def walk_tiles_carry(grid, tile, init, order_ref_G=None):
     the next carry, for every round of the CTA's walk; returns the last carry. A CTA
     whose last round falls past the grid gets ``real`` False there (and the last tile's
     indices): the caller must neither load nor store for it. For loops that run on
-    from one tile into the next (``mosaic_fp8_tgmm``'s ``chain``)."""
+    from one tile into the next (``chained_tile_pipeline``)."""
     num_groups, k_tiles, n_tiles = grid
     num_tiles = num_groups * k_tiles * n_tiles
     sm, num_sms = lax.axis_index("sm"), lax.axis_size("sm")
@@ -179,10 +187,7 @@ def walk_tiles_carry(grid, tile, init, order_ref_G=None):
         else:  # "sorted_snake"
             t = schedule_lib.snake_tile(wave, sm, num_sms)
         real = t < num_tiles
-        t = jnp.minimum(t, num_tiles - 1)
-        rank, rest = t // (k_tiles * n_tiles), t % (k_tiles * n_tiles)
-        g = rank if order_ref_G is None else order_ref_G[rank]
-        return tile(g, rest // n_tiles, rest % n_tiles, real, carry)
+        return tile(*_tile_indices(grid, jnp.minimum(t, num_tiles - 1), order_ref_G), real, carry)
 
     return lax.fori_loop(0, (num_tiles + num_sms - 1) // num_sms, visit, init)
 
