@@ -71,9 +71,6 @@ WGRAD_VARIANTS = {
     # one pipeline over all of a CTA's tiles: the next tile's loads start before this one ends
     "wgrad_rows_overlap_sorted_chain": dict(split="rows", overlap=True, tile_order="sorted_snake",
                                             chain=True),
-    # two accumulators: each step's product promoted from its own while the next runs
-    "wgrad_rows_sorted_chain_dual": dict(split="rows", tile_order="sorted_snake", chain=True,
-                                         dual=True),
     # a pipeline per output tile (the default until 2026-12-03)
     "wgrad_rows_overlap_sorted": dict(split="rows", overlap=True, tile_order="sorted_snake",
                                       chain=False),

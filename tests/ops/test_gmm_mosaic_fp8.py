@@ -32,7 +32,6 @@ two shared cores (2026-12-02; the two tile-order tests 6.5 s of it); the
 fwd ``overlap`` tests added about 17 s of CPU time.
 """
 
-import contextlib
 import functools
 import os
 
@@ -107,15 +106,12 @@ def _lowering_args(kind, m, k, n, g):
 
 
 # The wgrad kernel's configurations: its defaults (split rows, overlap, chain) with
-# bf16 output, as training runs it, each (split, overlap), a pipeline per tile, and
-# two accumulators (``dual``).
+# bf16 output, as training runs it, each (split, overlap) and a pipeline per tile.
 WGRAD_KINDS = {"wgrad": dict(out_dtype=jnp.bfloat16),
                **{f"wgrad_{split}_{'overlap' if overlap else 'wait'}": dict(split=split,
                                                                             overlap=overlap)
                   for split in mosaic_fp8_tgmm.SPLITS for overlap in (False, True)},
-               "wgrad_per_tile": dict(out_dtype=jnp.bfloat16, chain=False),
-               "wgrad_dual": dict(out_dtype=jnp.bfloat16, dual=True),
-               "wgrad_dual_f32_columns": dict(dual=True, split="columns")}
+               "wgrad_per_tile": dict(out_dtype=jnp.bfloat16, chain=False)}
 
 
 @pytest.mark.parametrize("kind", ["fwd", "dgrad", *WGRAD_KINDS])
@@ -635,117 +631,6 @@ def test_gpu_wgrad_chain_equals_the_plain_kernel_bit_for_bit(rng):
     total = sum(WGRAD_SIZES)
     np.testing.assert_array_equal(_run_wgrad(ops, gs, chain=True),
                                   fp8_acc.tgmm(x[:total], dy[:total], WGRAD_SIZES))
-
-
-@contextlib.contextmanager
-def _accumulator_stores_interpreted():
-    """Let the GPU interpreter run ``dual``. jax 0.11.2's interpreter has no rule for a
-    store to a wgmma accumulator (``acc_ref[...] = zeros``); it is the state swap of
-    the whole ref (write the value, the old one unused), so run it as one. Its race
-    detector then reports the warpgroup's writes to its own accumulator, which no
-    other thread can reach, as races with themselves: accumulator (register) buffers
-    are left out of its checks, and shared memory and barriers stay checked."""
-    from jax._src.pallas.mosaic_gpu import core as gpu_core
-    from jax._src.pallas.mosaic_gpu import primitives as gpu_primitives
-    from jax._src.pallas.mosaic_gpu.interpret import jaxpr_interpret
-    from jax._src.pallas.mosaic_gpu.interpret import shared_memory
-    from jax._src.pallas.mosaic_gpu.interpret.race_detection_state import GPURaceDetectionState
-    from jax._src.state import primitives as state_primitives
-
-    regs = shared_memory.get_memory_space_idx(gpu_core.MemorySpace.REGS)
-    interpreter = jaxpr_interpret.JaxprInterpreter
-    original = (interpreter.interpret, GPURaceDetectionState.check_read,
-                GPURaceDetectionState.check_write)
-    swap = dict(primitive=state_primitives.swap_p, params=dict(tree=jax.tree.structure(())))
-
-    def interpret(self, jaxpr, token, *args):
-        eqns = [eqn.replace(**swap) if eqn.primitive is gpu_primitives.wgmma_accumulator_store_p
-                else eqn for eqn in jaxpr.eqns]
-        return original[0](self, jaxpr.replace(eqns=eqns), token, *args)
-
-    def unless_registers(check):
-        def checked(self, thread, clock, buffer_key, *args, **kwargs):
-            if buffer_key.memory_space_id != regs:
-                check(self, thread, clock, buffer_key, *args, **kwargs)
-        return checked
-
-    interpreter.interpret = interpret
-    GPURaceDetectionState.check_read = unless_registers(original[1])
-    GPURaceDetectionState.check_write = unless_registers(original[2])
-    try:
-        yield
-    finally:
-        (interpreter.interpret, GPURaceDetectionState.check_read,
-         GPURaceDetectionState.check_write) = original
-
-
-@pytest.mark.parametrize("num_stages", [2, 3])
-def test_interpret_wgrad_dual_equals_the_chained_kernel_bit_for_bit(rng, num_stages):
-    """``dual=True``: two accumulators promoted in turn, each step's slot held until
-    the next step has run (race detector on: releasing it before its scales are read
-    is caught). 3 CTAs over tiles of 0, 1, 2, 3, 4 and 5 steps (every start of its
-    loop: an odd count's lone step, an even count's first pair, and pairs after
-    both), a partial last round, a NaN tail; two stages hold every slot to the last
-    moment. The same products in the same order, with ``part * scale`` exact: the
-    default kernel's bits."""
-    m, sizes = 2048, [256, 384, 0, 128, 512, 640]
-    x = _nan_tail(_scaled(rng, (m, 256), (0, 1)), sum(sizes))
-    dy = _nan_tail(_scaled(rng, (m, 256), (0, 1)), sum(sizes))
-    ops = mosaic_fp8_tgmm.wgrad_operands(x, dy)
-    gs = jnp.asarray(np.array(sizes, np.int32))
-    kw = dict(sms=3, num_stages=num_stages)
-    with _accumulator_stores_interpreted(), _interpret(detect_races=True):
-        got = mosaic_fp8_tgmm.tgmm_fp8_blockwise(*ops, gs, dual=True, **kw).block_until_ready()
-        assert not _races_found()
-    with _interpret():
-        want = mosaic_fp8_tgmm.tgmm_fp8_blockwise(*ops, gs, **kw)
-    np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
-    assert not np.isnan(np.asarray(got)).any()
-
-
-def test_wgrad_dual_needs_the_chain():
-    ops, gs = _schedule_wgrad_case(np.random.default_rng(0))
-    with pytest.raises(ValueError, match="dual=True needs chain=True"):
-        mosaic_fp8_tgmm.tgmm_fp8_blockwise(*ops, gs, dual=True, chain=False)
-
-
-# ``dual`` at every step-count case of its loop: 0, 1 (one step alone), 2 (the first
-# pair alone), 3 (one step, then a pair), 4, 5, and the long tiles of WGRAD_SIZES.
-DUAL_SIZES = [256, 384, 0, 128, 512, 640, 1024]
-DUAL_M = 3072  # 2944 rows in groups, then a NaN tail
-
-
-@gpu_test
-@pytest.mark.parametrize("num_stages", [2, 3, 4])
-@pytest.mark.parametrize("split", mosaic_fp8_tgmm.SPLITS)
-def test_gpu_wgrad_dual_equals_the_chained_kernel_bit_for_bit(rng, split, num_stages):
-    """``dual=True`` (two accumulators, each step's product promoted from its
-    accumulator while the next step's wgmma runs, its slot held until then) on the
-    hardware, where the wgmmas run asynchronously (the interpreter runs them at
-    once, so ``wait_n=1`` is only exercised here). It must give the default kernel's bits on random data with a NaN tail, at every
-    step count of its loop and with two stages (each slot held to the last
-    moment), and the exact product on integer-exact data, in both output dtypes.
-    Powers-of-two scales make ``part * scale`` exact, so its fused multiply-add
-    equals the default's multiply then add."""
-    make = lambda r, s: _scaled(r, s, (0, 1))  # noqa: E731
-    for sizes, m in ((DUAL_SIZES, DUAL_M), (WGRAD_SIZES, WGRAD_M)):
-        total = sum(sizes)
-        x = _nan_tail(make(rng, (m, WGRAD_K)), total)
-        dy = _nan_tail(make(rng, (m, WGRAD_N)), total)
-        ops = mosaic_fp8_tgmm.wgrad_operands(x, dy)
-        gs = jnp.asarray(np.array(sizes, np.int32))
-        for out_dtype in (jnp.float32, jnp.bfloat16):
-            kw = dict(split=split, num_stages=num_stages, out_dtype=out_dtype)
-            got = mosaic_fp8_tgmm.tgmm_fp8_blockwise(*ops, gs, dual=True, **kw)
-            want = mosaic_fp8_tgmm.tgmm_fp8_blockwise(*ops, gs, **kw)
-            np.testing.assert_array_equal(_f64(got), _f64(want))
-            assert not np.isnan(_f64(got)).any()
-    ops, gs = _wgrad_inputs(rng, _integer_exact)
-    x, dy = _dequantized_wgrad_operands(*ops)
-    total = sum(WGRAD_SIZES)
-    np.testing.assert_array_equal(
-        _run_wgrad(ops, gs, split=split, num_stages=num_stages, dual=True),
-        fp8_acc.tgmm(x[:total], dy[:total], WGRAD_SIZES))
 
 
 @gpu_test

@@ -103,23 +103,14 @@ chain ran 851 TF/s against 723 at G=32, 593 against 470 at G=128 and 797 against
 ``-130213``, ``-131851``); the training step's FP8 case rose from 1.088x bf16 to
 1.093x (``step-20261203-131400``).
 
-``dual=True`` (with ``chain``; not yet run on a GPU): the H200's wgrad compute
-warps are issue-bound, 290 SASS instructions per warp per step, 192 of them the
-overlap's three float32 operations per element (``notes/fp8.md``). ``dual``
-alternates two accumulators A and B over the steps and promotes each step's
-product straight from its accumulator while the next step's wgmma runs:
-``plgpu.wgmma_accumulator_load(B, wait_n=1)`` waits for all but the latest wgmma,
-then ``total + B * outer(rows, cols)`` (an ``FMUL`` for the outer product and an
-``FFMA``). Two float32 operations per element and no copy of the product into the
-carry; the price is a step's slot held until the next step has read its scales
-(``mosaic_gmm.TileSteps``), so it needs the chained pipeline. The steps are
-arranged so that the last lands in B: an odd count starts with one step into B, an
-even one with a pair. The same products are added in the same order, and ``part *
-scale`` is exact, so it gives the default's bits. (jax 0.11.2's GPU interpreter
-has no rule for the store that zeroes an accumulator; the interpret-mode test runs
-it as the swap it is.)
-
-Two other schedules were measured on the H200 and removed. A ping-pong (the
+Three other schedules were measured on the H200 and removed. Two accumulators
+promoted in turn (each step's product read with ``wgmma_accumulator_load(wait_n=1)``
+while the next step's wgmma runs: two float32 operations per element and no copy,
+against the default's three and a copy) gave the same bits but ran 0.83x at G=32
+(700 against 842 TF/s) and 0.85x under Dirichlet(0.3) (``fp8_kernels-20261203-150115``,
+``-150217``): ptxas serialises every wgmma of that loop (its C7514 warning, a
+``WARPGROUP.DEPBAR`` after each ``QGMMA``), since a non-wgmma instruction reads an
+accumulator while a wgmma is in flight. A ping-pong (the
 compute warpgroups issue their wgmmas in turn through two barriers, so each
 promotes while the other's runs) ran 0.98x the overlapped per-tile kernel with
 the plain step and 0.88x with the overlapped one (G=32,
@@ -179,14 +170,12 @@ def check_shapes(xq_KM, sx, dyq_NM, sdy, group_sizes_G):
 
 def tgmm_fp8_blockwise(xq_KM, sx, dyq_NM, sdy, group_sizes_G, *, out_dtype=jnp.float32,
                        num_stages=4, sms=None, split="rows", overlap=True, tile_order="sorted_snake",
-                       chain=True, dual=False):
+                       chain=True):
     """dw [G, K, N] = per-group blockwise-scaled x^T dy; zeros for empty groups.
 
     See the module docstring for the operand layouts. ``split`` (``SPLITS``),
     ``overlap`` (promote each step's product during the next step's wgmma),
-    ``chain`` (one pipeline over all of a CTA's tiles, module docstring), ``dual``
-    (two accumulators, promoted in turn: its own step, so ``overlap`` does not apply;
-    needs ``chain``; module docstring) and
+    ``chain`` (one pipeline over all of a CTA's tiles, module docstring) and
     ``tile_order`` (``mosaic_gmm.TILE_ORDERS``: which CTA computes which output
     tile, ``mosaic_gmm.walk_tiles``) change how the kernel runs, not its bits;
     the split, overlap and chain defaults had the shortest kernel time on the H200
@@ -198,12 +187,9 @@ def tgmm_fp8_blockwise(xq_KM, sx, dyq_NM, sdy, group_sizes_G, *, out_dtype=jnp.f
 
     Raises:
       ValueError: shapes or dtypes the kernel cannot take (``check_shapes``), an
-        unknown ``split`` or ``tile_order``, ``dual`` without ``chain``.
+        unknown ``split`` or ``tile_order``.
     """
     m, k, n = check_shapes(xq_KM, sx, dyq_NM, sdy, group_sizes_G)
-    if dual and not chain:
-        raise ValueError("mosaic fp8 tgmm: dual=True needs chain=True (it holds a step's slot "
-                         "into the next step, which only the chained pipeline can)")
     num_groups = group_sizes_G.shape[0]
     out_dtype = jnp.dtype(out_dtype)
     num_stages = num_stages if out_dtype.itemsize <= 2 else min(num_stages, 3)
@@ -318,62 +304,6 @@ def tgmm_fp8_blockwise(xq_KM, sx, dyq_NM, sdy, group_sizes_G, *, out_dtype=jnp.f
             return mma_body_overlap, lambda: (zeros(), zeros()), lambda c: c[0] + c[1]
         return mma_body, zeros, lambda total: total
 
-    def dual_tile(wg, loop):
-        """``dual``: warpgroup ``wg``'s float32 sum over a chained tile's steps
-        (``loop``: ``mosaic_gmm.TileSteps``) and the slot counter after them.
-
-        Steps alternate between accumulators A and B so that the last is B's; each
-        step's product is promoted while the next step's wgmma runs, straight from
-        its accumulator (``wait_n=1``: all but the latest wgmma done), with its scales
-        read from its slot, which is released only then (module docstring)."""
-        operands, load_scale, outer, zeros = step_parts(wg)
-        n, it0 = loop.count, loop.start
-
-        def issue(acc_ref, it):
-            lhs, rhs, _, _ = operands(*loop.wait(it))
-            acc_ref[...] = zeros()  # a fresh product
-            plgpu.wgmma(acc_ref, lhs, rhs)
-
-        def promote(acc_ref, it, total, wait_n):
-            part = plgpu.wgmma_accumulator_load(acc_ref, wait_n=wait_n)
-            _, _, rows, cols = operands(*loop.slots(it))
-            total = total + part * outer(*load_scale(rows, cols))
-            loop.release(it)
-            return total
-
-        def steps(acc_a, acc_b):
-            odd = n % 2
-
-            def lone(_, total):  # an odd count: step 0 alone, into B
-                issue(acc_b, it0)
-                return total
-
-            def first_pair(_, total):  # an even count: steps 0 and 1
-                issue(acc_a, it0)
-                issue(acc_b, it0 + 1)
-                return promote(acc_a, it0, total, 1)
-
-            s0 = jnp.where(odd == 1, 1, 2)
-
-            def pair(p, total):  # B holds step s - 1, in flight or done
-                it = it0 + s0 + 2 * p
-                issue(acc_a, it)
-                total = promote(acc_b, it - 1, total, 1)
-                issue(acc_b, it + 1)
-                return promote(acc_a, it, total, 1)
-
-            def last(_, total):
-                return promote(acc_b, it0 + n - 1, total, 0)
-
-            total = lax.fori_loop(0, odd, lone, zeros())
-            total = lax.fori_loop(0, jnp.where((n > 0) & (odd == 0), 1, 0), first_pair, total)
-            total = lax.fori_loop(0, jnp.maximum(n - s0, 0) // 2, pair, total)
-            return lax.fori_loop(0, jnp.where(n > 0, 1, 0), last, total)
-
-        total = pl.run_scoped(steps, plgpu.ACC((bk, bn), jnp.float32),
-                              plgpu.ACC((bk, bn), jnp.float32))
-        return total, it0 + n
-
     def body(starts_ref, sizes_ref, *refs):
         *order_ref, x_gmem, sx_gmem, dy_gmem, sdy_gmem, o_gmem = refs  # order_ref: [] or [order]
         ignore = lambda *_, **__: None
@@ -446,15 +376,12 @@ def tgmm_fp8_blockwise(xq_KM, sx, dyq_NM, sdy, group_sizes_G, *, out_dtype=jnp.f
                         sdy_gmem.at[pl.ds(block, 1), pl.ds(band * cta_n, cta_n)])
 
             def compute(g, k_tile, band, real, _, loop):
-                if dual:
-                    acc, it = dual_tile(wg, loop)
-                else:
-                    acc, it = loop(lambda s, slots, acc: step_body(None, *slots, acc), init())
+                acc, it = loop(lambda s, slots, acc: step_body(None, *slots, acc), init())
 
                 @pl.when(real)
                 def _store():  # an empty group's tile stores the zero sum
                     tile_store(o_gmem, out_smem, wg, g, k_tile, band)(
-                        (acc if dual else finish(acc)).astype(out_dtype))
+                        finish(acc).astype(out_dtype))
 
                 return it
 

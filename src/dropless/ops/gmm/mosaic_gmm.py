@@ -195,9 +195,8 @@ def walk_tiles_carry(grid, tile, init, order_ref_G=None):
 @dataclasses.dataclass(frozen=True)
 class TileSteps:
     """A compute warpgroup's view of one tile's steps in ``chained_tile_pipeline``:
-    ``count`` steps (0 past the grid), the first at slot counter ``start``. Step s is
-    at counter ``start + s``; wait for its data, read its slot, release it once both
-    the reads and any wgmma reading it are done."""
+    ``count`` steps (0 past the grid), the first at slot counter ``start``; step s is
+    at counter ``start + s``."""
 
     count: jax.Array
     start: jax.Array
@@ -205,31 +204,23 @@ class TileSteps:
     loaded: object
     consumed: object
 
-    def _slot(self, it):
-        return lax.rem(it, self.buffers[0].shape[0])
-
-    def slots(self, it):
-        """The buffers' refs at counter ``it``'s slot (no wait)."""
-        return [b.at[self._slot(it)] for b in self.buffers]
-
     def wait(self, it):
         """Wait for counter ``it``'s data; its slots' refs."""
-        plgpu.barrier_wait(self.loaded.at[self._slot(it)])
-        return self.slots(it)
+        slot = lax.rem(it, self.buffers[0].shape[0])
+        plgpu.barrier_wait(self.loaded.at[slot])
+        return [b.at[slot] for b in self.buffers]
 
     def release(self, it):
         """Hand counter ``it``'s slot back to the memory warpgroup."""
-        plgpu.barrier_arrive(self.consumed.at[self._slot(it)])
+        plgpu.barrier_arrive(self.consumed.at[lax.rem(it, self.buffers[0].shape[0])])
 
     def __call__(self, body, init):
         """``carry = body(s, slot_refs, carry)`` over the steps, each slot released
         when its body returns; (the last carry, the counter after the steps)."""
         def step(s, carry):
             it, acc = carry
-            slot = self._slot(it)
-            plgpu.barrier_wait(self.loaded.at[slot])
-            acc = body(s, [b.at[slot] for b in self.buffers], acc)
-            plgpu.barrier_arrive(self.consumed.at[slot])
+            acc = body(s, self.wait(it), acc)
+            self.release(it)
             return it + 1, acc
 
         it_end, acc = lax.fori_loop(0, self.count, step, (self.start, init))
@@ -264,9 +255,7 @@ def chained_tile_pipeline(grid, order_ref_G, *, wg, buffers, tile_of, sources_of
         ``loop(body, init)`` once, which runs ``carry = body(s, slot_refs, carry)``
         over the tile's steps and returns (the last carry, the slot counter after
         them), and it returns that counter (so the counter leaves any ``run_scoped``
-        it was made in). Or it walks the steps itself with ``loop``'s ``TileSteps``
-        methods (``count``, ``start``, ``wait``, ``slots``, ``release``): a body that
-        keeps a step's wgmma in flight into the next step must hold its slot until then.
+        it was made in).
     """
     num_stages = buffers[0].shape[0]
 
