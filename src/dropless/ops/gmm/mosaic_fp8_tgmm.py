@@ -170,7 +170,7 @@ def check_shapes(xq_KM, sx, dyq_NM, sdy, group_sizes_G):
 
 def tgmm_fp8_blockwise(xq_KM, sx, dyq_NM, sdy, group_sizes_G, *, out_dtype=jnp.float32,
                        num_stages=4, sms=None, split="rows", overlap=True, tile_order="sorted_snake",
-                       chain=True):
+                       chain=True, promote="factored"):
     """dw [G, K, N] = per-group blockwise-scaled x^T dy; zeros for empty groups.
 
     See the module docstring for the operand layouts. ``split`` (``SPLITS``),
@@ -288,6 +288,9 @@ def tgmm_fp8_blockwise(xq_KM, sx, dyq_NM, sdy, group_sizes_G, *, out_dtype=jnp.f
                 return acc_ref[...]
 
             part = pl.run_scoped(m_step, plgpu.ACC((bk, bn), jnp.float32))
+            if promote == "outer":
+                return total + part * (by_rows_of(row_scale)
+                                       * lax.broadcast_in_dim(col_scale, (bk, bn), (1,)))
             return total + by_cols(part, col_scale) * by_rows_of(row_scale)
 
         def mma_body_overlap(_, x_smem, dy_smem, sx_smem, sdy_smem, carry):
@@ -308,6 +311,22 @@ def tgmm_fp8_blockwise(xq_KM, sx, dyq_NM, sdy, group_sizes_G, *, out_dtype=jnp.f
 
             return pl.run_scoped(m_step, plgpu.ACC((bk, bn), jnp.float32))
 
+        def mma_body_overlap_outer(_, x_smem, dy_smem, sx_smem, sdy_smem, carry):
+            total, pending = carry
+            lhs, rhs, rows, cols = operands(x_smem, dy_smem, sx_smem, sdy_smem)
+
+            def m_step(acc_ref):
+                plgpu.wgmma(acc_ref, lhs, rhs)
+                total_next = total + pending
+                row_scale, col_scale = load_scale(rows, cols)
+                scale = by_rows_of(row_scale) * lax.broadcast_in_dim(col_scale, (bk, bn), (1,))
+                plgpu.wgmma_wait(0)
+                return total_next, acc_ref[...] * scale
+
+            return pl.run_scoped(m_step, plgpu.ACC((bk, bn), jnp.float32))
+
+        if overlap and promote == "outer":
+            return mma_body_overlap_outer, lambda: (zeros(), zeros()), lambda c: c[0] + c[1]
         if overlap:  # the last step's product is still pending
             return (mma_body_overlap, lambda: (zeros(), zeros(), zero_rows()),
                     lambda c: c[0] + c[1] * by_rows_of(c[2]))
