@@ -71,12 +71,6 @@ WGRAD_VARIANTS = {
     # one pipeline over all of a CTA's tiles: the next tile's loads start before this one ends
     "wgrad_rows_overlap_sorted_chain": dict(split="rows", overlap=True, tile_order="sorted_snake",
                                             chain=True),
-    # the promotion as before 2026-12-03 afternoon: part * outer(rows, cols), then + total
-    "wgrad_rows_overlap_sorted_chain_outer": dict(split="rows", overlap=True,
-                                                  tile_order="sorted_snake", chain=True,
-                                                  promote="outer"),
-    "wgrad_rows_outer": dict(split="rows", overlap=False, tile_order="groups", chain=False,
-                             promote="outer"),
     # a pipeline per output tile (the default until 2026-12-03)
     "wgrad_rows_overlap_sorted": dict(split="rows", overlap=True, tile_order="sorted_snake",
                                       chain=False),

@@ -170,7 +170,7 @@ def check_shapes(xq_KM, sx, dyq_NM, sdy, group_sizes_G):
 
 def tgmm_fp8_blockwise(xq_KM, sx, dyq_NM, sdy, group_sizes_G, *, out_dtype=jnp.float32,
                        num_stages=4, sms=None, split="rows", overlap=True, tile_order="sorted_snake",
-                       chain=True, promote="factored"):
+                       chain=True):
     """dw [G, K, N] = per-group blockwise-scaled x^T dy; zeros for empty groups.
 
     See the module docstring for the operand layouts. ``split`` (``SPLITS``),
@@ -240,8 +240,7 @@ def tgmm_fp8_blockwise(xq_KM, sx, dyq_NM, sdy, group_sizes_G, *, out_dtype=jnp.f
         )
 
     def step_parts(wg):
-        """Warpgroup ``wg``'s (operands, load_scale, by_cols, by_rows_of, zeros, zero_rows)
-        of a step."""
+        """Warpgroup ``wg``'s (operands, load_scale, outer, zeros) of a step."""
         zeros = lambda: plgpu.layout_cast(jnp.zeros((bk, bn), jnp.float32),  # noqa: E731
                                           plgpu.Layout.WGMMA)
 
@@ -261,21 +260,15 @@ def tgmm_fp8_blockwise(xq_KM, sx, dyq_NM, sdy, group_sizes_G, *, out_dtype=jnp.f
             plgpu.commit_smem()
             return row_scale, col_scale
 
-        def by_cols(part, col_scale):
-            return part * lax.broadcast_in_dim(col_scale, (bk, bn), (1,))
+        def outer(row_scale, col_scale):
+            return (lax.broadcast_in_dim(row_scale, (bk, bn), (0,))
+                    * lax.broadcast_in_dim(col_scale, (bk, bn), (1,)))
 
-        def by_rows_of(row_scale):
-            return lax.broadcast_in_dim(row_scale, (bk, bn), (0,))
-
-        def zero_rows():
-            return plgpu.layout_cast(jnp.zeros((bk,), jnp.float32),
-                                     plgpu.Layout.WGMMA.reduce(1))
-
-        return operands, load_scale, by_cols, by_rows_of, zeros, zero_rows
+        return operands, load_scale, outer, zeros
 
     def step_functions(wg):
         """(step body, its initial carry, the carry's final sum) for warpgroup ``wg``."""
-        operands, load_scale, by_cols, by_rows_of, zeros, zero_rows = step_parts(wg)
+        operands, load_scale, outer, zeros = step_parts(wg)
 
         def mma_body(_, x_smem, dy_smem, sx_smem, sdy_smem, total):
             lhs, rhs, rows, cols = operands(x_smem, dy_smem, sx_smem, sdy_smem)
@@ -288,48 +281,27 @@ def tgmm_fp8_blockwise(xq_KM, sx, dyq_NM, sdy, group_sizes_G, *, out_dtype=jnp.f
                 return acc_ref[...]
 
             part = pl.run_scoped(m_step, plgpu.ACC((bk, bn), jnp.float32))
-            if promote == "outer":
-                return total + part * (by_rows_of(row_scale)
-                                       * lax.broadcast_in_dim(col_scale, (bk, bn), (1,)))
-            return total + by_cols(part, col_scale) * by_rows_of(row_scale)
+            return total + part * outer(row_scale, col_scale)
 
         def mma_body_overlap(_, x_smem, dy_smem, sx_smem, sdy_smem, carry):
-            # carry: the running sum, the previous step's product scaled by its
-            # column scales, and its row scales: the multiply-add of the two is
-            # done here while this step's wgmma runs (module docstring).
-            total, pending, pending_rows = carry
-            lhs, rhs, rows, cols = operands(x_smem, dy_smem, sx_smem, sdy_smem)
-
-            def m_step(acc_ref):
-                plgpu.wgmma(acc_ref, lhs, rhs)
-                # While the tensor cores run: the previous step's multiply-add,
-                # then this step's scales (loaded after it: fewer live registers).
-                total_next = total + pending * by_rows_of(pending_rows)
-                row_scale, col_scale = load_scale(rows, cols)
-                plgpu.wgmma_wait(0)
-                return total_next, by_cols(acc_ref[...], col_scale), row_scale
-
-            return pl.run_scoped(m_step, plgpu.ACC((bk, bn), jnp.float32))
-
-        def mma_body_overlap_outer(_, x_smem, dy_smem, sx_smem, sdy_smem, carry):
+            # carry: the running sum and the previous step's scaled product,
+            # added here while this step's wgmma runs (module docstring).
             total, pending = carry
             lhs, rhs, rows, cols = operands(x_smem, dy_smem, sx_smem, sdy_smem)
 
             def m_step(acc_ref):
                 plgpu.wgmma(acc_ref, lhs, rhs)
+                # While the tensor cores run: the previous step's add, then
+                # this step's scale (loaded after the add: fewer live registers).
                 total_next = total + pending
-                row_scale, col_scale = load_scale(rows, cols)
-                scale = by_rows_of(row_scale) * lax.broadcast_in_dim(col_scale, (bk, bn), (1,))
+                scale = outer(*load_scale(rows, cols))
                 plgpu.wgmma_wait(0)
                 return total_next, acc_ref[...] * scale
 
             return pl.run_scoped(m_step, plgpu.ACC((bk, bn), jnp.float32))
 
-        if overlap and promote == "outer":
-            return mma_body_overlap_outer, lambda: (zeros(), zeros()), lambda c: c[0] + c[1]
         if overlap:  # the last step's product is still pending
-            return (mma_body_overlap, lambda: (zeros(), zeros(), zero_rows()),
-                    lambda c: c[0] + c[1] * by_rows_of(c[2]))
+            return mma_body_overlap, lambda: (zeros(), zeros()), lambda c: c[0] + c[1]
         return mma_body, zeros, lambda total: total
 
     def body(starts_ref, sizes_ref, *refs):
