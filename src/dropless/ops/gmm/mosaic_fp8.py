@@ -156,7 +156,7 @@ def check_shapes(aq_MC, sa, bq_GOC, sb, group_sizes_G):
 
 def gmm_fp8_blockwise(aq_MC, sa, bq_GOC, sb, group_sizes_G, *, out_dtype=jnp.bfloat16,
                       num_stages=4, grid_tile_width=8, sms=None, split="rows", overlap=False,
-                      chain=False):
+                      chain=False, weight_scale="in_step"):
     """y [M, O] = per-group blockwise-scaled a . b[g]^T; see the module docstring.
 
     Rows past ``sum(group_sizes)`` come out as zeros. ``split`` (``SPLITS``),
@@ -257,15 +257,16 @@ def gmm_fp8_blockwise(aq_MC, sa, bq_GOC, sb, group_sizes_G, *, out_dtype=jnp.bfl
                                                   plgpu.Layout.WGMMA)
 
                 def compute_context(eval_pipeline):
-                    first_scale = sb_gmem[group, 0, col_block]
                     if overlap:  # the last step's product is still pending
                         no_scale = plgpu.layout_cast(jnp.zeros((bm,), jnp.float32),
                                                      plgpu.Layout.WGMMA.reduce(1))
-                        total, pending, pending_scale, _ = eval_pipeline(
-                            (zeros(), zeros(), no_scale, first_scale))
+                        total, pending, pending_scale = eval_pipeline(
+                            (zeros(), zeros(), no_scale))
                         total = total + pending * by_row(pending_scale)
+                    elif weight_scale == "prefetch":
+                        total, _ = eval_pipeline((zeros(), sb_gmem[group, 0, col_block]))
                     else:
-                        total, _ = eval_pipeline((zeros(), first_scale))
+                        total = eval_pipeline(zeros())
                     store(total.astype(out_dtype))
 
                 def by_row(scale):
@@ -287,11 +288,10 @@ def gmm_fp8_blockwise(aq_MC, sa, bq_GOC, sb, group_sizes_G, *, out_dtype=jnp.bfl
                     return row_scale
 
                 def next_weight_scale(kk):
-                    # Loaded from global memory now and used a whole step later, so
-                    # its latency never stalls a step.
+                    # Loaded from global memory now and used a whole step later.
                     return sb_gmem[group, jnp.minimum(kk + 1, num_c - 1), col_block]
 
-                def mma_body(idx, a_smem, b_smem, sa_smem, carry):
+                def mma_body_prefetch(idx, a_smem, b_smem, sa_smem, carry):
                     (kk,) = idx
                     total, w_scale = carry
                     next_scale = next_weight_scale(kk)
@@ -307,29 +307,45 @@ def gmm_fp8_blockwise(aq_MC, sa, bq_GOC, sb, group_sizes_G, *, out_dtype=jnp.bfl
                     part, step_scale = pl.run_scoped(c_step, plgpu.ACC((bm, bo), jnp.float32))
                     return total + part * by_row(step_scale), next_scale
 
+                def mma_body(idx, a_smem, b_smem, sa_smem, total):
+                    (kk,) = idx
+                    # This step's weight scale, loaded before its wgmma and first used
+                    # after the wait, so the load's latency hides under the wgmma.
+                    w_scale = sb_gmem[group, kk, col_block]
+                    lhs, rhs, rows = operands(a_smem, b_smem, sa_smem)
+                    row_scale = load_row_scale(rows)
+
+                    def c_step(acc_ref):
+                        plgpu.wgmma(acc_ref, lhs, rhs)
+                        plgpu.wgmma_wait(0)
+                        return acc_ref[...]
+
+                    part = pl.run_scoped(c_step, plgpu.ACC((bm, bo), jnp.float32))
+                    return total + part * by_row(row_scale * w_scale)
+
                 def mma_body_overlap(idx, a_smem, b_smem, sa_smem, carry):
                     # carry: the running sum, the previous step's product and its row
                     # scale, promoted here while this step's wgmma runs (module docstring).
                     (kk,) = idx
-                    total, pending, pending_scale, w_scale = carry
-                    next_scale = next_weight_scale(kk)
+                    total, pending, pending_scale = carry
+                    w_scale = sb_gmem[group, kk, col_block]  # used after the wait
                     lhs, rhs, rows = operands(a_smem, b_smem, sa_smem)
 
                     def c_step(acc_ref):
                         plgpu.wgmma(acc_ref, lhs, rhs)
-                        # While the tensor cores run: this step's scale, then the
+                        # While the tensor cores run: this step's row scales, then the
                         # previous step's promotion, the plain step's expression.
-                        step_scale = load_row_scale(rows) * w_scale
+                        row_scale = load_row_scale(rows)
                         total_next = total + pending * by_row(pending_scale)
                         plgpu.wgmma_wait(0)
-                        return total_next, acc_ref[...], step_scale
+                        return total_next, acc_ref[...], row_scale * w_scale
 
-                    part_carry = pl.run_scoped(c_step, plgpu.ACC((bm, bo), jnp.float32))
-                    return (*part_carry, next_scale)
+                    return pl.run_scoped(c_step, plgpu.ACC((bm, bo), jnp.float32))
 
                 def run(state):
-                    make_pipeline(mma_body_overlap if overlap else mma_body, compute_context,
-                                  state)(
+                    step = (mma_body_overlap if overlap else
+                            mma_body_prefetch if weight_scale == "prefetch" else mma_body)
+                    make_pipeline(step, compute_context, state)(
                         a_gmem.at[pl.ds(row_start, bm)],
                         b_gmem.at[group, pl.ds(band * cta_o, cta_o)],
                         sa_gmem.at[:, pl.ds(row_start, bm)],
