@@ -56,8 +56,6 @@ BENCH_DIR = pathlib.Path(__file__).parent
 VARIANTS = {
     "cols_gtw1": dict(split="columns", grid_tile_width=1),
     "rows_gtw8": dict(split="rows", grid_tile_width=8),
-    # the weight scale loaded a step ahead (the default until 2026-12-03 afternoon)
-    "rows_gtw8_prefetch": dict(split="rows", grid_tile_width=8, weight_scale="prefetch"),
     "rows_gtw4": dict(split="rows", grid_tile_width=4),
     "rows_gtw8_s3": dict(split="rows", grid_tile_width=8, num_stages=3),
     "rows_gtw8_overlap": dict(split="rows", grid_tile_width=8, overlap=True),

@@ -63,8 +63,13 @@ row-exact epilogue it reuses):
 - The weight scale is read as a scalar from global memory per step (tiny,
   cached); the row scales come through the TMA pipeline with the operands
   (TMA clips the last row block at M). Both loads are issued before the
-  step's wgmma waits (the weight scale a step ahead), so their latency
-  overlaps it instead of following it.
+  step's wgmma, and the weight scale is first used after the wait, so its
+  latency hides under the wgmma. (Loaded a step ahead instead, as until
+  2026-12-03, the loop's register hand-over of the loaded value waited for
+  the load inside the step: 7.7% of the compute warps' samples, long
+  scoreboard. Yet both ran at the same speed on the H200, 1,140 against
+  1,134 TF/s fwd and 1,107 against 1,102 dgrad, same bits:
+  ``fp8_kernels-20261203-153213``, ``-153546``.)
 - The row scales are read from shared memory by the compute warpgroups
   (generic proxy) and the slot is then refilled by TMA (async proxy). PTX
   orders a generic-proxy access before a later async-proxy access of the
@@ -96,8 +101,8 @@ row and a column vector (34 registers per thread as vectors, 64 formed).
 Here the scale is a row vector, 2 registers per thread, so the product can
 wait unscaled and the whole promotion runs under the next wgmma.
 Registers during the wgmma: running sum, pending product and accumulator
-3 x 64, the pending and the new row scales 2 + 2, the weight scales two
-scalars: about 200 of the 232, the same in either split (above); the
+3 x 64, the pending and the new row scales 2 + 2, the weight scale one
+scalar: about 200 of the 232, the same in either split (above); the
 multiply-add consumes the pending product as it goes.
 
 Open questions for the GPU session: the cost of the per-step fence, stages,
@@ -156,7 +161,7 @@ def check_shapes(aq_MC, sa, bq_GOC, sb, group_sizes_G):
 
 def gmm_fp8_blockwise(aq_MC, sa, bq_GOC, sb, group_sizes_G, *, out_dtype=jnp.bfloat16,
                       num_stages=4, grid_tile_width=8, sms=None, split="rows", overlap=False,
-                      chain=False, weight_scale="in_step"):
+                      chain=False):
     """y [M, O] = per-group blockwise-scaled a . b[g]^T; see the module docstring.
 
     Rows past ``sum(group_sizes)`` come out as zeros. ``split`` (``SPLITS``),
@@ -263,8 +268,6 @@ def gmm_fp8_blockwise(aq_MC, sa, bq_GOC, sb, group_sizes_G, *, out_dtype=jnp.bfl
                         total, pending, pending_scale = eval_pipeline(
                             (zeros(), zeros(), no_scale))
                         total = total + pending * by_row(pending_scale)
-                    elif weight_scale == "prefetch":
-                        total, _ = eval_pipeline((zeros(), sb_gmem[group, 0, col_block]))
                     else:
                         total = eval_pipeline(zeros())
                     store(total.astype(out_dtype))
@@ -286,26 +289,6 @@ def gmm_fp8_blockwise(aq_MC, sa, bq_GOC, sb, group_sizes_G, *, out_dtype=jnp.bfl
                     # back to TMA (module docstring).
                     plgpu.commit_smem()
                     return row_scale
-
-                def next_weight_scale(kk):
-                    # Loaded from global memory now and used a whole step later.
-                    return sb_gmem[group, jnp.minimum(kk + 1, num_c - 1), col_block]
-
-                def mma_body_prefetch(idx, a_smem, b_smem, sa_smem, carry):
-                    (kk,) = idx
-                    total, w_scale = carry
-                    next_scale = next_weight_scale(kk)
-                    lhs, rhs, rows = operands(a_smem, b_smem, sa_smem)
-                    row_scale = load_row_scale(rows)
-
-                    def c_step(acc_ref):
-                        plgpu.wgmma(acc_ref, lhs, rhs)
-                        step_scale = row_scale * w_scale  # while the wgmma runs
-                        plgpu.wgmma_wait(0)
-                        return acc_ref[...], step_scale
-
-                    part, step_scale = pl.run_scoped(c_step, plgpu.ACC((bm, bo), jnp.float32))
-                    return total + part * by_row(step_scale), next_scale
 
                 def mma_body(idx, a_smem, b_smem, sa_smem, total):
                     (kk,) = idx
@@ -343,9 +326,8 @@ def gmm_fp8_blockwise(aq_MC, sa, bq_GOC, sb, group_sizes_G, *, out_dtype=jnp.bfl
                     return pl.run_scoped(c_step, plgpu.ACC((bm, bo), jnp.float32))
 
                 def run(state):
-                    step = (mma_body_overlap if overlap else
-                            mma_body_prefetch if weight_scale == "prefetch" else mma_body)
-                    make_pipeline(step, compute_context, state)(
+                    make_pipeline(mma_body_overlap if overlap else mma_body, compute_context,
+                                  state)(
                         a_gmem.at[pl.ds(row_start, bm)],
                         b_gmem.at[group, pl.ds(band * cta_o, cta_o)],
                         sa_gmem.at[:, pl.ds(row_start, bm)],
