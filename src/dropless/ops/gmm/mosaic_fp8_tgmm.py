@@ -103,7 +103,7 @@ chain ran 851 TF/s against 723 at G=32, 593 against 470 at G=128 and 797 against
 ``-130213``, ``-131851``); the training step's FP8 case rose from 1.088x bf16 to
 1.093x (``step-20261203-131400``).
 
-Three other schedules were measured on the H200 and removed. Two accumulators
+Other schedules were measured on the H200 and removed. Two accumulators
 promoted in turn (each step's product read with ``wgmma_accumulator_load(wait_n=1)``
 while the next step's wgmma runs: two float32 operations per element and no copy,
 against the default's three and a copy) gave the same bits but ran 0.83x at G=32
@@ -116,7 +116,12 @@ promotes while the other's runs) ran 0.98x the overlapped per-tile kernel with
 the plain step and 0.88x with the overlapped one (G=32,
 ``fp8_kernels-20261203-130033``); in the forward kernel 0.87x
 (``-130213``). Deferring the scale multiply (``defer_scale``) ran 0.90x
-(``-102051``).
+(``-102051``). The promotion factored as ``(part * cols) * rows + total`` (an
+``FMUL`` after the wait and an ``FFMA`` under the next wgmma, no outer product:
+two float32 operations per element against three, 64 fewer instructions per
+thread and step, same bits) ran 0.89x at G=32 and 0.92x under Dirichlet(0.3),
+against the outer product in the same process (``fp8_kernels-20261203-152538``,
+``-152652``): the instruction count is not what limits the step.
 """
 
 import functools
