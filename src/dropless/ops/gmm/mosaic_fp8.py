@@ -86,9 +86,9 @@ idle while each thread runs its 64 multiply-adds (``total + part *
 scale``). The pipeline releases a step's shared-memory slot when its body
 returns, so a wgmma cannot stay in flight across steps; instead each step
 carries its product, unscaled, and its row scale ``sa[rows] * sb`` to the
-next step, which issues its own wgmma, loads and forms its own scale, and
-evaluates the previous step's ``total + part * scale`` while the wgmma runs;
-after the wait it only hands its accumulator on. The compute context
+next step, which issues its own wgmma, loads its row scales and evaluates
+the previous step's ``total + part * scale`` while the wgmma runs; after the
+wait it forms its own scale (two multiplies) and hands its accumulator on. The compute context
 promotes the last step's product; the first step promotes a zero product
 into the zero sum. Every step's promotion is the plain step's expression on
 the same operands, in the same order, so the two equal bit for bit (and the
@@ -183,7 +183,6 @@ def gmm_fp8_blockwise(aq_MC, sa, bq_GOC, sb, group_sizes_G, *, out_dtype=jnp.bfl
         unknown ``split``, ``chain`` with C / 128 not a multiple of ``num_stages``.
     """
     m, c, o, _ = check_shapes(aq_MC, sa, bq_GOC, sb, group_sizes_G)
-    num_c = c // BLOCK
     out_dtype = jnp.dtype(out_dtype)
     # 4-byte outputs double the epilogue buffers; one load stage less keeps smem in bounds.
     num_stages = num_stages if out_dtype.itemsize <= 2 else min(num_stages, 3)
