@@ -244,8 +244,8 @@ def tgmm_fp8_blockwise(xq_KM, sx, dyq_NM, sdy, group_sizes_G, *, out_dtype=jnp.f
                           pl.ds(band * cta_n + (0 if by_rows else wg * bn), bn)],
         )
 
-    def step_parts(wg):
-        """Warpgroup ``wg``'s (operands, load_scale, outer, zeros) of a step."""
+    def step_functions(wg):
+        """(step body, its initial carry, the carry's final sum) for warpgroup ``wg``."""
         zeros = lambda: plgpu.layout_cast(jnp.zeros((bk, bn), jnp.float32),  # noqa: E731
                                           plgpu.Layout.WGMMA)
 
@@ -268,12 +268,6 @@ def tgmm_fp8_blockwise(xq_KM, sx, dyq_NM, sdy, group_sizes_G, *, out_dtype=jnp.f
         def outer(row_scale, col_scale):
             return (lax.broadcast_in_dim(row_scale, (bk, bn), (0,))
                     * lax.broadcast_in_dim(col_scale, (bk, bn), (1,)))
-
-        return operands, load_scale, outer, zeros
-
-    def step_functions(wg):
-        """(step body, its initial carry, the carry's final sum) for warpgroup ``wg``."""
-        operands, load_scale, outer, zeros = step_parts(wg)
 
         def mma_body(_, x_smem, dy_smem, sx_smem, sdy_smem, total):
             lhs, rhs, rows, cols = operands(x_smem, dy_smem, sx_smem, sdy_smem)

@@ -37,7 +37,6 @@ all of them have) and, for the two weight-gradient kernels, ``walk_tiles``
 (which CTA computes which output tile).
 """
 
-import dataclasses
 import functools
 
 import jax
@@ -192,41 +191,6 @@ def walk_tiles_carry(grid, tile, init, order_ref_G=None):
     return lax.fori_loop(0, (num_tiles + num_sms - 1) // num_sms, visit, init)
 
 
-@dataclasses.dataclass(frozen=True)
-class TileSteps:
-    """A compute warpgroup's view of one tile's steps in ``chained_tile_pipeline``:
-    ``count`` steps (0 past the grid), the first at slot counter ``start``; step s is
-    at counter ``start + s``."""
-
-    count: jax.Array
-    start: jax.Array
-    buffers: list  # [stages, ...] shared-memory refs, one per operand of a step
-    loaded: object
-    consumed: object
-
-    def wait(self, it):
-        """Wait for counter ``it``'s data; its slots' refs."""
-        slot = lax.rem(it, self.buffers[0].shape[0])
-        plgpu.barrier_wait(self.loaded.at[slot])
-        return [b.at[slot] for b in self.buffers]
-
-    def release(self, it):
-        """Hand counter ``it``'s slot back to the memory warpgroup."""
-        plgpu.barrier_arrive(self.consumed.at[lax.rem(it, self.buffers[0].shape[0])])
-
-    def __call__(self, body, init):
-        """``carry = body(s, slot_refs, carry)`` over the steps, each slot released
-        when its body returns; (the last carry, the counter after the steps)."""
-        def step(s, carry):
-            it, acc = carry
-            acc = body(s, self.wait(it), acc)
-            self.release(it)
-            return it + 1, acc
-
-        it_end, acc = lax.fori_loop(0, self.count, step, (self.start, init))
-        return acc, it_end
-
-
 # A chained tile pipeline's compute warpgroups take what the memory warpgroup leaves of
 # the 512 registers per thread slot, split in two and rounded down to 8 (as
 # ``emit_pipeline_warp_specialized`` does).
@@ -303,7 +267,18 @@ def chained_tile_pipeline(grid, order_ref_G, *, wg, buffers, tile_of, sources_of
             def tile(g, k_tile, n_tile, real, it):
                 count, info = tile_of(g)
 
-                loop = TileSteps(jnp.where(real, count, 0), it, buffers, loaded, consumed)
+                def loop(body, init):
+                    def step(s, carry):
+                        it, acc = carry
+                        slot = lax.rem(it, num_stages)
+                        plgpu.barrier_wait(loaded.at[slot])
+                        acc = body(s, [b.at[slot] for b in buffers], acc)
+                        plgpu.barrier_arrive(consumed.at[slot])
+                        return it + 1, acc
+
+                    it_end, acc = lax.fori_loop(0, jnp.where(real, count, 0), step, (it, init))
+                    return acc, it_end
+
                 return compute(g, k_tile, n_tile, real, info, loop)
 
             walk_tiles_carry(grid, tile, jnp.int32(0), order_ref_G)
