@@ -687,8 +687,11 @@ def main():
 
 
 def _result_name(quant="none"):
+    """The record's file name, with the time it starts: a second run into the same
+    --out (a --tune, then a --quick in one device call) must not overwrite the first."""
     tag = "" if quant == "none" else f"-{quant}"
-    return f"gmm-{datetime.date.today().isoformat()}-{tuning.gpu_name()}{tag}.json"
+    stamp = datetime.datetime.now().strftime("%Y-%m-%d-%H%M%S")
+    return f"gmm-{stamp}-{tuning.gpu_name()}{tag}.json"
 
 
 def run_children(args, shapes, record):
