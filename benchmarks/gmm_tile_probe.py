@@ -55,8 +55,10 @@ from dropless.perf.bench import load_module  # noqa: E402
 
 BENCH_DIR = pathlib.Path(__file__).parent
 
-# DeepSeek-V3's expert GEMMs without expert parallelism (G=256): gate|up, down.
-DEFAULT_SHAPES = [(65536, 256, 7168, 4096), (65536, 256, 2048, 7168)]
+# DeepSeek-V3's expert GEMMs without expert parallelism (G=256), gate|up and down, from
+# the preset users run (``gmm.preset_expert_shapes``): M=65536 K=7168 N=4096 and K=2048
+# N=7168.
+DEFAULT_PRESET = "deepseek3-671b"
 # The smallest K and N every tiling below divides in both products (out columns a
 # multiple of 2 * 256), and two groups in two 64-row blocks: balanced, block_m=128
 # computes its one block twice; Dirichlet(0.3) sizes are 2 and 126 rows.
@@ -231,8 +233,7 @@ def probe_shape(gmm, shape, a, record):
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--shape", action="append", default=[],
-                   help="M,G,K,N (repeatable; default: " + " and ".join(
-                       ",".join(map(str, s)) for s in DEFAULT_SHAPES) + ")")
+                   help=f"M,G,K,N (repeatable; default: {DEFAULT_PRESET}'s two expert GEMMs, G=256)")
     p.add_argument("--layouts", default="balanced,dirichlet0.3",
                    help="comma list of gmm.py's LAYOUTS")
     p.add_argument("--tilings", default=",".join(TILINGS), help="comma list of TILINGS")
@@ -251,7 +252,7 @@ def main(argv=None):
             raise ValueError
     except ValueError:
         p.error(f"--shape {a.shape}: expected M,G,K,N")
-    shapes = shapes or ([SMOKE_SHAPE] if a.smoke else DEFAULT_SHAPES)
+    shapes = shapes or ([SMOKE_SHAPE] if a.smoke else gmm.preset_expert_shapes(DEFAULT_PRESET))
     a.layouts, a.tilings, a.products = (s.split(",") for s in (a.layouts, a.tilings, a.products))
     for given, known, what in ((a.layouts, gmm.LAYOUTS, "layout"), (a.tilings, TILINGS, "tiling"),
                                (a.products, PRODUCTS, "product")):
