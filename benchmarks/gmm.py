@@ -18,11 +18,12 @@ With ``--quant mxfp8|blockwise`` two more columns (FP8 recipes, issue 8):
           E4M3 operands quantized outside the timing) at equal FLOPs: the
           FP8 ceiling, next to ``dense`` (the bf16 one)
 and with ``--quant blockwise`` two more, the FP8 Mosaic kernels
-(``quantized.gmm(impl="kernel")``, ``mosaic_fp8`` / ``mosaic_fp8_tgmm``; not
-yet measured on a GPU):
-  ours_fp8k  each product quantized in its kernel's layout, then the kernel,
-             all timed (what a training step with ``gmm_fp8_impl: kernel``
-             pays; compare with ours_q)
+(``quantized.gmm(impl="kernel")``, ``mosaic_fp8`` / ``mosaic_fp8_tgmm``):
+  ours_fp8k  each product quantized in its kernel's layout by the quantizers
+             training uses (``quant_impl="auto"``, groups aligned as the MoE
+             block pads them), then the kernel, all timed (what a training step
+             with ``gmm_fp8_impl: kernel`` pays, but for dgrad, which in
+             training reuses the forward's weight codes; compare with ours_q)
   fp8k       the kernels alone on codes and scales prepared outside the
              timing (compare with dense8)
 
@@ -269,13 +270,19 @@ def quant_fns(impl, g, recipe):
         def all3(x, w, dy, gs):
             return fwd(x, w, dy, gs), dgrad(x, w, dy, gs), wgrad(x, w, dy, gs)
     elif impl == "ours_fp8k":
-        fwd = lambda x, w, dy, gs: quantized.kernel_fwd(x, w, gs, x.dtype)
-        dgrad = lambda x, w, dy, gs: quantized.kernel_dgrad(dy, w, gs, x.dtype)
-        wgrad = lambda x, w, dy, gs: quantized.kernel_wgrad(x, dy, gs, w.dtype)
+        # What training runs: the quantizers ``auto`` picks (``quantized.quantizer``) and
+        # groups aligned to whole scale blocks, as the MoE block pads them (``bench_shape``
+        # aligns the sizes), so wgrad reads dy and x without regrouping them. (Until
+        # 2026-12-03 this column used the XLA quantizers and regrouped the rows: at G=256
+        # XLA's weight quantization materialized a float32 copy of the 15 GB weight.)
+        fwd = lambda x, w, dy, gs: quantized.kernel_fwd(x, w, gs, x.dtype, quant_impl="auto")
+        dgrad = lambda x, w, dy, gs: quantized.kernel_dgrad(dy, w, gs, x.dtype, quant_impl="auto")
+        wgrad = lambda x, w, dy, gs: quantized.kernel_wgrad(x, dy, gs, w.dtype, aligned=True,
+                                                            quant_impl="auto")
 
         def all3(x, w, dy, gs):
-            y, vjp = jax.vjp(lambda x, w: quantized.gmm(x, w, gs, recipe=recipe, impl="kernel"),
-                             x, w)
+            y, vjp = jax.vjp(lambda x, w: quantized.gmm(x, w, gs, recipe=recipe, impl="kernel",
+                                                        groups_aligned=True), x, w)
             return y, *vjp(dy)
     else:
         raise ValueError(impl)
