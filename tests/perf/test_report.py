@@ -631,3 +631,99 @@ def test_fp8_kernels_sweeps_at_other_shapes_are_their_own_variant(tmp_path):
     assert "| wgrad_rows_overlap | wgrad | 1.000 | 1.100 | 600 | 550 | - |" in text[qwen_at:]
     assert "| wgrad_rows_overlap_sorted | wgrad | 1.000 | 1.100 | 732 | 682 | 1100: **not met** |" \
         in text[:qwen_at]
+
+
+def tile_probe_record(created, shape, rows, dense=None, **config):
+    """A ``gmm_tile_probe.py`` record: ``rows`` of (layout, product, tiling, fields) at
+    ``shape`` (M, G, K, N); ``dense``: {product: fields} of the dense product there."""
+    return {"kind": "gmm_tile_probe", "created": created, **PROV,
+            "config": {"shapes": [list(shape)], "layouts": ["balanced", "dirichlet0.3"],
+                       "products": ["fwd", "dgrad"], **config},
+            "rows": [{"shape": list(shape), "layout": layout, "product": product, "tiling": tiling,
+                      **fields} for layout, product, tiling, fields in rows],
+            "dense": {",".join(map(str, shape)): dense} if dense else {}}
+
+
+def tile_probe_row(tiles, overhead, kernel_ms, tf, vs_dense, block_m=128, chain=True, **extra):
+    return {"tiling_config": {"block_m": block_m, "block_n": 128, "block_k": 64, "num_stages": 4,
+                              "grid_tile_width": 8, "chain": chain},
+            "tiles": tiles, "overhead": overhead, "kernel_ms": kernel_ms,
+            "wall_ms": kernel_ms + 0.5, "tflops_kernel": tf, "tflops_wall": tf - 40.0, "vs_dense": vs_dense, **extra}
+
+
+def test_gmm_tile_probe_section(tmp_path):
+    """Each probe record (``gmm_tile_probe.py``'s layout) renders as its own table, the dense
+    product leading each (shape, layout, product); the headline quotes the skewed fwd's best
+    tiling against the table's and dense."""
+    d = tmp_path / "r"
+    d.mkdir()
+    g256 = tile_probe_record("2026-12-03T17:19:05+00:00", (65536, 256, 7168, 4096), [
+        ("balanced", "fwd", "table", tile_probe_row(512, 1.0, 5.5, 700.0, 0.94)),
+        ("dirichlet0.3", "fwd", "table", tile_probe_row(727, 1.42, 8.0, 478.0, 0.64)),
+        ("dirichlet0.3", "fwd", "m64_n128_w8", tile_probe_row(
+            1238, 1.209, 7.8, 505.0, 0.675, block_m=64, chain=False, bitwise_equal_to="table",
+            equal=False)),
+        ("dirichlet0.3", "fwd", "m64_n128_w8_chain", tile_probe_row(
+            1238, 1.209, 8.4, 456.0, 0.61, block_m=64, bitwise_equal_to="table", equal=True))],
+        dense={"fwd": {"kernel_ms": 5.1, "wall_ms": 5.9, "tflops_kernel": 748.0,
+                       "tflops_wall": 650.0}})
+    g32 = tile_probe_record("2026-12-03T17:20:55+00:00", (65536, 32, 7168, 4096), [
+        ("dirichlet0.3", "fwd", "table", tile_probe_row(540, 1.055, 5.3, 732.0, 0.94))])
+    (d / "gmm_tile_probe-a.json").write_text(json.dumps(g256))
+    (d / "gmm_tile_probe-b.json").write_text(json.dumps(g32))
+    newest = report.newest_records(d, log=lambda _: None)
+    assert {k: p.name for k, (_, p) in newest.items()} == {
+        "gmm_tile_probe:M=65536 G=256 K=7168 N=4096 (balanced, dirichlet0.3; fwd, dgrad)":
+            "gmm_tile_probe-a.json",
+        "gmm_tile_probe:M=65536 G=32 K=7168 N=4096 (balanced, dirichlet0.3; fwd, dgrad)":
+            "gmm_tile_probe-b.json"}
+    text = report.render(d, tmp_path / "R.md", log=lambda _: None).read_text()
+    section = text[text.index("## Grouped GEMM row tiles under skew"):]
+    g32_at = section.index("### M=65536 G=32 K=7168 N=4096")
+    g256_at = section.index("### M=65536 G=256 K=7168 N=4096")
+    assert g32_at < g256_at  # by shape
+    g256_text = section[g256_at:]
+    assert ("| 65536 256 7168 4096 | dirichlet0.3 | fwd | dense cuBLAS | - | - | 5.100 | 5.900 "
+            "| 748 | 650 | 1.00x | - |") in g256_text
+    assert ("| 65536 256 7168 4096 | dirichlet0.3 | fwd | table | 727 | 1.420 | 8.000 | 8.500 "
+            "| 478 | 438 | 0.64x | ref |") in g256_text
+    assert ("| 65536 256 7168 4096 | dirichlet0.3 | fwd | m64_n128_w8 | 1238 | 1.209 | 7.800 "
+            "| 8.300 | 505 | 465 | 0.68x | **no** |") in g256_text
+    assert ("`m64_n128_w8` 64 x 128 x 64, 4 stages, grid tile width 8; `m64_n128_w8_chain` 64 x "
+            "128 x 64, 4 stages, grid tile width 8, chained.") in g256_text
+    assert "`gmm_tile_probe-a.json`" in g256_text and "`gmm_tile_probe-b.json`" in section[:g256_at]
+    assert ("- gmm row-tile probe fwd M=65536 G=256 K=7168 N=4096 dirichlet0.3 (CUPTI): best "
+            "m64_n128_w8 505 TF/s = 1.06x the table's 478, 0.68x dense (748)") in text
+    # No dense product in the record: the best is quoted against the table's alone.
+    assert report.headlines("gmm_tile_probe", g32) == [
+        "gmm row-tile probe fwd M=65536 G=32 K=7168 N=4096 dirichlet0.3 (CUPTI): best the "
+        "table's tiling 732 TF/s"]
+
+
+def test_gmm_tile_probe_record_missing_optional_fields(tmp_path):
+    """A record without config or dense times, with a tiling skipped, one failed, a shape
+    failed whole and a row of its kernel time alone, renders each with "-" where a number
+    is missing."""
+    d = tmp_path / "r"
+    d.mkdir()
+    record = {"kind": "gmm_tile_probe", "created": "2026-12-03T00:00:00+00:00", **PROV,
+              "rows": [{"shape": [1024, 8, 512, 256], "layout": "balanced", "product": "fwd",
+                        "tiling": "table", "tflops_kernel": 300.0},
+                       {"shape": [1024, 8, 512, 256], "layout": "balanced", "product": "fwd",
+                        "tiling": "m64_n256_w8_s2", "skipped": "does not divide the shape"},
+                       {"shape": [1024, 8, 512, 256], "layout": "balanced", "product": "fwd",
+                        "tiling": "m64_n128_w8", "error": "Mosaic GPU: smem | over\nlimit"},
+                       {"shape": [2048, 8, 512, 256], "error": "OOM"}]}
+    (d / "gmm_tile_probe-x.json").write_text(json.dumps(record))
+    logged = []
+    text = report.render(d, tmp_path / "R.md", log=logged.append).read_text()
+    assert not [line for line in logged if "could not render" in line]
+    assert ("### M=1024 G=8 K=512 N=256; M=2048 G=8 K=512 N=256 (balanced; fwd)") in text
+    assert "| 1024 8 512 256 | balanced | fwd | table | - | - | - | - | 300 | - | - | ref |" in text
+    assert ("| 1024 8 512 256 | balanced | fwd | m64_n256_w8_s2 | skipped: does not divide the "
+            "shape | - | - | - | - | - | - | - |") in text
+    assert "| m64_n128_w8 | error: Mosaic GPU: smem / over limit | - |" in text
+    assert "| 2048 8 512 256 | - | - | - | error: OOM | - |" in text
+    assert "| dense cuBLAS |" not in text and "Tilings (" not in text
+    assert ("- gmm row-tile probe fwd M=1024 G=8 K=512 N=256 balanced (CUPTI): best the table's "
+            "tiling 300 TF/s") in text

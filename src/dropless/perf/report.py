@@ -45,6 +45,11 @@ Record fields read (aliases accepted, so the benchmarks' own formats work):
   ``tflops_wall``, or a bit-for-bit check (``bitwise_equal_to``, ``equal``). The
   newest record timing the products and the newest wgrad variant sweep render
   (``fp8_kernels_variant``); the headline quotes the default variants.
+- **gmm_tile_probe** (``benchmarks/gmm_tile_probe.py``): ``rows`` per (``shape``,
+  ``layout``, ``product``, ``tiling``) with ``tiles``, ``overhead``, ``kernel_ms``,
+  ``wall_ms``, ``tflops_kernel``, ``tflops_wall``, ``vs_dense``, ``equal`` (or
+  ``skipped``/``error``); ``dense`` per shape and product. The newest record of each
+  scope (shapes, layouts, products: ``gmm_tile_probe_variant``) renders as its own table.
 """
 
 import argparse
@@ -58,14 +63,16 @@ from dropless.perf.measure import DEFAULT_RESULTS_DIR, REPO_ROOT
 from dropless.perf.report_fp8 import (fp8_dense_section, fp8_kernels_headline, fp8_kernels_section,
                                       fp8_kernels_variant, fp8_loss_headline, fp8_quant_headline,
                                       fp8_quant_section)
+from dropless.perf.report_gmm_probe import (gmm_tile_probe_headline, gmm_tile_probe_section,
+                                            gmm_tile_probe_variant)
 from dropless.perf.report_md import (CREATED, TITLES, _get, _num, _plt, _ratio, _save,
                                      _short_commit, _source_line, md_table, provenance)
 from dropless.perf.report_profile import profile_headline, profile_precision, profile_section
 from dropless.perf.report_step import step_headline, step_section, step_variant
 
 DEFAULT_MD = REPO_ROOT / "benchmarks" / "RESULTS.md"
-KINDS = ("gmm", "moe_layer", "step", "fp8_kernels", "fp8_quant", "profile", "fp8_dense",
-         "fp8_loss")  # fp8_loss: a headline, no section
+KINDS = ("gmm", "gmm_tile_probe", "moe_layer", "step", "fp8_kernels", "fp8_quant", "profile",
+         "fp8_dense", "fp8_loss")  # fp8_loss: a headline, no section
 
 
 def gmm_variant(record: dict) -> str:
@@ -78,7 +85,7 @@ def gmm_variant(record: dict) -> str:
 
 # Kinds whose newest record is kept per variant (key "<kind>:<variant>"), rendered together.
 VARIANTS = {"profile": profile_precision, "step": step_variant, "fp8_kernels": fp8_kernels_variant,
-            "gmm": gmm_variant}
+            "gmm": gmm_variant, "gmm_tile_probe": gmm_tile_probe_variant}
 GMM_IMPLS = {"ours": "ours", "dense": "dense cuBLAS (ceiling)", "torch": "torch._grouped_mm",
              "jaxex": "jax example kernels", "ragged": "lax.ragged_dot"}
 GMM_OPS = ("fwd", "dgrad", "wgrad", "fwd+dgrad+wgrad")
@@ -378,6 +385,8 @@ def headlines(kind: str, record: dict) -> list[str]:
         return [f"gmm fwd {key[0]} {key[1]}: ours {v['ours']:.0f} TF/s = "
                 f"{_ratio(v['ours'], v.get('dense'))} dense, {_ratio(v['ours'], v.get('torch'))} "
                 "torch._grouped_mm"]
+    if kind.split(":")[0] == "gmm_tile_probe":
+        return gmm_tile_probe_headline(record)
     if kind == "moe_layer":
         ours = next((r for r in record.get("rows", []) if r.get("case") == "ours"), {})
         if not ours.get("fwd_bwd_ms"):
@@ -402,8 +411,8 @@ def headlines(kind: str, record: dict) -> list[str]:
     return []
 
 
-SECTIONS = {"gmm": gmm_section, "moe_layer": moe_section, "step": step_section,
-            "profile": profile_section, "fp8_kernels": fp8_kernels_section,
+SECTIONS = {"gmm": gmm_section, "gmm_tile_probe": gmm_tile_probe_section, "moe_layer": moe_section,
+            "step": step_section, "profile": profile_section, "fp8_kernels": fp8_kernels_section,
             "fp8_quant": fp8_quant_section, "fp8_dense": fp8_dense_section}
 
 

@@ -1,15 +1,16 @@
 """What every section of ``benchmarks/RESULTS.md`` shares: the section titles, a record's
 provenance and source line, number and table formatting, and matplotlib.
 
-The section modules (``report_step``, ``report_profile``, ``report_fp8``) and ``report``
-import from here; this module imports none of them.
+The section modules (``report_step``, ``report_profile``, ``report_fp8``,
+``report_gmm_probe``) and ``report`` import from here; this module imports none of them.
 """
 
 from pathlib import Path
 
-TITLES = {"gmm": "Grouped GEMM kernels", "moe_layer": "MoE layer", "step": "Training step",
-          "fp8_kernels": "FP8 grouped GEMM kernels", "fp8_quant": "FP8 quantization and the kernel path",
-          "profile": "Step profile", "fp8_dense": "FP8 dense matmuls"}
+TITLES = {"gmm": "Grouped GEMM kernels", "gmm_tile_probe": "Grouped GEMM row tiles under skew",
+          "moe_layer": "MoE layer", "step": "Training step", "fp8_kernels": "FP8 grouped GEMM kernels",
+          "fp8_quant": "FP8 quantization and the kernel path", "profile": "Step profile",
+          "fp8_dense": "FP8 dense matmuls"}
 
 
 def _get(d: dict, *names, default=None):
