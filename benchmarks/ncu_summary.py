@@ -28,6 +28,12 @@ METRICS = {
     "smsp__sass_inst_executed_op_global_ld.sum": "global_loads",
     "smsp__sass_inst_executed_op_local_ld.sum": "local_loads",
     "smsp__sass_inst_executed_op_shared_ld.sum": "shared_loads",
+    # the memory side (the bf16 wgrad under skew, notes/gmm.md)
+    "dram__bytes_read.sum": "dram_read_gb",
+    "lts__t_sector_hit_rate.pct": "l2_hit_rate_pct",
+    "lts__throughput.avg.pct_of_peak_sustained_elapsed": "l2_throughput_pct",
+    "sm__cycles_active.min": "sm_active_cycles_min",
+    "sm__cycles_active.max": "sm_active_cycles_max",
 }
 STALL = re.compile(r"smsp__average_warps_issue_stalled_([a-z_]+)_per_issue_active\.ratio$")
 LINE = re.compile(r"^\s+(\S+)\s+(?:\S+\s+)?(-?[\d,]*\.?\d+)\s*$")
