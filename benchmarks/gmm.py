@@ -49,8 +49,11 @@ import functools
 import json
 import os
 import pathlib
+import signal
 import statistics
+import subprocess
 import sys
+import tempfile
 import time
 import traceback
 
@@ -428,7 +431,9 @@ def bench_fp8_kernels(row, x, w, dy, gs, g, flops, args, fns_q):
     del ops
 
 
-def bench_shape(m, g, k, n, layouts, impls, tilings, args, record):
+def bench_shape(m, g, k, n, layouts, impls, tilings, args, record, save=lambda: None):
+    """Time every impl on one shape, a row per layout; ``save()`` after each row, so a
+    run cut off by its limit keeps the rows it finished."""
     x, w, dy = random_inputs(m, g, k, n, seed=m + g + k + n)
     dense_ms, dense_wall_ms, dense8_ms = {}, {}, {}
     for layout in layouts:
@@ -477,6 +482,7 @@ def bench_shape(m, g, k, n, layouts, impls, tilings, args, record):
             except Exception:  # noqa: BLE001 - keep the bf16 numbers of this row
                 traceback.print_exc()
         record["results"].append(row)
+        save()
         print_row(row)
         sys.stdout.flush()
         del torch_f
@@ -679,6 +685,8 @@ def main():
         return run_children(args, shapes, record)
     if args.tune:
         tune([s for s in shapes if s[1] == 32] or shapes, args, record)
+    path = pathlib.Path(args.inner or pathlib.Path(args.out, _result_name(args.quant)))
+    save = lambda: path.write_text(json.dumps(record, indent=1) + "\n")
     if not args.tune_only:
         for m, g, k, n in shapes:
             tilings = {kind: tuning.lookup(kind, jnp.bfloat16, k, n) for kind in tuning.KINDS}
@@ -686,11 +694,10 @@ def main():
                 kk: dataclasses.asdict(v) for kk, v in tilings.items()
             }
             try:
-                bench_shape(m, g, k, n, layouts, impls, tilings, args, record)
+                bench_shape(m, g, k, n, layouts, impls, tilings, args, record, save)
             except Exception:  # noqa: BLE001 - keep the other shapes' numbers
                 traceback.print_exc()
-    path = pathlib.Path(args.inner or pathlib.Path(args.out, _result_name(args.quant)))
-    path.write_text(json.dumps(record, indent=1) + "\n")
+    save()
 
 
 def _result_name(quant="none"):
@@ -701,13 +708,27 @@ def _result_name(quant="none"):
     return f"gmm-{stamp}-{tuning.gpu_name()}{tag}.json"
 
 
+class _Stopped(Exception):
+    """The run was signalled to stop (``run_children``)."""
+
+
 def run_children(args, shapes, record):
     """One child process per shape (and one for --tune): each starts with all GPU
     memory free, and a crash or timeout loses one shape, not the run. The
-    merged record is rewritten after every child."""
-    import subprocess
-    import tempfile
+    merged record is rewritten after every child. A SIGTERM (``timeout``'s: it
+    signals the child too) stops the run but first merges the rows the current
+    child finished (it saves after each) and writes the record."""
+    def stop(signum, frame):
+        raise _Stopped(signum)
 
+    previous = signal.signal(signal.SIGTERM, stop)
+    try:
+        _run_children(args, shapes, record)
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+def _run_children(args, shapes, record):
     base = [sys.executable, __file__, "--iters", str(args.iters), "--impls", args.impls,
             "--out", args.out, "--commit", args.commit, "--quant", args.quant]
     base += ["--quick"] * args.quick + ["--smoke"] * args.smoke
@@ -727,20 +748,29 @@ def run_children(args, shapes, record):
             print("time budget spent; skipped", extra)
             record.setdefault("skipped", []).append(extra)
             continue
+        stopped = False
         try:
             subprocess.run(base + extra + ["--inner", part], check=False, timeout=left)
         except subprocess.TimeoutExpired:
             print("child timed out:", extra)
             record.setdefault("skipped", []).append(extra)
+        except _Stopped:
+            print("stopped (SIGTERM) during", extra, "- keeping the rows it finished")
+            record.setdefault("skipped", []).append(extra)
+            stopped = True
         try:
             child = json.loads(pathlib.Path(part).read_text())
         except (OSError, ValueError):
             print("child produced no record:", extra)
-            continue
-        record["results"] += child["results"]
-        record["tuning_sweep"] += child["tuning_sweep"]
-        record.setdefault("tilings", {}).update(child.get("tilings", {}))
-        path.write_text(json.dumps(record, indent=1) + "\n")
+            child = None
+        if child is not None:
+            record["results"] += child["results"]
+            record["tuning_sweep"] += child["tuning_sweep"]
+            record.setdefault("tilings", {}).update(child.get("tilings", {}))
+            path.write_text(json.dumps(record, indent=1) + "\n")
+        if stopped:
+            break
+    path.write_text(json.dumps(record, indent=1) + "\n")
     print("wrote", path)
     print_summary(record)
 
