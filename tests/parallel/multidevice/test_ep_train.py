@@ -6,12 +6,21 @@ buffer holds the balanced 2 x T: the step must report the overflow per layer
 (and the factor 4.0 that would have held it) and leave parameters, optimizer
 state and bias untouched. With factor -1 the same step is applied. Two
 microbatches, so the per-layer maxima go through gradient accumulation.
+
+Then the whole training loop (``run_training``) on the same model, train config
+and meshes, so its step programs are the ones compiled above (persistent cache
+hits): with exact buffers it trains; with factor 1.0 every step is skipped and
+counted, and ``ep_overflow_policy="warn"`` says so and goes on.
 """
+
+import dataclasses
+import io
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from rich.console import Console
 
 from dropless.config.sections import (
     DataConfig, MeshConfig, MLAConfig, ModelConfig, MoEConfig, OptimizerConfig, TrainConfig,
@@ -34,10 +43,13 @@ TRAIN = TrainConfig(
 )
 
 
+def _mesh(factor, **keys):
+    return MeshConfig(ici_fsdp_parallelism=1, ici_expert_parallelism=8,
+                      ragged_buffer_factor=factor, ep_exchange="auto", **keys)
+
+
 def _one_skewed_step(factor):
-    mesh_cfg = MeshConfig(ici_fsdp_parallelism=1, ici_expert_parallelism=8,
-                          ragged_buffer_factor=factor, ep_exchange="auto")
-    built = loop.build(MODEL, TRAIN, mesh_cfg)
+    built = loop.build(MODEL, TRAIN, _mesh(factor))
     state = built.state
     bias = jnp.zeros(MODEL.moe.num_experts).at[:2].set(100.0)
     state = {**state, "router_bias": jax.tree.map(lambda b: b + bias, state["router_bias"])}
@@ -67,3 +79,20 @@ def test_overflowing_step_is_skipped(factor):
         assert int(after["skipped_steps"]) == 0
         assert not _same(before["params"], after["params"])
         assert m["ep_rows_saved"] == 0 and m["ep_rows_sent"] > 0  # experts 0, 1 on 2 ranks
+
+
+def test_training_loop_trains_or_skips_every_overflowing_step(tmp_path):
+    """``run_training`` with exact buffers trains (no step skipped, no warning, the loss
+    falls); with factor 1.0 (the balanced load) random routing is never balanced enough,
+    so every step is skipped and counted, and the run warns and finishes."""
+    out = {}
+    for name, factor in (("exact", -1.0), ("tight", 1.0)):
+        console = Console(file=io.StringIO(), width=200)
+        train = dataclasses.replace(TRAIN, base_output_directory=str(tmp_path), run_name=name)
+        r = loop.run_training(MODEL, train, _mesh(factor, ep_overflow_policy="warn"), console=console)
+        out[name] = [r.initial_loss, r.final_loss, r.skipped_steps, r.final_step,
+                     "receive buffer overflow" in console.file.getvalue()]
+    initial, final, skipped, steps, warned = out["exact"]
+    assert skipped == 0 and steps == TRAIN.steps and final < initial and not warned
+    initial, final, skipped, steps, warned = out["tight"]
+    assert skipped == TRAIN.steps and warned  # random routing is never perfectly balanced
