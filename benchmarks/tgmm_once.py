@@ -19,6 +19,7 @@ warm-up launches, and times nothing itself (``ncu`` locks the clocks):
 """
 
 import argparse
+import contextlib
 import os
 import pathlib
 
@@ -49,17 +50,21 @@ def main(argv=None):
         m, g, k, n = (int(v) for v in a.shape.split(","))
     except ValueError:
         p.error(f"--shape {a.shape!r}: expected M,G,K,N")
+    interpret = contextlib.nullcontext()
     if a.smoke:
         from jax.experimental.pallas import mosaic_gpu as plgpu
 
-        plgpu.set_gpu_interpret_mode()
+        # a context, not ``set_gpu_interpret_mode``: a caller in the same process (the
+        # tests) must not be left in interpret mode
+        interpret = plgpu.force_gpu_interpret_mode()
         m, g, k, n = SMOKE_SHAPE
     x, _, dy = gmm.random_inputs(m, g, k, n, seed=m + g + k + n)
     sizes = gmm.make_group_sizes(a.layout, m, g, seed=g)
     fn = jax.jit(lambda x, dy, gs: mosaic.tgmm(x, dy, gs, num_groups=g))
     gs = jnp.asarray(sizes)
-    for _ in range(a.calls):
-        dw = jax.block_until_ready(fn(x, dy, gs))
+    with interpret:
+        for _ in range(a.calls):
+            dw = jax.block_until_ready(fn(x, dy, gs))
     print(f"M={m} G={g} K={k} N={n} {a.layout}: groups {int(sizes.min())}..{int(sizes.max())}, "
           f"{a.calls} calls, dw {dw.shape} {dw.dtype}")
 

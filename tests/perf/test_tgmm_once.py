@@ -26,3 +26,12 @@ def test_unknown_layout_is_refused(capsys):
         once.main(["--layout", "zipf"])
     assert e.value.code == 2
     assert "--layout 'zipf'" in capsys.readouterr().err
+
+
+def test_smoke_leaves_no_interpret_mode_behind():
+    """The smoke run's interpret mode is scoped: later tests in the same worker trace the
+    real kernels (a process-wide switch once broke two remat tests that ran after it)."""
+    from dropless.ops.gmm.quantized import _interpreting
+
+    once.main(["--smoke", "--calls", "1"])
+    assert not _interpreting()
