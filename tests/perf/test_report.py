@@ -605,6 +605,26 @@ def test_gmm_run_of_some_shapes_keeps_the_whole_set(tmp_path):
     assert "| 600.0 |" in text[whole:part] and "| 656.0 |" in text[part:]
 
 
+def test_gmm_runs_of_other_custom_shapes_each_keep_their_table(tmp_path):
+    """``gmm.py --shape`` runs (shape set "custom") at two different shapes both render:
+    a newer custom run at G=32 does not hide the older one at G=256."""
+    d = tmp_path / "r"
+    d.mkdir()
+    old = gmm_record(ours_fwd=718.0)
+    old.update(date="2026-12-03T17:26:14", shape_set="custom")
+    old["results"][0].update(G=256, K=7168, N=4096)
+    new = gmm_record(ours_fwd=806.0)
+    new.update(date="2026-12-03T22:01:46", shape_set="custom")
+    new["results"][0].update(G=32, K=7168, N=4096)
+    (d / "gmm-old.json").write_text(json.dumps(old))
+    (d / "gmm-new.json").write_text(json.dumps(new))
+    newest = report.newest_records(d, log=lambda _: None)
+    assert {k: p.name for k, (_, p) in newest.items()} == {
+        "gmm:custom-G256-K7168-N4096": "gmm-old.json", "gmm:custom-G32-K7168-N4096": "gmm-new.json"}
+    text = report.render(d, tmp_path / "R.md", log=lambda _: None).read_text()
+    assert "| 718.0 |" in text and "| 806.0 |" in text
+
+
 def test_fp8_kernels_sweeps_at_other_shapes_are_their_own_variant(tmp_path):
     """A wgrad sweep at another shape or layout (a Qwen3 skewed one) does not replace the
     DeepSeek balanced sweep: each renders under its own title; the other shape's rows and

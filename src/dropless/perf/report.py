@@ -77,9 +77,13 @@ KINDS = ("gmm", "gmm_tile_probe", "moe_layer", "step", "fp8_kernels", "fp8_quant
 
 def gmm_variant(record: dict) -> str:
     """The record's shape set (``gmm.py --shape-set``); a run of some of its shapes
-    (``--shapes 2``) renders as its own table, not in place of the set's whole run."""
+    (``--shapes 2``) renders as its own table, not in place of the set's whole run, and
+    so does each ``--shape`` run's set of (G, K, N)."""
     name = record.get("shape_set") or "deepseek"
     selection = record.get("shape_selection")
+    if name == "custom":  # ``--shape``: each shape its own table, not the newest custom run only
+        shapes = sorted({(r.get("G"), r.get("K"), r.get("N")) for r in record.get("results") or []})
+        return "custom-" + "-".join(f"G{g}-K{k}-N{n}" for g, k, n in shapes) if shapes else name
     return f"{name}-shapes{str(selection).replace(',', '-')}" if selection else name
 
 
