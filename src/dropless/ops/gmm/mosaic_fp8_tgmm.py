@@ -135,7 +135,8 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 from dropless.ops import quant
 from dropless.ops.gmm import reference as ref_backend
 from dropless.ops.gmm import schedule as schedule_lib
-from dropless.ops.gmm.mosaic_fp8 import BLOCK, _MEMORY_REGISTERS, _swizzle_transforms
+from dropless.ops.gmm.mosaic_fp8 import (BLOCK, _MEMORY_REGISTERS, _swizzle_transforms, first_turn,
+                                         last_turn, pass_turn, turn_allocations, wait_turn)
 from dropless.ops.gmm.mosaic_gmm import (chained_tile_pipeline, persistent_kernel,
                                         tile_order_operands, walk_tiles)
 from dropless.ops.gmm.mosaic_tgmm import _store_tile
@@ -175,12 +176,15 @@ def check_shapes(xq_KM, sx, dyq_NM, sdy, group_sizes_G):
 
 def tgmm_fp8_blockwise(xq_KM, sx, dyq_NM, sdy, group_sizes_G, *, out_dtype=jnp.float32,
                        num_stages=4, sms=None, split="rows", overlap=True, tile_order="sorted_snake",
-                       chain=True):
+                       chain=True, pingpong=False):
     """dw [G, K, N] = per-group blockwise-scaled x^T dy; zeros for empty groups.
 
     See the module docstring for the operand layouts. ``split`` (``SPLITS``),
     ``overlap`` (promote each step's product during the next step's wgmma),
-    ``chain`` (one pipeline over all of a CTA's tiles, module docstring) and
+    ``chain`` (one pipeline over all of a CTA's tiles, module docstring),
+    ``pingpong`` (experimental, not yet timed on a GPU; the plain step, so with
+    ``overlap=False``: the compute warpgroups take turns at the tensor cores,
+    handing over once a wgmma has completed, ``mosaic_fp8.gmm_fp8_blockwise``) and
     ``tile_order`` (``mosaic_gmm.TILE_ORDERS``: which CTA computes which output
     tile, ``mosaic_gmm.walk_tiles``) change how the kernel runs, not its bits;
     the split, overlap and chain defaults had the shortest kernel time on the H200
@@ -192,9 +196,12 @@ def tgmm_fp8_blockwise(xq_KM, sx, dyq_NM, sdy, group_sizes_G, *, out_dtype=jnp.f
 
     Raises:
       ValueError: shapes or dtypes the kernel cannot take (``check_shapes``), an
-        unknown ``split`` or ``tile_order``.
+        unknown ``split`` or ``tile_order``, ``pingpong`` with ``overlap``.
     """
     m, k, n = check_shapes(xq_KM, sx, dyq_NM, sdy, group_sizes_G)
+    if pingpong and overlap:
+        raise ValueError("mosaic fp8 tgmm: pingpong=True promotes under the other warpgroup's "
+                         "wgmma and takes the plain step (overlap=False)")
     num_groups = group_sizes_G.shape[0]
     out_dtype = jnp.dtype(out_dtype)
     num_stages = num_stages if out_dtype.itemsize <= 2 else min(num_stages, 3)
@@ -244,8 +251,9 @@ def tgmm_fp8_blockwise(xq_KM, sx, dyq_NM, sdy, group_sizes_G, *, out_dtype=jnp.f
                           pl.ds(band * cta_n + (0 if by_rows else wg * bn), bn)],
         )
 
-    def step_functions(wg):
-        """(step body, its initial carry, the carry's final sum) for warpgroup ``wg``."""
+    def step_functions(wg, turns=None):
+        """(step body, its initial carry, the carry's final sum) for warpgroup ``wg``;
+        with ``turns`` (``pingpong``) each step's wgmma waits for the other warpgroup's."""
         zeros = lambda: plgpu.layout_cast(jnp.zeros((bk, bn), jnp.float32),  # noqa: E731
                                           plgpu.Layout.WGMMA)
 
@@ -273,10 +281,12 @@ def tgmm_fp8_blockwise(xq_KM, sx, dyq_NM, sdy, group_sizes_G, *, out_dtype=jnp.f
             lhs, rhs, rows, cols = operands(x_smem, dy_smem, sx_smem, sdy_smem)
             # Scales first: their loads overlap the wgmma.
             row_scale, col_scale = load_scale(rows, cols)
+            wait_turn(wg, turns)
 
             def m_step(acc_ref):
                 plgpu.wgmma(acc_ref, lhs, rhs)
                 plgpu.wgmma_wait(0)
+                pass_turn(wg, turns)
                 return acc_ref[...]
 
             part = pl.run_scoped(m_step, plgpu.ACC((bk, bn), jnp.float32))
@@ -315,11 +325,13 @@ def tgmm_fp8_blockwise(xq_KM, sx, dyq_NM, sdy, group_sizes_G, *, out_dtype=jnp.f
             pl.run_scoped,
             pipeline_allocs=pipeline_allocs,
             out_smem=plgpu.SMEM((2, 2, 64, 64), out_dtype, transforms=out_transforms),
+            **turn_allocations(pingpong),
             collective_axes="wg",
         )
-        def _scope(pipeline_allocs, out_smem):
+        def _scope(pipeline_allocs, out_smem, turns=None):
             wg = lax.axis_index("wg")
-            step_body, init, finish = step_functions(wg)
+            step_body, init, finish = step_functions(wg, turns)
+            first_turn(wg, turns)
 
             @walk_tiles((num_groups, k_tiles, n_bands), *order_ref)
             def _tile(g, k_tile, band):
@@ -347,6 +359,8 @@ def tgmm_fp8_blockwise(xq_KM, sx, dyq_NM, sdy, group_sizes_G, *, out_dtype=jnp.f
                 def _empty_group():
                     store(plgpu.layout_cast(jnp.zeros((bk, bn), out_dtype), plgpu.Layout.WGMMA))
 
+            last_turn(wg, turns)
+
         plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
     def chained_body(starts_ref, sizes_ref, *refs):
@@ -356,11 +370,13 @@ def tgmm_fp8_blockwise(xq_KM, sx, dyq_NM, sdy, group_sizes_G, *, out_dtype=jnp.f
         @functools.partial(
             pl.run_scoped,
             out_smem=plgpu.SMEM((2, 2, 64, 64), out_dtype, transforms=out_transforms),
+            **turn_allocations(pingpong),
             collective_axes="wg",
         )
-        def _scope(out_smem):
+        def _scope(out_smem, turns=None):
             wg = lax.axis_index("wg")
-            step_body, init, finish = step_functions(wg)
+            step_body, init, finish = step_functions(wg, turns)
+            first_turn(wg, turns)
 
             def tile_of(g):
                 first_block, steps = tile_steps(starts_ref, sizes_ref, g)
@@ -392,6 +408,7 @@ def tgmm_fp8_blockwise(xq_KM, sx, dyq_NM, sdy, group_sizes_G, *, out_dtype=jnp.f
                     plgpu.SMEM((num_stages, 1, cta_k), jnp.float32),
                     plgpu.SMEM((num_stages, 1, cta_n), jnp.float32)),
                 tile_of=tile_of, sources_of=sources_of, compute=compute)
+            last_turn(wg, turns)
 
         plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
