@@ -60,6 +60,18 @@ def _races_found():
     return get_races().races_found
 
 
+def _same_bits_without_races(variant, reference):
+    """Run ``variant()`` in interpret mode with the race detector and ``reference()``
+    without it; assert no race and equal bits. Returns the variant's result."""
+    with _interpret(detect_races=True):
+        got = variant().block_until_ready()
+    assert not _races_found()
+    with _interpret():
+        want = reference()
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+    return got
+
+
 def _scaled(rng, shape, block_axes):
     """Normal values times a random power-of-e factor per index of each axis in block_axes
     (a [rows, cols] factor for 2-D), so blocks along those axes get different scales."""
@@ -313,12 +325,7 @@ def test_interpret_fwd_chain_equals_the_plain_kernel_bit_for_bit(rng, sms):
     ops, gs, total = _awkward_fwd_operands(rng)
     run = functools.partial(mosaic_fp8.gmm_fp8_blockwise, *ops, gs, out_dtype=jnp.float32,
                             num_stages=2, sms=sms)
-    with _interpret(detect_races=True):
-        y = run(chain=True).block_until_ready()
-    assert not _races_found()
-    with _interpret():
-        want = run(chain=False)
-    np.testing.assert_array_equal(np.asarray(y), np.asarray(want))
+    y = _same_bits_without_races(lambda: run(chain=True), lambda: run(chain=False))
     np.testing.assert_array_equal(np.asarray(y)[total:], 0.0)
     with pytest.raises(ValueError, match="chain=True needs C / 128 = 2 steps to be a multiple of"):
         mosaic_fp8.gmm_fp8_blockwise(*ops, gs, num_stages=4, chain=True)
@@ -335,12 +342,7 @@ def test_interpret_fwd_pingpong_equals_the_plain_kernel_bit_for_bit(rng, chain):
     ops, gs, total = _awkward_fwd_operands(rng)
     run = functools.partial(mosaic_fp8.gmm_fp8_blockwise, *ops, gs, out_dtype=jnp.float32,
                             num_stages=2, sms=1 if chain else None, chain=chain)
-    with _interpret(detect_races=True):
-        y = run(pingpong=True).block_until_ready()
-    assert not _races_found()
-    with _interpret():
-        want = run()
-    np.testing.assert_array_equal(np.asarray(y), np.asarray(want))
+    y = _same_bits_without_races(lambda: run(pingpong=True), run)
     np.testing.assert_array_equal(np.asarray(y)[total:], 0.0)
     with pytest.raises(ValueError, match="pingpong=True .* takes the plain step"):
         mosaic_fp8.gmm_fp8_blockwise(*ops, gs, pingpong=True, overlap=True)
@@ -404,14 +406,9 @@ def test_interpret_wgrad_pingpong_equals_the_plain_kernel_bit_for_bit(rng, chain
     the plain kernel's bits, with no race and no deadlock, over tiles of 0 to 3 steps
     and a partial last round, in either driver; with ``overlap`` it is refused."""
     ops, gs = _schedule_wgrad_case(rng)
-    kw = dict(sms=3, num_stages=3, overlap=False, chain=chain)
-    with _interpret(detect_races=True):
-        got = mosaic_fp8_tgmm.tgmm_fp8_blockwise(*ops, gs, pingpong=True, **kw)
-        got.block_until_ready()
-        assert not _races_found()
-    with _interpret():
-        plain = mosaic_fp8_tgmm.tgmm_fp8_blockwise(*ops, gs, **kw)
-    np.testing.assert_array_equal(np.asarray(got), np.asarray(plain))
+    run = functools.partial(mosaic_fp8_tgmm.tgmm_fp8_blockwise, *ops, gs, sms=3, num_stages=3,
+                            overlap=False, chain=chain)
+    _same_bits_without_races(lambda: run(pingpong=True), run)
     with pytest.raises(ValueError, match="pingpong=True .* takes the plain step"):
         mosaic_fp8_tgmm.tgmm_fp8_blockwise(*ops, gs, pingpong=True)
 
@@ -425,14 +422,9 @@ def test_interpret_wgrad_chain_equals_the_plain_kernel_bit_for_bit(rng, order, o
     (zero stores with no steps), a NaN tail past the total, 3 stages over tiles of
     1, 2 and 3 steps."""
     ops, gs = _schedule_wgrad_case(rng)
-    kw = dict(sms=3, num_stages=3, tile_order=order, overlap=overlap)
-    with _interpret(detect_races=True):
-        chained = mosaic_fp8_tgmm.tgmm_fp8_blockwise(*ops, gs, chain=True, **kw)
-        chained.block_until_ready()
-        assert not _races_found()
-    with _interpret():
-        plain = mosaic_fp8_tgmm.tgmm_fp8_blockwise(*ops, gs, chain=False, **kw)
-    np.testing.assert_array_equal(np.asarray(chained), np.asarray(plain))
+    run = functools.partial(mosaic_fp8_tgmm.tgmm_fp8_blockwise, *ops, gs, sms=3, num_stages=3,
+                            tile_order=order, overlap=overlap)
+    chained = _same_bits_without_races(lambda: run(chain=True), lambda: run(chain=False))
     assert not np.isnan(np.asarray(chained)).any()
 
 

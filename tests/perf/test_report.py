@@ -565,16 +565,21 @@ def test_step_variant_reads_the_quantization_keys():
     assert report.step_variant(with_set) == "variants vocab_size=16384"
 
 
-def _render_beside_a_deepseek_run(tmp_path, other):
-    """Records gmm-a.json (the whole DeepSeek-V3 set) and gmm-b.json (``other``): the
-    newest record file per key, and the rendered RESULTS.md."""
+def _render_gmm_records(tmp_path, first, second):
+    """Records gmm-a.json (``first``) and gmm-b.json (``second``): the newest record file
+    per key, and the rendered RESULTS.md."""
     d = tmp_path / "r"
     d.mkdir()
-    (d / "gmm-a.json").write_text(json.dumps(gmm_record()))
-    (d / "gmm-b.json").write_text(json.dumps(other))
+    (d / "gmm-a.json").write_text(json.dumps(first))
+    (d / "gmm-b.json").write_text(json.dumps(second))
     newest = report.newest_records(d, log=lambda _: None)
     text = report.render(d, tmp_path / "R.md", log=lambda _: None).read_text()
     return {k: p.name for k, (_, p) in newest.items()}, text
+
+
+def _render_beside_a_deepseek_run(tmp_path, other):
+    """gmm-a.json the whole DeepSeek-V3 set, gmm-b.json ``other`` (``_render_gmm_records``)."""
+    return _render_gmm_records(tmp_path, gmm_record(), other)
 
 
 def test_gmm_shape_sets_render_side_by_side(tmp_path):
@@ -608,20 +613,15 @@ def test_gmm_run_of_some_shapes_keeps_the_whole_set(tmp_path):
 def test_gmm_runs_of_other_custom_shapes_each_keep_their_table(tmp_path):
     """``gmm.py --shape`` runs (shape set "custom") at two different shapes both render:
     a newer custom run at G=32 does not hide the older one at G=256."""
-    d = tmp_path / "r"
-    d.mkdir()
     old = gmm_record(ours_fwd=718.0)
     old.update(date="2026-12-03T17:26:14", shape_set="custom")
     old["results"][0].update(G=256, K=7168, N=4096)
     new = gmm_record(ours_fwd=806.0)
     new.update(date="2026-12-03T22:01:46", shape_set="custom")
     new["results"][0].update(G=32, K=7168, N=4096)
-    (d / "gmm-old.json").write_text(json.dumps(old))
-    (d / "gmm-new.json").write_text(json.dumps(new))
-    newest = report.newest_records(d, log=lambda _: None)
-    assert {k: p.name for k, (_, p) in newest.items()} == {
-        "gmm:custom-G256-K7168-N4096": "gmm-old.json", "gmm:custom-G32-K7168-N4096": "gmm-new.json"}
-    text = report.render(d, tmp_path / "R.md", log=lambda _: None).read_text()
+    newest, text = _render_gmm_records(tmp_path, old, new)
+    assert newest == {"gmm:custom-G256-K7168-N4096": "gmm-a.json",
+                      "gmm:custom-G32-K7168-N4096": "gmm-b.json"}
     assert "| 718.0 |" in text and "| 806.0 |" in text
 
 
