@@ -110,18 +110,22 @@ against the default's three and a copy) gave the same bits but ran 0.83x at G=32
 (700 against 842 TF/s) and 0.85x under Dirichlet(0.3) (``fp8_kernels-20261203-150115``,
 ``-150217``): ptxas serialises every wgmma of that loop (its C7514 warning, a
 ``WARPGROUP.DEPBAR`` after each ``QGMMA``), since a non-wgmma instruction reads an
-accumulator while a wgmma is in flight. A ping-pong (the
-compute warpgroups issue their wgmmas in turn through two barriers, so each
-promotes while the other's runs) ran 0.98x the overlapped per-tile kernel with
-the plain step and 0.88x with the overlapped one (G=32,
-``fp8_kernels-20261203-130033``); in the forward kernel 0.87x
-(``-130213``). Deferring the scale multiply (``defer_scale``) ran 0.90x
+accumulator while a wgmma is in flight. A ping-pong that handed the turn over
+once a wgmma was issued ran 0.98x the overlapped per-tile kernel with the plain
+step and 0.88x with the overlapped one (G=32, ``fp8_kernels-20261203-130033``);
+in the forward kernel 0.87x (``-130213``): both warpgroups' wgmmas were then
+always pending together (``kernel_anatomy-20261203-220125``). ``pingpong=True``
+now hands over once the wgmma has completed (``tgmm_fp8_blockwise``). Deferring the scale multiply (``defer_scale``) ran 0.90x
 (``-102051``). The promotion factored as ``(part * cols) * rows + total`` (an
 ``FMUL`` after the wait and an ``FFMA`` under the next wgmma, no outer product:
 two float32 operations per element against three, 64 fewer instructions per
 thread and step, same bits) ran 0.89x at G=32 and 0.92x under Dirichlet(0.3),
 against the outer product in the same process (``fp8_kernels-20261203-152538``,
-``-152652``): the instruction count is not what limits the step.
+``-152652``): the instruction count is not what limits the step. Its ncu source
+page (``kernel_anatomy-20261203-222102``) puts the difference before the next
+wgmma: the scale loads (``LDS``, waiting on the shared-memory queue), then the
+proxy fence after them and the warpgroup's ``BAR.SYNC``, about 26% of the samples
+against about 7% in the outer product's page.
 """
 
 import functools
