@@ -38,7 +38,8 @@ def read_page(path):
             start = i
             break
     else:
-        raise ValueError(f"{path}: no header row starting with \"Address\" (not an ncu source page)")
+        raise ValueError(f"{path}: no header row starting with \"Address\" "
+                         "(not an ncu source page)")
     rows = list(csv.DictReader(lines[start:]))
     return kernel, rows
 

@@ -116,8 +116,9 @@ step and 0.88x with the overlapped one (G=32, ``fp8_kernels-20261203-130033``);
 in the forward kernel 0.87x (``-130213``): both warpgroups' wgmmas were then
 always pending together (``kernel_anatomy-20261203-220125``). ``pingpong=True``
 now hands over once the wgmma has completed (``tgmm_fp8_blockwise``).
-Deferring the scale multiply (``defer_scale``) ran 0.90x (``-102051``). The promotion factored as ``(part * cols) * rows + total`` (an
-``FMUL`` after the wait and an ``FFMA`` under the next wgmma, no outer product:
+Deferring the scale multiply (``defer_scale``) ran 0.90x (``-102051``). The
+promotion factored as ``(part * cols) * rows + total`` (an ``FMUL`` after the
+wait and an ``FFMA`` under the next wgmma, no outer product:
 two float32 operations per element against three, 64 fewer instructions per
 thread and step, same bits) ran 0.89x at G=32 and 0.92x under Dirichlet(0.3),
 against the outer product in the same process (``fp8_kernels-20261203-152538``,
