@@ -66,6 +66,7 @@ from jax import lax  # noqa: E402
 
 from dropless.ops.gmm import api, mosaic, tuning, xla  # noqa: E402
 from dropless.perf import measure  # noqa: E402
+from dropless.perf.provenance import source_digest  # noqa: E402
 
 # Shapes (M, G, K, N): the expert GEMMs of the presets, read through the CLI's
 # loader when a set is chosen. M = 65536 rows (8192 tokens x top-8), gate|up
@@ -661,6 +662,7 @@ def main():
         "gpu": dev.device_kind, "num_sms": getattr(dev, "core_count", None),
         "jax": jax.__version__, "jaxlib": _jaxlib_version(),
         "torch": getattr(torch, "__version__", None), "commit": args.commit,
+        "source_digest": source_digest(),
         "shape_set": args.shape_set or ("custom" if args.shape else "deepseek"),
         "shape_selection": args.shapes or None,  # --shapes: a subset of the set
         "dtype": "bfloat16", "iters": args.iters, "quick": args.quick,

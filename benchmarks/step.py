@@ -381,6 +381,7 @@ def write_record(rows, cases, args, started, partial: bool, path: str | None = N
     import importlib.metadata
 
     from dropless.perf import measure
+    from dropless.perf.provenance import source_digest
 
     gpu = next((r["gpu"] for r in rows if r.get("gpu")), None)
     if gpu is None and not partial:  # no case ran: ask JAX, now that no child needs the GPU
@@ -396,6 +397,7 @@ def write_record(rows, cases, args, started, partial: bool, path: str | None = N
         "device_count": 1,
         "jax": importlib.metadata.version("jax"),
         "commit": args.commit or measure.commit_label(),
+        "source_digest": source_digest(),
         "env": {k: v for k, v in os.environ.items() if k.startswith(("XLA_", "JAX_", "CUDA_", "NCCL_"))},
         "base_overrides": TINY_BASE if args.tiny else BASE,
         "case_overrides": {c: CASE_OVERRIDES[c] for c in cases},

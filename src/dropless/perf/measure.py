@@ -9,6 +9,7 @@ Every benchmark in ``benchmarks/`` writes one JSON *record* per run to
       "device": {"platform": "gpu", "gpu": "NVIDIA H200", "count": 1, "slug": "nvidia-h200"},
       "versions": {"jax": "0.11.2", "jaxlib": "0.11.2", "python": "3.12.3", ...},
       "commit": {"commit": "<sha>", "dirty": false, "source": "git" | "env" | "unknown"},
+      "source_digest": "sha256:<hex>",                  # the code that ran (``provenance``)
       "config": {...},                                  # what was measured
       "rows": [{...}, ...],                             # the measurements
       ...                                               # kind-specific extras
@@ -33,6 +34,8 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+
+from dropless.perf.provenance import source_digest
 
 REPO_ROOT = Path(__file__).resolve().parents[3]
 DEFAULT_RESULTS_DIR = REPO_ROOT / "benchmarks" / "results"
@@ -106,8 +109,8 @@ def now_utc() -> datetime.datetime:
 def new_record(kind: str, config: dict | None = None) -> dict:
     """A results record with provenance filled in and empty ``rows``."""
     return {"kind": kind, "created": now_utc().isoformat(), "device": device_info(),
-            "versions": versions(), "commit": git_commit(), "config": dict(config or {}),
-            "rows": []}
+            "versions": versions(), "commit": git_commit(), "source_digest": source_digest(),
+            "config": dict(config or {}), "rows": []}
 
 
 def write_record(record: dict, out_dir: str | os.PathLike = DEFAULT_RESULTS_DIR,
