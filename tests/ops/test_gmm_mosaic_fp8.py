@@ -251,6 +251,10 @@ def test_shape_checks():
 
 slow = pytest.mark.skipif(os.environ.get("DROPLESS_SLOW") != "1",
                           reason="covered by the wrapper test too; run with DROPLESS_SLOW=1")
+# A variant's check through the driver its kernel does not run by default (the forward
+# runs a pipeline per tile, the wgrad a chain): about 8 s each in interpret mode.
+other_driver = pytest.mark.skipif(os.environ.get("DROPLESS_SLOW") != "1",
+                                  reason="the kernel's other driver; run with DROPLESS_SLOW=1")
 
 # (M, group sizes): several groups with an empty one and a tail past the
 # total, not aligned to the 64-row tile (fwd/dgrad take any sizes); one group
@@ -331,7 +335,8 @@ def test_interpret_fwd_chain_equals_the_plain_kernel_bit_for_bit(rng, sms):
         mosaic_fp8.gmm_fp8_blockwise(*ops, gs, num_stages=4, chain=True)
 
 
-@pytest.mark.parametrize("chain", [False, True], ids=["per_tile", "chain"])
+@pytest.mark.parametrize("chain", [False, pytest.param(True, marks=other_driver)],
+                         ids=["per_tile", "chain"])
 def test_interpret_fwd_pingpong_equals_the_plain_kernel_bit_for_bit(rng, chain):
     """``pingpong=True``: the compute warpgroups take turns at the wgmma (each waits for
     the other's to complete, then hands over once its own has), which changes when
@@ -400,7 +405,8 @@ def _schedule_wgrad_case(rng):
     return mosaic_fp8_tgmm.wgrad_operands(x, dy), jnp.asarray(np.array(sizes, np.int32))
 
 
-@pytest.mark.parametrize("chain", [False, True], ids=["per_tile", "chain"])
+@pytest.mark.parametrize("chain", [pytest.param(False, marks=other_driver), True],
+                         ids=["per_tile", "chain"])
 def test_interpret_wgrad_pingpong_equals_the_plain_kernel_bit_for_bit(rng, chain):
     """``pingpong=True`` (the plain step, the turn handed over once a wgmma completes):
     the plain kernel's bits, with no race and no deadlock, over tiles of 0 to 3 steps
