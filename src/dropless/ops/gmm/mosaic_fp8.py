@@ -202,23 +202,23 @@ def gmm_fp8_blockwise(aq_MC, sa, bq_GOC, sb, group_sizes_G, *, out_dtype=jnp.bfl
     product during the next step's wgmma), ``chain`` and ``pingpong`` change how
     the kernel runs, not its bits.
 
-    ``pingpong`` (experimental, not yet timed on a GPU; plain step only): the two
-    compute warpgroups take turns at the tensor cores. A warpgroup issues a step's
-    wgmma only once the other's last wgmma has completed (``wait_turn``), and hands
-    the turn over once its own has (``pass_turn``), so each promotes while the
-    other's wgmma runs. Why after completion and not after issue: Nsight Compute
-    of the plain forward (``kernel_anatomy-20261203-220125``) fits the tensor cores
-    sharing their time between the two warpgroups' pending wgmmas rather than
-    running them in order of issue. In the plain kernel each warpgroup's
-    wgmma then takes about 1.5x its own 256 tensor cycles and the tensor pipe is
-    active 65% of the time; the ping-pong removed on 2026-12-03 handed over after
-    issue, so both wgmmas were always pending together: 54% active, 0.87x
-    (``notes/fp8.md``, 2026-12-03 night).
+    ``pingpong`` (opt-in; the plain step only): the two compute warpgroups take
+    turns at the tensor cores. A warpgroup issues a step's wgmma only once the
+    other's last wgmma has completed (``wait_turn``), and hands the turn over once
+    its own has (``pass_turn``), so each promotes while the other's wgmma runs.
+    Why after completion and not after issue: Nsight Compute of the plain forward
+    (``kernel_anatomy-20261203-220125``) fits the tensor cores sharing their time
+    between the two warpgroups' pending wgmmas rather than running them in order
+    of issue. In the plain kernel each warpgroup's wgmma then takes about 1.5x its
+    own 256 tensor cycles and the tensor pipe is active 65% of the time; a
+    ping-pong that handed over after issue kept both wgmmas pending together: 54%
+    active, 0.87x (``notes/fp8.md``, 2026-12-03 night).
 
-    ``chain`` (experimental, not yet timed on a GPU): each CTA's tile pipelines
-    run as one chain (``emit_pipeline_warp_specialized``'s ``pipeline_state``), so
-    the memory warpgroup loads a tile's first steps while the compute warpgroups
-    finish the previous tile, instead of after. It needs the step count C / 128
+    ``chain`` (opt-in; no faster than per-tile pipelines on the H200,
+    ``notes/fp8.md``): each CTA's tile pipelines run as one chain
+    (``emit_pipeline_warp_specialized``'s ``pipeline_state``), so the memory
+    warpgroup loads a tile's first steps while the compute warpgroups finish the
+    previous tile, instead of after. It needs the step count C / 128
     to be a multiple of ``num_stages`` (every slot's barrier phase then lines up
     from one tile to the next). The tiles past the groups' rows (zeros) are
     stored first, in their own loop, so every CTA's chain ends on a real tile.

@@ -187,9 +187,9 @@ def tgmm_fp8_blockwise(xq_KM, sx, dyq_NM, sdy, group_sizes_G, *, out_dtype=jnp.f
     See the module docstring for the operand layouts. ``split`` (``SPLITS``),
     ``overlap`` (promote each step's product during the next step's wgmma),
     ``chain`` (one pipeline over all of a CTA's tiles, module docstring),
-    ``pingpong`` (experimental, not yet timed on a GPU; the plain step, so with
-    ``overlap=False``: the compute warpgroups take turns at the tensor cores,
-    handing over once a wgmma has completed, ``mosaic_fp8.gmm_fp8_blockwise``) and
+    ``pingpong`` (opt-in; the plain step, so with ``overlap=False``: the compute
+    warpgroups take turns at the tensor cores, handing over once a wgmma has
+    completed, ``mosaic_fp8.gmm_fp8_blockwise``) and
     ``tile_order`` (``mosaic_gmm.TILE_ORDERS``: which CTA computes which output
     tile, ``mosaic_gmm.walk_tiles``) change how the kernel runs, not its bits;
     the split, overlap and chain defaults had the shortest kernel time on the H200
