@@ -286,6 +286,9 @@ def tgmm_fp8_blockwise(xq_KM, sx, dyq_NM, sdy, group_sizes_G, *, out_dtype=jnp.f
             lhs, rhs, rows, cols = operands(x_smem, dy_smem, sx_smem, sdy_smem)
             # Scales first: their loads overlap the wgmma.
             row_scale, col_scale = load_scale(rows, cols)
+            # With turns, the step's scale is formed while the other warpgroup's wgmma
+            # runs, which leaves one multiply-add per element after this one's.
+            scale = outer(row_scale, col_scale) if turns is not None else None
             wait_turn(wg, turns)
 
             def m_step(acc_ref):
@@ -295,7 +298,7 @@ def tgmm_fp8_blockwise(xq_KM, sx, dyq_NM, sdy, group_sizes_G, *, out_dtype=jnp.f
                 return acc_ref[...]
 
             part = pl.run_scoped(m_step, plgpu.ACC((bk, bn), jnp.float32))
-            return total + part * outer(row_scale, col_scale)
+            return total + part * (outer(row_scale, col_scale) if scale is None else scale)
 
         def mma_body_overlap(_, x_smem, dy_smem, sx_smem, sdy_smem, carry):
             # carry: the running sum and the previous step's scaled product,
