@@ -20,6 +20,9 @@ python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl >"$
   || echo "wheel install failed (see setup.log)"
 export PYTHONPATH=/tmp/site:src PYTHONUNBUFFERED=1 DROPLESS_COMMIT OUT
 nvidia-smi --query-gpu=name,clocks.sm,clocks.max.sm,memory.used --format=csv,noheader | tee "$OUT/gpu.txt"
+# The code this call runs, checkable here against the commit named (dropless.perf.provenance).
+echo "commit $DROPLESS_COMMIT source $(python3 -m dropless.perf.provenance --digest 2>/dev/null \
+  || echo unavailable)" | tee -a "$OUT/gpu.txt"
 n=0
 for cmd in "$@"; do
   n=$((n + 1))

@@ -75,6 +75,12 @@ def test_check_says_whether_a_record_ran_the_commit_it_names(repo, tmp_path, cap
     assert provenance.main([*cli, str(tmp_path / "missing.json")]) == 2
     err = capsys.readouterr().err
     assert err.startswith("error: ") and err.count("\n") == 1
+    # --digest: this tree's, or a commit's (what gpu_run.sh writes into gpu.txt).
+    assert provenance.main([*cli, "--digest"]) == 0
+    assert capsys.readouterr().out.strip() == digest
+    assert provenance.main([*cli, "--digest", parent]) == 0
+    assert capsys.readouterr().out.strip() == provenance.source_digest_at(parent, repo)
+    assert provenance.main([*cli, "--digest", "e" * 40]) == 2
 
 
 def test_new_records_carry_the_digest_of_this_tree():

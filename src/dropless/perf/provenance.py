@@ -11,6 +11,9 @@ Python and JSON files, the benchmark scripts), computed from the tree that ran.
 
 says for each record whether the code that ran is the code of the commit it names.
 Exit code 1 when any record's digest differs from its commit's, 2 on bad input.
+``--digest`` prints this tree's digest (``tools/gpu_run.sh`` writes it into every
+device call's ``gpu.txt``, so logs without a record can be checked too), and
+``--digest COMMIT`` a commit's.
 """
 
 import argparse
@@ -101,10 +104,22 @@ def check(path: Path, repo: Path = REPO_ROOT) -> tuple[str, str]:
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("records", nargs="+", help="results record JSON files")
+    p.add_argument("records", nargs="*", help="results record JSON files")
     p.add_argument("--repo", type=Path, default=REPO_ROOT,
                    help="the git repository whose history holds the commits")
+    p.add_argument("--digest", nargs="?", const="", metavar="COMMIT",
+                   help="print the digest of this tree, or of COMMIT's files, and exit")
     args = p.parse_args(argv)
+    if args.digest is not None:
+        try:
+            print(source_digest_at(args.digest, args.repo) if args.digest
+                  else source_digest(args.repo))
+        except ValueError as e:
+            print(f"error: {e}", file=sys.stderr)
+            return 2
+        return 0
+    if not args.records:
+        p.error("give record files to check, or --digest")
     worst = 0
     for name in args.records:
         try:
