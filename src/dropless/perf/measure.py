@@ -35,9 +35,7 @@ import sys
 import time
 from pathlib import Path
 
-from dropless.perf.provenance import source_digest
-
-REPO_ROOT = Path(__file__).resolve().parents[3]
+from dropless.perf.provenance import REPO_ROOT, source_digest
 DEFAULT_RESULTS_DIR = REPO_ROOT / "benchmarks" / "results"
 
 

@@ -3,8 +3,8 @@
 A record names its commit, but on a remote GPU machine the commit comes from the
 caller (``DROPLESS_COMMIT``: the machine's copy of ``.git`` may be stale), and a
 caller can get it wrong. So records also carry ``source_digest``: a SHA-256 over
-the files that decide what a benchmark runs (``DIGEST_GLOBS``: the package's
-Python and JSON files, the benchmark scripts), computed from the tree that ran.
+the files that decide what a benchmark runs (``digested``: the package's Python
+and JSON files, the benchmark scripts), computed from the tree that ran.
 ``source_digest_at`` computes the same digest from a commit's files in git, and::
 
     python -m dropless.perf.provenance benchmarks/results/*.json
@@ -17,23 +17,26 @@ device call's ``gpu.txt``, so logs without a record can be checked too), and
 """
 
 import argparse
-import fnmatch
+import functools
 import hashlib
+import io
 import json
 import subprocess
 import sys
-from pathlib import Path
+import tarfile
+from pathlib import Path, PurePosixPath
 
 REPO_ROOT = Path(__file__).resolve().parents[3]
-# Relative to the repository root; fnmatch patterns ("*" crosses "/", so "src/dropless/*.py"
-# takes every package file at any depth, and benchmarks/*.py must not go deeper).
-DIGEST_GLOBS = ("src/dropless/*.py", "src/dropless/*.json", "benchmarks/*.py", "benchmarks/*.sh")
 
 
-def _selected(path: str) -> bool:
-    if path.startswith("benchmarks/") and path.count("/") > 1:
-        return False  # the scripts only, not results/ or notes/
-    return any(fnmatch.fnmatch(path, g) for g in DIGEST_GLOBS)
+def digested(path: str) -> bool:
+    """Whether a file (its path relative to the repository root) is in the digest: the
+    package's .py and .json files at any depth, and the scripts directly in benchmarks/
+    (not results/ or notes/)."""
+    p = PurePosixPath(path)
+    if p.parts[:2] == ("src", "dropless"):
+        return p.suffix in (".py", ".json") and "__pycache__" not in p.parts
+    return p.parent == PurePosixPath("benchmarks") and p.suffix in (".py", ".sh")
 
 
 def _digest(files) -> str:
@@ -49,30 +52,28 @@ def source_digest(root: Path = REPO_ROOT) -> str | None:
     root = Path(root)
     if not (root / "src" / "dropless").is_dir():
         return None
-    files = []
-    for top in ("src/dropless", "benchmarks"):
-        for p in (root / top).rglob("*"):
-            rel = p.relative_to(root).as_posix()
-            if p.is_file() and "__pycache__" not in rel and _selected(rel):
-                files.append((rel, p.read_bytes()))
-    return _digest(files)
+    candidates = [*(root / "src" / "dropless").rglob("*"), *(root / "benchmarks").glob("*")]
+    return _digest((p.relative_to(root).as_posix(), p.read_bytes()) for p in candidates
+                   if p.is_file() and digested(p.relative_to(root).as_posix()))
 
 
+@functools.lru_cache(maxsize=None)
 def source_digest_at(commit: str, repo: Path = REPO_ROOT) -> str:
-    """The digest of ``commit``'s files, read from git.
+    """The digest of ``commit``'s files, read from git in one ``git archive``; cached
+    per commit, since many records name the same one.
 
     Raises:
       ValueError: the commit is not in ``repo``'s history.
     """
-    def git(*args):
-        return subprocess.run(["git", *args], cwd=repo, capture_output=True, check=True,
-                              timeout=60).stdout
     try:
-        names = git("ls-tree", "-r", "--name-only", commit, "--", "src/dropless", "benchmarks")
+        tar = subprocess.run(["git", "archive", "--format=tar", commit, "--", "src/dropless",
+                              "benchmarks"], cwd=repo, capture_output=True, check=True,
+                             timeout=120).stdout
     except subprocess.CalledProcessError as e:
         raise ValueError(f"commit {commit!r} is not in this repository's history") from e
-    paths = [n for n in names.decode().splitlines() if _selected(n)]
-    return _digest((p, git("show", f"{commit}:{p}")) for p in paths)
+    with tarfile.open(fileobj=io.BytesIO(tar)) as archive:
+        return _digest((m.name, archive.extractfile(m).read()) for m in archive.getmembers()
+                       if m.isfile() and digested(m.name))
 
 
 def record_claim(record: dict) -> tuple[str | None, str | None]:
