@@ -62,9 +62,6 @@ VARIANTS = {
     "cols_gtw1_overlap": dict(split="columns", grid_tile_width=1, overlap=True),
     # each CTA's tile pipelines chained: the next tile's loads start before this one ends
     "rows_gtw8_chain": dict(split="rows", grid_tile_width=8, chain=True),
-    # the warpgroups take turns at the tensor cores, handing over once a wgmma completes
-    "rows_gtw8_pingpong": dict(split="rows", grid_tile_width=8, pingpong=True),
-    "rows_gtw8_chain_pingpong": dict(split="rows", grid_tile_width=8, chain=True, pingpong=True),
 }
 # name -> keyword arguments of tgmm_fp8_blockwise; the first, the kernel's default
 # (what training runs), is the reference of the bitwise check. overlap: promotion
@@ -74,12 +71,6 @@ WGRAD_VARIANTS = {
     # one pipeline over all of a CTA's tiles: the next tile's loads start before this one ends
     "wgrad_rows_overlap_sorted_chain": dict(split="rows", overlap=True, tile_order="sorted_snake",
                                             chain=True),
-    # the plain step, the warpgroups taking turns at the tensor cores (handed over once a
-    # wgmma completes), chained as the default
-    "wgrad_rows_sorted_chain_pingpong": dict(split="rows", overlap=False,
-                                             tile_order="sorted_snake", chain=True, pingpong=True),
-    "wgrad_rows_sorted_chain": dict(split="rows", overlap=False, tile_order="sorted_snake",
-                                    chain=True),
     # a pipeline per output tile (the default until 2026-12-03)
     "wgrad_rows_overlap_sorted": dict(split="rows", overlap=True, tile_order="sorted_snake",
                                       chain=False),

@@ -123,8 +123,7 @@ WGRAD_KINDS = {"wgrad": dict(out_dtype=jnp.bfloat16),
                **{f"wgrad_{split}_{'overlap' if overlap else 'wait'}": dict(split=split,
                                                                             overlap=overlap)
                   for split in mosaic_fp8_tgmm.SPLITS for overlap in (False, True)},
-               "wgrad_per_tile": dict(out_dtype=jnp.bfloat16, chain=False),
-               "wgrad_pingpong": dict(out_dtype=jnp.bfloat16, overlap=False, pingpong=True)}
+               "wgrad_per_tile": dict(out_dtype=jnp.bfloat16, chain=False)}
 
 
 @pytest.mark.parametrize("kind", ["fwd", "dgrad", *WGRAD_KINDS])
@@ -144,18 +143,6 @@ def test_fwd_dgrad_overlap_lowers_for_cuda_at_a_deepseek_shape(kind, split):
     exported = jax.export.export(jax.jit(lambda *a: fn(*a, sms=132, split=split, overlap=True)),
                                  platforms=["cuda"])(*args)
     assert "mosaic_gpu" in exported.mlir_module()
-
-
-@pytest.mark.parametrize("kind", ["fwd", "dgrad"])
-def test_fwd_dgrad_pingpong_lowers_for_cuda_at_a_deepseek_shape(kind):
-    """``pingpong=True``: the turn barriers and the hand-over after the wgmma's wait
-    lower for CUDA, alone and with the chained pipelines."""
-    fn, args = _lowering_args(kind, 65536, 7168, 4096, 32)
-    for chain in (False, True):
-        exported = jax.export.export(
-            jax.jit(lambda *a, chain=chain: fn(*a, sms=132, pingpong=True, chain=chain)),
-            platforms=["cuda"])(*args)
-        assert "mosaic_gpu" in exported.mlir_module()
 
 
 @pytest.mark.parametrize("kind,k_n", [("fwd", (2048, 7168)), ("dgrad", (7168, 4096))], ids=str)
@@ -251,10 +238,6 @@ def test_shape_checks():
 
 slow = pytest.mark.skipif(os.environ.get("DROPLESS_SLOW") != "1",
                           reason="covered by the wrapper test too; run with DROPLESS_SLOW=1")
-# A variant's check through the driver its kernel does not run by default (the forward
-# runs a pipeline per tile, the wgrad a chain): about 8 s each in interpret mode.
-other_driver = pytest.mark.skipif(os.environ.get("DROPLESS_SLOW") != "1",
-                                  reason="the kernel's other driver; run with DROPLESS_SLOW=1")
 
 # (M, group sizes): several groups with an empty one and a tail past the
 # total, not aligned to the 64-row tile (fwd/dgrad take any sizes); one group
@@ -335,24 +318,6 @@ def test_interpret_fwd_chain_equals_the_plain_kernel_bit_for_bit(rng, sms):
         mosaic_fp8.gmm_fp8_blockwise(*ops, gs, num_stages=4, chain=True)
 
 
-@pytest.mark.parametrize("chain", [False, pytest.param(True, marks=other_driver)],
-                         ids=["per_tile", "chain"])
-def test_interpret_fwd_pingpong_equals_the_plain_kernel_bit_for_bit(rng, chain):
-    """``pingpong=True``: the compute warpgroups take turns at the wgmma (each waits for
-    the other's to complete, then hands over once its own has), which changes when
-    they issue, not what they compute: the plain kernel's bits, with no race and no
-    deadlock over the awkward layout (zero tiles, an empty group, ragged groups), per
-    tile and chained (one CTA's chain of six tiles). Asking for it with ``overlap`` is
-    refused."""
-    ops, gs, total = _awkward_fwd_operands(rng)
-    run = functools.partial(mosaic_fp8.gmm_fp8_blockwise, *ops, gs, out_dtype=jnp.float32,
-                            num_stages=2, sms=1 if chain else None, chain=chain)
-    y = _same_bits_without_races(lambda: run(pingpong=True), run)
-    np.testing.assert_array_equal(np.asarray(y)[total:], 0.0)
-    with pytest.raises(ValueError, match="pingpong=True .* takes the plain step"):
-        mosaic_fp8.gmm_fp8_blockwise(*ops, gs, pingpong=True, overlap=True)
-
-
 # (M, group sizes), each a multiple of 128 as the recipe requires; a group of
 # three steps (so ``overlap`` carries a pending product through a step) and one
 # of a single step.
@@ -403,20 +368,6 @@ def _schedule_wgrad_case(rng):
     x = _nan_tail(_scaled(rng, (m, 256), (0, 1)), sum(sizes))
     dy = _nan_tail(_scaled(rng, (m, 256), (0, 1)), sum(sizes))
     return mosaic_fp8_tgmm.wgrad_operands(x, dy), jnp.asarray(np.array(sizes, np.int32))
-
-
-@pytest.mark.parametrize("chain", [pytest.param(False, marks=other_driver), True],
-                         ids=["per_tile", "chain"])
-def test_interpret_wgrad_pingpong_equals_the_plain_kernel_bit_for_bit(rng, chain):
-    """``pingpong=True`` (the plain step, the turn handed over once a wgmma completes):
-    the plain kernel's bits, with no race and no deadlock, over tiles of 0 to 3 steps
-    and a partial last round, in either driver; with ``overlap`` it is refused."""
-    ops, gs = _schedule_wgrad_case(rng)
-    run = functools.partial(mosaic_fp8_tgmm.tgmm_fp8_blockwise, *ops, gs, sms=3, num_stages=3,
-                            overlap=False, chain=chain)
-    _same_bits_without_races(lambda: run(pingpong=True), run)
-    with pytest.raises(ValueError, match="pingpong=True .* takes the plain step"):
-        mosaic_fp8_tgmm.tgmm_fp8_blockwise(*ops, gs, pingpong=True)
 
 
 @pytest.mark.parametrize("order,overlap", [("sorted_snake", True)])  # "groups": bf16 test
@@ -657,19 +608,6 @@ def test_gpu_fwd_dgrad_chain_equals_the_plain_kernel_bit_for_bit(rng, product):
                                   _run_fwd_like(ops, gs, num_stages=2))
 
 
-@gpu_test
-@pytest.mark.parametrize("product", ["fwd", "dgrad"])
-def test_gpu_fwd_dgrad_pingpong_equals_the_plain_kernel_bit_for_bit(rng, product):
-    """``pingpong=True`` on the hardware (the turn barriers under real concurrency, the
-    hand-over after each wgmma completes): the plain kernel's bits on random data, and
-    the exact product on integer data, at dgrad's 56 and fwd's 16 steps."""
-    for make in (lambda r, s: _scaled(r, s, (0, 1) if len(s) == 2 else (1, 2)), _integer_exact):
-        fwd_ops, dgrad_ops, gs, _ = _fwd_dgrad_inputs(rng, make)
-        ops = fwd_ops if product == "fwd" else dgrad_ops
-        np.testing.assert_array_equal(_run_fwd_like(ops, gs, pingpong=True),
-                                      _run_fwd_like(ops, gs))
-
-
 def _run_wgrad(ops, gs, **kw):
     return _f64(mosaic_fp8_tgmm.tgmm_fp8_blockwise(*ops, gs, out_dtype=jnp.float32, **kw))
 
@@ -694,21 +632,6 @@ def test_gpu_wgrad_chain_equals_the_plain_kernel_bit_for_bit(rng):
     x, dy = _dequantized_wgrad_operands(*ops)
     total = sum(WGRAD_SIZES)
     np.testing.assert_array_equal(_run_wgrad(ops, gs, chain=True),
-                                  fp8_acc.tgmm(x[:total], dy[:total], WGRAD_SIZES))
-
-
-@gpu_test
-def test_gpu_wgrad_pingpong_equals_the_plain_kernel_bit_for_bit(rng):
-    """``pingpong=True`` on the hardware (the turn barriers under real concurrency,
-    chained across tiles of 8, 0, 24, 1, 0 and 23 steps): the plain step's bits on
-    random data with a NaN tail, and the exact product on integer-exact data."""
-    ops, gs = _wgrad_inputs(rng, lambda r, s: _scaled(r, s, (0, 1)))
-    np.testing.assert_array_equal(_run_wgrad(ops, gs, overlap=False, pingpong=True),
-                                  _run_wgrad(ops, gs, overlap=False))
-    ops, gs = _wgrad_inputs(rng, _integer_exact)
-    x, dy = _dequantized_wgrad_operands(*ops)
-    total = sum(WGRAD_SIZES)
-    np.testing.assert_array_equal(_run_wgrad(ops, gs, overlap=False, pingpong=True),
                                   fp8_acc.tgmm(x[:total], dy[:total], WGRAD_SIZES))
 
 

@@ -105,6 +105,13 @@ Registers during the wgmma: running sum, pending product and accumulator
 scalar: about 200 of the 232, the same in either split (above); the
 multiply-add consumes the pending product as it goes.
 
+Ping-pong (the compute warpgroups taking turns at the tensor cores, each
+promoting under the other's wgmma) was measured twice and removed: handed over
+once a wgmma was issued, 0.87x (both wgmmas were then always pending together,
+``kernel_anatomy-20261203-220125``); handed over once it had completed, 0.91x
+forward and 0.91-0.93x dgrad at both DeepSeek-V3 shapes, same bits
+(``fp8_kernels-pingpong-k7168-n4096-20261204-003649``, ``-k2048-n7168-20261204-004320``).
+
 Open questions for the GPU session: the cost of the per-step fence, stages,
 block_m, cluster multicast of the b tile.
 """
@@ -137,38 +144,6 @@ def _swizzle_transforms(minor_elems, dtype):
     return (plgpu.TilingTransform((8, swizzle_elems)), plgpu.SwizzleTransform(swizzle))
 
 
-def turn_allocations(pingpong):
-    """``pingpong``'s scoped allocation (kwargs of ``pl.run_scoped``): one barrier per
-    compute warpgroup, on which the other arrives once its wgmma has completed."""
-    return dict(turns=plgpu.Barrier(num_arrivals=1, num_barriers=2)) if pingpong else {}
-
-
-def first_turn(wg, turns):
-    """Warpgroup 0 issues first (no-op without ``turns``)."""
-    if turns is not None:
-        pl.when(wg == 1)(lambda: plgpu.barrier_arrive(turns.at[0]))
-
-
-def last_turn(wg, turns):
-    """Take warpgroup 1's last hand-over, so that none is left unseen (no-op without)."""
-    if turns is not None:
-        pl.when(wg == 0)(lambda: plgpu.barrier_wait(turns.at[0]))
-
-
-def wait_turn(wg, turns):
-    """Before a step's wgmma (and before its accumulator is allocated, so that ptxas
-    still folds the accumulator's zeros into the first wgmma): wait until the other
-    warpgroup's last wgmma has completed (no-op without ``turns``)."""
-    if turns is not None:
-        plgpu.barrier_wait(turns.at[wg])
-
-
-def pass_turn(wg, turns):
-    """After this warpgroup's wgmma has completed: the other may issue (no-op without)."""
-    if turns is not None:
-        plgpu.barrier_arrive(turns.at[1 - wg])
-
-
 def check_shapes(aq_MC, sa, bq_GOC, sb, group_sizes_G):
     """Raise ValueError unless the kernel takes these operands; returns (m, c, o, g)."""
     m, c = aq_MC.shape
@@ -193,26 +168,14 @@ def check_shapes(aq_MC, sa, bq_GOC, sb, group_sizes_G):
 
 def gmm_fp8_blockwise(aq_MC, sa, bq_GOC, sb, group_sizes_G, *, out_dtype=jnp.bfloat16,
                       num_stages=4, grid_tile_width=8, sms=None, split="rows", overlap=False,
-                      chain=False, pingpong=False):
+                      chain=False):
     """y [M, O] = per-group blockwise-scaled a . b[g]^T; see the module docstring.
 
     Rows past ``sum(group_sizes)`` come out as zeros. ``split`` (``SPLITS``),
     ``grid_tile_width`` (the tile walk sweeps the column bands over this many
     row tiles at a time), ``num_stages``, ``overlap`` (promote each step's
-    product during the next step's wgmma), ``chain`` and ``pingpong`` change how
-    the kernel runs, not its bits.
-
-    ``pingpong`` (opt-in; the plain step only): the two compute warpgroups take
-    turns at the tensor cores. A warpgroup issues a step's wgmma only once the
-    other's last wgmma has completed (``wait_turn``), and hands the turn over once
-    its own has (``pass_turn``), so each promotes while the other's wgmma runs.
-    Why after completion and not after issue: Nsight Compute of the plain forward
-    (``kernel_anatomy-20261203-220125``) fits the tensor cores sharing their time
-    between the two warpgroups' pending wgmmas rather than running them in order
-    of issue. In the plain kernel each warpgroup's wgmma then takes about 1.5x its
-    own 256 tensor cycles and the tensor pipe is active 65% of the time; a
-    ping-pong that handed over after issue kept both wgmmas pending together: 54%
-    active, 0.87x (``notes/fp8.md``, 2026-12-03 night).
+    product during the next step's wgmma) and ``chain`` change how the kernel
+    runs, not its bits.
 
     ``chain`` (opt-in; no faster than per-tile pipelines on the H200,
     ``notes/fp8.md``): each CTA's tile pipelines run as one chain
@@ -225,13 +188,9 @@ def gmm_fp8_blockwise(aq_MC, sa, bq_GOC, sb, group_sizes_G, *, out_dtype=jnp.bfl
 
     Raises:
       ValueError: shapes or dtypes the kernel cannot take (``check_shapes``), an
-        unknown ``split``, ``chain`` with C / 128 not a multiple of ``num_stages``,
-        ``pingpong`` with ``overlap``.
+        unknown ``split``, ``chain`` with C / 128 not a multiple of ``num_stages``.
     """
     m, c, o, _ = check_shapes(aq_MC, sa, bq_GOC, sb, group_sizes_G)
-    if pingpong and overlap:
-        raise ValueError("mosaic fp8 gmm: pingpong=True promotes under the other warpgroup's "
-                         "wgmma and takes the plain step (overlap=False)")
     out_dtype = jnp.dtype(out_dtype)
     # 4-byte outputs double the epilogue buffers; one load stage less keeps smem in bounds.
     num_stages = num_stages if out_dtype.itemsize <= 2 else min(num_stages, 3)
@@ -282,12 +241,10 @@ def gmm_fp8_blockwise(aq_MC, sa, bq_GOC, sb, group_sizes_G, *, out_dtype=jnp.bfl
                 )
                 for _ in range(2)
             ],
-            **turn_allocations(pingpong),
             collective_axes="wg",
         )
-        def _scope(pipeline_allocs, out_smem, turns=None):
+        def _scope(pipeline_allocs, out_smem):
             wg = lax.axis_index("wg")
-            first_turn(wg, turns)
 
             @walk_row_tiles(num_tiles_ref[0], num_real_ref[0], n_bands, grid_tile_width, chain)
             def _tile(t, band, state):
@@ -347,12 +304,10 @@ def gmm_fp8_blockwise(aq_MC, sa, bq_GOC, sb, group_sizes_G, *, out_dtype=jnp.bfl
                     w_scale = sb_gmem[group, kk, col_block]
                     lhs, rhs, rows = operands(a_smem, b_smem, sa_smem)
                     row_scale = load_row_scale(rows)
-                    wait_turn(wg, turns)
 
                     def c_step(acc_ref):
                         plgpu.wgmma(acc_ref, lhs, rhs)
                         plgpu.wgmma_wait(0)
-                        pass_turn(wg, turns)
                         return acc_ref[...]
 
                     part = pl.run_scoped(c_step, plgpu.ACC((bm, bo), jnp.float32))
@@ -394,8 +349,6 @@ def gmm_fp8_blockwise(aq_MC, sa, bq_GOC, sb, group_sizes_G, *, out_dtype=jnp.bfl
                 @pl.when((group < 0) & (wg < 2))
                 def _zero_tile():
                     store(plgpu.layout_cast(jnp.zeros((bm, bo), out_dtype), plgpu.Layout.WGMMA))
-
-            last_turn(wg, turns)
 
         plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 

@@ -114,8 +114,11 @@ accumulator while a wgmma is in flight. A ping-pong that handed the turn over
 once a wgmma was issued ran 0.98x the overlapped per-tile kernel with the plain
 step and 0.88x with the overlapped one (G=32, ``fp8_kernels-20261203-130033``);
 in the forward kernel 0.87x (``-130213``): both warpgroups' wgmmas were then
-always pending together (``kernel_anatomy-20261203-220125``). ``pingpong=True``
-now hands over once the wgmma has completed (``tgmm_fp8_blockwise``).
+always pending together (``kernel_anatomy-20261203-220125``). Handed over once
+the wgmma had completed instead, it ran even with the chained plain step (819 and
+831 against 831 TF/s for the overlapped default, K=7168 N=4096; 816 against 820 at
+K=2048 N=7168; ``fp8_kernels-pingpong-k7168-n4096-20261204-003649``, ``-k2048-n7168-
+20261204-004320``), so it was removed again.
 Deferring the scale multiply (``defer_scale``) ran 0.90x (``-102051``). The
 promotion factored as ``(part * cols) * rows + total`` (an ``FMUL`` after the
 wait and an ``FFMA`` under the next wgmma, no outer product:
@@ -140,8 +143,7 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 from dropless.ops import quant
 from dropless.ops.gmm import reference as ref_backend
 from dropless.ops.gmm import schedule as schedule_lib
-from dropless.ops.gmm.mosaic_fp8 import (BLOCK, _MEMORY_REGISTERS, _swizzle_transforms, first_turn,
-                                         last_turn, pass_turn, turn_allocations, wait_turn)
+from dropless.ops.gmm.mosaic_fp8 import BLOCK, _MEMORY_REGISTERS, _swizzle_transforms
 from dropless.ops.gmm.mosaic_gmm import (chained_tile_pipeline, persistent_kernel,
                                         tile_order_operands, walk_tiles)
 from dropless.ops.gmm.mosaic_tgmm import _store_tile
@@ -181,15 +183,12 @@ def check_shapes(xq_KM, sx, dyq_NM, sdy, group_sizes_G):
 
 def tgmm_fp8_blockwise(xq_KM, sx, dyq_NM, sdy, group_sizes_G, *, out_dtype=jnp.float32,
                        num_stages=4, sms=None, split="rows", overlap=True, tile_order="sorted_snake",
-                       chain=True, pingpong=False):
+                       chain=True):
     """dw [G, K, N] = per-group blockwise-scaled x^T dy; zeros for empty groups.
 
     See the module docstring for the operand layouts. ``split`` (``SPLITS``),
     ``overlap`` (promote each step's product during the next step's wgmma),
-    ``chain`` (one pipeline over all of a CTA's tiles, module docstring),
-    ``pingpong`` (opt-in; the plain step, so with ``overlap=False``: the compute
-    warpgroups take turns at the tensor cores, handing over once a wgmma has
-    completed, ``mosaic_fp8.gmm_fp8_blockwise``) and
+    ``chain`` (one pipeline over all of a CTA's tiles, module docstring) and
     ``tile_order`` (``mosaic_gmm.TILE_ORDERS``: which CTA computes which output
     tile, ``mosaic_gmm.walk_tiles``) change how the kernel runs, not its bits;
     the split, overlap and chain defaults had the shortest kernel time on the H200
@@ -201,12 +200,9 @@ def tgmm_fp8_blockwise(xq_KM, sx, dyq_NM, sdy, group_sizes_G, *, out_dtype=jnp.f
 
     Raises:
       ValueError: shapes or dtypes the kernel cannot take (``check_shapes``), an
-        unknown ``split`` or ``tile_order``, ``pingpong`` with ``overlap``.
+        unknown ``split`` or ``tile_order``.
     """
     m, k, n = check_shapes(xq_KM, sx, dyq_NM, sdy, group_sizes_G)
-    if pingpong and overlap:
-        raise ValueError("mosaic fp8 tgmm: pingpong=True promotes under the other warpgroup's "
-                         "wgmma and takes the plain step (overlap=False)")
     num_groups = group_sizes_G.shape[0]
     out_dtype = jnp.dtype(out_dtype)
     num_stages = num_stages if out_dtype.itemsize <= 2 else min(num_stages, 3)
@@ -256,9 +252,8 @@ def tgmm_fp8_blockwise(xq_KM, sx, dyq_NM, sdy, group_sizes_G, *, out_dtype=jnp.f
                           pl.ds(band * cta_n + (0 if by_rows else wg * bn), bn)],
         )
 
-    def step_functions(wg, turns=None):
-        """(step body, its initial carry, the carry's final sum) for warpgroup ``wg``;
-        with ``turns`` (``pingpong``) each step's wgmma waits for the other warpgroup's."""
+    def step_functions(wg):
+        """(step body, its initial carry, the carry's final sum) for warpgroup ``wg``."""
         zeros = lambda: plgpu.layout_cast(jnp.zeros((bk, bn), jnp.float32),  # noqa: E731
                                           plgpu.Layout.WGMMA)
 
@@ -286,19 +281,14 @@ def tgmm_fp8_blockwise(xq_KM, sx, dyq_NM, sdy, group_sizes_G, *, out_dtype=jnp.f
             lhs, rhs, rows, cols = operands(x_smem, dy_smem, sx_smem, sdy_smem)
             # Scales first: their loads overlap the wgmma.
             row_scale, col_scale = load_scale(rows, cols)
-            # With turns, the step's scale is formed while the other warpgroup's wgmma
-            # runs, which leaves one multiply-add per element after this one's.
-            scale = outer(row_scale, col_scale) if turns is not None else None
-            wait_turn(wg, turns)
 
             def m_step(acc_ref):
                 plgpu.wgmma(acc_ref, lhs, rhs)
                 plgpu.wgmma_wait(0)
-                pass_turn(wg, turns)
                 return acc_ref[...]
 
             part = pl.run_scoped(m_step, plgpu.ACC((bk, bn), jnp.float32))
-            return total + part * (outer(row_scale, col_scale) if scale is None else scale)
+            return total + part * outer(row_scale, col_scale)
 
         def mma_body_overlap(_, x_smem, dy_smem, sx_smem, sdy_smem, carry):
             # carry: the running sum and the previous step's scaled product,
@@ -333,13 +323,11 @@ def tgmm_fp8_blockwise(xq_KM, sx, dyq_NM, sdy, group_sizes_G, *, out_dtype=jnp.f
             pl.run_scoped,
             pipeline_allocs=pipeline_allocs,
             out_smem=plgpu.SMEM((2, 2, 64, 64), out_dtype, transforms=out_transforms),
-            **turn_allocations(pingpong),
             collective_axes="wg",
         )
-        def _scope(pipeline_allocs, out_smem, turns=None):
+        def _scope(pipeline_allocs, out_smem):
             wg = lax.axis_index("wg")
-            step_body, init, finish = step_functions(wg, turns)
-            first_turn(wg, turns)
+            step_body, init, finish = step_functions(wg)
 
             @walk_tiles((num_groups, k_tiles, n_bands), *order_ref)
             def _tile(g, k_tile, band):
@@ -367,8 +355,6 @@ def tgmm_fp8_blockwise(xq_KM, sx, dyq_NM, sdy, group_sizes_G, *, out_dtype=jnp.f
                 def _empty_group():
                     store(plgpu.layout_cast(jnp.zeros((bk, bn), out_dtype), plgpu.Layout.WGMMA))
 
-            last_turn(wg, turns)
-
         plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
     def chained_body(starts_ref, sizes_ref, *refs):
@@ -378,13 +364,11 @@ def tgmm_fp8_blockwise(xq_KM, sx, dyq_NM, sdy, group_sizes_G, *, out_dtype=jnp.f
         @functools.partial(
             pl.run_scoped,
             out_smem=plgpu.SMEM((2, 2, 64, 64), out_dtype, transforms=out_transforms),
-            **turn_allocations(pingpong),
             collective_axes="wg",
         )
-        def _scope(out_smem, turns=None):
+        def _scope(out_smem):
             wg = lax.axis_index("wg")
-            step_body, init, finish = step_functions(wg, turns)
-            first_turn(wg, turns)
+            step_body, init, finish = step_functions(wg)
 
             def tile_of(g):
                 first_block, steps = tile_steps(starts_ref, sizes_ref, g)
@@ -416,7 +400,6 @@ def tgmm_fp8_blockwise(xq_KM, sx, dyq_NM, sdy, group_sizes_G, *, out_dtype=jnp.f
                     plgpu.SMEM((num_stages, 1, cta_k), jnp.float32),
                     plgpu.SMEM((num_stages, 1, cta_n), jnp.float32)),
                 tile_of=tile_of, sources_of=sources_of, compute=compute)
-            last_turn(wg, turns)
 
         plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
