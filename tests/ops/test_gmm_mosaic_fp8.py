@@ -145,6 +145,20 @@ def test_fwd_dgrad_overlap_lowers_for_cuda_at_a_deepseek_shape(kind, split):
     assert "mosaic_gpu" in exported.mlir_module()
 
 
+@pytest.mark.parametrize("kind,k_n", [("fwd", (7168, 4096)), ("fwd", (2048, 7168)),
+                                      ("dgrad", (7168, 4096)), ("dgrad", (2048, 7168))], ids=str)
+def test_fwd_dgrad_weight_scales_in_smem_lower_for_cuda_at_deepseek_shapes(kind, k_n):
+    """``weight_scales="smem"``: a fourth TMA stream of 128-224 byte rows (32 or 56
+    column blocks of float32) lowers for CUDA at both DeepSeek-V3 shapes, both products,
+    with either ``scale_fence``."""
+    fn, args = _lowering_args(kind, 65536, *k_n, 32)
+    for fence in mosaic_fp8.SCALE_FENCES:
+        exported = jax.export.export(
+            jax.jit(lambda *a: fn(*a, sms=132, weight_scales="smem", scale_fence=fence)),
+            platforms=["cuda"])(*args)
+        assert "mosaic_gpu" in exported.mlir_module()
+
+
 @pytest.mark.parametrize("kind,k_n", [("fwd", (2048, 7168)), ("dgrad", (7168, 4096))], ids=str)
 def test_fwd_dgrad_chain_lowers_for_cuda_at_deepseek_shapes(kind, k_n):
     """``chain=True``: the pipeline state is a traced value, and a CTA's chain of one
@@ -271,11 +285,11 @@ def test_interpret_fwd_and_dgrad_match_dequantized_product(rng, layout):
     _assert_close(dx, mosaic_fp8.reference(*dgrad_ops, gs, out_dtype=jnp.float32), total)
 
 
-def _awkward_fwd_operands(rng):
-    """(fwd operands, group sizes, total) at ``several_unaligned_empty_tail``, K = N = 256:
-    two steps along K, an empty group, a tail past the total."""
+def _awkward_fwd_operands(rng, n=256):
+    """(fwd operands, group sizes, total) at ``several_unaligned_empty_tail``, K = 256,
+    N = 256 unless given: two steps along K, an empty group, a tail past the total."""
     m, sizes = ROW_LAYOUTS["several_unaligned_empty_tail"]
-    k, n = 256, 256
+    k = 256
     total = sum(sizes)
     x = _nan_tail(_scaled(rng, (m, k), (0, 1)), total)
     wq, sw = mosaic_fp8.quantize_weight(_scaled(rng, (len(sizes), k, n), (1, 2)))
@@ -316,6 +330,39 @@ def test_interpret_fwd_chain_equals_the_plain_kernel_bit_for_bit(rng, sms):
     np.testing.assert_array_equal(np.asarray(y)[total:], 0.0)
     with pytest.raises(ValueError, match="chain=True needs C / 128 = 2 steps to be a multiple of"):
         mosaic_fp8.gmm_fp8_blockwise(*ops, gs, num_stages=4, chain=True)
+
+
+def _distinct_column_block_scales(rng, sb):
+    """Powers of two for sb [G, Cb, Ob], distinct along the column blocks. Quantized from
+    random data, neighbouring blocks' scales often coincide (each block's amax is near
+    the largest of its 128 columns' factors), so a read of the wrong block can pass."""
+    g, cb, ob = sb.shape
+    exps = np.stack([[rng.permutation(ob) - ob // 2 for _ in range(cb)] for _ in range(g)])
+    return jnp.asarray(np.exp2(exps), jnp.float32)
+
+
+@pytest.mark.parametrize("split,overlap,n", [("rows", False, 256), ("columns", False, 256),
+                                             ("rows", True, 256), ("rows", False, 512)])
+def test_interpret_fwd_weight_scales_in_smem_equal_the_global_loads_bit_for_bit(
+        rng, split, overlap, n):
+    """``weight_scales="smem"``: each step's row of weight scales comes through the TMA
+    pipeline and is read from shared memory instead of global memory; the same scalar
+    enters the same expression, so the same bits, with no race (the scales' slot is
+    refilled by TMA after the compute warpgroups read it: the row scales' proxy fence
+    must cover it). N = 256 has 2 column blocks, padded to a 16-byte TMA row of 4;
+    N = 512 has 4, no padding. Each split (the columns split reads a per-warpgroup
+    column block), and the overlapped step."""
+    (aq, sa, bq, sb), gs, total = _awkward_fwd_operands(rng, n=n)
+    sb = _distinct_column_block_scales(rng, sb)
+    run = functools.partial(mosaic_fp8.gmm_fp8_blockwise, aq, sa, bq, sb, gs,
+                            out_dtype=jnp.float32, split=split, overlap=overlap)
+    y = _same_bits_without_races(lambda: run(weight_scales="smem"),
+                                 lambda: run(weight_scales="gmem"))
+    np.testing.assert_array_equal(np.asarray(y)[total:], 0.0)
+    with pytest.raises(ValueError, match="weight_scales='tma' must be one of"):
+        mosaic_fp8.gmm_fp8_blockwise(aq, sa, bq, sb, gs, weight_scales="tma")
+    with pytest.raises(ValueError, match="scale_fence='none' must be one of"):
+        mosaic_fp8.gmm_fp8_blockwise(aq, sa, bq, sb, gs, scale_fence="none")
 
 
 # (M, group sizes), each a multiple of 128 as the recipe requires; a group of
@@ -606,6 +653,27 @@ def test_gpu_fwd_dgrad_chain_equals_the_plain_kernel_bit_for_bit(rng, product):
     ops = fwd_ops if product == "fwd" else dgrad_ops
     np.testing.assert_array_equal(_run_fwd_like(ops, gs, num_stages=2, chain=True),
                                   _run_fwd_like(ops, gs, num_stages=2))
+
+
+@gpu_test
+@pytest.mark.parametrize("split,fence", [("rows", "commit"), ("columns", "commit"),
+                                         ("rows", "thread")])
+@pytest.mark.parametrize("product", ["fwd", "dgrad"])
+def test_gpu_fwd_dgrad_weight_scales_in_smem_equal_the_global_loads_bit_for_bit(
+        rng, product, split, fence):
+    """``weight_scales="smem"`` on the hardware: the weight scales through the TMA
+    pipeline (a fourth stream: 224-byte rows at fwd's 56 column blocks, 64-byte rows at
+    dgrad's 16) give the global loads' bits on random data at fwd's 16 and dgrad's 56
+    steps, with weight scales distinct along the column blocks, in each split; and
+    with ``scale_fence="thread"`` (the proxy fence without the warpgroup barrier,
+    which the GPU interpreter cannot run)."""
+    fwd_ops, dgrad_ops, gs, _ = _fwd_dgrad_inputs(rng, lambda r, s: _scaled(r, s, (0, 1)
+                                                  if len(s) == 2 else (1, 2)))
+    aq, sa, bq, sb = fwd_ops if product == "fwd" else dgrad_ops
+    ops = (aq, sa, bq, _distinct_column_block_scales(rng, sb))
+    np.testing.assert_array_equal(
+        _run_fwd_like(ops, gs, split=split, weight_scales="smem", scale_fence=fence),
+        _run_fwd_like(ops, gs, split=split, weight_scales="gmem"))
 
 
 def _run_wgrad(ops, gs, **kw):

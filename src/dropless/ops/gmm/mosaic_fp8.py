@@ -123,6 +123,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
+from jaxlib.mlir.dialects import nvvm
 
 from dropless.ops import quant
 from dropless.ops.gmm import reference as ref_backend
@@ -135,7 +136,17 @@ BLOCK_M = 64  # two f32 accumulators per thread must fit the register file
 # columns (each warpgroup its 128 columns, both reading the 64-row a tile), or
 # "rows", 128 rows x 128 columns (each its 64 rows, both reading the b tile).
 SPLITS = ("columns", "rows")
+WEIGHT_SCALES = ("gmem", "smem")  # where a step reads its weight scale (gmm_fp8_blockwise)
+SCALE_FENCES = ("commit", "thread")  # how a step fences its scale reads (gmm_fp8_blockwise)
 _MEMORY_REGISTERS = 40
+
+
+@plgpu.inline_mgpu()
+def proxy_fence(_ctx):
+    """``fence.proxy.async.shared::cta`` by each thread, without ``commit_smem``'s
+    warpgroup barrier: this thread's generic-proxy shared-memory accesses are ordered
+    before its later async-proxy ones (TMA, wgmma)."""
+    nvvm.fence_proxy(nvvm.ProxyKind.async_shared, space=nvvm.SharedSpace.shared_cta)
 
 
 def _swizzle_transforms(minor_elems, dtype):
@@ -168,14 +179,35 @@ def check_shapes(aq_MC, sa, bq_GOC, sb, group_sizes_G):
 
 def gmm_fp8_blockwise(aq_MC, sa, bq_GOC, sb, group_sizes_G, *, out_dtype=jnp.bfloat16,
                       num_stages=4, grid_tile_width=8, sms=None, split="rows", overlap=False,
-                      chain=False):
+                      chain=False, weight_scales="gmem", scale_fence="commit"):
     """y [M, O] = per-group blockwise-scaled a . b[g]^T; see the module docstring.
 
     Rows past ``sum(group_sizes)`` come out as zeros. ``split`` (``SPLITS``),
     ``grid_tile_width`` (the tile walk sweeps the column bands over this many
     row tiles at a time), ``num_stages``, ``overlap`` (promote each step's
-    product during the next step's wgmma) and ``chain`` change how the kernel
-    runs, not its bits.
+    product during the next step's wgmma), ``chain``, ``weight_scales`` and
+    ``scale_fence`` change how the kernel runs, not its bits.
+
+    ``weight_scales`` (``WEIGHT_SCALES``): where a step reads its weight block's
+    scale. ``"gmem"``: one scalar load from global memory per step, issued before
+    the step's wgmma. ``"smem"``: the step's row of ``sb`` (the scales of all the
+    weight's column blocks at this contraction block, padded to 16 bytes) rides
+    the TMA pipeline with the step's codes and row scales, so it arrives stages
+    ahead and is read from shared memory. Why: the forward's Nsight Compute source
+    page (``logs/fp8-fwd-pingpong-anatomy-20261203-2156/``) has 7.9% of all samples
+    on the ``FMUL`` that consumes the global load, after the wgmma's wait (long
+    scoreboard), the one stall of the step not spent on the tensor cores or on the
+    stage's data.
+
+    ``scale_fence`` (``SCALE_FENCES``): how a step orders its generic-proxy reads
+    of the scales before TMA refills their slot. ``"commit"``: ``plgpu.commit_smem``
+    (a proxy fence, then a warpgroup barrier). ``"thread"``: the proxy fence alone.
+    Every thread arrives on the slot's release barrier itself
+    (``mbarrier.arrive.release`` per thread in the warp-specialized pipeline), so
+    each thread's fence orders its own reads before its own release and the
+    barrier adds nothing the release needs. Pallas' GPU interpreter cannot run the
+    inline fence (``plgpu.inline_mgpu``), so ``"thread"`` is checked on the
+    hardware only (bitwise against ``"commit"``, and ``compute-sanitizer``).
 
     ``chain`` (opt-in; no faster than per-tile pipelines on the H200,
     ``notes/fp8.md``): each CTA's tile pipelines run as one chain
@@ -188,9 +220,19 @@ def gmm_fp8_blockwise(aq_MC, sa, bq_GOC, sb, group_sizes_G, *, out_dtype=jnp.bfl
 
     Raises:
       ValueError: shapes or dtypes the kernel cannot take (``check_shapes``), an
-        unknown ``split``, ``chain`` with C / 128 not a multiple of ``num_stages``.
+        unknown ``split`` or ``weight_scales``, ``chain`` with C / 128 not a multiple
+        of ``num_stages``.
     """
     m, c, o, _ = check_shapes(aq_MC, sa, bq_GOC, sb, group_sizes_G)
+    if scale_fence not in SCALE_FENCES:
+        raise ValueError(f"mosaic fp8 gmm: {scale_fence=} must be one of {SCALE_FENCES}")
+    if weight_scales not in WEIGHT_SCALES:
+        raise ValueError(f"mosaic fp8 gmm: {weight_scales=} must be one of {WEIGHT_SCALES}")
+    scales_in_smem = weight_scales == "smem"
+    if scales_in_smem and sb.shape[-1] % 4:
+        # A TMA row is a multiple of 16 bytes: pad the column blocks to 4 float32s
+        # (the padding is never read).
+        sb = jnp.pad(sb, ((0, 0), (0, 0), (0, -sb.shape[-1] % 4)))
     out_dtype = jnp.dtype(out_dtype)
     # 4-byte outputs double the epilogue buffers; one load stage less keeps smem in bounds.
     num_stages = num_stages if out_dtype.itemsize <= 2 else min(num_stages, 3)
@@ -216,6 +258,8 @@ def gmm_fp8_blockwise(aq_MC, sa, bq_GOC, sb, group_sizes_G, *, out_dtype=jnp.bfl
                 plgpu.BlockSpec((cta_m, bc), lambda kk: (0, kk), transforms=in_transforms),
                 plgpu.BlockSpec((cta_o, bc), lambda kk: (0, kk), transforms=in_transforms),
                 plgpu.BlockSpec((1, cta_m), lambda kk: (kk, 0)),
+                *([plgpu.BlockSpec((1, sb.shape[-1]), lambda kk: (kk, 0))] if scales_in_smem
+                  else []),
             ],
             wg_axis="wg",
             num_compute_wgs=2,
@@ -229,7 +273,7 @@ def gmm_fp8_blockwise(aq_MC, sa, bq_GOC, sb, group_sizes_G, *, out_dtype=jnp.bfl
         ignore = lambda *_, **__: None
         pipeline_allocs = make_pipeline(ignore, ignore).get_allocations(
             a_gmem.at[pl.ds(0, cta_m)], b_gmem.at[0, pl.ds(0, cta_o)],
-            sa_gmem.at[:, pl.ds(0, cta_m)])
+            sa_gmem.at[:, pl.ds(0, cta_m)], *([sb_gmem.at[0]] if scales_in_smem else []))
 
         @functools.partial(
             pl.run_scoped,
@@ -294,14 +338,24 @@ def gmm_fp8_blockwise(aq_MC, sa, bq_GOC, sb, group_sizes_G, *, out_dtype=jnp.bfl
                     row_scale = plgpu.load(rows, layout=plgpu.Layout.WGMMA.reduce(1))
                     # Fence the generic-proxy read before the pipeline hands the slot
                     # back to TMA (module docstring).
-                    plgpu.commit_smem()
+                    if scale_fence == "thread":
+                        proxy_fence()
+                    else:
+                        plgpu.commit_smem()
                     return row_scale
 
-                def mma_body(idx, a_smem, b_smem, sa_smem, total):
-                    (kk,) = idx
+                def weight_scale(kk, sb_smem=None):
+                    """This step's weight scale (``weight_scales``), read before the
+                    row scales' proxy fence."""
+                    if scales_in_smem:
+                        return sb_smem[0, col_block]
+                    return sb_gmem[group, kk, col_block]
+
+                def mma_body(idx, a_smem, b_smem, sa_smem, *sb_smem_and_total):
+                    (kk,), (*sb_smem, total) = idx, sb_smem_and_total
                     # This step's weight scale, loaded before its wgmma and first used
                     # after the wait, so the load's latency hides under the wgmma.
-                    w_scale = sb_gmem[group, kk, col_block]
+                    w_scale = weight_scale(kk, *sb_smem)
                     lhs, rhs, rows = operands(a_smem, b_smem, sa_smem)
                     row_scale = load_row_scale(rows)
 
@@ -313,12 +367,12 @@ def gmm_fp8_blockwise(aq_MC, sa, bq_GOC, sb, group_sizes_G, *, out_dtype=jnp.bfl
                     part = pl.run_scoped(c_step, plgpu.ACC((bm, bo), jnp.float32))
                     return total + part * by_row(row_scale * w_scale)
 
-                def mma_body_overlap(idx, a_smem, b_smem, sa_smem, carry):
+                def mma_body_overlap(idx, a_smem, b_smem, sa_smem, *sb_smem_and_carry):
                     # carry: the running sum, the previous step's product and its row
                     # scale, promoted here while this step's wgmma runs (module docstring).
-                    (kk,) = idx
+                    (kk,), (*sb_smem, carry) = idx, sb_smem_and_carry
                     total, pending, pending_scale = carry
-                    w_scale = sb_gmem[group, kk, col_block]  # used after the wait
+                    w_scale = weight_scale(kk, *sb_smem)  # used after the wait
                     lhs, rhs, rows = operands(a_smem, b_smem, sa_smem)
 
                     def c_step(acc_ref):
@@ -338,6 +392,7 @@ def gmm_fp8_blockwise(aq_MC, sa, bq_GOC, sb, group_sizes_G, *, out_dtype=jnp.bfl
                         a_gmem.at[pl.ds(row_start, bm)],
                         b_gmem.at[group, pl.ds(band * cta_o, cta_o)],
                         sa_gmem.at[:, pl.ds(row_start, bm)],
+                        *([sb_gmem.at[group]] if scales_in_smem else []),
                         allocations=pipeline_allocs,
                     )
 
