@@ -342,16 +342,18 @@ def _distinct_column_block_scales(rng, sb):
 
 
 @pytest.mark.parametrize("split,overlap,n", [("rows", False, 256), ("columns", False, 256),
-                                             ("rows", True, 256), ("rows", False, 512)])
+                                             ("rows", True, 256), ("columns", False, 4352),
+                                             pytest.param("rows", False, 4352, marks=slow)])
 def test_interpret_fwd_weight_scales_in_smem_equal_the_global_loads_bit_for_bit(
         rng, split, overlap, n):
     """``weight_scales="smem"``: each step's row of weight scales comes through the TMA
     pipeline and is read from shared memory instead of global memory; the same scalar
     enters the same expression, so the same bits, with no race (the scales' slot is
     refilled by TMA after the compute warpgroups read it: the row scales' proxy fence
-    must cover it). N = 256 has 2 column blocks, padded to a 16-byte TMA row of 4;
-    N = 512 has 4, no padding. Each split (the columns split reads a per-warpgroup
-    column block), and the overlapped step."""
+    must cover it). Each step loads a 128-byte window of 32 column blocks: N = 256 has
+    2, padded to one window; N = 4352 has 34, two windows, the second padded. Each
+    split (the columns split reads a per-warpgroup column block), and the overlapped
+    step."""
     (aq, sa, bq, sb), gs, total = _awkward_fwd_operands(rng, n=n)
     sb = _distinct_column_block_scales(rng, sb)
     run = functools.partial(mosaic_fp8.gmm_fp8_blockwise, aq, sa, bq, sb, gs,

@@ -138,6 +138,7 @@ BLOCK_M = 64  # two f32 accumulators per thread must fit the register file
 SPLITS = ("columns", "rows")
 WEIGHT_SCALES = ("gmem", "smem")  # where a step reads its weight scale (gmm_fp8_blockwise)
 SCALE_FENCES = ("commit", "thread")  # how a step fences its scale reads (gmm_fp8_blockwise)
+_SCALE_WINDOW = 32  # weight-scale columns per step's TMA row with weight_scales="smem"
 _MEMORY_REGISTERS = 40
 
 
@@ -190,10 +191,12 @@ def gmm_fp8_blockwise(aq_MC, sa, bq_GOC, sb, group_sizes_G, *, out_dtype=jnp.bfl
 
     ``weight_scales`` (``WEIGHT_SCALES``): where a step reads its weight block's
     scale. ``"gmem"``: one scalar load from global memory per step, issued before
-    the step's wgmma. ``"smem"``: the step's row of ``sb`` (the scales of all the
-    weight's column blocks at this contraction block, padded to 16 bytes) rides
-    the TMA pipeline with the step's codes and row scales, so it arrives stages
-    ahead and is read from shared memory. Why: the forward's Nsight Compute source
+    the step's wgmma. ``"smem"``: a 128-byte window of the step's row of ``sb`` (32
+    column blocks' scales at this contraction block, holding the CTA's; ``sb``
+    padded to whole windows) rides the TMA pipeline with the step's codes and row
+    scales, so it arrives stages ahead and is read from shared memory (a TMA
+    destination in shared memory is 128-byte aligned: a full 224-byte row of 56
+    blocks per stage failed on the H200 with a misaligned address). Why: the forward's Nsight Compute source
     page (``logs/fp8-fwd-pingpong-anatomy-20261203-2156/``) has 7.9% of all samples
     on the ``FMUL`` that consumes the global load, after the wgmma's wait (long
     scoreboard), the one stall of the step not spent on the tensor cores or on the
@@ -229,10 +232,11 @@ def gmm_fp8_blockwise(aq_MC, sa, bq_GOC, sb, group_sizes_G, *, out_dtype=jnp.bfl
     if weight_scales not in WEIGHT_SCALES:
         raise ValueError(f"mosaic fp8 gmm: {weight_scales=} must be one of {WEIGHT_SCALES}")
     scales_in_smem = weight_scales == "smem"
-    if scales_in_smem and sb.shape[-1] % 4:
-        # A TMA row is a multiple of 16 bytes: pad the column blocks to 4 float32s
-        # (the padding is never read).
-        sb = jnp.pad(sb, ((0, 0), (0, 0), (0, -sb.shape[-1] % 4)))
+    if scales_in_smem and sb.shape[-1] % _SCALE_WINDOW:
+        # Each step loads the window of 32 column blocks (128 bytes: a TMA destination
+        # in shared memory is 128-byte aligned, so each stage's row must be) that holds
+        # the CTA's; pad the column blocks to whole windows (the padding is never read).
+        sb = jnp.pad(sb, ((0, 0), (0, 0), (0, -sb.shape[-1] % _SCALE_WINDOW)))
     out_dtype = jnp.dtype(out_dtype)
     # 4-byte outputs double the epilogue buffers; one load stage less keeps smem in bounds.
     num_stages = num_stages if out_dtype.itemsize <= 2 else min(num_stages, 3)
@@ -258,7 +262,7 @@ def gmm_fp8_blockwise(aq_MC, sa, bq_GOC, sb, group_sizes_G, *, out_dtype=jnp.bfl
                 plgpu.BlockSpec((cta_m, bc), lambda kk: (0, kk), transforms=in_transforms),
                 plgpu.BlockSpec((cta_o, bc), lambda kk: (0, kk), transforms=in_transforms),
                 plgpu.BlockSpec((1, cta_m), lambda kk: (kk, 0)),
-                *([plgpu.BlockSpec((1, sb.shape[-1]), lambda kk: (kk, 0))] if scales_in_smem
+                *([plgpu.BlockSpec((1, _SCALE_WINDOW), lambda kk: (kk, 0))] if scales_in_smem
                   else []),
             ],
             wg_axis="wg",
@@ -273,7 +277,8 @@ def gmm_fp8_blockwise(aq_MC, sa, bq_GOC, sb, group_sizes_G, *, out_dtype=jnp.bfl
         ignore = lambda *_, **__: None
         pipeline_allocs = make_pipeline(ignore, ignore).get_allocations(
             a_gmem.at[pl.ds(0, cta_m)], b_gmem.at[0, pl.ds(0, cta_o)],
-            sa_gmem.at[:, pl.ds(0, cta_m)], *([sb_gmem.at[0]] if scales_in_smem else []))
+            sa_gmem.at[:, pl.ds(0, cta_m)],
+            *([sb_gmem.at[0, :, pl.ds(0, _SCALE_WINDOW)]] if scales_in_smem else []))
 
         @functools.partial(
             pl.run_scoped,
@@ -309,6 +314,9 @@ def gmm_fp8_blockwise(aq_MC, sa, bq_GOC, sb, group_sizes_G, *, out_dtype=jnp.bfl
                                         col0=col0, lo=lo, hi=hi)
 
                 col_block = col0 // bo
+                # The window of weight-scale columns this CTA's tile reads (``"smem"``);
+                # both warpgroups' column blocks lie in it (cta_o // bo divides it).
+                window = (band * (cta_o // bo)) // _SCALE_WINDOW * _SCALE_WINDOW
                 zeros = lambda: plgpu.layout_cast(jnp.zeros((bm, bo), jnp.float32),
                                                   plgpu.Layout.WGMMA)
 
@@ -348,7 +356,7 @@ def gmm_fp8_blockwise(aq_MC, sa, bq_GOC, sb, group_sizes_G, *, out_dtype=jnp.bfl
                     """This step's weight scale (``weight_scales``), read before the
                     row scales' proxy fence."""
                     if scales_in_smem:
-                        return sb_smem[0, col_block]
+                        return sb_smem[0, col_block - window]
                     return sb_gmem[group, kk, col_block]
 
                 def mma_body(idx, a_smem, b_smem, sa_smem, *sb_smem_and_total):
@@ -392,7 +400,8 @@ def gmm_fp8_blockwise(aq_MC, sa, bq_GOC, sb, group_sizes_G, *, out_dtype=jnp.bfl
                         a_gmem.at[pl.ds(row_start, bm)],
                         b_gmem.at[group, pl.ds(band * cta_o, cta_o)],
                         sa_gmem.at[:, pl.ds(row_start, bm)],
-                        *([sb_gmem.at[group]] if scales_in_smem else []),
+                        *([sb_gmem.at[group, :, pl.ds(window, _SCALE_WINDOW)]]
+                          if scales_in_smem else []),
                         allocations=pipeline_allocs,
                     )
 
