@@ -62,15 +62,11 @@ VARIANTS = {
     "cols_gtw1_overlap": dict(split="columns", grid_tile_width=1, overlap=True),
     # each CTA's tile pipelines chained: the next tile's loads start before this one ends
     "rows_gtw8_chain": dict(split="rows", grid_tile_width=8, chain=True),
-    # the weight scales through the TMA pipeline, read from shared memory
-    "rows_gtw8_wsmem": dict(split="rows", grid_tile_width=8, weight_scales="smem"),
-    "rows_gtw8_overlap_wsmem": dict(split="rows", grid_tile_width=8, overlap=True,
-                                    weight_scales="smem"),
-    "rows_gtw8_chain_wsmem": dict(split="rows", grid_tile_width=8, chain=True,
-                                  weight_scales="smem"),
-    # and the scales' proxy fence without the warpgroup barrier
-    "rows_gtw8_wsmem_fence": dict(split="rows", grid_tile_width=8, weight_scales="smem",
-                                  scale_fence="thread"),
+    # the scales' proxy fence with commit_smem's warpgroup barrier, then also the
+    # weight scales from global memory (the default until 2026-12-04)
+    "rows_gtw8_commit": dict(split="rows", grid_tile_width=8, scale_fence="commit"),
+    "rows_gtw8_gmem_commit": dict(split="rows", grid_tile_width=8, weight_scales="gmem",
+                                  scale_fence="commit"),
 }
 # name -> keyword arguments of tgmm_fp8_blockwise; the first, the kernel's default
 # (what training runs), is the reference of the bitwise check. overlap: promotion

@@ -1,18 +1,16 @@
 """FP8 blockwise grouped matmul, forward and dgrad, for Hopper in Pallas Mosaic GPU.
 
-Measured on one H200 (``benchmarks/fp8_kernel_probe.py``, M=65536 G=32
-K=7168 N=4096, balanced, record ``fp8_kernels-20261201-194927``): fwd
-1,136 TF/s by CUPTI (1,078 wall-clock), dgrad 1,104 (981), against about
-800 for our bf16 kernel; the DeepGEMM anchor is 1,250-1,350. On hardware
-they are exact on integer-exact data and within the Hopper FP8
-accumulation model on random data (``tests/ops/test_gmm_mosaic_fp8.py``,
-GPU tests; ``compute-sanitizer --tool racecheck`` clean). They are checked
-too in Pallas GPU interpret mode on CPU (race detector on) and lowered for
-CUDA through ``jax.export``. ``quantized.gmm(..., impl="kernel")`` runs them
-(config key ``gmm_fp8_impl: kernel``); the default is still the emulation
-(quantize -> dequantize -> bf16 kernel) because, with its quantization
-passes, the kernel path's fwd+dgrad+wgrad is not yet faster than bf16
-(``benchmarks/notes/fp8.md``).
+Measured on one H200 (``benchmarks/fp8_kernel_probe.py``, M=65536 G=32,
+balanced, record ``fp8_kernels-20261204-060408`` and ``-060605``): at K=7168
+N=4096 fwd 1,181 TF/s by CUPTI (994 wall-clock), dgrad 1,163 (982); at
+K=2048 N=7168 fwd 1,076 (897), dgrad 1,164 (1,022); our bf16 kernel runs
+about 800; the DeepGEMM anchor is 1,250-1,350. On hardware they are exact on
+integer-exact data and within the Hopper FP8 accumulation model on random
+data (``tests/ops/test_gmm_mosaic_fp8.py``, GPU tests; ``compute-sanitizer
+--tool racecheck`` clean). They are checked too in Pallas GPU interpret mode
+on CPU (race detector on) and lowered for CUDA through ``jax.export``.
+``quantized.gmm(..., impl="kernel")`` runs them; the config's
+``gmm_fp8_impl: auto`` takes them on Hopper (``benchmarks/notes/fp8.md``).
 
 Legend: M rows, C contraction, O output columns, G groups, Cb = C / 128
 scale blocks along C, Ob = O / 128.
@@ -60,16 +58,18 @@ row-exact epilogue it reuses):
 - Shared memory per stage: a 64x128 + b 256x128 bytes + 256 bytes of
   scales = 40.25 KiB; 4 stages + epilogue buffers (2 x 16 KiB at bf16)
   stay under the 227 KiB limit.
-- The weight scale is read as a scalar from global memory per step (tiny,
-  cached); the row scales come through the TMA pipeline with the operands
-  (TMA clips the last row block at M). Both loads are issued before the
-  step's wgmma, and the weight scale is first used after the wait, so its
-  latency hides under the wgmma. (Loaded a step ahead instead, as until
-  2026-12-03, the loop's register hand-over of the loaded value waited for
-  the load inside the step: 7.7% of the compute warps' samples, long
-  scoreboard. Yet both ran at the same speed on the H200, 1,140 against
-  1,134 TF/s fwd and 1,107 against 1,102 dgrad, same bits:
-  ``fp8_kernels-20261203-153213``, ``-153546``.)
+- The row scales and the weight scales come through the TMA pipeline with the
+  operands (TMA clips the last row block at M; ``weight_scales="smem"``, the
+  default: a 128-byte window of the step's weight-scale row). Both are read
+  from shared memory before the step's wgmma. Until 2026-12-04 the weight scale
+  was a scalar load from global memory per step (``weight_scales="gmem"``),
+  whose consumer held 7.9% of the forward's samples waiting for it after the
+  wgmma (long scoreboard), and the scale reads were fenced with
+  ``commit_smem`` (``scale_fence="commit"``). On the H200 the scales in shared
+  memory and the fence without the warpgroup barrier ran the forward 1.04x and
+  1.05x at K=7168 N=4096 and K=2048 N=7168 (1,181 against 1,138 and 1,076
+  against 1,026 TF/s, CUPTI), dgrad 1.05x and 1.04x (1,163 against 1,110, 1,164
+  against 1,123), same bits (``fp8_kernels-20261204-060408``, ``-060605``).
 - The row scales are read from shared memory by the compute warpgroups
   (generic proxy) and the slot is then refilled by TMA (async proxy). PTX
   orders a generic-proxy access before a later async-proxy access of the
@@ -137,7 +137,7 @@ BLOCK_M = 64  # two f32 accumulators per thread must fit the register file
 # "rows", 128 rows x 128 columns (each its 64 rows, both reading the b tile).
 SPLITS = ("columns", "rows")
 WEIGHT_SCALES = ("gmem", "smem")  # where a step reads its weight scale (gmm_fp8_blockwise)
-SCALE_FENCES = ("commit", "thread")  # how a step fences its scale reads (gmm_fp8_blockwise)
+SCALE_FENCES = ("auto", "commit", "thread")  # how a step fences its scale reads
 _SCALE_WINDOW = 32  # weight-scale columns per step's TMA row with weight_scales="smem"
 _MEMORY_REGISTERS = 40
 
@@ -148,6 +148,15 @@ def proxy_fence(_ctx):
     warpgroup barrier: this thread's generic-proxy shared-memory accesses are ordered
     before its later async-proxy ones (TMA, wgmma)."""
     nvvm.fence_proxy(nvvm.ProxyKind.async_shared, space=nvvm.SharedSpace.shared_cta)
+
+
+def _interpreting():
+    """Whether Pallas' GPU interpreter runs the kernels traced now
+    (``plgpu.force_gpu_interpret_mode``), which cannot run ``proxy_fence``. jax
+    0.11.2 has no public query; its context manager sets this config value."""
+    from jax._src import config
+
+    return config.pallas_tpu_interpret_mode_context_manager.value is not None
 
 
 def _swizzle_transforms(minor_elems, dtype):
@@ -180,7 +189,7 @@ def check_shapes(aq_MC, sa, bq_GOC, sb, group_sizes_G):
 
 def gmm_fp8_blockwise(aq_MC, sa, bq_GOC, sb, group_sizes_G, *, out_dtype=jnp.bfloat16,
                       num_stages=4, grid_tile_width=8, sms=None, split="rows", overlap=False,
-                      chain=False, weight_scales="gmem", scale_fence="commit"):
+                      chain=False, weight_scales="smem", scale_fence="auto"):
     """y [M, O] = per-group blockwise-scaled a . b[g]^T; see the module docstring.
 
     Rows past ``sum(group_sizes)`` come out as zeros. ``split`` (``SPLITS``),
@@ -205,6 +214,8 @@ def gmm_fp8_blockwise(aq_MC, sa, bq_GOC, sb, group_sizes_G, *, out_dtype=jnp.bfl
     ``scale_fence`` (``SCALE_FENCES``): how a step orders its generic-proxy reads
     of the scales before TMA refills their slot. ``"commit"``: ``plgpu.commit_smem``
     (a proxy fence, then a warpgroup barrier). ``"thread"``: the proxy fence alone.
+    ``"auto"`` (the default): ``"thread"``, or ``"commit"`` under Pallas' GPU
+    interpreter, whose race detector then checks the same schedule.
     Every thread arrives on the slot's release barrier itself
     (``mbarrier.arrive.release`` per thread in the warp-specialized pipeline), so
     each thread's fence orders its own reads before its own release and the
@@ -229,6 +240,8 @@ def gmm_fp8_blockwise(aq_MC, sa, bq_GOC, sb, group_sizes_G, *, out_dtype=jnp.bfl
     m, c, o, _ = check_shapes(aq_MC, sa, bq_GOC, sb, group_sizes_G)
     if scale_fence not in SCALE_FENCES:
         raise ValueError(f"mosaic fp8 gmm: {scale_fence=} must be one of {SCALE_FENCES}")
+    if scale_fence == "auto":
+        scale_fence = "commit" if _interpreting() else "thread"
     if weight_scales not in WEIGHT_SCALES:
         raise ValueError(f"mosaic fp8 gmm: {weight_scales=} must be one of {WEIGHT_SCALES}")
     scales_in_smem = weight_scales == "smem"
