@@ -205,11 +205,12 @@ def gmm_fp8_blockwise(aq_MC, sa, bq_GOC, sb, group_sizes_G, *, out_dtype=jnp.bfl
     padded to whole windows) rides the TMA pipeline with the step's codes and row
     scales, so it arrives stages ahead and is read from shared memory (a TMA
     destination in shared memory is 128-byte aligned: a full 224-byte row of 56
-    blocks per stage failed on the H200 with a misaligned address). Why: the forward's Nsight Compute source
-    page (``logs/fp8-fwd-pingpong-anatomy-20261203-2156/``) has 7.9% of all samples
-    on the ``FMUL`` that consumes the global load, after the wgmma's wait (long
-    scoreboard), the one stall of the step not spent on the tensor cores or on the
-    stage's data.
+    blocks per stage failed on the H200 with a misaligned address,
+    ``logs/fp8-wsmem-*-misaligned-20261204-*``). Why: the forward's Nsight Compute
+    source page (``logs/fp8-fwd-pingpong-anatomy-20261203-2156/``) had 7.9% of all
+    samples on the ``FMUL`` that consumes the global load, after the wgmma's wait
+    (long scoreboard); with ``"smem"`` that stall is gone and the tensor pipe is
+    active 71.3% of the time against 65.0% (``kernel_anatomy-20261204-062616``).
 
     ``scale_fence`` (``SCALE_FENCES``): how a step orders its generic-proxy reads
     of the scales before TMA refills their slot. ``"commit"``: ``plgpu.commit_smem``
