@@ -67,6 +67,8 @@ VARIANTS = {
     "rows_gtw8_commit": dict(split="rows", grid_tile_width=8, scale_fence="commit"),
     "rows_gtw8_gmem_commit": dict(split="rows", grid_tile_width=8, weight_scales="gmem",
                                   scale_fence="commit"),
+    # five stages: the rows split's stage is 32.6 KiB, so five fit beside the epilogue
+    "rows_gtw8_s5": dict(split="rows", grid_tile_width=8, num_stages=5),
 }
 # name -> keyword arguments of tgmm_fp8_blockwise; the first, the kernel's default
 # (what training runs), is the reference of the bitwise check. overlap: promotion
@@ -76,6 +78,10 @@ WGRAD_VARIANTS = {
     # one pipeline over all of a CTA's tiles: the next tile's loads start before this one ends
     "wgrad_rows_overlap_sorted_chain": dict(split="rows", overlap=True, tile_order="sorted_snake",
                                             chain=True),
+    # the scale reads' proxy fence per thread, without commit_smem's warpgroup barrier
+    "wgrad_rows_overlap_sorted_chain_fence": dict(split="rows", overlap=True,
+                                                  tile_order="sorted_snake", chain=True,
+                                                  scale_fence="thread"),
     # a pipeline per output tile (the default until 2026-12-03)
     "wgrad_rows_overlap_sorted": dict(split="rows", overlap=True, tile_order="sorted_snake",
                                       chain=False),

@@ -123,7 +123,8 @@ WGRAD_KINDS = {"wgrad": dict(out_dtype=jnp.bfloat16),
                **{f"wgrad_{split}_{'overlap' if overlap else 'wait'}": dict(split=split,
                                                                             overlap=overlap)
                   for split in mosaic_fp8_tgmm.SPLITS for overlap in (False, True)},
-               "wgrad_per_tile": dict(out_dtype=jnp.bfloat16, chain=False)}
+               "wgrad_per_tile": dict(out_dtype=jnp.bfloat16, chain=False),
+               "wgrad_thread_fence": dict(out_dtype=jnp.bfloat16, scale_fence="thread")}
 
 
 @pytest.mark.parametrize("kind", ["fwd", "dgrad", *WGRAD_KINDS])
@@ -686,6 +687,21 @@ def _run_wgrad(ops, gs, **kw):
 WGRAD_CONFIGS = pytest.mark.parametrize(
     "split,overlap", [(s_, o_) for s_ in mosaic_fp8_tgmm.SPLITS for o_ in (True, False)],
     ids=lambda v: v if isinstance(v, str) else ("overlap" if v else "wait"))
+
+
+@gpu_test
+def test_gpu_wgrad_thread_fence_equals_commit_smem_bit_for_bit(rng):
+    """``scale_fence="thread"`` (each thread's proxy fence alone, which the GPU
+    interpreter cannot run) gives ``commit_smem``'s bits on random data with a NaN tail
+    and the exact product on integer-exact data, through the chained default."""
+    ops, gs = _wgrad_inputs(rng, lambda r, s: _scaled(r, s, (0, 1)))
+    np.testing.assert_array_equal(_run_wgrad(ops, gs, scale_fence="thread"),
+                                  _run_wgrad(ops, gs, scale_fence="commit"))
+    ops, gs = _wgrad_inputs(rng, _integer_exact)
+    x, dy = _dequantized_wgrad_operands(*ops)
+    total = sum(WGRAD_SIZES)
+    np.testing.assert_array_equal(_run_wgrad(ops, gs, scale_fence="thread"),
+                                  fp8_acc.tgmm(x[:total], dy[:total], WGRAD_SIZES))
 
 
 @gpu_test

@@ -159,6 +159,24 @@ def _interpreting():
     return config.pallas_tpu_interpret_mode_context_manager.value is not None
 
 
+def resolve_scale_fence(scale_fence, who):
+    """``scale_fence`` checked and ``"auto"`` resolved (``gmm_fp8_blockwise``)."""
+    if scale_fence not in SCALE_FENCES:
+        raise ValueError(f"{who}: {scale_fence=} must be one of {SCALE_FENCES}")
+    if scale_fence == "auto":
+        return "commit" if _interpreting() else "thread"
+    return scale_fence
+
+
+def fence_scale_reads(scale_fence):
+    """Order this thread's generic-proxy reads of a pipeline slot's scales before TMA
+    refills the slot: ``"thread"``, the proxy fence; ``"commit"``, ``commit_smem``."""
+    if scale_fence == "thread":
+        proxy_fence()
+    else:
+        plgpu.commit_smem()
+
+
 def _swizzle_transforms(minor_elems, dtype):
     swizzle = plgpu.find_swizzle(minor_elems * jnp.dtype(dtype).itemsize * 8)
     swizzle_elems = swizzle // jnp.dtype(dtype).itemsize
@@ -239,10 +257,7 @@ def gmm_fp8_blockwise(aq_MC, sa, bq_GOC, sb, group_sizes_G, *, out_dtype=jnp.bfl
         of ``num_stages``.
     """
     m, c, o, _ = check_shapes(aq_MC, sa, bq_GOC, sb, group_sizes_G)
-    if scale_fence not in SCALE_FENCES:
-        raise ValueError(f"mosaic fp8 gmm: {scale_fence=} must be one of {SCALE_FENCES}")
-    if scale_fence == "auto":
-        scale_fence = "commit" if _interpreting() else "thread"
+    scale_fence = resolve_scale_fence(scale_fence, "mosaic fp8 gmm")
     if weight_scales not in WEIGHT_SCALES:
         raise ValueError(f"mosaic fp8 gmm: {weight_scales=} must be one of {WEIGHT_SCALES}")
     scales_in_smem = weight_scales == "smem"
@@ -360,10 +375,7 @@ def gmm_fp8_blockwise(aq_MC, sa, bq_GOC, sb, group_sizes_G, *, out_dtype=jnp.bfl
                     row_scale = plgpu.load(rows, layout=plgpu.Layout.WGMMA.reduce(1))
                     # Fence the generic-proxy read before the pipeline hands the slot
                     # back to TMA (module docstring).
-                    if scale_fence == "thread":
-                        proxy_fence()
-                    else:
-                        plgpu.commit_smem()
+                    fence_scale_reads(scale_fence)
                     return row_scale
 
                 def weight_scale(kk, sb_smem=None):

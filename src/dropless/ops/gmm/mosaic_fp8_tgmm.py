@@ -143,7 +143,8 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 from dropless.ops import quant
 from dropless.ops.gmm import reference as ref_backend
 from dropless.ops.gmm import schedule as schedule_lib
-from dropless.ops.gmm.mosaic_fp8 import BLOCK, _MEMORY_REGISTERS, _swizzle_transforms
+from dropless.ops.gmm.mosaic_fp8 import (BLOCK, _MEMORY_REGISTERS, _swizzle_transforms,
+                                         fence_scale_reads, resolve_scale_fence)
 from dropless.ops.gmm.mosaic_gmm import (chained_tile_pipeline, persistent_kernel,
                                         tile_order_operands, walk_tiles)
 from dropless.ops.gmm.mosaic_tgmm import _store_tile
@@ -183,14 +184,17 @@ def check_shapes(xq_KM, sx, dyq_NM, sdy, group_sizes_G):
 
 def tgmm_fp8_blockwise(xq_KM, sx, dyq_NM, sdy, group_sizes_G, *, out_dtype=jnp.float32,
                        num_stages=4, sms=None, split="rows", overlap=True, tile_order="sorted_snake",
-                       chain=True):
+                       chain=True, scale_fence="commit"):
     """dw [G, K, N] = per-group blockwise-scaled x^T dy; zeros for empty groups.
 
     See the module docstring for the operand layouts. ``split`` (``SPLITS``),
     ``overlap`` (promote each step's product during the next step's wgmma),
-    ``chain`` (one pipeline over all of a CTA's tiles, module docstring) and
-    ``tile_order`` (``mosaic_gmm.TILE_ORDERS``: which CTA computes which output
-    tile, ``mosaic_gmm.walk_tiles``) change how the kernel runs, not its bits;
+    ``chain`` (one pipeline over all of a CTA's tiles, module docstring),
+    ``scale_fence`` (``mosaic_fp8.SCALE_FENCES``: the scale reads' proxy fence with
+    ``commit_smem``'s warpgroup barrier, or per thread alone, as the forward's
+    default since 2026-12-04; opt-in here until measured) and ``tile_order``
+    (``mosaic_gmm.TILE_ORDERS``: which CTA computes which output tile,
+    ``mosaic_gmm.walk_tiles``) change how the kernel runs, not its bits;
     the split, overlap and chain defaults had the shortest kernel time on the H200
     (module docstring). ``"sorted_snake"`` ranks groups by their 128-row steps;
     it is the default as in the bf16 kernel (``mosaic_tgmm.tgmm``): at Qwen3-30B's
@@ -200,9 +204,10 @@ def tgmm_fp8_blockwise(xq_KM, sx, dyq_NM, sdy, group_sizes_G, *, out_dtype=jnp.f
 
     Raises:
       ValueError: shapes or dtypes the kernel cannot take (``check_shapes``), an
-        unknown ``split`` or ``tile_order``.
+        unknown ``split``, ``tile_order`` or ``scale_fence``.
     """
     m, k, n = check_shapes(xq_KM, sx, dyq_NM, sdy, group_sizes_G)
+    scale_fence = resolve_scale_fence(scale_fence, "mosaic fp8 tgmm")
     num_groups = group_sizes_G.shape[0]
     out_dtype = jnp.dtype(out_dtype)
     num_stages = num_stages if out_dtype.itemsize <= 2 else min(num_stages, 3)
@@ -270,7 +275,7 @@ def tgmm_fp8_blockwise(xq_KM, sx, dyq_NM, sdy, group_sizes_G, *, out_dtype=jnp.f
             row_scale = plgpu.load(rows, layout=plgpu.Layout.WGMMA.reduce(1))
             col_scale = plgpu.load(cols, layout=plgpu.Layout.WGMMA.reduce(0))
             # Fence the generic-proxy scale reads before TMA refills the slot.
-            plgpu.commit_smem()
+            fence_scale_reads(scale_fence)
             return row_scale, col_scale
 
         def outer(row_scale, col_scale):
