@@ -69,6 +69,8 @@ VARIANTS = {
                                   scale_fence="commit"),
     # five stages: the rows split's stage is 32.6 KiB, so five fit beside the epilogue
     "rows_gtw8_s5": dict(split="rows", grid_tile_width=8, num_stages=5),
+    # each step's slot released once its wgmma completes, before the promotion
+    "rows_gtw8_early": dict(split="rows", grid_tile_width=8, early_release=True),
 }
 # name -> keyword arguments of tgmm_fp8_blockwise; the first, the kernel's default
 # (what training runs), is the reference of the bitwise check. overlap: promotion

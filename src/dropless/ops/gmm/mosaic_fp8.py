@@ -207,14 +207,22 @@ def check_shapes(aq_MC, sa, bq_GOC, sb, group_sizes_G):
 
 def gmm_fp8_blockwise(aq_MC, sa, bq_GOC, sb, group_sizes_G, *, out_dtype=jnp.bfloat16,
                       num_stages=4, grid_tile_width=8, sms=None, split="rows", overlap=False,
-                      chain=False, weight_scales="smem", scale_fence="auto"):
+                      chain=False, weight_scales="smem", scale_fence="auto", early_release=False):
     """y [M, O] = per-group blockwise-scaled a . b[g]^T; see the module docstring.
 
     Rows past ``sum(group_sizes)`` come out as zeros. ``split`` (``SPLITS``),
     ``grid_tile_width`` (the tile walk sweeps the column bands over this many
     row tiles at a time), ``num_stages``, ``overlap`` (promote each step's
-    product during the next step's wgmma), ``chain``, ``weight_scales`` and
-    ``scale_fence`` change how the kernel runs, not its bits.
+    product during the next step's wgmma), ``chain``, ``weight_scales``,
+    ``scale_fence`` and ``early_release`` change how the kernel runs, not its bits.
+
+    ``early_release`` (opt-in; the plain step only): each compute warpgroup hands
+    a step's shared-memory slot back to the memory warpgroup as soon as its wgmma
+    has completed (``manual_consumed_barriers``), before it promotes, instead of
+    when the step's body returns, as DeepGEMM's kernels do; the memory warpgroup
+    can then refill the slot one promotion earlier. All of the slot's reads are
+    done by then: the scales were read (and fenced) before the wgmma, and the
+    operands by the wgmma itself.
 
     ``weight_scales`` (``WEIGHT_SCALES``): where a step reads its weight block's
     scale. ``"gmem"``: one scalar load from global memory per step, issued before
@@ -253,14 +261,17 @@ def gmm_fp8_blockwise(aq_MC, sa, bq_GOC, sb, group_sizes_G, *, out_dtype=jnp.bfl
 
     Raises:
       ValueError: shapes or dtypes the kernel cannot take (``check_shapes``), an
-        unknown ``split`` or ``weight_scales``, ``chain`` with C / 128 not a multiple
-        of ``num_stages``.
+        unknown ``split``, ``weight_scales`` or ``scale_fence``, ``chain`` with C / 128
+        not a multiple of ``num_stages``, ``early_release`` with ``overlap``.
     """
     m, c, o, _ = check_shapes(aq_MC, sa, bq_GOC, sb, group_sizes_G)
     scale_fence = resolve_scale_fence(scale_fence, "mosaic fp8 gmm")
+    if early_release and overlap:
+        raise ValueError("mosaic fp8 gmm: early_release=True takes the plain step (overlap=False)")
     if weight_scales not in WEIGHT_SCALES:
         raise ValueError(f"mosaic fp8 gmm: {weight_scales=} must be one of {WEIGHT_SCALES}")
     scales_in_smem = weight_scales == "smem"
+    n_scale_refs = 1 if scales_in_smem else 0  # the weight scales' pipeline input
     if scales_in_smem and sb.shape[-1] % _SCALE_WINDOW:
         # Each step loads the window of 32 column blocks (128 bytes: a TMA destination
         # in shared memory is 128-byte aligned, so each stage's row must be) that holds
@@ -299,6 +310,7 @@ def gmm_fp8_blockwise(aq_MC, sa, bq_GOC, sb, group_sizes_G, *, out_dtype=jnp.bfl
             max_concurrent_steps=num_stages,
             compute_context=compute_context,
             pipeline_state=pipeline_state,
+            manual_consumed_barriers=early_release,
         )
 
     def body(group_ref, row_start_ref, lo_ref, hi_ref, num_tiles_ref, num_real_ref, a_gmem, sa_gmem,
@@ -385,8 +397,11 @@ def gmm_fp8_blockwise(aq_MC, sa, bq_GOC, sb, group_sizes_G, *, out_dtype=jnp.bfl
                         return sb_smem[0, col_block - window]
                     return sb_gmem[group, kk, col_block]
 
-                def mma_body(idx, a_smem, b_smem, sa_smem, *sb_smem_and_total):
-                    (kk,), (*sb_smem, total) = idx, sb_smem_and_total
+                def mma_body(idx, a_smem, b_smem, sa_smem, *rest):
+                    # rest: the weight scales' slot ("smem"), the consumed barriers
+                    # (early_release: one per input), the running sum.
+                    (kk,), (*refs, total) = idx, rest
+                    sb_smem, consumed = refs[:n_scale_refs], refs[n_scale_refs:]
                     # This step's weight scale, loaded before its wgmma and first used
                     # after the wait, so the load's latency hides under the wgmma.
                     w_scale = weight_scale(kk, *sb_smem)
@@ -396,12 +411,15 @@ def gmm_fp8_blockwise(aq_MC, sa, bq_GOC, sb, group_sizes_G, *, out_dtype=jnp.bfl
                     def c_step(acc_ref):
                         plgpu.wgmma(acc_ref, lhs, rhs)
                         plgpu.wgmma_wait(0)
+                        for barrier in consumed:  # early_release: the slot is read
+                            plgpu.barrier_arrive(barrier)
                         return acc_ref[...]
 
                     part = pl.run_scoped(c_step, plgpu.ACC((bm, bo), jnp.float32))
                     return total + part * by_row(row_scale * w_scale)
 
                 def mma_body_overlap(idx, a_smem, b_smem, sa_smem, *sb_smem_and_carry):
+                    # (never with early_release: no consumed barriers here)
                     # carry: the running sum, the previous step's product and its row
                     # scale, promoted here while this step's wgmma runs (module docstring).
                     (kk,), (*sb_smem, carry) = idx, sb_smem_and_carry
