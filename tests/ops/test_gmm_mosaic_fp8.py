@@ -254,7 +254,8 @@ def test_shape_checks():
 # ------------------------------------------------------- interpret mode
 
 slow = pytest.mark.skipif(os.environ.get("DROPLESS_SLOW") != "1",
-                          reason="a further interpret-mode case, left out for CI time; run with DROPLESS_SLOW=1")
+                          reason="a further interpret-mode case, left out for CI time; "
+                                 "run with DROPLESS_SLOW=1")
 
 # (M, group sizes): several groups with an empty one and a tail past the
 # total, not aligned to the 64-row tile (fwd/dgrad take any sizes); one group
