@@ -276,7 +276,13 @@ def test_interpret_fwd_and_dgrad_match_dequantized_product(rng, layout):
     total = sum(sizes)
     x = _nan_tail(_scaled(rng, (m, k), (0, 1)), total)
     dy = _nan_tail(_scaled(rng, (m, n), (0, 1)), total)
-    w = _scaled(rng, (g, k, n), (1, 2))
+    # Each 128 x 128 weight block times a power of two, distinct along both block axes,
+    # so that every block's scale differs from its neighbours' (a read of the wrong
+    # block's scale, along K or N, shows).
+    kb, nb = k // 128, n // 128
+    e = (3 * np.stack([rng.permutation(nb) for _ in range(g)])[:, None, :]
+         + np.stack([rng.permutation(kb) for _ in range(g)])[:, :, None] - 2)
+    w = _scaled(rng, (g, k, n), (1, 2)) * jnp.repeat(jnp.repeat(jnp.exp2(e), 128, 1), 128, 2)
     wq, sw = mosaic_fp8.quantize_weight(w)
     fwd_ops = mosaic_fp8.fwd_operands(x, wq, sw)
     dgrad_ops = mosaic_fp8.dgrad_operands(dy, wq, sw)
@@ -289,15 +295,27 @@ def test_interpret_fwd_and_dgrad_match_dequantized_product(rng, layout):
     _assert_close(dx, mosaic_fp8.reference(*dgrad_ops, gs, out_dtype=jnp.float32), total)
 
 
+def _distinct_column_block_scales(rng, sb):
+    """Powers of two for sb [G, Cb, Ob], distinct along the column blocks. Quantized from
+    random data, neighbouring blocks' scales often coincide (each block's amax is near
+    the largest of its 128 columns' factors), so a read of the wrong block can pass."""
+    g, cb, ob = sb.shape
+    exps = np.stack([[rng.permutation(ob) - ob // 2 for _ in range(cb)] for _ in range(g)])
+    return jnp.asarray(np.exp2(exps), jnp.float32)
+
+
 def _awkward_fwd_operands(rng, n=256):
     """(fwd operands, group sizes, total) at ``several_unaligned_empty_tail``, K = 256,
-    N = 256 unless given: two steps along K, an empty group, a tail past the total."""
+    N = 256 unless given: two steps along K, an empty group, a tail past the total; the
+    weight scales distinct along the column blocks."""
     m, sizes = ROW_LAYOUTS["several_unaligned_empty_tail"]
     k = 256
     total = sum(sizes)
     x = _nan_tail(_scaled(rng, (m, k), (0, 1)), total)
     wq, sw = mosaic_fp8.quantize_weight(_scaled(rng, (len(sizes), k, n), (1, 2)))
-    return mosaic_fp8.fwd_operands(x, wq, sw), jnp.asarray(np.array(sizes, np.int32)), total
+    aq, sa, bq, _ = mosaic_fp8.fwd_operands(x, wq, sw)
+    sb = _distinct_column_block_scales(rng, sw)  # [G, Kb, Nb], the forward's layout
+    return (aq, sa, bq, sb), jnp.asarray(np.array(sizes, np.int32)), total
 
 
 @pytest.mark.parametrize("split", mosaic_fp8.SPLITS)
@@ -336,15 +354,6 @@ def test_interpret_fwd_chain_equals_the_plain_kernel_bit_for_bit(rng, sms):
         mosaic_fp8.gmm_fp8_blockwise(*ops, gs, num_stages=4, chain=True)
 
 
-def _distinct_column_block_scales(rng, sb):
-    """Powers of two for sb [G, Cb, Ob], distinct along the column blocks. Quantized from
-    random data, neighbouring blocks' scales often coincide (each block's amax is near
-    the largest of its 128 columns' factors), so a read of the wrong block can pass."""
-    g, cb, ob = sb.shape
-    exps = np.stack([[rng.permutation(ob) - ob // 2 for _ in range(cb)] for _ in range(g)])
-    return jnp.asarray(np.exp2(exps), jnp.float32)
-
-
 @pytest.mark.parametrize("split,overlap,n", [("rows", False, 256), ("columns", False, 256),
                                              ("rows", True, 256), ("columns", False, 4352),
                                              pytest.param("rows", False, 4352, marks=slow)])
@@ -359,7 +368,6 @@ def test_interpret_fwd_weight_scales_in_smem_equal_the_global_loads_bit_for_bit(
     split (the columns split reads a per-warpgroup column block), and the overlapped
     step."""
     (aq, sa, bq, sb), gs, total = _awkward_fwd_operands(rng, n=n)
-    sb = _distinct_column_block_scales(rng, sb)
     run = functools.partial(mosaic_fp8.gmm_fp8_blockwise, aq, sa, bq, sb, gs,
                             out_dtype=jnp.float32, split=split, overlap=overlap)
     y = _same_bits_without_races(lambda: run(weight_scales="smem"),
@@ -385,7 +393,6 @@ def test_interpret_fwd_early_release_equals_the_plain_kernel_bit_for_bit(
     cannot see a release that comes before the wgmma's reads (moving the arrive
     above the wgmma passes here); the GPU test below checks that on the hardware."""
     (aq, sa, bq, sb), gs, total = _awkward_fwd_operands(rng)
-    sb = _distinct_column_block_scales(rng, sb)
     run = functools.partial(mosaic_fp8.gmm_fp8_blockwise, aq, sa, bq, sb, gs,
                             out_dtype=jnp.float32, weight_scales=weight_scales, num_stages=2,
                             chain=chain, sms=1 if chain else None)
