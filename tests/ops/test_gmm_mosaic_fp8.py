@@ -633,6 +633,13 @@ def _wgrad_inputs(rng, make):
     return mosaic_fp8_tgmm.wgrad_operands(x, dy), jnp.asarray(np.array(WGRAD_SIZES, np.int32))
 
 
+def _with_distinct_column_block_scales(rng, ops):
+    """Kernel operands with the weight scales replaced by ``_distinct_column_block_scales``
+    (for bitwise comparisons of schedules, where any power-of-two scales will do)."""
+    aq, sa, bq, sb = ops
+    return aq, sa, bq, _distinct_column_block_scales(rng, sb)
+
+
 def _run_fwd_like(ops, gs, **kw):
     return _f64(mosaic_fp8.gmm_fp8_blockwise(*ops, gs, out_dtype=jnp.float32, **kw))
 
@@ -672,7 +679,7 @@ def test_gpu_fwd_dgrad_overlap_equals_the_plain_step_bit_for_bit(rng, product, s
     promotion, on the same operands in the same order, one wgmma later."""
     fwd_ops, dgrad_ops, gs, _ = _fwd_dgrad_inputs(rng, lambda r, s: _scaled(r, s, (0, 1)
                                                   if len(s) == 2 else (1, 2)))
-    ops = fwd_ops if product == "fwd" else dgrad_ops
+    ops = _with_distinct_column_block_scales(rng, fwd_ops if product == "fwd" else dgrad_ops)
     np.testing.assert_array_equal(_run_fwd_like(ops, gs, split=split, overlap=True),
                                   _run_fwd_like(ops, gs, split=split, overlap=False))
 
@@ -687,7 +694,7 @@ def test_gpu_fwd_dgrad_chain_equals_the_plain_kernel_bit_for_bit(rng, product):
     Two stages: float32 output caps the kernel at 3, which divides neither."""
     fwd_ops, dgrad_ops, gs, _ = _fwd_dgrad_inputs(rng, lambda r, s: _scaled(r, s, (0, 1)
                                                   if len(s) == 2 else (1, 2)))
-    ops = fwd_ops if product == "fwd" else dgrad_ops
+    ops = _with_distinct_column_block_scales(rng, fwd_ops if product == "fwd" else dgrad_ops)
     np.testing.assert_array_equal(_run_fwd_like(ops, gs, num_stages=2, chain=True),
                                   _run_fwd_like(ops, gs, num_stages=2))
 
@@ -706,8 +713,7 @@ def test_gpu_fwd_dgrad_weight_scales_in_smem_equal_the_global_loads_bit_for_bit(
     which the GPU interpreter cannot run)."""
     fwd_ops, dgrad_ops, gs, _ = _fwd_dgrad_inputs(rng, lambda r, s: _scaled(r, s, (0, 1)
                                                   if len(s) == 2 else (1, 2)))
-    aq, sa, bq, sb = fwd_ops if product == "fwd" else dgrad_ops
-    ops = (aq, sa, bq, _distinct_column_block_scales(rng, sb))
+    ops = _with_distinct_column_block_scales(rng, fwd_ops if product == "fwd" else dgrad_ops)
     np.testing.assert_array_equal(
         _run_fwd_like(ops, gs, split=split, weight_scales="smem", scale_fence=fence),
         _run_fwd_like(ops, gs, split=split, weight_scales="gmem"))
@@ -721,7 +727,7 @@ def test_gpu_fwd_dgrad_early_release_equals_the_plain_kernel_bit_for_bit(rng, pr
     random data at fwd's 16 and dgrad's 56 steps, per tile and chained (2 stages)."""
     fwd_ops, dgrad_ops, gs, _ = _fwd_dgrad_inputs(rng, lambda r, s: _scaled(r, s, (0, 1)
                                                   if len(s) == 2 else (1, 2)))
-    ops = fwd_ops if product == "fwd" else dgrad_ops
+    ops = _with_distinct_column_block_scales(rng, fwd_ops if product == "fwd" else dgrad_ops)
     want = _run_fwd_like(ops, gs)
     np.testing.assert_array_equal(_run_fwd_like(ops, gs, early_release=True), want)
     np.testing.assert_array_equal(
