@@ -71,6 +71,8 @@ VARIANTS = {
     "rows_gtw8_s5": dict(split="rows", grid_tile_width=8, num_stages=5),
     # each step's slot released once its wgmma completes, before the promotion
     "rows_gtw8_early": dict(split="rows", grid_tile_width=8, early_release=True),
+    # warpgroup 1 starts each tile one wgmma after warpgroup 0, then both run free
+    "rows_gtw8_stagger": dict(split="rows", grid_tile_width=8, stagger=True),
 }
 # name -> keyword arguments of tgmm_fp8_blockwise; the first, the kernel's default
 # (what training runs), is the reference of the bitwise check. overlap: promotion

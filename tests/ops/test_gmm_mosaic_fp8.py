@@ -155,7 +155,8 @@ def test_fwd_dgrad_weight_scales_in_smem_lower_for_cuda_at_deepseek_shapes(kind,
     stages (the rows split's 32.6 KiB stage: five fit in shared memory, six do not)."""
     fn, args = _lowering_args(kind, 65536, *k_n, 32)
     # (early_release and five stages at one shape: CI time)
-    extra = [dict(early_release=True), dict(num_stages=5)] if k_n == (7168, 4096) else []
+    extra = ([dict(early_release=True), dict(num_stages=5), dict(stagger=True)]
+             if k_n == (7168, 4096) else [])
     for kw in [*(dict(scale_fence=fence) for fence in mosaic_fp8.SCALE_FENCES[1:]), *extra]:
         exported = jax.export.export(jax.jit(lambda *a: fn(*a, sms=132, **kw)),
                                      platforms=["cuda"])(*args)
@@ -397,9 +398,14 @@ def test_interpret_fwd_early_release_equals_the_plain_kernel_bit_for_bit(
                             out_dtype=jnp.float32, weight_scales=weight_scales, num_stages=2,
                             chain=chain, sms=1 if chain else None)
     y = _same_bits_without_races(lambda: run(early_release=True), run)
+    # and with the warpgroups staggered (each tile's first wgmma of warpgroup 1 waits
+    # for warpgroup 0's): no deadlock over zero tiles and an empty group
+    _same_bits_without_races(lambda: run(early_release=True, stagger=True), run)
     np.testing.assert_array_equal(np.asarray(y)[total:], 0.0)
     with pytest.raises(ValueError, match="early_release=True takes the plain step"):
         mosaic_fp8.gmm_fp8_blockwise(aq, sa, bq, sb, gs, early_release=True, overlap=True)
+    with pytest.raises(ValueError, match="stagger=True takes the plain step"):
+        mosaic_fp8.gmm_fp8_blockwise(aq, sa, bq, sb, gs, stagger=True, overlap=True)
 
 
 # (M, group sizes), each a multiple of 128 as the recipe requires; a group of
@@ -732,6 +738,10 @@ def test_gpu_fwd_dgrad_early_release_equals_the_plain_kernel_bit_for_bit(rng, pr
     np.testing.assert_array_equal(_run_fwd_like(ops, gs, early_release=True), want)
     np.testing.assert_array_equal(
         _run_fwd_like(ops, gs, early_release=True, chain=True, num_stages=2), want)
+    # and the staggered warpgroups (the probe's rows_gtw8_stagger), per tile and chained
+    np.testing.assert_array_equal(_run_fwd_like(ops, gs, stagger=True), want)
+    np.testing.assert_array_equal(
+        _run_fwd_like(ops, gs, stagger=True, chain=True, num_stages=2), want)
 
 
 def _run_wgrad(ops, gs, **kw):

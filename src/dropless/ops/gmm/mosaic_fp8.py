@@ -207,14 +207,26 @@ def check_shapes(aq_MC, sa, bq_GOC, sb, group_sizes_G):
 
 def gmm_fp8_blockwise(aq_MC, sa, bq_GOC, sb, group_sizes_G, *, out_dtype=jnp.bfloat16,
                       num_stages=4, grid_tile_width=8, sms=None, split="rows", overlap=False,
-                      chain=False, weight_scales="smem", scale_fence="auto", early_release=False):
+                      chain=False, weight_scales="smem", scale_fence="auto", early_release=False,
+                      stagger=False):
     """y [M, O] = per-group blockwise-scaled a . b[g]^T; see the module docstring.
 
     Rows past ``sum(group_sizes)`` come out as zeros. ``split`` (``SPLITS``),
     ``grid_tile_width`` (the tile walk sweeps the column bands over this many
     row tiles at a time), ``num_stages``, ``overlap`` (promote each step's
     product during the next step's wgmma), ``chain``, ``weight_scales``,
-    ``scale_fence`` and ``early_release`` change how the kernel runs, not its bits.
+    ``scale_fence``, ``early_release`` and ``stagger`` change how the kernel runs,
+    not its bits.
+
+    ``stagger`` (opt-in; the plain step only): at the first step of each tile the
+    second compute warpgroup waits until the first one's wgmma has completed, then
+    both run free. Both warpgroups otherwise wait for the same stage, issue
+    together and promote together while the tensor cores idle (71% tensor-pipe
+    activity, ``kernel_anatomy-20261204-062616``); started half a step apart, each
+    could promote under the other's wgmma. Unlike the ping-pong (measured, removed:
+    module docstring) nothing holds them apart after that first step, so there is
+    no per-step hand-over to pay; whether they stay apart is what the hardware
+    says.
 
     ``early_release`` (opt-in; the plain step only): each compute warpgroup hands
     a step's shared-memory slot back to the memory warpgroup as soon as its wgmma
@@ -262,12 +274,15 @@ def gmm_fp8_blockwise(aq_MC, sa, bq_GOC, sb, group_sizes_G, *, out_dtype=jnp.bfl
     Raises:
       ValueError: shapes or dtypes the kernel cannot take (``check_shapes``), an
         unknown ``split``, ``weight_scales`` or ``scale_fence``, ``chain`` with C / 128
-        not a multiple of ``num_stages``, ``early_release`` with ``overlap``.
+        not a multiple of ``num_stages``, ``early_release`` or ``stagger`` with
+        ``overlap``.
     """
     m, c, o, _ = check_shapes(aq_MC, sa, bq_GOC, sb, group_sizes_G)
     scale_fence = resolve_scale_fence(scale_fence, "mosaic fp8 gmm")
     if early_release and overlap:
         raise ValueError("mosaic fp8 gmm: early_release=True takes the plain step (overlap=False)")
+    if stagger and overlap:
+        raise ValueError("mosaic fp8 gmm: stagger=True takes the plain step (overlap=False)")
     if weight_scales not in WEIGHT_SCALES:
         raise ValueError(f"mosaic fp8 gmm: {weight_scales=} must be one of {WEIGHT_SCALES}")
     scales_in_smem = weight_scales == "smem"
@@ -331,9 +346,10 @@ def gmm_fp8_blockwise(aq_MC, sa, bq_GOC, sb, group_sizes_G, *, out_dtype=jnp.bfl
                 )
                 for _ in range(2)
             ],
+            **({"offset": plgpu.Barrier(num_arrivals=1)} if stagger else {}),
             collective_axes="wg",
         )
-        def _scope(pipeline_allocs, out_smem):
+        def _scope(pipeline_allocs, out_smem, offset=None):
             wg = lax.axis_index("wg")
 
             @walk_row_tiles(num_tiles_ref[0], num_real_ref[0], n_bands, grid_tile_width, chain)
@@ -402,6 +418,8 @@ def gmm_fp8_blockwise(aq_MC, sa, bq_GOC, sb, group_sizes_G, *, out_dtype=jnp.bfl
                     # (early_release: one per input), the running sum.
                     (kk,), (*refs, total) = idx, rest
                     sb_smem, consumed = refs[:n_scale_refs], refs[n_scale_refs:]
+                    if offset is not None:  # stagger: warpgroup 1 starts a wgmma later
+                        pl.when((kk == 0) & (wg == 1))(lambda: plgpu.barrier_wait(offset))
                     # This step's weight scale, loaded before its wgmma and first used
                     # after the wait, so the load's latency hides under the wgmma.
                     w_scale = weight_scale(kk, *sb_smem)
@@ -413,6 +431,9 @@ def gmm_fp8_blockwise(aq_MC, sa, bq_GOC, sb, group_sizes_G, *, out_dtype=jnp.bfl
                         plgpu.wgmma_wait(0)
                         for barrier in consumed:  # early_release: the slot is read
                             plgpu.barrier_arrive(barrier)
+                        if offset is not None:
+                            pl.when((kk == 0) & (wg == 0))(
+                                lambda: plgpu.barrier_arrive(offset))
                         return acc_ref[...]
 
                     part = pl.run_scoped(c_step, plgpu.ACC((bm, bo), jnp.float32))
