@@ -112,8 +112,9 @@ once a wgmma was issued, 0.87x (both wgmmas were then always pending together,
 forward and 0.91-0.93x dgrad at both DeepSeek-V3 shapes, same bits
 (``fp8_kernels-pingpong-k7168-n4096-20261204-003649``, ``-k2048-n7168-20261204-004320``).
 
-Open questions for the GPU session: the cost of the per-step fence, stages,
-block_m, cluster multicast of the b tile.
+Open questions for the GPU session: five stages (they fit in the rows split),
+``early_release``, ``stagger``, cluster multicast of the b tile (DeepGEMM's
+2-CTA clusters).
 """
 
 import functools
