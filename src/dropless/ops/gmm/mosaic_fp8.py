@@ -287,7 +287,6 @@ def gmm_fp8_blockwise(aq_MC, sa, bq_GOC, sb, group_sizes_G, *, out_dtype=jnp.bfl
     if weight_scales not in WEIGHT_SCALES:
         raise ValueError(f"mosaic fp8 gmm: {weight_scales=} must be one of {WEIGHT_SCALES}")
     scales_in_smem = weight_scales == "smem"
-    n_scale_refs = 1 if scales_in_smem else 0  # the weight scales' pipeline input
     if scales_in_smem and sb.shape[-1] % _SCALE_WINDOW:
         # Each step loads the window of 32 column blocks (128 bytes: a TMA destination
         # in shared memory is 128-byte aligned, so each stage's row must be) that holds
@@ -407,23 +406,24 @@ def gmm_fp8_blockwise(aq_MC, sa, bq_GOC, sb, group_sizes_G, *, out_dtype=jnp.bfl
                     fence_scale_reads(scale_fence)
                     return row_scale
 
-                def weight_scale(kk, sb_smem=None):
+                def weight_scale(kk, refs):
                     """This step's weight scale (``weight_scales``), read before the
-                    row scales' proxy fence."""
+                    row scales' proxy fence; ``refs``: the body's slot refs after the
+                    row scales' (the weight scales' first with ``"smem"``)."""
                     if scales_in_smem:
-                        return sb_smem[0, col_block - window]
+                        return refs[0][0, col_block - window]
                     return sb_gmem[group, kk, col_block]
 
                 def mma_body(idx, a_smem, b_smem, sa_smem, *rest):
                     # rest: the weight scales' slot ("smem"), the consumed barriers
                     # (early_release: one per input), the running sum.
                     (kk,), (*refs, total) = idx, rest
-                    sb_smem, consumed = refs[:n_scale_refs], refs[n_scale_refs:]
+                    consumed = refs[1:] if scales_in_smem else refs
                     if offset is not None:  # stagger: warpgroup 1 starts a wgmma later
                         pl.when((kk == 0) & (wg == 1))(lambda: plgpu.barrier_wait(offset))
                     # This step's weight scale, loaded before its wgmma and first used
                     # after the wait, so the load's latency hides under the wgmma.
-                    w_scale = weight_scale(kk, *sb_smem)
+                    w_scale = weight_scale(kk, refs)
                     lhs, rhs, rows = operands(a_smem, b_smem, sa_smem)
                     row_scale = load_row_scale(rows)
 
@@ -440,13 +440,13 @@ def gmm_fp8_blockwise(aq_MC, sa, bq_GOC, sb, group_sizes_G, *, out_dtype=jnp.bfl
                     part = pl.run_scoped(c_step, plgpu.ACC((bm, bo), jnp.float32))
                     return total + part * by_row(row_scale * w_scale)
 
-                def mma_body_overlap(idx, a_smem, b_smem, sa_smem, *sb_smem_and_carry):
+                def mma_body_overlap(idx, a_smem, b_smem, sa_smem, *rest):
                     # (never with early_release: no consumed barriers here)
                     # carry: the running sum, the previous step's product and its row
                     # scale, promoted here while this step's wgmma runs (module docstring).
-                    (kk,), (*sb_smem, carry) = idx, sb_smem_and_carry
+                    (kk,), (*refs, carry) = idx, rest
                     total, pending, pending_scale = carry
-                    w_scale = weight_scale(kk, *sb_smem)  # used after the wait
+                    w_scale = weight_scale(kk, refs)  # used after the wait
                     lhs, rhs, rows = operands(a_smem, b_smem, sa_smem)
 
                     def c_step(acc_ref):
