@@ -111,10 +111,12 @@ def group_sizes(gmm, layout, m, g):
 
 
 def operands(m, g, k, n, sizes):
-    rng = np.random.default_rng(0)
-    x = jnp.asarray(rng.standard_normal((m, k)), jnp.bfloat16)
-    dy = jnp.asarray(rng.standard_normal((m, n)), jnp.bfloat16)
-    w = jnp.asarray(rng.standard_normal((g, k, n)) / np.sqrt(k), jnp.bfloat16)
+    # Drawn on the device: at G=256 the weight has 7.5 G elements, which numpy's
+    # float64 generator took longer than a 90 s limit to produce (2026-12-04).
+    kx, kdy, kw = jax.random.split(jax.random.key(0), 3)
+    x = jax.random.normal(kx, (m, k), jnp.bfloat16)
+    dy = jax.random.normal(kdy, (m, n), jnp.bfloat16)
+    w = jax.random.normal(kw, (g, k, n), jnp.bfloat16) * jnp.bfloat16(1 / np.sqrt(k))
     gs = jnp.asarray(sizes, jnp.int32)
     wq, sw = mosaic_fp8.quantize_weight(w)
     ops = {"fwd": mosaic_fp8.fwd_operands(x, wq, sw), "dgrad": mosaic_fp8.dgrad_operands(dy, wq, sw),
