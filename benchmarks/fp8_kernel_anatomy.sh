@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The anatomy of the FP8 grouped-GEMM kernels at one shape (the probe's default,
-# M=65536 G=32 K=7168 N=4096, balanced): their SASS and PTX as Mosaic GPU
+# M=65536 G=32 K=7168 N=4096, balanced; or PROBE_ARGS's): their SASS and PTX as Mosaic GPU
 # compiled them, and one Nsight Compute launch of each with every section's raw
 # metrics (instruction mix, stall reasons, pipe utilization). This is where the
 # FP32 promotion's instruction count per step is read off (notes/fp8.md).
@@ -16,7 +16,8 @@ specs=("$@")
 [ ${#specs[@]} -gt 0 ] || specs=(fwd:rows_gtw8:gmm_fp8 wgrad:wgrad_rows_overlap_sorted:tgmm_fp8)
 ncu=$(command -v ncu || ls /usr/local/cuda*/bin/ncu 2>/dev/null | head -1)
 pages=()
-probe="python3 benchmarks/fp8_kernel_probe.py"
+# PROBE_ARGS: the probe's shape and layout, e.g. "--shape 65536,256,7168,4096".
+probe="python3 benchmarks/fp8_kernel_probe.py ${PROBE_ARGS:-}"
 for spec in "${specs[@]}"; do
   IFS=: read -r product variant kernel <<<"$spec"
   mkdir -p "$out/sass-$variant"
@@ -43,4 +44,4 @@ done
 # The quoted figures as a results record (GPU, jax version, commit), in the parent of
 # OUT_DIR: the folder the device tool brings back.
 python3 benchmarks/ncu_summary.py --out "$(dirname "$out")" \
-  --config "fp8_kernel_probe.py --once (its default shape), ncu --set full" "${pages[@]}"
+  --config "fp8_kernel_probe.py --once ${PROBE_ARGS:-(its default shape)}, ncu --set full" "${pages[@]}"

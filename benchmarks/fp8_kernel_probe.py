@@ -13,7 +13,7 @@ bf16 output), with CUPTI kernel time (median) and the wall-clock time of the
 jitted call, checks that the variants of each product agree bit for bit,
 and writes a ``fp8_kernels`` record. ``--variants=`` (empty) skips fwd and
 dgrad. ``--once VARIANT`` runs one kernel (``--product``) three times and
-exits: the run to put under Nsight Compute
+exits (a wgrad variant with the suffix ``_bf16``: bf16 output): the run to put under Nsight Compute
 (``ncu --launch-skip 2 --launch-count 1 -k regex:mosaic``).
 
   PYTHONPATH=src python3 benchmarks/fp8_kernel_probe.py [--shape M,G,K,N] [--out DIR]
@@ -155,17 +155,19 @@ def main(argv=None):
     wgrad_names = [v for v in a.wgrad_variants.split(",") if v]
     unknown = ([v for v in names if v not in VARIANTS]
                + [v for v in wgrad_names if v not in WGRAD_VARIANTS])
-    if a.once:
-        unknown = [a.once] if a.once not in (WGRAD_VARIANTS if a.product == "wgrad"
-                                             else VARIANTS) else []
+    if a.once:  # a wgrad variant may carry the sweep's "_bf16" suffix: bf16 output
+        once = a.once.removesuffix("_bf16") if a.product == "wgrad" else a.once
+        unknown = [a.once] if once not in (WGRAD_VARIANTS if a.product == "wgrad"
+                                           else VARIANTS) else []
     if unknown:
         p.error(f"unknown variant(s) {', '.join(unknown)}")
     sizes = group_sizes(gmm, a.layout, m, g)
     ops, gs = operands(m, g, k, n, sizes)
     if a.once:
         if a.product == "wgrad":
-            f = jax.jit(lambda o: mosaic_fp8_tgmm.tgmm_fp8_blockwise(*o, gs,
-                                                                     **WGRAD_VARIANTS[a.once]))
+            dt = jnp.bfloat16 if a.once.endswith("_bf16") else jnp.float32
+            f = jax.jit(lambda o: mosaic_fp8_tgmm.tgmm_fp8_blockwise(
+                *o, gs, out_dtype=dt, **WGRAD_VARIANTS[once]))
         else:
             f = jax.jit(lambda o: mosaic_fp8.gmm_fp8_blockwise(*o, gs, **VARIANTS[a.once]))
         for _ in range(3):
