@@ -86,6 +86,11 @@ WGRAD_VARIANTS = {
     "wgrad_rows_overlap_sorted_chain_fence": dict(split="rows", overlap=True,
                                                   tile_order="sorted_snake", chain=True,
                                                   scale_fence="thread"),
+    # each output tile's two 64x64 chunks fenced and stored one by one (the default
+    # until 2026-12-04; the default writes both under one fence)
+    "wgrad_rows_overlap_sorted_chain_chunks": dict(split="rows", overlap=True,
+                                                   tile_order="sorted_snake", chain=True,
+                                                   epilogue="chunks"),
     # a pipeline per output tile (the default until 2026-12-03)
     "wgrad_rows_overlap_sorted": dict(split="rows", overlap=True, tile_order="sorted_snake",
                                       chain=False),

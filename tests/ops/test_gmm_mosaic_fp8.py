@@ -475,6 +475,21 @@ def test_interpret_wgrad_chain_equals_the_plain_kernel_bit_for_bit(rng, order, o
     assert not np.isnan(np.asarray(chained)).any()
 
 
+@pytest.mark.parametrize("out_dtype", [jnp.float32, jnp.bfloat16])
+def test_interpret_wgrad_batched_epilogue_equals_the_chunks_bit_for_bit(rng, out_dtype):
+    """``epilogue="batched"`` (the default: a warpgroup writes both 64x64 chunks of its
+    tile, then one fence, then both stores) stores what ``"chunks"`` stores, without
+    races between a tile's smem writes and the previous tile's stores (race detector
+    on): the chained schedule case, 3 CTAs, 5 rounds (the last partial), empty groups'
+    zero tiles, a NaN tail past the total, 4- and 2-byte outputs."""
+    ops, gs = _schedule_wgrad_case(rng)
+    run = functools.partial(mosaic_fp8_tgmm.tgmm_fp8_blockwise, *ops, gs, sms=3, num_stages=3,
+                            out_dtype=out_dtype)
+    batched = _same_bits_without_races(lambda: run(epilogue="batched"),
+                                       lambda: run(epilogue="chunks"))
+    assert not np.isnan(np.asarray(batched, np.float32)).any()
+
+
 def test_interpret_wgrad_tile_orders_agree_bit_for_bit(rng):
     """Each output tile is computed whole by one CTA in the same steps whatever the
     order, so "sorted_snake" must equal "groups" exactly. 3 CTAs over 7 groups x 2
@@ -766,6 +781,24 @@ def test_gpu_wgrad_thread_fence_equals_commit_smem_bit_for_bit(rng):
     x, dy = _dequantized_wgrad_operands(*ops)
     total = sum(WGRAD_SIZES)
     np.testing.assert_array_equal(_run_wgrad(ops, gs, scale_fence="thread"),
+                                  fp8_acc.tgmm(x[:total], dy[:total], WGRAD_SIZES))
+
+
+@gpu_test
+@pytest.mark.parametrize("out_dtype", [jnp.float32, jnp.bfloat16])
+def test_gpu_wgrad_batched_epilogue_equals_the_chunks_bit_for_bit(rng, out_dtype):
+    """``epilogue="batched"`` on the hardware (the TMA stores of a tile in flight while
+    the next tile's steps run, which interpret mode cannot time): the chunk-by-chunk
+    epilogue's bits on random data with a NaN tail, in float32 and bf16, and the exact
+    product on integer-exact data."""
+    ops, gs = _wgrad_inputs(rng, lambda r, s: _scaled(r, s, (0, 1)))
+    run = lambda ops, **kw: np.asarray(mosaic_fp8_tgmm.tgmm_fp8_blockwise(  # noqa: E731
+        *ops, gs, out_dtype=out_dtype, **kw).astype(jnp.float32))
+    np.testing.assert_array_equal(run(ops, epilogue="batched"), run(ops, epilogue="chunks"))
+    ops, gs = _wgrad_inputs(rng, _integer_exact)
+    x, dy = _dequantized_wgrad_operands(*ops)
+    total = sum(WGRAD_SIZES)
+    np.testing.assert_array_equal(_run_wgrad(ops, gs, epilogue="batched"),
                                   fp8_acc.tgmm(x[:total], dy[:total], WGRAD_SIZES))
 
 

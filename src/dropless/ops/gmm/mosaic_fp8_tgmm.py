@@ -154,6 +154,9 @@ BLOCK_K = 64  # rows of dw per warpgroup (wgmma's M)
 # "columns", 64 (K) x 256 (N), both reading one x tile; "rows" (the default),
 # 128 (K) x 128 (N), each its 64 K rows, both reading one dy tile.
 SPLITS = ("columns", "rows")
+# How a warpgroup stores its output tile (``mosaic_tgmm._store_tile``): chunk by chunk,
+# or every chunk written under one fence ("batched", the default since 2026-12-04).
+EPILOGUES = ("chunks", "batched")
 
 
 def check_shapes(xq_KM, sx, dyq_NM, sdy, group_sizes_G):
@@ -184,12 +187,14 @@ def check_shapes(xq_KM, sx, dyq_NM, sdy, group_sizes_G):
 
 def tgmm_fp8_blockwise(xq_KM, sx, dyq_NM, sdy, group_sizes_G, *, out_dtype=jnp.float32,
                        num_stages=4, sms=None, split="rows", overlap=True, tile_order="sorted_snake",
-                       chain=True, scale_fence="commit"):
+                       chain=True, scale_fence="commit", epilogue="batched"):
     """dw [G, K, N] = per-group blockwise-scaled x^T dy; zeros for empty groups.
 
     See the module docstring for the operand layouts. ``split`` (``SPLITS``),
     ``overlap`` (promote each step's product during the next step's wgmma),
     ``chain`` (one pipeline over all of a CTA's tiles, module docstring),
+    ``epilogue`` (``EPILOGUES``: each output tile's two 64x64 chunks fenced and
+    stored one by one, or written together under one fence, ``mosaic_tgmm._store_tile``),
     ``scale_fence`` (``mosaic_fp8.SCALE_FENCES``: the scale reads' proxy fence with
     ``commit_smem``'s warpgroup barrier, or per thread alone, as the forward's
     default since 2026-12-04; opt-in here until measured) and ``tile_order``
@@ -204,10 +209,12 @@ def tgmm_fp8_blockwise(xq_KM, sx, dyq_NM, sdy, group_sizes_G, *, out_dtype=jnp.f
 
     Raises:
       ValueError: shapes or dtypes the kernel cannot take (``check_shapes``), an
-        unknown ``split``, ``tile_order`` or ``scale_fence``.
+        unknown ``split``, ``tile_order``, ``scale_fence`` or ``epilogue``.
     """
     m, k, n = check_shapes(xq_KM, sx, dyq_NM, sdy, group_sizes_G)
     scale_fence = resolve_scale_fence(scale_fence, "mosaic fp8 tgmm")
+    if epilogue not in EPILOGUES:
+        raise ValueError(f"mosaic fp8 tgmm: {epilogue=} must be one of {EPILOGUES}")
     num_groups = group_sizes_G.shape[0]
     out_dtype = jnp.dtype(out_dtype)
     num_stages = num_stages if out_dtype.itemsize <= 2 else min(num_stages, 3)
@@ -252,7 +259,7 @@ def tgmm_fp8_blockwise(xq_KM, sx, dyq_NM, sdy, group_sizes_G, *, out_dtype=jnp.f
     def tile_store(o_gmem, out_smem, wg, g, k_tile, band):
         """Store this warpgroup's part of output tile (g, k_tile, band)."""
         return functools.partial(
-            _store_tile, out_smem=out_smem, wg=wg, bk=bk, bn=bn,
+            _store_tile, out_smem=out_smem, wg=wg, bk=bk, bn=bn, batched=epilogue == "batched",
             dst=o_gmem.at[g, pl.ds(k_tile * cta_k + (wg * bk if by_rows else 0), bk),
                           pl.ds(band * cta_n + (0 if by_rows else wg * bn), bn)],
         )

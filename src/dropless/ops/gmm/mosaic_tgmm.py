@@ -271,9 +271,30 @@ def _mask_rows(tile_ref, lo, hi):
     tile_ref[...] = jnp.where((rows >= lo) & (rows < hi), vals, jnp.zeros_like(vals))
 
 
-def _store_tile(out, *, out_smem, wg, bk, bn, dst):
-    """Store a warpgroup's [bk, bn] result through swizzled 64x64 smem tiles."""
+def _store_tile(out, *, out_smem, wg, bk, bn, dst, batched=False):
+    """Store a warpgroup's [bk, bn] result through swizzled 64x64 smem tiles.
+
+    Chunk by chunk (the default): each 64x64 chunk waits for its slot, is written,
+    fenced (``commit_smem``: the async-proxy fence and a warpgroup barrier) and
+    stored, one store in flight while the next slot fills. ``batched``: when the
+    warpgroup's slots hold the whole tile, every chunk is written first and one
+    ``commit_smem`` fences them all before the stores: one fence and barrier per tile
+    instead of one per chunk (the FP8 wgrad's epilogue spent most of its samples in
+    those at 2 steps per tile, ``kernel_anatomy-20261204-105729``). Same stores of the
+    same values either way.
+    """
     plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+    chunks = [(i, j) for i in range(bk // _EPI) for j in range(bn // _EPI)]
+    if batched and len(chunks) <= out_smem.shape[1]:
+        for slot, (i, j) in enumerate(chunks):
+            out_smem[wg, slot] = out[i * _EPI:(i + 1) * _EPI, j * _EPI:(j + 1) * _EPI]
+        plgpu.commit_smem()
+        for slot, (i, j) in enumerate(chunks):
+            plgpu.copy_smem_to_gmem(
+                out_smem.at[wg, slot],
+                dst.at[pl.ds(i * _EPI, _EPI), pl.ds(j * _EPI, _EPI)],
+            )
+        return
     for i in range(bk // _EPI):
         for j in range(bn // _EPI):
             slot = (i * (bn // _EPI) + j) % 2
