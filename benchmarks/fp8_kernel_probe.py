@@ -86,11 +86,14 @@ WGRAD_VARIANTS = {
     "wgrad_rows_overlap_sorted_chain_fence": dict(split="rows", overlap=True,
                                                   tile_order="sorted_snake", chain=True,
                                                   scale_fence="thread"),
-    # each output tile's two 64x64 chunks fenced and stored one by one (the default
-    # until 2026-12-04; the default writes both under one fence)
+    # each output tile's two 64x64 chunks fenced and stored one by one (the default for
+    # float32 output; for bf16 until 2026-12-04), or both under one fence (the bf16 default)
     "wgrad_rows_overlap_sorted_chain_chunks": dict(split="rows", overlap=True,
                                                    tile_order="sorted_snake", chain=True,
                                                    epilogue="chunks"),
+    "wgrad_rows_overlap_sorted_chain_batched": dict(split="rows", overlap=True,
+                                                    tile_order="sorted_snake", chain=True,
+                                                    epilogue="batched"),
     # a pipeline per output tile (the default until 2026-12-03)
     "wgrad_rows_overlap_sorted": dict(split="rows", overlap=True, tile_order="sorted_snake",
                                       chain=False),

@@ -488,6 +488,8 @@ def test_interpret_wgrad_batched_epilogue_equals_the_chunks_bit_for_bit(rng, out
     batched = _same_bits_without_races(lambda: run(epilogue="batched"),
                                        lambda: run(epilogue="chunks"))
     assert not np.isnan(np.asarray(batched, np.float32)).any()
+    with pytest.raises(ValueError, match="epilogue='late' must be one of"):
+        mosaic_fp8_tgmm.tgmm_fp8_blockwise(*ops, gs, epilogue="late")
 
 
 def test_interpret_wgrad_tile_orders_agree_bit_for_bit(rng):
