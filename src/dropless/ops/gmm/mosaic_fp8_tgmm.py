@@ -156,11 +156,13 @@ BLOCK_K = 64  # rows of dw per warpgroup (wgmma's M)
 SPLITS = ("columns", "rows")
 # How a warpgroup stores its output tile (``mosaic_tgmm._store_tile``): chunk by chunk,
 # or every chunk written under one fence ("batched"); "auto" (the default) batches
-# 2-byte outputs only. On the H200 (``fp8_kernels-20261204-110306``, ``-110423``, M=65536
-# K=7168 N=4096, balanced, CUPTI) batched ran the bf16 output 1.04x at G=256 (592
-# against 569 TF/s) and 1.04x at G=32 (897 against 862); the float32 output even at
-# G=32 (848 against 854) and 0.87x by kernel time at G=256 (416 against 476; equal by
-# wall clock), so float32 keeps the chunks. Same bits.
+# 2-byte outputs only. On the H200 (M=65536, CUPTI, same process, same bits) batched
+# ran the bf16 output 1.04x at G=256 K=7168 N=4096 (592 against 569 TF/s,
+# ``fp8_kernels-20261204-110306``) and 1.00-1.04x at G=32: 897 against 862 balanced
+# (``-110423``), 849 against 848 under Dirichlet(0.3) (``-110717``), 876 against 870 at
+# K=2048 N=7168 (``-110654``). The float32 output: even at G=32 (848 against 854) and
+# 0.87x by kernel time at G=256 (416 against 476; equal by wall clock), so float32
+# keeps the chunks.
 EPILOGUES = ("auto", "chunks", "batched")
 
 
@@ -200,7 +202,7 @@ def tgmm_fp8_blockwise(xq_KM, sx, dyq_NM, sdy, group_sizes_G, *, out_dtype=jnp.f
     ``chain`` (one pipeline over all of a CTA's tiles, module docstring),
     ``epilogue`` (``EPILOGUES``: each output tile's two 64x64 chunks fenced and
     stored one by one, or written together under one fence, ``mosaic_tgmm._store_tile``;
-    ``"auto"`` batches 2-byte outputs, which ran 1.04x on the H200),
+    ``"auto"`` batches 2-byte outputs, which ran 1.00-1.04x on the H200),
     ``scale_fence`` (``mosaic_fp8.SCALE_FENCES``: the scale reads' proxy fence with
     ``commit_smem``'s warpgroup barrier, or per thread alone, as the forward's
     default since 2026-12-04; opt-in here until measured) and ``tile_order``
