@@ -73,6 +73,8 @@ VARIANTS = {
     "rows_gtw8_early": dict(split="rows", grid_tile_width=8, early_release=True),
     # warpgroup 1 starts each tile one wgmma after warpgroup 0, then both run free
     "rows_gtw8_stagger": dict(split="rows", grid_tile_width=8, stagger=True),
+    # both 64x64 chunks of a warpgroup's whole tile written under one fence
+    "rows_gtw8_batched": dict(split="rows", grid_tile_width=8, epilogue="batched"),
 }
 # name -> keyword arguments of tgmm_fp8_blockwise; the first, the kernel's default
 # (what training runs), is the reference of the bitwise check. overlap: promotion

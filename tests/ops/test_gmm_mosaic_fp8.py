@@ -151,12 +151,13 @@ def test_fwd_dgrad_overlap_lowers_for_cuda_at_a_deepseek_shape(kind, split):
 def test_fwd_dgrad_weight_scales_in_smem_lower_for_cuda_at_deepseek_shapes(kind, k_n):
     """``weight_scales="smem"``: a fourth TMA stream of 128-224 byte rows (32 or 56
     column blocks of float32) lowers for CUDA at both DeepSeek-V3 shapes, both products,
-    with each ``scale_fence``; at K=7168 N=4096 also with ``early_release`` and at five
-    stages (the rows split's 32.6 KiB stage: five fit in shared memory, six do not)."""
+    with each ``scale_fence``; at K=7168 N=4096 also with ``early_release``, at five
+    stages (the rows split's 32.6 KiB stage: five fit in shared memory, six do not) and
+    with the batched epilogue."""
     fn, args = _lowering_args(kind, 65536, *k_n, 32)
-    # (early_release and five stages at one shape: CI time)
-    extra = ([dict(early_release=True), dict(num_stages=5), dict(stagger=True)]
-             if k_n == (7168, 4096) else [])
+    # (early_release, five stages and the batched epilogue at one shape: CI time)
+    extra = ([dict(early_release=True), dict(num_stages=5), dict(stagger=True),
+              dict(epilogue="batched")] if k_n == (7168, 4096) else [])
     for kw in [*(dict(scale_fence=fence) for fence in mosaic_fp8.SCALE_FENCES[1:]), *extra]:
         exported = jax.export.export(jax.jit(lambda *a: fn(*a, sms=132, **kw)),
                                      platforms=["cuda"])(*args)
@@ -406,6 +407,21 @@ def test_interpret_fwd_early_release_equals_the_plain_kernel_bit_for_bit(
         mosaic_fp8.gmm_fp8_blockwise(aq, sa, bq, sb, gs, early_release=True, overlap=True)
     with pytest.raises(ValueError, match="stagger=True takes the plain step"):
         mosaic_fp8.gmm_fp8_blockwise(aq, sa, bq, sb, gs, stagger=True, overlap=True)
+
+
+@pytest.mark.parametrize("out_dtype", [jnp.float32, jnp.bfloat16])
+def test_interpret_fwd_batched_epilogue_equals_the_chunks_bit_for_bit(rng, out_dtype):
+    """``epilogue="batched"``: a warpgroup's whole tile written as two chunks under one
+    fence stores what the chunk-by-chunk epilogue stores, without racing the previous
+    tile's stores (race detector on), over the awkward layout: unaligned groups (so the
+    row-exact path runs beside the whole tiles), an empty group, zero rows past the
+    total; 4- and 2-byte outputs."""
+    (aq, sa, bq, sb), gs, total = _awkward_fwd_operands(rng)
+    run = functools.partial(mosaic_fp8.gmm_fp8_blockwise, aq, sa, bq, sb, gs, out_dtype=out_dtype)
+    y = _same_bits_without_races(lambda: run(epilogue="batched"), lambda: run(epilogue="chunks"))
+    np.testing.assert_array_equal(np.asarray(y, np.float32)[total:], 0.0)
+    with pytest.raises(ValueError, match="epilogue='late' must be one of"):
+        mosaic_fp8.gmm_fp8_blockwise(aq, sa, bq, sb, gs, epilogue="late")
 
 
 # (M, group sizes), each a multiple of 128 as the recipe requires; a group of
@@ -740,6 +756,22 @@ def test_gpu_fwd_dgrad_weight_scales_in_smem_equal_the_global_loads_bit_for_bit(
     np.testing.assert_array_equal(
         _run_fwd_like(ops, gs, split=split, weight_scales="smem", scale_fence=fence),
         _run_fwd_like(ops, gs, split=split, weight_scales="gmem"))
+
+
+@gpu_test
+@pytest.mark.parametrize("product", ["fwd", "dgrad"])
+def test_gpu_fwd_dgrad_batched_epilogue_equals_the_chunks_bit_for_bit(rng, product):
+    """``epilogue="batched"`` on the hardware (a tile's stores in flight while the next
+    tile's steps run): the chunk-by-chunk epilogue's bits on random data, float32 and
+    bf16, unaligned groups included."""
+    fwd_ops, dgrad_ops, gs, _ = _fwd_dgrad_inputs(rng, lambda r, s: _scaled(r, s, (0, 1)
+                                                  if len(s) == 2 else (1, 2)))
+    ops = _with_distinct_column_block_scales(rng, fwd_ops if product == "fwd" else dgrad_ops)
+    np.testing.assert_array_equal(_run_fwd_like(ops, gs, epilogue="batched"),
+                                  _run_fwd_like(ops, gs, epilogue="chunks"))
+    run16 = lambda e: np.asarray(mosaic_fp8.gmm_fp8_blockwise(  # noqa: E731
+        *ops, gs, out_dtype=jnp.bfloat16, epilogue=e).astype(jnp.float32))
+    np.testing.assert_array_equal(run16("batched"), run16("chunks"))
 
 
 @gpu_test

@@ -139,6 +139,10 @@ BLOCK_M = 64  # two f32 accumulators per thread must fit the register file
 SPLITS = ("columns", "rows")
 WEIGHT_SCALES = ("gmem", "smem")  # where a step reads its weight scale (gmm_fp8_blockwise)
 SCALE_FENCES = ("auto", "commit", "thread")  # how a step fences its scale reads
+# How a warpgroup stores a whole output tile (``mosaic_gmm._store_tile``): a fence and a
+# barrier per 64x64 chunk (the default), or both chunks under one fence ("batched",
+# opt-in until timed; the wgrad's batched epilogue ran 1.00-1.04x, ``mosaic_fp8_tgmm``).
+EPILOGUES = ("chunks", "batched")
 _SCALE_WINDOW = 32  # weight-scale columns per step's TMA row with weight_scales="smem"
 _MEMORY_REGISTERS = 40
 
@@ -209,15 +213,15 @@ def check_shapes(aq_MC, sa, bq_GOC, sb, group_sizes_G):
 def gmm_fp8_blockwise(aq_MC, sa, bq_GOC, sb, group_sizes_G, *, out_dtype=jnp.bfloat16,
                       num_stages=4, grid_tile_width=8, sms=None, split="rows", overlap=False,
                       chain=False, weight_scales="smem", scale_fence="auto", early_release=False,
-                      stagger=False):
+                      stagger=False, epilogue="chunks"):
     """y [M, O] = per-group blockwise-scaled a . b[g]^T; see the module docstring.
 
     Rows past ``sum(group_sizes)`` come out as zeros. ``split`` (``SPLITS``),
     ``grid_tile_width`` (the tile walk sweeps the column bands over this many
     row tiles at a time), ``num_stages``, ``overlap`` (promote each step's
     product during the next step's wgmma), ``chain``, ``weight_scales``,
-    ``scale_fence``, ``early_release`` and ``stagger`` change how the kernel runs,
-    not its bits.
+    ``scale_fence``, ``early_release``, ``stagger`` and ``epilogue`` (``EPILOGUES``)
+    change how the kernel runs, not its bits.
 
     ``stagger`` (opt-in; the plain step only): at the first step of each tile the
     second compute warpgroup waits until the first one's wgmma has completed, then
@@ -286,6 +290,8 @@ def gmm_fp8_blockwise(aq_MC, sa, bq_GOC, sb, group_sizes_G, *, out_dtype=jnp.bfl
         raise ValueError("mosaic fp8 gmm: stagger=True takes the plain step (overlap=False)")
     if weight_scales not in WEIGHT_SCALES:
         raise ValueError(f"mosaic fp8 gmm: {weight_scales=} must be one of {WEIGHT_SCALES}")
+    if epilogue not in EPILOGUES:
+        raise ValueError(f"mosaic fp8 gmm: {epilogue=} must be one of {EPILOGUES}")
     scales_in_smem = weight_scales == "smem"
     if scales_in_smem and sb.shape[-1] % _SCALE_WINDOW:
         # Each step loads the window of 32 column blocks (128 bytes: a TMA destination
@@ -368,7 +374,8 @@ def gmm_fp8_blockwise(aq_MC, sa, bq_GOC, sb, group_sizes_G, *, out_dtype=jnp.bfl
                             tiles_smem, rows_smem = out_smem[w]
                             _store_tile(out, tiles_smem=tiles_smem, rows_smem=rows_smem,
                                         o_gmem=o_gmem, m=m, bm=bm, bn=bo, row_start=wg_row,
-                                        col0=col0, lo=lo, hi=hi)
+                                        col0=col0, lo=lo, hi=hi,
+                                        batched=epilogue == "batched")
 
                 col_block = col0 // bo
                 # The window of weight-scale columns this CTA's tile reads (``"smem"``);

@@ -485,11 +485,15 @@ def gmm(x_MK, w, group_sizes_G, *, tiling: GmmTiling, transpose_rhs=False, out_d
     )
 
 
-def _store_tile(out, *, tiles_smem, rows_smem, o_gmem, m, bm, bn, row_start, col0, lo, hi):
+def _store_tile(out, *, tiles_smem, rows_smem, o_gmem, m, bm, bn, row_start, col0, lo, hi,
+                batched=False):
     """Store rows [lo, hi) of a warpgroup's [bm, bn] result (block rows row_start..).
 
     Other rows of the block belong to other groups and must not be written,
-    except rows past M (TMA clips those).
+    except rows past M (TMA clips those). ``batched``: a whole tile whose 64x64
+    chunks fit the slots is written chunk by chunk, fenced once (``commit_smem``)
+    and then stored, instead of a fence and a barrier per chunk (as
+    ``mosaic_tgmm._store_tile``'s); the row-exact path is unchanged.
     """
     # The previous tile's stores must have read the (aliased) smem buffers.
     plgpu.wait_smem_to_gmem(0, wait_read_only=True)
@@ -497,8 +501,20 @@ def _store_tile(out, *, tiles_smem, rows_smem, o_gmem, m, bm, bn, row_start, col
     # kernel's warpgroups store 64-row parts of a 128-row tile with its bounds).
     full = (lo <= row_start) & ((hi >= row_start + bm) | (hi == m))
 
+    chunks = [(i, j) for i in range(bm // _EPI) for j in range(bn // _EPI)]
+
     @pl.when(full)
     def _whole_tile():
+        if batched and len(chunks) <= tiles_smem.shape[0]:
+            for slot, (i, j) in enumerate(chunks):
+                tiles_smem[slot] = out[i * _EPI:(i + 1) * _EPI, j * _EPI:(j + 1) * _EPI]
+            plgpu.commit_smem()
+            for slot, (i, j) in enumerate(chunks):
+                plgpu.copy_smem_to_gmem(
+                    tiles_smem.at[slot],
+                    o_gmem.at[pl.ds(row_start + i * _EPI, _EPI), pl.ds(col0 + j * _EPI, _EPI)],
+                )
+            return
         for i in range(bm // _EPI):
             for j in range(bn // _EPI):
                 slot = (i * (bn // _EPI) + j) % 2
