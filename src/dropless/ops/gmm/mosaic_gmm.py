@@ -502,7 +502,8 @@ def _store_tile(out, *, tiles_smem, rows_smem, o_gmem, m, bm, bn, row_start, col
     except rows past M (TMA clips those). ``batched``: a whole tile whose 64x64
     chunks fit the slots is written chunk by chunk, fenced once (``commit_smem``)
     and then stored, instead of a fence and a barrier per chunk (as
-    ``mosaic_tgmm._store_tile``'s); the row-exact path is unchanged.
+    ``mosaic_tgmm._store_tile``'s; more chunks than slots is an error); the row-exact
+    path is unchanged.
     """
     # The previous tile's stores must have read the (aliased) smem buffers.
     plgpu.wait_smem_to_gmem(0, wait_read_only=True)
@@ -511,10 +512,13 @@ def _store_tile(out, *, tiles_smem, rows_smem, o_gmem, m, bm, bn, row_start, col
     full = (lo <= row_start) & ((hi >= row_start + bm) | (hi == m))
 
     chunks = [(i, j) for i in range(bm // _EPI) for j in range(bn // _EPI)]
+    if batched and len(chunks) > tiles_smem.shape[0]:
+        raise ValueError(f"batched store: {len(chunks)} chunks need as many slots, "
+                         f"got {tiles_smem.shape[0]}")
 
     @pl.when(full)
     def _whole_tile():
-        if batched and len(chunks) <= tiles_smem.shape[0]:
+        if batched:
             for slot, (i, j) in enumerate(chunks):
                 tiles_smem[slot] = out[i * _EPI:(i + 1) * _EPI, j * _EPI:(j + 1) * _EPI]
             plgpu.commit_smem()

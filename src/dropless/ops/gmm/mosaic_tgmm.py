@@ -285,7 +285,10 @@ def _store_tile(out, *, out_smem, wg, bk, bn, dst, batched=False):
     """
     plgpu.wait_smem_to_gmem(0, wait_read_only=True)
     chunks = [(i, j) for i in range(bk // _EPI) for j in range(bn // _EPI)]
-    if batched and len(chunks) <= out_smem.shape[1]:
+    if batched and len(chunks) > out_smem.shape[1]:
+        raise ValueError(f"batched store: {len(chunks)} chunks need as many slots, "
+                         f"got {out_smem.shape[1]}")
+    if batched:
         for slot, (i, j) in enumerate(chunks):
             out_smem[wg, slot] = out[i * _EPI:(i + 1) * _EPI, j * _EPI:(j + 1) * _EPI]
         plgpu.commit_smem()
