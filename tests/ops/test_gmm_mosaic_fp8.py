@@ -409,7 +409,7 @@ def test_interpret_fwd_early_release_equals_the_plain_kernel_bit_for_bit(
         mosaic_fp8.gmm_fp8_blockwise(aq, sa, bq, sb, gs, stagger=True, overlap=True)
 
 
-@pytest.mark.parametrize("out_dtype", [jnp.float32, jnp.bfloat16])
+@pytest.mark.parametrize("out_dtype", [jnp.float32, pytest.param(jnp.bfloat16, marks=slow)])
 def test_interpret_fwd_batched_epilogue_equals_the_chunks_bit_for_bit(rng, out_dtype):
     """``epilogue="batched"``: a warpgroup's whole tile written as two chunks under one
     fence stores what the chunk-by-chunk epilogue stores, without racing the previous
