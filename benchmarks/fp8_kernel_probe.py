@@ -96,6 +96,10 @@ WGRAD_VARIANTS = {
     "wgrad_rows_overlap_sorted_chain_batched": dict(split="rows", overlap=True,
                                                     tile_order="sorted_snake", chain=True,
                                                     epilogue="batched"),
+    # each tile's group data read rounds ahead (mosaic_gmm.walk_tiles_prefetched)
+    "wgrad_rows_overlap_sorted_chain_prefetch": dict(split="rows", overlap=True,
+                                                     tile_order="sorted_snake", chain=True,
+                                                     prefetch=True),
     # a pipeline per output tile (the default until 2026-12-03)
     "wgrad_rows_overlap_sorted": dict(split="rows", overlap=True, tile_order="sorted_snake",
                                       chain=False),

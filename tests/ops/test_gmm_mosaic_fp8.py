@@ -42,7 +42,7 @@ import numpy as np
 import pytest
 
 from dropless.ops import quant
-from dropless.ops.gmm import fp8_quant_kernels, mosaic, mosaic_fp8, mosaic_fp8_tgmm, quantized
+from dropless.ops.gmm import fp8_quant_kernels, mosaic, mosaic_fp8, mosaic_fp8_tgmm, mosaic_gmm, quantized
 
 F8 = jnp.float8_e4m3fn
 S = jax.ShapeDtypeStruct
@@ -179,10 +179,13 @@ def test_wgrad_tile_orders_lower_for_cuda_at_a_qwen3_shape():
     """Both tile orders lower in the FP8 wgrad kernel at Qwen3-30B's G=128 (fewer tiles
     per group than SMs: where the order matters), as training runs it (defaults, bf16
     output): the default ``"sorted_snake"`` with its on-device group order and snake
-    loop, and the round robin ``"groups"``; an unknown order is refused."""
+    loop, and the round robin ``"groups"``; the default with the group data read ahead
+    (``prefetch``); an unknown order is refused."""
     fn, args = _lowering_args("wgrad", 65536, 768, 2048, 128)
-    exported = jax.export.export(jax.jit(lambda *a: fn(*a, sms=132)), platforms=["cuda"])(*args)
-    assert "mosaic_gpu" in exported.mlir_module()
+    for kw in ({}, {"prefetch": True}):
+        exported = jax.export.export(jax.jit(lambda *a, kw=kw: fn(*a, sms=132, **kw)),
+                                     platforms=["cuda"])(*args)
+        assert "mosaic_gpu" in exported.mlir_module()
     order_fn = lambda *a: fn(*a, sms=132, tile_order="groups")  # noqa: E731
     exported = jax.export.export(jax.jit(order_fn), platforms=["cuda"])(*args)
     assert "mosaic_gpu" in exported.mlir_module()
@@ -506,6 +509,20 @@ def test_interpret_wgrad_batched_epilogue_equals_the_chunks_bit_for_bit(rng, out
     assert not np.isnan(np.asarray(batched, np.float32)).any()
     with pytest.raises(ValueError, match="epilogue='late' must be one of"):
         mosaic_fp8_tgmm.tgmm_fp8_blockwise(*ops, gs, epilogue="late")
+
+
+@pytest.mark.parametrize("order", ["sorted_snake", pytest.param("groups", marks=slow)])
+def test_interpret_wgrad_prefetch_equals_the_plain_walk_bit_for_bit(rng, order):
+    """``prefetch=True``: each tile's group index and step count read rounds ahead of
+    the tile; the same tiles in the same order, so the same bits, and no race (race
+    detector on): 3 CTAs over 7 groups x 2 N tiles, 5 rounds, the last partial (a CTA
+    reads ahead past the grid and must store nothing there), empty groups, tiles of 1,
+    2 and 3 steps, a NaN tail."""
+    ops, gs = _schedule_wgrad_case(rng)
+    run = functools.partial(mosaic_fp8_tgmm.tgmm_fp8_blockwise, *ops, gs, sms=3, num_stages=3,
+                            tile_order=order, out_dtype=jnp.bfloat16)
+    got = _same_bits_without_races(lambda: run(prefetch=True), lambda: run(prefetch=False))
+    assert not np.isnan(np.asarray(got, np.float32)).any()
 
 
 def test_interpret_wgrad_tile_orders_agree_bit_for_bit(rng):
@@ -833,6 +850,22 @@ def test_gpu_wgrad_batched_epilogue_equals_the_chunks_bit_for_bit(rng, out_dtype
     x, dy = _dequantized_wgrad_operands(*ops)
     total = sum(WGRAD_SIZES)
     np.testing.assert_array_equal(_run_wgrad(ops, gs, epilogue="batched"),
+                                  fp8_acc.tgmm(x[:total], dy[:total], WGRAD_SIZES))
+
+
+@gpu_test
+def test_gpu_wgrad_prefetch_equals_the_plain_walk_bit_for_bit(rng):
+    """``prefetch=True`` on the hardware (the group data of later rounds read while a
+    tile runs): the plain walk's bits on random data with a NaN tail, both tile orders,
+    and the exact product on integer-exact data."""
+    ops, gs = _wgrad_inputs(rng, lambda r, s: _scaled(r, s, (0, 1)))
+    for order in mosaic_gmm.TILE_ORDERS:
+        np.testing.assert_array_equal(_run_wgrad(ops, gs, tile_order=order, prefetch=True),
+                                      _run_wgrad(ops, gs, tile_order=order))
+    ops, gs = _wgrad_inputs(rng, _integer_exact)
+    x, dy = _dequantized_wgrad_operands(*ops)
+    total = sum(WGRAD_SIZES)
+    np.testing.assert_array_equal(_run_wgrad(ops, gs, prefetch=True),
                                   fp8_acc.tgmm(x[:total], dy[:total], WGRAD_SIZES))
 
 

@@ -194,7 +194,7 @@ def check_shapes(xq_KM, sx, dyq_NM, sdy, group_sizes_G):
 
 def tgmm_fp8_blockwise(xq_KM, sx, dyq_NM, sdy, group_sizes_G, *, out_dtype=jnp.float32,
                        num_stages=4, sms=None, split="rows", overlap=True, tile_order="sorted_snake",
-                       chain=True, scale_fence="commit", epilogue="auto"):
+                       chain=True, scale_fence="commit", epilogue="auto", prefetch=False):
     """dw [G, K, N] = per-group blockwise-scaled x^T dy; zeros for empty groups.
 
     See the module docstring for the operand layouts. ``split`` (``SPLITS``),
@@ -203,6 +203,8 @@ def tgmm_fp8_blockwise(xq_KM, sx, dyq_NM, sdy, group_sizes_G, *, out_dtype=jnp.f
     ``epilogue`` (``EPILOGUES``: each output tile's two 64x64 chunks fenced and
     stored one by one, or written together under one fence, ``mosaic_tgmm._store_tile``;
     ``"auto"`` batches 2-byte outputs, which ran 1.00-1.04x on the H200),
+    ``prefetch`` (with ``chain``: each tile's group data read rounds ahead,
+    ``mosaic_gmm.walk_tiles_prefetched``; opt-in until timed),
     ``scale_fence`` (``mosaic_fp8.SCALE_FENCES``: the scale reads' proxy fence with
     ``commit_smem``'s warpgroup barrier, or per thread alone, as the forward's
     default since 2026-12-04; here even on the H200, 828 against 830 TF/s with float32
@@ -423,7 +425,7 @@ def tgmm_fp8_blockwise(xq_KM, sx, dyq_NM, sdy, group_sizes_G, *, out_dtype=jnp.f
                     plgpu.SMEM((num_stages, cta_n, bm), dyq_NM.dtype, transforms=in_transforms),
                     plgpu.SMEM((num_stages, 1, cta_k), jnp.float32),
                     plgpu.SMEM((num_stages, 1, cta_n), jnp.float32)),
-                tile_of=tile_of, sources_of=sources_of, compute=compute)
+                tile_of=tile_of, sources_of=sources_of, compute=compute, prefetch=prefetch)
 
         plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
