@@ -231,15 +231,6 @@ def walk_tiles_prefetched(grid, tile, init, order_ref_G, tile_of):
 _COMPUTE_REGISTERS = (512 - _MEMORY_REGISTERS) // 2 // 8 * 8
 
 
-def _slot(it, num_stages):
-    """The stage slot of the ``it``-th step (``it`` >= 0): a mask for a power-of-two
-    stage count, one instruction where a signed remainder takes about six on every
-    step of both sides (the FP8 wgrad's ncu source page, ``kernel_anatomy-20261204-105729``)."""
-    if num_stages & (num_stages - 1) == 0:
-        return it & (num_stages - 1)
-    return lax.rem(it, num_stages)
-
-
 def chained_tile_pipeline(grid, order_ref_G, *, wg, buffers, tile_of, sources_of, compute,
                           prefetch=False):
     """One warp-specialised pipeline over all of this CTA's weight-gradient tiles: the
@@ -292,7 +283,7 @@ def chained_tile_pipeline(grid, order_ref_G, *, wg, buffers, tile_of, sources_of
                 count, info = meta
 
                 def load(s, it):
-                    slot = _slot(it, num_stages)
+                    slot = lax.rem(it, num_stages)
 
                     @pl.when(it >= num_stages)
                     def _wait_for_the_slot():
@@ -311,7 +302,7 @@ def chained_tile_pipeline(grid, order_ref_G, *, wg, buffers, tile_of, sources_of
             # pipeline does): no arrival is left unobserved.
             @pl.loop(jnp.maximum(loads - num_stages, 0), loads)
             def _quiesce(it):
-                plgpu.barrier_wait(consumed.at[_slot(it, num_stages)])
+                plgpu.barrier_wait(consumed.at[lax.rem(it, num_stages)])
 
         @pl.when(wg < 2)
         def _compute():
@@ -323,7 +314,7 @@ def chained_tile_pipeline(grid, order_ref_G, *, wg, buffers, tile_of, sources_of
                 def loop(body, init):
                     def step(s, carry):
                         it, acc = carry
-                        slot = _slot(it, num_stages)
+                        slot = lax.rem(it, num_stages)
                         plgpu.barrier_wait(loaded.at[slot])
                         acc = body(s, [b.at[slot] for b in buffers], acc)
                         plgpu.barrier_arrive(consumed.at[slot])
