@@ -38,6 +38,7 @@ all of them have) and, for the two weight-gradient kernels, ``walk_tiles``
 """
 
 import functools
+import math
 
 import jax
 import jax.numpy as jnp
@@ -176,19 +177,30 @@ def walk_tiles_carry(grid, tile, init, order_ref_G=None):
     whose last round falls past the grid gets ``real`` False there (and the last tile's
     indices): the caller must neither load nor store for it. For loops that run on
     from one tile into the next (``chained_tile_pipeline``)."""
-    num_groups, k_tiles, n_tiles = grid
-    num_tiles = num_groups * k_tiles * n_tiles
     sm, num_sms = lax.axis_index("sm"), lax.axis_size("sm")
 
     def visit(wave, carry):
-        if order_ref_G is None:  # "groups": nd_loop's round robin
-            t = wave * num_sms + sm
-        else:  # "sorted_snake"
-            t = schedule_lib.snake_tile(wave, sm, num_sms)
-        real = t < num_tiles
-        return tile(*_tile_indices(grid, jnp.minimum(t, num_tiles - 1), order_ref_G), real, carry)
+        return tile(*_round_tile(grid, wave, sm, num_sms, order_ref_G), carry)
 
-    return lax.fori_loop(0, (num_tiles + num_sms - 1) // num_sms, visit, init)
+    return lax.fori_loop(0, _num_rounds(grid, num_sms), visit, init)
+
+
+def _num_rounds(grid, num_sms):
+    """Rounds of a CTA's walk over ``grid``: the tiles over the SMs, rounded up."""
+    return (math.prod(grid) + num_sms - 1) // num_sms
+
+
+def _round_tile(grid, wave, sm, num_sms, order_ref_G):
+    """(g, k_tile, n_tile, real) of CTA ``sm``'s tile in round ``wave`` of the walk
+    ``walk_tiles`` describes; past the grid, the last tile's indices with ``real``
+    False."""
+    num_tiles = math.prod(grid)
+    if order_ref_G is None:  # "groups": nd_loop's round robin
+        t = wave * num_sms + sm
+    else:  # "sorted_snake"
+        t = schedule_lib.snake_tile(wave, sm, num_sms)
+    real = t < num_tiles
+    return (*_tile_indices(grid, jnp.minimum(t, num_tiles - 1), order_ref_G), real)
 
 
 def walk_tiles_prefetched(grid, tile, init, order_ref_G, tile_of):
@@ -201,16 +213,10 @@ def walk_tiles_prefetched(grid, tile, init, order_ref_G, tile_of):
     per tile were before the first step, ``kernel_anatomy-20261204-105729``). The
     same tiles in the same order: the same bits. Reads past the last round name the
     last tile (read, never used)."""
-    num_groups, k_tiles, n_tiles = grid
-    num_tiles = num_groups * k_tiles * n_tiles
     sm, num_sms = lax.axis_index("sm"), lax.axis_size("sm")
 
     def indices(wave):
-        if order_ref_G is None:  # "groups": nd_loop's round robin
-            t = wave * num_sms + sm
-        else:  # "sorted_snake"
-            t = schedule_lib.snake_tile(wave, sm, num_sms)
-        return (*_tile_indices(grid, jnp.minimum(t, num_tiles - 1), order_ref_G), t < num_tiles)
+        return _round_tile(grid, wave, sm, num_sms, order_ref_G)
 
     def with_meta(idx):
         return idx, tile_of(idx[0])
@@ -222,7 +228,7 @@ def walk_tiles_prefetched(grid, tile, init, order_ref_G, tile_of):
         return user, ahead[1], ahead[0]
 
     first = (with_meta(indices(0)), indices(1))
-    return lax.fori_loop(0, (num_tiles + num_sms - 1) // num_sms, visit, (init, *first))[0]
+    return lax.fori_loop(0, _num_rounds(grid, num_sms), visit, (init, *first))[0]
 
 
 # A chained tile pipeline's compute warpgroups take what the memory warpgroup leaves of
