@@ -814,6 +814,15 @@ def _run_wgrad(ops, gs, **kw):
     return _f64(mosaic_fp8_tgmm.tgmm_fp8_blockwise(*ops, gs, out_dtype=jnp.float32, **kw))
 
 
+def _assert_wgrad_exact_on_integer_data(rng, **kw):
+    """The kernel with ``kw`` on integer-exact data equals the float64 product exactly."""
+    ops, gs = _wgrad_inputs(rng, _integer_exact)
+    x, dy = _dequantized_wgrad_operands(*ops)
+    total = sum(WGRAD_SIZES)
+    np.testing.assert_array_equal(_run_wgrad(ops, gs, **kw),
+                                  fp8_acc.tgmm(x[:total], dy[:total], WGRAD_SIZES))
+
+
 # Each (split, overlap); the default is split rows with overlap.
 WGRAD_CONFIGS = pytest.mark.parametrize(
     "split,overlap", [(s_, o_) for s_ in mosaic_fp8_tgmm.SPLITS for o_ in (True, False)],
@@ -828,11 +837,7 @@ def test_gpu_wgrad_thread_fence_equals_commit_smem_bit_for_bit(rng):
     ops, gs = _wgrad_inputs(rng, lambda r, s: _scaled(r, s, (0, 1)))
     np.testing.assert_array_equal(_run_wgrad(ops, gs, scale_fence="thread"),
                                   _run_wgrad(ops, gs, scale_fence="commit"))
-    ops, gs = _wgrad_inputs(rng, _integer_exact)
-    x, dy = _dequantized_wgrad_operands(*ops)
-    total = sum(WGRAD_SIZES)
-    np.testing.assert_array_equal(_run_wgrad(ops, gs, scale_fence="thread"),
-                                  fp8_acc.tgmm(x[:total], dy[:total], WGRAD_SIZES))
+    _assert_wgrad_exact_on_integer_data(rng, scale_fence="thread")
 
 
 @gpu_test
@@ -846,11 +851,7 @@ def test_gpu_wgrad_batched_epilogue_equals_the_chunks_bit_for_bit(rng, out_dtype
     run = lambda ops, **kw: np.asarray(mosaic_fp8_tgmm.tgmm_fp8_blockwise(  # noqa: E731
         *ops, gs, out_dtype=out_dtype, **kw).astype(jnp.float32))
     np.testing.assert_array_equal(run(ops, epilogue="batched"), run(ops, epilogue="chunks"))
-    ops, gs = _wgrad_inputs(rng, _integer_exact)
-    x, dy = _dequantized_wgrad_operands(*ops)
-    total = sum(WGRAD_SIZES)
-    np.testing.assert_array_equal(_run_wgrad(ops, gs, epilogue="batched"),
-                                  fp8_acc.tgmm(x[:total], dy[:total], WGRAD_SIZES))
+    _assert_wgrad_exact_on_integer_data(rng, epilogue="batched")
 
 
 @gpu_test
@@ -862,11 +863,7 @@ def test_gpu_wgrad_prefetch_equals_the_plain_walk_bit_for_bit(rng):
     for order in mosaic_gmm.TILE_ORDERS:
         np.testing.assert_array_equal(_run_wgrad(ops, gs, tile_order=order, prefetch=True),
                                       _run_wgrad(ops, gs, tile_order=order))
-    ops, gs = _wgrad_inputs(rng, _integer_exact)
-    x, dy = _dequantized_wgrad_operands(*ops)
-    total = sum(WGRAD_SIZES)
-    np.testing.assert_array_equal(_run_wgrad(ops, gs, prefetch=True),
-                                  fp8_acc.tgmm(x[:total], dy[:total], WGRAD_SIZES))
+    _assert_wgrad_exact_on_integer_data(rng, prefetch=True)
 
 
 @gpu_test
@@ -879,21 +876,13 @@ def test_gpu_wgrad_chain_equals_the_plain_kernel_bit_for_bit(rng):
     make = lambda r, s: _scaled(r, s, (0, 1))  # noqa: E731
     ops, gs = _wgrad_inputs(rng, make)
     np.testing.assert_array_equal(_run_wgrad(ops, gs, chain=True), _run_wgrad(ops, gs, chain=False))
-    ops, gs = _wgrad_inputs(rng, _integer_exact)
-    x, dy = _dequantized_wgrad_operands(*ops)
-    total = sum(WGRAD_SIZES)
-    np.testing.assert_array_equal(_run_wgrad(ops, gs, chain=True),
-                                  fp8_acc.tgmm(x[:total], dy[:total], WGRAD_SIZES))
+    _assert_wgrad_exact_on_integer_data(rng, chain=True)
 
 
 @gpu_test
 @WGRAD_CONFIGS
 def test_gpu_wgrad_exact_on_integer_data(rng, split, overlap):
-    ops, gs = _wgrad_inputs(rng, _integer_exact)
-    got = _run_wgrad(ops, gs, split=split, overlap=overlap)
-    x, dy = _dequantized_wgrad_operands(*ops)
-    total = sum(WGRAD_SIZES)
-    np.testing.assert_array_equal(got, fp8_acc.tgmm(x[:total], dy[:total], WGRAD_SIZES))
+    _assert_wgrad_exact_on_integer_data(rng, split=split, overlap=overlap)
 
 
 @gpu_test
