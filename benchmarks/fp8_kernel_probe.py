@@ -9,12 +9,16 @@ outside the timing (random data; group sizes from ``benchmarks/gmm.py``'s
 ``--layout``, same generator and seed, rounded down to 128 rows as training
 pads FP8 groups: the wgrad kernel's contract), over the variants in
 ``VARIANTS`` and ``WGRAD_VARIANTS`` (each of the latter with float32 and
-bf16 output), with CUPTI kernel time (median) and the wall-clock time of the
-jitted call, checks that the variants of each product agree bit for bit,
-and writes a ``fp8_kernels`` record. ``--variants=`` (empty) skips fwd and
+bf16 output), with CUPTI kernel time (median), the wall-clock time of the
+jitted call and the GPU's clocks over both (``gpu_clocks``, ``perf.clocks``;
+the table's SM MHz is their median), checks that the variants of each
+product agree bit for bit, and writes a ``fp8_kernels`` record. ``--variants=`` (empty) skips fwd and
 dgrad. ``--once VARIANT`` runs one kernel (``--product``) three times and
 exits (a wgrad variant with the suffix ``_bf16``: bf16 output): the run to put under Nsight Compute
-(``ncu --launch-skip 2 --launch-count 1 -k regex:mosaic``).
+(``ncu --launch-skip 2 --launch-count 1 -k regex:mosaic``). ``--sustain SECONDS`` runs
+each kernel back to back that long before timing it, so the timing sees the clock the
+board's power limit allows under sustained load (a training step runs there) rather
+than the rated clock a cold GPU gives a few milliseconds of work.
 
   PYTHONPATH=src python3 benchmarks/fp8_kernel_probe.py [--shape M,G,K,N] [--out DIR]
   PYTHONPATH=src python3 benchmarks/fp8_kernel_probe.py --variants= \
@@ -37,6 +41,7 @@ import argparse
 import os
 import pathlib
 import statistics
+import time
 
 os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
 
@@ -47,6 +52,7 @@ import numpy as np  # noqa: E402
 from dropless.ops.gmm import mosaic_fp8, mosaic_fp8_tgmm  # noqa: E402
 from dropless.perf import measure  # noqa: E402
 from dropless.perf.bench import load_module  # noqa: E402
+from dropless.perf.clocks import ClockSampler  # noqa: E402
 
 BENCH_DIR = pathlib.Path(__file__).parent
 
@@ -144,6 +150,46 @@ def operands(m, g, k, n, sizes):
     return jax.block_until_ready(ops), gs
 
 
+def heat(f, args, seconds):
+    """Run ``f(args)`` back to back for ``seconds`` (``--sustain``): the GPU settles at the
+    clock its power limit allows under this kernel, as under a training step."""
+    end = time.monotonic() + seconds
+    while time.monotonic() < end:
+        for _ in range(8):  # a few calls queued ahead, so the GPU never idles
+            out = f(args)
+        jax.block_until_ready(out)
+
+
+def time_job(v, prod, ops, gs, flops, iters, clocks, record, sustain=0.0):
+    """Time variant ``v`` of ``prod`` (CUPTI and wall clock) and append its row to ``record``,
+    with the GPU's clocks over the timing (``perf.clocks``: short kernel runs see the
+    rated clock, which a sustained step does not); after ``sustain`` seconds of the
+    kernel back to back when given (``heat``)."""
+    if prod == "wgrad":
+        f = jax.jit(lambda o, kw=WGRAD_VARIANTS[v.removesuffix("_bf16")],
+                    dt=jnp.bfloat16 if v.endswith("_bf16") else jnp.float32:
+                    mosaic_fp8_tgmm.tgmm_fp8_blockwise(*o, gs, out_dtype=dt, **kw))
+    else:
+        f = jax.jit(lambda o, kw=VARIANTS[v]: mosaic_fp8.gmm_fp8_blockwise(*o, gs, **kw))
+    try:
+        jax.block_until_ready(f(ops[prod]))  # compiled outside the clocks' window
+        heat(f, ops[prod], sustain)
+        with clocks.window(f"{v}/{prod}"):
+            kms = cupti_ms(f, (ops[prod],), iters)
+            wms = measure.time_fn(f, ops[prod], iters=iters)["median_ms"]
+    except Exception as e:  # noqa: BLE001 - one variant failing must not lose the others
+        print(f"{v:<30} {prod:<6} failed: {type(e).__name__}: {str(e)[:200]}")
+        record["rows"].append({"variant": v, "product": prod, "error": str(e)[:500]})
+        return
+    row = {"variant": v, "product": prod, "kernel_ms": kms, "wall_ms": wms,
+           "tflops_kernel": flops / kms / 1e9, "tflops_wall": flops / wms / 1e9,
+           "gpu_clocks": clocks.summary(f"{v}/{prod}")}
+    record["rows"].append(row)
+    mhz = row["gpu_clocks"].get("sm_mhz_median")
+    print(f"{v:<30} {prod:<6} {kms:>9.3f} {wms:>8.3f} {row['tflops_kernel']:>9.0f} "
+          f"{row['tflops_wall']:>9.0f} {'-' if mhz is None else f'{mhz:.0f}':>6}")
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--shape", help="M,G,K,N (default: DeepSeek-V3's gate/up expert GEMM at "
@@ -155,6 +201,9 @@ def main(argv=None):
     p.add_argument("--once", metavar="VARIANT",
                    help="run the --product kernel 3 times and exit")
     p.add_argument("--product", default="fwd", choices=["fwd", "dgrad", "wgrad"])
+    p.add_argument("--sustain", type=float, default=0.0, metavar="SECONDS",
+                   help="run each kernel back to back this long before timing it: the "
+                   "clock a sustained load settles at (the power limit), not the rated one")
     p.add_argument("--out", default=str(measure.DEFAULT_RESULTS_DIR))
     a = p.parse_args(argv)
     gmm = load_module("gmm", BENCH_DIR)
@@ -191,33 +240,18 @@ def main(argv=None):
     record = measure.new_record("fp8_kernels", {"M": m, "G": g, "K": k, "N": n,
                                                 "layout": a.layout, "rows": int(sizes.sum()),
                                                 "max_group": int(sizes.max()), "iters": a.iters,
+                                                "sustain_s": a.sustain,
                                                 "variants": VARIANTS,
                                                 "wgrad_variants": WGRAD_VARIANTS})
     print(f"{'variant':<30} {'product':<6} {'kernel ms':>9} {'wall ms':>8} {'TF/s kern':>9} "
-          f"{'TF/s wall':>9}")
+          f"{'TF/s wall':>9} {'SM MHz':>6}")
     jobs = [(v, prod) for v in names for prod in ("fwd", "dgrad")]
     # wgrad with float32 output (the probe's earlier records) and with bf16, what
     # training writes for bf16 weights (half the output bytes).
     jobs += [(f"{v}{dt}", "wgrad") for v in wgrad_names for dt in ("", "_bf16")]
-    for v, prod in jobs:
-        if prod == "wgrad":
-            f = jax.jit(lambda o, kw=WGRAD_VARIANTS[v.removesuffix("_bf16")],
-                        dt=jnp.bfloat16 if v.endswith("_bf16") else jnp.float32:
-                        mosaic_fp8_tgmm.tgmm_fp8_blockwise(*o, gs, out_dtype=dt, **kw))
-        else:
-            f = jax.jit(lambda o, kw=VARIANTS[v]: mosaic_fp8.gmm_fp8_blockwise(*o, gs, **kw))
-        try:
-            kms = cupti_ms(f, (ops[prod],), a.iters)
-            wms = measure.time_fn(f, ops[prod], iters=a.iters)["median_ms"]
-        except Exception as e:  # noqa: BLE001 - one variant failing must not lose the others
-            print(f"{v:<30} {prod:<6} failed: {type(e).__name__}: {str(e)[:200]}")
-            record["rows"].append({"variant": v, "product": prod, "error": str(e)[:500]})
-            continue
-        row = {"variant": v, "product": prod, "kernel_ms": kms, "wall_ms": wms,
-               "tflops_kernel": flops / kms / 1e9, "tflops_wall": flops / wms / 1e9}
-        record["rows"].append(row)
-        print(f"{v:<30} {prod:<6} {kms:>9.3f} {wms:>8.3f} {row['tflops_kernel']:>9.0f} "
-              f"{row['tflops_wall']:>9.0f}")
+    with ClockSampler() as clocks:
+        for v, prod in jobs:
+            time_job(v, prod, ops, gs, flops, a.iters, clocks, record, a.sustain)
     # Every variant computes each output element from the same wgmma steps in the
     # same order, so the results must agree bit for bit with the first variant.
     run = {"fwd": lambda v: mosaic_fp8.gmm_fp8_blockwise(*ops["fwd"], gs, **VARIANTS[v]),

@@ -74,7 +74,10 @@ credited with the same work whatever it computes), MFU against the device's
 bf16 peak (the FP8 peak for the FP8 cases), peak device memory, and beside it
 ``perf.memory``'s estimate for the same config (``estimated_peak_gb``), and
 the first step's wall time, compile and autotuning included (``first_step_s``:
-what a user waits for before training starts; unrolled layers compile longer).
+what a user waits for before training starts; unrolled layers compile longer),
+and the GPU's SM clock, power and throttle reasons over the timed steps
+(``gpu_clocks``, ``perf.clocks``: the step runs power-capped, below the clock
+that short kernel timings see), printed as a line per case under the table.
 Like ``dropless train``, each case uses the compilation cache of its
 ``jax_cache_dir`` (default ``~/jax_cache``; ``--set jax_cache_dir=`` for none),
 so a case compiled before loads its step and its first step is the cached
@@ -229,6 +232,7 @@ def run_case(case: str, tiny: bool, batch, remat, steps: int, warmup: int, custo
 
     from dropless.ops.gmm import resolve_backend
     from dropless.perf import profile
+    from dropless.perf.clocks import ClockSampler
     from dropless.train import flops as flops_lib
     from dropless.train.loop import build
 
@@ -245,11 +249,13 @@ def run_case(case: str, tiny: bool, batch, remat, steps: int, warmup: int, custo
             first_step_s = time.perf_counter() - t0
     jax.block_until_ready((state, metrics))
     times, losses = [], []
-    for i in range(steps):
-        t0 = time.perf_counter()
-        state, metrics = built.step_fn(state, batches[i % 2])
-        losses.append(float(metrics["loss"]))  # the fetch waits for the step
-        times.append(time.perf_counter() - t0)
+    # A sustained step runs at the power limit, below the rated clock: the row says at which.
+    with ClockSampler() as clocks, clocks.window("timed"):
+        for i in range(steps):
+            t0 = time.perf_counter()
+            state, metrics = built.step_fn(state, batches[i % 2])
+            losses.append(float(metrics["loss"]))  # the fetch waits for the step
+            times.append(time.perf_counter() - t0)
     step_time = statistics.median(times)
     device = jax.devices()[0]
     precision = flops_lib.precision_of(model)
@@ -287,6 +293,7 @@ def run_case(case: str, tiny: bool, batch, remat, steps: int, warmup: int, custo
         "loss_first": losses[0],
         "loss_last": losses[-1],
         "dropped_tokens_last_step": int(metrics.get("dropped_tokens", 0)),
+        "gpu_clocks": clocks.summary("timed"),
     }
 
 
@@ -339,6 +346,8 @@ def print_table(rows, tiny: bool = False) -> None:
     from rich.console import Console
     from rich.table import Table
 
+    from dropless.perf.clocks import format_summary
+
     table = Table("case", "backend", "batch/dev", "step (ms)", "tokens/s", "TFLOP/s/dev", "MFU",
                   "peak mem (GiB)", "est. (GiB)", "compile+1st (s)", "dropped", "note",
                   title="training step, " + ("tiny CPU model" if tiny else "deepseek3-proxy")
@@ -360,6 +369,9 @@ def print_table(rows, tiny: bool = False) -> None:
             str(r["dropped_tokens_last_step"]), note,
         )
     Console(width=160).print(table)
+    for r in rows:
+        if "gpu_clocks" in r:
+            print(f"{r['case']}: {format_summary(r['gpu_clocks'])}")
 
 
 def speedups(rows) -> dict:
