@@ -163,8 +163,10 @@ def heat(f, args, seconds):
 def time_job(v, prod, ops, gs, flops, iters, clocks, record, sustain=0.0):
     """Time variant ``v`` of ``prod`` (CUPTI and wall clock) and append its row to ``record``,
     with the GPU's clocks over the timing (``perf.clocks``: short kernel runs see the
-    rated clock, which a sustained step does not); after ``sustain`` seconds of the
-    kernel back to back when given (``heat``)."""
+    rated clock, which a sustained step does not). With ``sustain`` seconds, a second
+    row (``"sustained": True``) times it again after that long back to back (``heat``),
+    so the two clocks are compared within one process; the first then follows a
+    second's rest, so the previous job's heat does not carry into it."""
     if prod == "wgrad":
         f = jax.jit(lambda o, kw=WGRAD_VARIANTS[v.removesuffix("_bf16")],
                     dt=jnp.bfloat16 if v.endswith("_bf16") else jnp.float32:
@@ -173,21 +175,35 @@ def time_job(v, prod, ops, gs, flops, iters, clocks, record, sustain=0.0):
         f = jax.jit(lambda o, kw=VARIANTS[v]: mosaic_fp8.gmm_fp8_blockwise(*o, gs, **kw))
     try:
         jax.block_until_ready(f(ops[prod]))  # compiled outside the clocks' window
-        heat(f, ops[prod], sustain)
-        with clocks.window(f"{v}/{prod}"):
-            kms = cupti_ms(f, (ops[prod],), iters)
-            wms = measure.time_fn(f, ops[prod], iters=iters)["median_ms"]
+        if sustain:
+            time.sleep(1.0)
+        timed = [_timed(f, ops[prod], iters, clocks, f"{v}/{prod}")]
+        if sustain:
+            heat(f, ops[prod], sustain)
+            timed.append(_timed(f, ops[prod], iters, clocks, f"{v}/{prod}/sustained"))
     except Exception as e:  # noqa: BLE001 - one variant failing must not lose the others
         print(f"{v:<30} {prod:<6} failed: {type(e).__name__}: {str(e)[:200]}")
         record["rows"].append({"variant": v, "product": prod, "error": str(e)[:500]})
         return
-    row = {"variant": v, "product": prod, "kernel_ms": kms, "wall_ms": wms,
-           "tflops_kernel": flops / kms / 1e9, "tflops_wall": flops / wms / 1e9,
-           "gpu_clocks": clocks.summary(f"{v}/{prod}")}
-    record["rows"].append(row)
-    mhz = row["gpu_clocks"].get("sm_mhz_median")
-    print(f"{v:<30} {prod:<6} {kms:>9.3f} {wms:>8.3f} {row['tflops_kernel']:>9.0f} "
-          f"{row['tflops_wall']:>9.0f} {'-' if mhz is None else f'{mhz:.0f}':>6}")
+    for sustained, (kms, wms, clock) in enumerate(timed):
+        row = {"variant": v, "product": prod, "kernel_ms": kms, "wall_ms": wms,
+               "tflops_kernel": flops / kms / 1e9, "tflops_wall": flops / wms / 1e9,
+               "gpu_clocks": clock}
+        if sustain:
+            row["sustained"] = bool(sustained)
+        record["rows"].append(row)
+        mhz = clock.get("sm_mhz_median")
+        print(f"{v + (' (sustained)' if sustained else ''):<30} {prod:<6} {kms:>9.3f} "
+              f"{wms:>8.3f} {row['tflops_kernel']:>9.0f} {row['tflops_wall']:>9.0f} "
+              f"{'-' if mhz is None else f'{mhz:.0f}':>6}")
+
+
+def _timed(f, args, iters, clocks, window):
+    """(CUPTI median ms, wall-clock median ms, the clocks over both) of ``f(args)``."""
+    with clocks.window(window):
+        kms = cupti_ms(f, (args,), iters)
+        wms = measure.time_fn(f, args, iters=iters)["median_ms"]
+    return kms, wms, clocks.summary(window)
 
 
 def main(argv=None):

@@ -3,7 +3,8 @@
 The kernels need a Hopper GPU (their timings run there); here a jitted stand-in
 takes their place, so what is checked is the probe's bookkeeping: ``heat`` keeps
 the device busy for the time asked and not at all for 0, and ``time_job`` writes
-the row's timings and the clocks of its window (unavailable on a CPU host).
+the row's timings and the clocks of its window (unavailable on a CPU host), twice
+with ``--sustain`` (before and after the back-to-back run).
 """
 
 import time
@@ -50,8 +51,15 @@ def test_time_job_writes_the_timings_and_the_windows_clocks(monkeypatch):
     unavailable = lambda _index: (_ for _ in ()).throw(RuntimeError("no NVML here"))  # noqa: E731
     with ClockSampler(open_reader=unavailable) as clocks:
         probe.time_job("rows_gtw8", "fwd", ops, None, 4e9, 2, clocks, record, sustain=0.05)
-    (row,) = record["rows"]
-    assert row["variant"] == "rows_gtw8" and row["product"] == "fwd"
-    assert row["kernel_ms"] == 2.0 and row["tflops_kernel"] == 4e9 / 2.0 / 1e9
-    assert row["wall_ms"] > 0
-    assert row["gpu_clocks"] == {"available": False, "reason": "RuntimeError: no NVML here"}
+    cold, hot = record["rows"]  # with --sustain: the rated-clock timing, then the sustained one
+    assert [cold["sustained"], hot["sustained"]] == [False, True]
+    for row in (cold, hot):
+        assert row["variant"] == "rows_gtw8" and row["product"] == "fwd"
+        assert row["kernel_ms"] == 2.0 and row["tflops_kernel"] == 4e9 / 2.0 / 1e9
+        assert row["wall_ms"] > 0
+        assert row["gpu_clocks"] == {"available": False, "reason": "RuntimeError: no NVML here"}
+    record = {"rows": []}
+    with ClockSampler(open_reader=unavailable) as clocks:
+        probe.time_job("rows_gtw8", "fwd", ops, None, 4e9, 2, clocks, record)
+    (row,) = record["rows"]  # without: one timing, no "sustained" key (earlier records' layout)
+    assert "sustained" not in row and row["kernel_ms"] == 2.0

@@ -747,3 +747,15 @@ def test_gmm_tile_probe_record_missing_optional_fields(tmp_path):
     assert "| dense cuBLAS |" not in text and "Tilings (" not in text
     assert ("- gmm row-tile probe fwd M=1024 G=8 K=512 N=256 balanced (CUPTI): best the table's "
             "tiling 300 TF/s") in text
+
+
+def test_fp8_kernels_headline_quotes_the_rated_clock_row_not_the_sustained_one():
+    """A ``--sustain`` probe run times each job twice; the headline and the target check
+    read the first timing (rated clock), as every earlier record's single one."""
+    rec = fp8_kernels_record("2026-12-04T13:30:00+00:00", [
+        ("rows_gtw8", "fwd", 1200.0), ("rows_gtw8", "dgrad", 1180.0)])
+    rec["rows"] += [{"variant": "rows_gtw8", "product": p, "kernel_ms": 1.3, "wall_ms": 1.4,
+                     "tflops_kernel": tf, "tflops_wall": tf - 50, "sustained": True}
+                    for p, tf in (("fwd", 950.0), ("dgrad", 940.0))]
+    text = " ".join(report.headlines("fp8_kernels", rec))
+    assert "1200" in text.replace(",", "") and "950" not in text
