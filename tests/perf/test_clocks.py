@@ -188,3 +188,21 @@ def test_format_summary_line():
     assert clocks.format_summary(s) == (
         "SM clock median 1,560 MHz (1,560-1,650; 1,980 max), power 688 W median of a 700 W limit, "
         "power-capped in 92% of samples (25 samples)")
+
+
+def test_start_stop_and_reset_keep_only_the_current_windows_samples():
+    """``start``/``stop`` mark a window across calls (the training loop's timing windows);
+    ``reset`` drops what came before, so a long run does not accumulate samples."""
+    reader = FakeReader(sm_mhz=1500.0)
+    with ClockSampler(interval_s=3600.0, open_reader=lambda index: reader) as s:
+        s.start("w")
+        reader.sm_mhz = 1700.0
+        s.stop("w")
+        assert s.summary("w")["sm_mhz_median"] == 1600.0 and len(s._samples) == 2
+        s.reset()
+        assert s._samples == [] and s._windows == {}
+        s.start("w")
+        s.stop("w")
+        assert s.summary("w")["n_samples"] == 2 and s.summary("w")["sm_mhz_median"] == 1700.0
+        with pytest.raises(KeyError):
+            s.stop("never started")

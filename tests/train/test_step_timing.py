@@ -27,6 +27,7 @@ import numpy as np
 import pytest
 from rich.console import Console
 
+from dropless.perf import clocks as clocks_lib
 from dropless.train import checkpoint as ckpt_lib
 from dropless.train import host_pool, loop
 from dropless.train import metrics as metrics_lib
@@ -363,3 +364,61 @@ def test_median_counts_each_step_once():
     assert metrics_lib.median_step_time([(1.0, 1), (5.0, 1), (3.0, 2)]) == 3.0
     assert metrics_lib.median_step_time([]) is None
     assert metrics_lib.median_step_time([(2.0, 3)]) == float(np.median([2.0] * 3))
+
+
+class _FakeClocks:
+    """NVML's readings for ``perf.clocks.ClockSampler``: the SM clock falls 10 MHz a read."""
+
+    reason_bits = clocks_lib.reason_bits()
+
+    def __init__(self):
+        self.mhz = 1980.0
+
+    def read(self):
+        self.mhz -= 10.0
+        return clocks_lib.Sample(0.0, self.mhz, 690.0, 60.0, 0x4)
+
+    def rated(self):
+        return 1980.0, 700.0
+
+    def close(self):
+        pass
+
+
+def test_timed_rows_carry_the_windows_gpu_clock_and_power(tmp_path, monkeypatch):
+    """On a GPU each timed row has its window's median SM clock and power (NVML, read by
+    ``perf.clocks`` in the background); the compiling first row has none, and each
+    window summarises only its own samples, so the clock the rows report keeps falling."""
+    reader = _FakeClocks()
+    monkeypatch.setattr(loop, "_clock_sampler", lambda: clocks_lib.ClockSampler(
+        interval_s=3600.0, open_reader=lambda index: reader))  # entry and exit samples only
+    dev, _, ran, result, text = _run(tmp_path, monkeypatch, steps=25, period=0, sync_frac=0.5)
+    timed = _check_rows(dev, ran, 0)
+    assert "gpu_sm_mhz" not in ran.rows[0] and "compile_s" in ran.rows[0]
+    mhz = [r["gpu_sm_mhz"] for r in timed]
+    assert all(r["gpu_power_w"] == 690.0 for r in timed)
+    # Two readings per window (its start and its end), 10 MHz apart: the median lies between.
+    assert mhz == sorted(mhz, reverse=True) and len(set(mhz)) == len(mhz)
+    assert mhz[0] == 1980.0 - 15.0
+    assert all(r.get("gpu_sm_mhz") is None for r in ran.rows if "step_time_s" not in r)
+    assert "MHz, 690 W" in metrics_lib.format_row(timed[-1])
+
+
+def test_without_nvml_the_run_says_once_that_rows_have_no_gpu_clocks(tmp_path, monkeypatch):
+    """A GPU where NVML cannot be read (no pynvml): one line says why, the rows go on."""
+    def no_nvml(index):
+        raise clocks_lib.ClocksUnavailable("pynvml not importable")
+
+    monkeypatch.setattr(loop, "_clock_sampler",
+                        lambda: clocks_lib.ClockSampler(open_reader=no_nvml))
+    dev, _, ran, _, text = _run(tmp_path, monkeypatch, steps=12, period=0, sync_frac=0.5)
+    _check_rows(dev, ran, 0)
+    assert text.count("no GPU clock or power in the rows (pynvml not importable)") == 1
+    assert not any("gpu_sm_mhz" in r for r in ran.rows)
+
+
+def test_rows_off_a_gpu_have_no_gpu_fields(tmp_path, monkeypatch):
+    """The tests' CPU device: ``_clock_sampler`` gives none, and rows have no GPU fields."""
+    assert loop._clock_sampler() is None
+    _, _, ran, _, _ = _run(tmp_path, monkeypatch, steps=12, period=0, sync_frac=0.5)
+    assert not any("gpu_sm_mhz" in r or "gpu_power_w" in r for r in ran.rows)

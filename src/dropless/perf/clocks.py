@@ -219,16 +219,34 @@ class ClockSampler:
     @contextlib.contextmanager
     def window(self, name: str):
         """Mark the span of the ``with`` block as window ``name``."""
-        with self._lock:
-            start = len(self._samples)
-            self._windows[name] = (start, None)
-        self._take()
+        self.start(name)
         try:
             yield self
         finally:
-            self._take()
-            with self._lock:
-                self._windows[name] = (start, len(self._samples))
+            self.stop(name)
+
+    def start(self, name: str) -> None:
+        """Open window ``name`` (``window``'s entry, for spans that are not one block)."""
+        with self._lock:
+            self._windows[name] = (len(self._samples), None)
+        self._take()
+
+    def stop(self, name: str) -> None:
+        """Close window ``name``, opened by ``start``.
+
+        Raises:
+          KeyError: no window ``name`` was started.
+        """
+        start, _ = self._windows[name]
+        self._take()
+        with self._lock:
+            self._windows[name] = (start, len(self._samples))
+
+    def reset(self) -> None:
+        """Forget every sample and window: a long run keeps only its current window's."""
+        with self._lock:
+            self._samples.clear()
+            self._windows.clear()
 
     def summary(self, name: str) -> dict:
         """``summarize`` of window ``name``'s samples (an open window's so far).

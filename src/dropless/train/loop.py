@@ -80,6 +80,7 @@ from dropless.nn.model import bf16_dense_matmuls_line, moe_layer_names
 from dropless.parallel import ep as ep_lib
 from dropless.parallel import mesh as mesh_lib
 from dropless.parallel import overflow as overflow_lib
+from dropless.perf import clocks as clocks_lib
 from dropless.train import checkpoint as ckpt_lib
 from dropless.train import data as data_lib
 from dropless.train import flops as flops_lib
@@ -380,6 +381,28 @@ TIMING_WINDOW_STEPS = 10
 _clock = time.perf_counter  # the loop's clock and its wait for a step (tests replace both)
 
 
+def _clock_sampler():
+    """NVML sampling of this process's first GPU over each timing window (``perf.clocks``),
+    or None off GPUs. A sustained step runs at the board's power limit, below the rated
+    clock; the rows say at which clock and power each window ran (tests replace this)."""
+    device = jax.local_devices()[0]
+    if device.platform != "gpu":
+        return None
+    return clocks_lib.ClockSampler(getattr(device, "local_hardware_id", None) or 0, interval_s=0.2)
+
+
+def _window_clocks(clocks) -> dict:
+    """The row fields of the window just closed: median SM clock and power, when sampled."""
+    if clocks is None:
+        return {}
+    clocks.stop("window")
+    summary = clocks.summary("window")
+    if not summary.get("available"):
+        return {}
+    fields = {"gpu_sm_mhz": summary["sm_mhz_median"], "gpu_power_w": summary["power_w_median"]}
+    return {k: float(v) for k, v in fields.items() if v is not None}
+
+
 def _fetch(raw_device):
     """Host copy of a step's metrics, once that step has finished on every local device."""
     return jax.device_get(jax.block_until_ready(raw_device))
@@ -507,9 +530,13 @@ def _train_steps(s: _Setup, train: TrainConfig, state, start, ckpt, writer, cons
     pending, unreported = None, None
     timer = metrics_lib.StepWindows(_clock)
     monitor = _overflow_monitor(s, console)
+    clocks = _clock_sampler()
     with concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="data") as pool, \
             metrics_lib.ProgressDisplay(console, train.steps, start) as progress, \
             contextlib.ExitStack() as cleanup:
+        if clocks is not None and cleanup.enter_context(clocks).unavailable is not None:
+            console.print(f"metrics: no GPU clock or power in the rows ({clocks.unavailable})",
+                          markup=False)
         future = pool.submit(s.feed.local, start)
         warm = _plan_warmup(s, train, ckpt, console)
         if warm is not None:  # its thread holds jax arrays: it ends before the loop does
@@ -523,11 +550,12 @@ def _train_steps(s: _Setup, train: TrainConfig, state, start, ckpt, writer, cons
         opened = start  # steps done when the current window opened
 
         def finish(step_no, raw, *, fetched=False, step_time=None, timed=1, compile_s=None,
-                   warm_held_s=0.0):
+                   warm_held_s=0.0, gpu=None):
             """Write ``step_no``'s row: ``raw`` on device, or on the host if ``fetched``;
             ``step_time`` the mean over the ``timed`` steps of the window it ends;
             ``compile_s`` on the compiling first step's row; the warm-up's result once it
-            ended; ``warm_held_s`` the loop's wait for it at the end of the quiet steps."""
+            ended; ``warm_held_s`` the loop's wait for it at the end of the quiet steps;
+            ``gpu`` the window's clock and power (``_window_clocks``)."""
             nonlocal load_LE, unreported
             if not fetched:
                 raw = _fetch(raw)
@@ -537,6 +565,7 @@ def _train_steps(s: _Setup, train: TrainConfig, state, start, ckpt, writer, cons
             )
             if compile_s is not None:
                 row["compile_s"] = compile_s
+            row.update(gpu or {})
             if warm_held_s:
                 row["checkpoint_warm_held_s"] = warm_held_s
             if unreported is not None and unreported.step < step_no:
@@ -632,7 +661,8 @@ def _train_steps(s: _Setup, train: TrainConfig, state, start, ckpt, writer, cons
             else:
                 step_s = timer.close(done - opened)
                 pending = functools.partial(finish, done, raw, fetched=True, step_time=step_s,
-                                            timed=done - opened, warm_held_s=warm_held)
+                                            timed=done - opened, warm_held_s=warm_held,
+                                            gpu=_window_clocks(clocks))
                 warm_held = 0.0
             if saving or last or stop:
                 pending()  # a saved step's row first: nothing can kill the run before it
@@ -654,6 +684,9 @@ def _train_steps(s: _Setup, train: TrainConfig, state, start, ckpt, writer, cons
                 start_quiet(done, step_s)  # after the first timed window, before the window opens
                 quiet = True
             opened = done
+            if clocks is not None:
+                clocks.reset()  # only the window's samples are kept
+                clocks.start("window")
             timer.open()
     _report_warmup(warm, console)  # if it ended after the last row
     if monitor is not None and rows:

@@ -7,7 +7,9 @@ MoE load figures (min/max tokens per expert, coefficient of variation of the
 load across experts averaged over layers, dropped tokens). The row that ends
 a timing window (``StepWindows``) also has the throughput figures: the mean
 step time over the window's ``step_time_steps`` steps, tokens/s, TFLOP/s per
-device from the analytic count, MFU when the device's peak is known. The
+device from the analytic count, MFU when the device's peak is known, and on a
+GPU the window's median SM clock and power draw (``gpu_sm_mhz``, ``gpu_power_w``:
+a sustained step runs at the board's power limit, below the rated clock). The
 first step of an invocation compiles: its row has ``compile_s`` (compile plus
 that step) and no step time. Rows go to
 
@@ -40,6 +42,8 @@ TENSORBOARD_TAGS = {
     "tflops_per_device": "perf/per_device_tflops_per_sec",
     "tokens_per_s_per_device": "perf/per_device_tokens_per_sec",
     "mfu": "perf/mfu",
+    "gpu_sm_mhz": "perf/gpu_sm_clock_mhz",
+    "gpu_power_w": "perf/gpu_power_watts",
     "moe_tokens_min": "moe/tokens_per_expert_min",
     "moe_tokens_max": "moe/tokens_per_expert_max",
     "moe_load_cv": "moe/load_cv",
@@ -299,6 +303,9 @@ def format_row(row: dict) -> str:
         span = f"step {row['step']}" if n == 1 else f"mean of steps {row['step'] - n + 1}-{row['step']}"
         parts += [f"{row['step_time_s'] * 1e3:.0f} ms/step", f"{row['tokens_per_s']:.4g} tok/s",
                   f"{row['tflops_per_device']:.3g} TFLOP/s/dev ({span})"]
+        if "gpu_sm_mhz" in row:  # the training loop's NVML sampling of the window (GPU runs)
+            power = f", {row['gpu_power_w']:.0f} W" if "gpu_power_w" in row else ""
+            parts.append(f"GPU {row['gpu_sm_mhz']:.0f} MHz{power}")
     if "compile_s" in row:
         parts.append(f"compile + first step {row['compile_s']:.1f} s (untimed)")
     if "moe_load_cv" in row:
