@@ -495,6 +495,22 @@ def test_step_rows_name_the_runs_extra_overrides_and_a_partial_run():
     assert [r["note"] for r in step_rows({"cases": [{"case": "ours", "tflops_per_device": 1}]})] == [""]
 
 
+def test_step_rows_note_the_timed_steps_gpu_clock_and_power():
+    """``step.py``'s ``gpu_clocks`` (``perf.clocks``) shows in the row's note; an unsampled
+    run (no NVML) adds nothing."""
+    from dropless.perf.report_step import step_rows
+
+    sampled = {"available": True, "sm_mhz_median": 1530.0, "power_w_median": 688.4}
+    record = {"cases": [
+        {"case": "ours", "tflops_per_device": 490.5, "gpu_clocks": sampled},
+        {"case": "ours_fp8_blockwise", "tflops_per_device": 539.6, "note": "MFU of the fp8 peak",
+         "gpu_clocks": {**sampled, "power_w_median": None}},
+        {"case": "xla", "tflops_per_device": 51.0,
+         "gpu_clocks": {"available": False, "reason": "pynvml not importable"}}]}
+    assert [r["note"] for r in step_rows(record)] == [
+        "SM 1,530 MHz, 688 W", "MFU of the fp8 peak; SM 1,530 MHz", ""]
+
+
 def test_step_fp8_with_set_overrides_is_its_own_variant(tmp_path):
     """A run whose every case took ``--set`` overrides (a smaller vocabulary, say) does not
     replace the plain FP8 comparison: both render, the overrides named in the title."""

@@ -41,8 +41,18 @@ def step_rows(record: dict) -> list[dict]:
                      "memory": _get(r, "peak_memory_gib", "peak_mem_gib", "peak_memory_gb"),
                      "batch": _get(r, "per_device_batch_size", "batch"),
                      "model": model, "fp8_impl": r.get("gmm_fp8_impl_resolved"),
-                     "note": _get(r, "note", "error", default="") or context})
+                     "note": "; ".join(filter(None, [_get(r, "note", "error", default="") or context,
+                                                    _clock_note(r.get("gpu_clocks"))]))})
     return rows
+
+
+def _clock_note(clocks) -> str:
+    """The timed steps' median SM clock and power (``perf.clocks``), where the record has them:
+    a sustained step runs at the power limit, below the clock short kernel timings see."""
+    if not isinstance(clocks, dict) or not clocks.get("available") or not clocks.get("sm_mhz_median"):
+        return ""
+    power = clocks.get("power_w_median")
+    return f"SM {clocks['sm_mhz_median']:,.0f} MHz" + (f", {power:,.0f} W" if power else "")
 
 
 def step_variant(record: dict) -> str:
