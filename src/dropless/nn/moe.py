@@ -231,6 +231,36 @@ def fp8_impls(cfg: MoEConfig, emb_dim: int, rows: int, dtype) -> dict | None:
                                          x, w, dtype)[0] for name, (x, w) in shapes.items()}
 
 
+# Rows per expert (per micro-batch, balanced routing) below which te_fp8_blockwise's
+# grouped GEMMs cost more than bf16's: the expert weights are quantized once per
+# forward, 4 bytes of HBM traffic per weight element (a bf16 read, both code layouts
+# written) at about 4 TB/s, i.e. K N x 1e-12 s per expert, while FP8 saves 6 r K N x
+# (1/765 - 1/1000) x 1e-12 s on the three GEMMs (H200: bf16 kernels about 765 TF/s,
+# FP8 about 1,000 with the activations' quantization); they balance at r of about 550.
+# Measured on one H200 with training's quantizers: 0.74-0.75x bf16 at 256 rows per
+# expert (``gmm-g256-k2048-n7168-blockwise-20261204-1256-h200``), 1.04-1.12x at 2,048
+# (``gmm-g32-blockwise-20261203-2201-h200``).
+FP8_BREAK_EVEN_ROWS = 550
+
+
+def rows_per_local_expert(cfg: MoEConfig, tokens_per_device: int, expert_parallelism: int) -> float:
+    """Rows a local expert's grouped GEMMs get per micro-batch under balanced routing: the
+    expert-parallel group's tokens times top-k, over all experts."""
+    return tokens_per_device * expert_parallelism * cfg.num_experts_per_tok / cfg.num_experts
+
+
+def fp8_rows_line(cfg: MoEConfig, rows_per_expert: float) -> str | None:
+    """One line when ``te_fp8_blockwise`` grouped GEMMs get too few rows per expert to pay
+    for quantizing the expert weights every step (``FP8_BREAK_EVEN_ROWS``); None otherwise."""
+    if cfg.gmm_quantization != quantized.KERNEL_RECIPE or rows_per_expert >= FP8_BREAK_EVEN_ROWS:
+        return None
+    return (f"te_gmm_quantization={cfg.gmm_quantization}: about {rows_per_expert:,.0f} rows per "
+            f"expert per micro-batch; below about {FP8_BREAK_EVEN_ROWS} the expert weights' FP8 "
+            "quantization (every step) costs more than the FP8 grouped GEMMs save (one H200: "
+            "0.74x bf16 at 256 rows, 1.04-1.12x at 2,048); more tokens per device, more expert "
+            "parallelism or te_gmm_quantization=te_no_quant would be faster")
+
+
 def group_alignment(cfg: MoEConfig) -> int:
     """Rows per expert are padded to a multiple of this: ``group_alignment``, raised to
     what the grouped-GEMM quantization recipe needs (its scale blocks run along rows)."""

@@ -160,6 +160,7 @@ def check_checkpoint_disk(cfg, checkpoint_bytes: int) -> tuple[str | None, str |
 def print_report(console, cfg, target, est, source, batch, global_batch, compiled=None):
     from rich.table import Table
 
+    from dropless.nn import moe
     from dropless.nn.model import bf16_dense_matmuls_line
 
     mesh = " x ".join(f"{a} {n}" for a, n in est.mesh.items() if n > 1) or "1 device"
@@ -185,6 +186,10 @@ def print_report(console, cfg, target, est, source, batch, global_batch, compile
     kept_bf16 = bf16_dense_matmuls_line(cfg.model())
     if kept_bf16:
         console.print(kept_bf16, style="yellow", markup=False, soft_wrap=True)
+    rows = moe.rows_per_local_expert(cfg.model().moe, est.per_device_batch * cfg.max_target_length,
+                                     est.mesh.get("expert", 1))
+    if few_rows := moe.fp8_rows_line(cfg.model().moe, rows):
+        console.print(few_rows, style="yellow", markup=False, soft_wrap=True)
     console.print(table)
     keep = getattr(cfg, "max_num_checkpoints_to_keep", 0)
     console.print(f"checkpoint: {est.checkpoint_bytes / GiB:.2f} GiB per save (all devices), every "

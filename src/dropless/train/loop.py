@@ -76,6 +76,7 @@ from rich.console import Console
 
 from dropless.config.loader import ConfigError
 from dropless.config.sections import MeshConfig, ModelConfig, TrainConfig
+from dropless.nn import moe as moe_lib
 from dropless.nn.model import bf16_dense_matmuls_line, moe_layer_names
 from dropless.parallel import ep as ep_lib
 from dropless.parallel import mesh as mesh_lib
@@ -306,6 +307,10 @@ def _describe(console, model: ModelConfig, train: TrainConfig, s: _Setup, run_di
     kept_bf16 = bf16_dense_matmuls_line(model)  # FP8 asked for, some matmuls not in it: say so
     if kept_bf16:
         console.print(f"  {kept_bf16}", style="yellow", markup=False, soft_wrap=True)
+    rows = moe_lib.rows_per_local_expert(model.moe, s.global_batch * train.max_target_length
+                                         / s.mesh.size, dict(s.mesh.shape).get("expert", 1))
+    if few_rows := moe_lib.fp8_rows_line(model.moe, rows):  # FP8 that cannot pay here: say so
+        console.print(f"  {few_rows}", style="yellow", markup=False, soft_wrap=True)
     return num_params, tokens
 
 
