@@ -164,6 +164,16 @@ SPLITS = ("columns", "rows")
 # 0.87x by kernel time at G=256 (416 against 476; equal by wall clock), so float32
 # keeps the chunks.
 EPILOGUES = ("auto", "chunks", "batched")
+# How a step's product is scaled into the sum. "outer" (the default): the scale outer
+# product sx[rows] (x) sdy[cols] formed under the wgmma, then ``part * scale`` after it
+# and ``total + pending`` under the next (three float32 operations per element).
+# "factored": ``part * sdy[cols]`` after the wgmma and ``pending * sx[rows] + total``
+# (one FFMA) under the next: two operations per element, the same bits (the scales are
+# powers of two, so every product by them is exact, short of leaving float32's normal range). Measured with ``commit_smem``'s
+# scale fence on 2026-12-03 it ran 0.89x (module docstring: the scale loads, the fence
+# and the warpgroup barrier before the next wgmma); with the fence per thread
+# (``scale_fence="thread"``, no barrier) it is opt-in until timed.
+PROMOTES = ("outer", "factored")
 
 
 def check_shapes(xq_KM, sx, dyq_NM, sdy, group_sizes_G):
@@ -194,7 +204,8 @@ def check_shapes(xq_KM, sx, dyq_NM, sdy, group_sizes_G):
 
 def tgmm_fp8_blockwise(xq_KM, sx, dyq_NM, sdy, group_sizes_G, *, out_dtype=jnp.float32,
                        num_stages=4, sms=None, split="rows", overlap=True, tile_order="sorted_snake",
-                       chain=True, scale_fence="commit", epilogue="auto", prefetch=False):
+                       chain=True, scale_fence="commit", epilogue="auto", prefetch=False,
+                       promote="outer"):
     """dw [G, K, N] = per-group blockwise-scaled x^T dy; zeros for empty groups.
 
     See the module docstring for the operand layouts. ``split`` (``SPLITS``),
@@ -205,6 +216,7 @@ def tgmm_fp8_blockwise(xq_KM, sx, dyq_NM, sdy, group_sizes_G, *, out_dtype=jnp.f
     ``"auto"`` batches 2-byte outputs, which ran 1.00-1.04x on the H200),
     ``prefetch`` (with ``chain``: each tile's group data read rounds ahead,
     ``mosaic_gmm.walk_tiles_prefetched``; opt-in until timed),
+    ``promote`` (``PROMOTES``: how each step's product is scaled into the sum),
     ``scale_fence`` (``mosaic_fp8.SCALE_FENCES``: the scale reads' proxy fence with
     ``commit_smem``'s warpgroup barrier, or per thread alone, as the forward's
     default since 2026-12-04; here even on the H200, 828 against 830 TF/s with float32
@@ -221,12 +233,14 @@ def tgmm_fp8_blockwise(xq_KM, sx, dyq_NM, sdy, group_sizes_G, *, out_dtype=jnp.f
 
     Raises:
       ValueError: shapes or dtypes the kernel cannot take (``check_shapes``), an
-        unknown ``split``, ``tile_order``, ``scale_fence`` or ``epilogue``.
+        unknown ``split``, ``tile_order``, ``scale_fence``, ``epilogue`` or ``promote``.
     """
     m, k, n = check_shapes(xq_KM, sx, dyq_NM, sdy, group_sizes_G)
     scale_fence = resolve_scale_fence(scale_fence, "mosaic fp8 tgmm")
     if epilogue not in EPILOGUES:
         raise ValueError(f"mosaic fp8 tgmm: {epilogue=} must be one of {EPILOGUES}")
+    if promote not in PROMOTES:
+        raise ValueError(f"mosaic fp8 tgmm: {promote=} must be one of {PROMOTES}")
     num_groups = group_sizes_G.shape[0]
     out_dtype = jnp.dtype(out_dtype)
     if epilogue == "auto":
@@ -299,9 +313,14 @@ def tgmm_fp8_blockwise(xq_KM, sx, dyq_NM, sdy, group_sizes_G, *, out_dtype=jnp.f
             fence_scale_reads(scale_fence)
             return row_scale, col_scale
 
+        def by_rows(row_scale):
+            return lax.broadcast_in_dim(row_scale, (bk, bn), (0,))
+
+        def by_cols(col_scale):
+            return lax.broadcast_in_dim(col_scale, (bk, bn), (1,))
+
         def outer(row_scale, col_scale):
-            return (lax.broadcast_in_dim(row_scale, (bk, bn), (0,))
-                    * lax.broadcast_in_dim(col_scale, (bk, bn), (1,)))
+            return by_rows(row_scale) * by_cols(col_scale)
 
         def mma_body(_, x_smem, dy_smem, sx_smem, sdy_smem, total):
             lhs, rhs, rows, cols = operands(x_smem, dy_smem, sx_smem, sdy_smem)
@@ -314,6 +333,8 @@ def tgmm_fp8_blockwise(xq_KM, sx, dyq_NM, sdy, group_sizes_G, *, out_dtype=jnp.f
                 return acc_ref[...]
 
             part = pl.run_scoped(m_step, plgpu.ACC((bk, bn), jnp.float32))
+            if promote == "factored":
+                return total + (part * by_cols(col_scale)) * by_rows(row_scale)
             return total + part * outer(row_scale, col_scale)
 
         def mma_body_overlap(_, x_smem, dy_smem, sx_smem, sdy_smem, carry):
@@ -333,6 +354,26 @@ def tgmm_fp8_blockwise(xq_KM, sx, dyq_NM, sdy, group_sizes_G, *, out_dtype=jnp.f
 
             return pl.run_scoped(m_step, plgpu.ACC((bk, bn), jnp.float32))
 
+        def mma_body_overlap_factored(_, x_smem, dy_smem, sx_smem, sdy_smem, carry):
+            # carry: the running sum, the previous step's product scaled by its column
+            # scales, and its row scales: their multiply-add runs under this step's wgmma.
+            total, pending, pending_rows = carry
+            lhs, rhs, rows, cols = operands(x_smem, dy_smem, sx_smem, sdy_smem)
+
+            def m_step(acc_ref):
+                plgpu.wgmma(acc_ref, lhs, rhs)
+                total_next = total + pending * by_rows(pending_rows)
+                row_scale, col_scale = load_scale(rows, cols)
+                plgpu.wgmma_wait(0)
+                return total_next, acc_ref[...] * by_cols(col_scale), row_scale
+
+            return pl.run_scoped(m_step, plgpu.ACC((bk, bn), jnp.float32))
+
+        if overlap and promote == "factored":  # the first step adds 0 * 0 to the zero sum
+            zero_rows = lambda: plgpu.layout_cast(  # noqa: E731
+                jnp.zeros((bk,), jnp.float32), plgpu.Layout.WGMMA.reduce(1))
+            return (mma_body_overlap_factored, lambda: (zeros(), zeros(), zero_rows()),
+                    lambda c: c[0] + c[1] * by_rows(c[2]))
         if overlap:  # the last step's product is still pending
             return mma_body_overlap, lambda: (zeros(), zeros()), lambda c: c[0] + c[1]
         return mma_body, zeros, lambda total: total
