@@ -129,7 +129,9 @@ against the outer product in the same process (``fp8_kernels-20261203-152538``,
 page (``kernel_anatomy-20261203-222102``) puts the difference before the next
 wgmma: the scale loads (``LDS``, waiting on the shared-memory queue), then the
 proxy fence after them and the warpgroup's ``BAR.SYNC``, about 26% of the samples
-against about 7% in the outer product's page.
+against about 7% in the outer product's page. Since the scale reads can be fenced
+per thread without that barrier (``scale_fence="thread"``), the factored form is
+back as an option (``promote="factored"``), off until timed with that fence.
 """
 
 import functools
