@@ -315,14 +315,14 @@ def tgmm_fp8_blockwise(xq_KM, sx, dyq_NM, sdy, group_sizes_G, *, out_dtype=jnp.f
             fence_scale_reads(scale_fence)
             return row_scale, col_scale
 
-        def by_rows(row_scale):
+        def rows_bcast(row_scale):
             return lax.broadcast_in_dim(row_scale, (bk, bn), (0,))
 
-        def by_cols(col_scale):
+        def cols_bcast(col_scale):
             return lax.broadcast_in_dim(col_scale, (bk, bn), (1,))
 
         def outer(row_scale, col_scale):
-            return by_rows(row_scale) * by_cols(col_scale)
+            return rows_bcast(row_scale) * cols_bcast(col_scale)
 
         def mma_body(_, x_smem, dy_smem, sx_smem, sdy_smem, total):
             lhs, rhs, rows, cols = operands(x_smem, dy_smem, sx_smem, sdy_smem)
@@ -336,7 +336,7 @@ def tgmm_fp8_blockwise(xq_KM, sx, dyq_NM, sdy, group_sizes_G, *, out_dtype=jnp.f
 
             part = pl.run_scoped(m_step, plgpu.ACC((bk, bn), jnp.float32))
             if promote == "factored":
-                return total + (part * by_cols(col_scale)) * by_rows(row_scale)
+                return total + (part * cols_bcast(col_scale)) * rows_bcast(row_scale)
             return total + part * outer(row_scale, col_scale)
 
         def mma_body_overlap(_, x_smem, dy_smem, sx_smem, sdy_smem, carry):
@@ -364,10 +364,10 @@ def tgmm_fp8_blockwise(xq_KM, sx, dyq_NM, sdy, group_sizes_G, *, out_dtype=jnp.f
 
             def m_step(acc_ref):
                 plgpu.wgmma(acc_ref, lhs, rhs)
-                total_next = total + pending * by_rows(pending_rows)
+                total_next = total + pending * rows_bcast(pending_rows)
                 row_scale, col_scale = load_scale(rows, cols)
                 plgpu.wgmma_wait(0)
-                return total_next, acc_ref[...] * by_cols(col_scale), row_scale
+                return total_next, acc_ref[...] * cols_bcast(col_scale), row_scale
 
             return pl.run_scoped(m_step, plgpu.ACC((bk, bn), jnp.float32))
 
@@ -375,7 +375,7 @@ def tgmm_fp8_blockwise(xq_KM, sx, dyq_NM, sdy, group_sizes_G, *, out_dtype=jnp.f
             zero_rows = lambda: plgpu.layout_cast(  # noqa: E731
                 jnp.zeros((bk,), jnp.float32), plgpu.Layout.WGMMA.reduce(1))
             return (mma_body_overlap_factored, lambda: (zeros(), zeros(), zero_rows()),
-                    lambda c: c[0] + c[1] * by_rows(c[2]))
+                    lambda c: c[0] + c[1] * rows_bcast(c[2]))
         if overlap:  # the last step's product is still pending
             return mma_body_overlap, lambda: (zeros(), zeros()), lambda c: c[0] + c[1]
         return mma_body, zeros, lambda total: total
