@@ -30,7 +30,10 @@ and with ``--quant blockwise`` two more, the FP8 Mosaic kernels
 FLOPs count real rows only: 2 * sum(group_sizes) * K * N per product. JAX
 timings are kernel time on device through CUPTI
 (``jax.experimental.mosaic.gpu.profiler.measure``), median of ``--iters``
-runs after a warm-up; torch uses ``triton.testing.do_bench`` (median).
+runs after a warm-up; torch uses ``triton.testing.do_bench`` (median). Each
+row records the GPU's SM clock, power and throttle reasons over its timings
+(``gpu_clocks``, ``perf.clocks``): kernels timed for milliseconds run near the
+rated clock, a sustained training step at the board's power limit below it.
 
 Run on the GPU machine (one command):
   PYTHONPATH=src python3 benchmarks/gmm.py [--quick] [--tune] [--out DIR] [--commit SHA]
@@ -43,6 +46,7 @@ Pallas GPU interpret mode on CPU, to check this script without a GPU.
 """
 
 import argparse
+import contextlib
 import dataclasses
 import datetime
 import functools
@@ -66,6 +70,7 @@ from jax import lax  # noqa: E402
 
 from dropless.ops.gmm import api, mosaic, tuning, xla  # noqa: E402
 from dropless.perf import measure  # noqa: E402
+from dropless.perf.clocks import ClockSampler, format_summary  # noqa: E402
 from dropless.perf.provenance import source_digest  # noqa: E402
 
 # Shapes (M, G, K, N): the expert GEMMs of the presets, read through the CLI's
@@ -432,12 +437,23 @@ def bench_fp8_kernels(row, x, w, dy, gs, g, flops, args, fns_q):
     del ops
 
 
-def bench_shape(m, g, k, n, layouts, impls, tilings, args, record, save=lambda: None):
+def bench_shape(m, g, k, n, layouts, impls, tilings, args, record, save=lambda: None,
+                clocks=None):
     """Time every impl on one shape, a row per layout; ``save()`` after each row, so a
-    run cut off by its limit keeps the rows it finished."""
+    run cut off by its limit keeps the rows it finished. Each row has the GPU's clocks
+    over its timings (``gpu_clocks``, ``perf.clocks``; ``clocks``: an entered sampler,
+    default a fresh ``ClockSampler``)."""
+    with contextlib.ExitStack() as stack:
+        clocks = clocks or stack.enter_context(ClockSampler())
+        _bench_layouts(m, g, k, n, layouts, impls, tilings, args, record, save, clocks)
+
+
+def _bench_layouts(m, g, k, n, layouts, impls, tilings, args, record, save, clocks):
     x, w, dy = random_inputs(m, g, k, n, seed=m + g + k + n)
     dense_ms, dense_wall_ms, dense8_ms = {}, {}, {}
     for layout in layouts:
+        clocks.reset()  # a row's window holds its own samples only
+        clocks.start(layout)
         sizes = make_group_sizes(layout, m, g, seed=g)
         if args.quant != "none":  # as the MoE block pads them: whole scale blocks per group
             sizes = align_group_sizes(sizes, quantized_alignment(args.quant))
@@ -482,6 +498,8 @@ def bench_shape(m, g, k, n, layouts, impls, tilings, args, record, save=lambda: 
                 bench_quant(row, x, w, dy, gs, g, flops, args, dense8_ms)
             except Exception:  # noqa: BLE001 - keep the bf16 numbers of this row
                 traceback.print_exc()
+        clocks.stop(layout)
+        row["gpu_clocks"] = clocks.summary(layout)
         record["results"].append(row)
         save()
         print_row(row)
@@ -557,6 +575,8 @@ def print_row(row):
         print("  rel err vs torch:", {k: f"{v:.2e}" for k, v in row["rel_err_vs_torch"].items()})
     if row.get("errors"):
         print("  errors:", row["errors"])
+    if row.get("gpu_clocks"):
+        print("  GPU over the row's timings:", format_summary(row["gpu_clocks"]))
 
 
 JAXEX_CFG = {
