@@ -23,12 +23,17 @@ program, compile options, XLA flags, devices and jax version, so a hit is the
 executable the compile would have made. Entries are written without a lock;
 one read while another process is still writing it fails to decompress, and
 JAX then warns and compiles.
+
+``fake_nvml`` stands in for NVML (``dropless.perf.clocks``' reader), which needs an
+NVIDIA driver: readings as scripted, for the clock sampler, the benchmarks' records
+and the training loop's rows.
 """
 
 import atexit
 import os
 import shutil
 import tempfile
+import time
 
 os.environ.setdefault("XLA_FLAGS", "--xla_backend_optimization_level=0")
 if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
@@ -63,3 +68,36 @@ def rng():
     seed = int(os.environ.get("PYTEST_SEED", secrets.randbits(32)))
     print(f"PYTEST_SEED={seed}")
     return np.random.default_rng(seed)
+
+
+@pytest.fixture
+def fake_nvml():
+    """The class of a fake ``perf.clocks`` reader (``read``, ``rated``, ``close``,
+    ``reason_bits``): each reading moves the SM clock by ``step`` MHz, then returns it
+    (set ``sm_mhz`` between readings to script it), with ``power_w`` and the throttle
+    ``reasons`` bits; ``fail`` makes every reading raise. Counts ``reads``; rated 1,980
+    MHz and 700 W."""
+    from dropless.perf import clocks
+
+    class FakeNvml:
+        reason_bits = clocks.reason_bits()
+
+        def __init__(self, sm_mhz=1500.0, step=0.0, power_w=650.0, reasons=0x4, fail=False):
+            self.sm_mhz, self.step, self.power_w = sm_mhz, step, power_w
+            self.reasons, self.fail = reasons, fail
+            self.reads, self.closed = 0, False
+
+        def read(self):
+            if self.fail:
+                raise RuntimeError("GPU is lost")
+            self.reads += 1
+            self.sm_mhz += self.step
+            return clocks.Sample(time.monotonic(), self.sm_mhz, self.power_w, 60.0, self.reasons)
+
+        def rated(self):
+            return 1980.0, 700.0
+
+        def close(self):
+            self.closed = True
+
+    return FakeNvml

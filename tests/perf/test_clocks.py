@@ -1,7 +1,8 @@
 """``dropless.perf.clocks``: NVML sampling of the SM clock, power and throttle reasons.
 
-NVML needs an NVIDIA driver, so the sampler is driven by a fake reader (and
-``open_reader`` by a fake ``pynvml`` module); what is under test is the window
+NVML needs an NVIDIA driver, so the sampler is driven by a fake reader
+(``fake_nvml``, tests/conftest.py; and ``open_reader`` by a fake ``pynvml``
+module); what is under test is the window
 bookkeeping, the statistics, the thread's life and the paths without NVML.
 """
 
@@ -16,28 +17,6 @@ from dropless.perf import clocks
 from dropless.perf.clocks import ClockSampler, Sample
 
 INTERVAL_S = 0.005  # background samples every 5 ms: a few per sleep below
-
-
-class FakeReader:
-    """Reads ``sm_mhz`` as it is set at the time of the reading; counts reads."""
-
-    reason_bits = clocks.reason_bits()
-
-    def __init__(self, sm_mhz=1500.0, reasons=0x4, fail=False):
-        self.sm_mhz, self.reasons, self.fail = sm_mhz, reasons, fail
-        self.reads, self.closed = 0, False
-
-    def read(self):
-        if self.fail:
-            raise RuntimeError("GPU is lost")
-        self.reads += 1
-        return Sample(time.monotonic(), self.sm_mhz, 650.0, 60.0, self.reasons)
-
-    def rated(self):
-        return 1980.0, 700.0
-
-    def close(self):
-        self.closed = True
 
 
 def _sample(sm_mhz, reasons, power_w=600.0, temp_c=50.0):
@@ -74,8 +53,8 @@ def test_reason_bits_take_pynvml_constants_where_present():
     assert bits["sw_thermal"] == 0x20  # nvml.h's value where the module lacks the name
 
 
-def test_window_holds_only_the_samples_taken_inside_it():
-    reader = FakeReader(sm_mhz=1000.0)
+def test_window_holds_only_the_samples_taken_inside_it(fake_nvml):
+    reader = fake_nvml(sm_mhz=1000.0)
     with ClockSampler(interval_s=INTERVAL_S, open_reader=lambda i: reader) as s:
         time.sleep(10 * INTERVAL_S)
         reader.sm_mhz = 1500.0
@@ -89,8 +68,8 @@ def test_window_holds_only_the_samples_taken_inside_it():
     assert summary["sw_power_cap_frac"] == 1.0
 
 
-def test_a_window_shorter_than_the_interval_has_its_entry_and_exit_samples():
-    reader = FakeReader(sm_mhz=1560.0)
+def test_a_window_shorter_than_the_interval_has_its_entry_and_exit_samples(fake_nvml):
+    reader = fake_nvml(sm_mhz=1560.0)
     with ClockSampler(interval_s=60.0, open_reader=lambda i: reader) as s:
         with s.window("short"):
             pass
@@ -98,8 +77,8 @@ def test_a_window_shorter_than_the_interval_has_its_entry_and_exit_samples():
     assert summary["n_samples"] == 2 and summary["sm_mhz_median"] == 1560.0
 
 
-def test_the_thread_stops_and_the_reader_closes_on_exit():
-    reader = FakeReader()
+def test_the_thread_stops_and_the_reader_closes_on_exit(fake_nvml):
+    reader = fake_nvml()
     with ClockSampler(interval_s=INTERVAL_S, open_reader=lambda i: reader):
         time.sleep(5 * INTERVAL_S)
         assert any(t.name == "ClockSampler" for t in threading.enumerate())
@@ -130,8 +109,8 @@ def test_when_nvml_init_fails_nothing_raises_and_the_summary_says_why(monkeypatc
     assert summary["reason"] == "nvmlInit failed: RuntimeError: Driver Not Loaded"
 
 
-def test_failing_readings_give_an_unavailable_summary_not_an_exception():
-    with ClockSampler(interval_s=INTERVAL_S, open_reader=lambda i: FakeReader(fail=True)) as s:
+def test_failing_readings_give_an_unavailable_summary_not_an_exception(fake_nvml):
+    with ClockSampler(interval_s=INTERVAL_S, open_reader=lambda i: fake_nvml(fail=True)) as s:
         with s.window("timed"):
             time.sleep(3 * INTERVAL_S)
     summary = s.summary("timed")
@@ -190,10 +169,10 @@ def test_format_summary_line():
         "power-capped in 92% of samples (25 samples)")
 
 
-def test_start_stop_and_reset_keep_only_the_current_windows_samples():
+def test_start_stop_and_reset_keep_only_the_current_windows_samples(fake_nvml):
     """``start``/``stop`` mark a window across calls (the training loop's timing windows);
     ``reset`` drops what came before, so a long run does not accumulate samples."""
-    reader = FakeReader(sm_mhz=1500.0)
+    reader = fake_nvml(sm_mhz=1500.0)
     with ClockSampler(interval_s=3600.0, open_reader=lambda index: reader) as s:
         s.start("w")
         reader.sm_mhz = 1700.0

@@ -2,7 +2,7 @@
 
 ``bench_shape`` with the ``dense`` impl on a tiny shape (the same jitted products as
 on the GPU; off it the timings fall back to wall clock) and a sampler driven by a
-fake NVML reader: every layout's row gets its own window's summary, and without
+fake NVML reader (``fake_nvml``, tests/conftest.py): every layout's row gets its own window's summary, and without
 NVML the rows say why.
 """
 
@@ -16,25 +16,6 @@ REPO = Path(__file__).parents[2]
 gmm = load_module("gmm", REPO / "benchmarks")
 
 
-class _Reader:
-    """The SM clock drops by 100 MHz at each reading."""
-
-    reason_bits = clocks.reason_bits()
-
-    def __init__(self):
-        self.mhz = 2000.0
-
-    def read(self):
-        self.mhz -= 100.0
-        return clocks.Sample(0.0, self.mhz, 500.0, 50.0, 0)
-
-    def rated(self):
-        return 1980.0, 700.0
-
-    def close(self):
-        pass
-
-
 def _rows(sampler):
     record = {"results": []}
     args = argparse.Namespace(quant="none", iters=2)
@@ -44,8 +25,9 @@ def _rows(sampler):
     return record["results"]
 
 
-def test_each_row_has_its_own_windows_clocks(capsys):
-    rows = _rows(clocks.ClockSampler(interval_s=3600.0, open_reader=lambda i: _Reader()))
+def test_each_row_has_its_own_windows_clocks(capsys, fake_nvml):
+    reader = fake_nvml(sm_mhz=2000.0, step=-100.0, power_w=500.0, reasons=0)
+    rows = _rows(clocks.ClockSampler(interval_s=3600.0, open_reader=lambda i: reader))
     assert [r["layout"] for r in rows] == ["balanced", "dirichlet0.3"]
     assert all(r["tflops"]["dense"]["fwd"] > 0 for r in rows)
     # Entry and exit readings only (the interval is an hour): 1900/1800, then 1700/1600.

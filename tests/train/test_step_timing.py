@@ -366,30 +366,11 @@ def test_median_counts_each_step_once():
     assert metrics_lib.median_step_time([(2.0, 3)]) == float(np.median([2.0] * 3))
 
 
-class _FakeClocks:
-    """NVML's readings for ``perf.clocks.ClockSampler``: the SM clock falls 10 MHz a read."""
-
-    reason_bits = clocks_lib.reason_bits()
-
-    def __init__(self):
-        self.mhz = 1980.0
-
-    def read(self):
-        self.mhz -= 10.0
-        return clocks_lib.Sample(0.0, self.mhz, 690.0, 60.0, 0x4)
-
-    def rated(self):
-        return 1980.0, 700.0
-
-    def close(self):
-        pass
-
-
-def test_timed_rows_carry_the_windows_gpu_clock_and_power(tmp_path, monkeypatch):
+def test_timed_rows_carry_the_windows_gpu_clock_and_power(tmp_path, monkeypatch, fake_nvml):
     """On a GPU each timed row has its window's median SM clock and power (NVML, read by
     ``perf.clocks`` in the background); the compiling first row has none, and each
     window summarises only its own samples, so the clock the rows report keeps falling."""
-    reader = _FakeClocks()
+    reader = fake_nvml(sm_mhz=1980.0, step=-10.0, power_w=690.0)  # 10 MHz lower each reading
     monkeypatch.setattr(loop, "_clock_sampler", lambda: clocks_lib.ClockSampler(
         interval_s=3600.0, open_reader=lambda index: reader))  # entry and exit samples only
     dev, _, ran, result, text = _run(tmp_path, monkeypatch, steps=25, period=0, sync_frac=0.5)
