@@ -18,7 +18,7 @@ exits (a wgrad variant with the suffix ``_bf16``: bf16 output): the run to put u
 (``ncu --launch-skip 2 --launch-count 1 -k regex:mosaic``). ``--sustain SECONDS`` runs
 each kernel back to back that long before timing it, so the timing sees the clock the
 board's power limit allows under sustained load (a training step runs there) rather
-than the rated clock a cold GPU gives a few milliseconds of work.
+than whatever clock a cold GPU gives a few milliseconds of work.
 
   PYTHONPATH=src python3 benchmarks/fp8_kernel_probe.py [--shape M,G,K,N] [--out DIR]
   PYTHONPATH=src python3 benchmarks/fp8_kernel_probe.py --variants= \
@@ -171,8 +171,8 @@ def heat(f, args, seconds):
 
 def time_job(v, prod, ops, gs, flops, iters, clocks, record, sustain=0.0):
     """Time variant ``v`` of ``prod`` (CUPTI and wall clock) and append its row to ``record``,
-    with the GPU's clocks over the timing (``perf.clocks``: short kernel runs see the
-    rated clock, which a sustained step does not). With ``sustain`` seconds, a second
+    with the GPU's clocks over the timing (``perf.clocks``: a short kernel run may see a
+    higher clock than a sustained step). With ``sustain`` seconds, a second
     row (``"sustained": True``) times it again after that long back to back (``heat``),
     so the two clocks are compared within one process; the first then follows a
     second's rest, so the previous job's heat does not carry into it."""

@@ -32,8 +32,8 @@ timings are kernel time on device through CUPTI
 (``jax.experimental.mosaic.gpu.profiler.measure``), median of ``--iters``
 runs after a warm-up; torch uses ``triton.testing.do_bench`` (median). Each
 row records the GPU's SM clock, power and throttle reasons over its timings
-(``gpu_clocks``, ``perf.clocks``): kernels timed for milliseconds run near the
-rated clock, a sustained training step at the board's power limit below it.
+(``gpu_clocks``, ``perf.clocks``): a sustained training step runs at the board's
+power limit, below the rated clock; a short kernel timing may run faster.
 
 Run on the GPU machine (one command):
   PYTHONPATH=src python3 benchmarks/gmm.py [--quick] [--tune] [--out DIR] [--commit SHA]

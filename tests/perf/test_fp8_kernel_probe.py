@@ -51,7 +51,7 @@ def test_time_job_writes_the_timings_and_the_windows_clocks(monkeypatch):
     unavailable = lambda _index: (_ for _ in ()).throw(RuntimeError("no NVML here"))  # noqa: E731
     with ClockSampler(open_reader=unavailable) as clocks:
         probe.time_job("rows_gtw8", "fwd", ops, None, 4e9, 2, clocks, record, sustain=0.05)
-    cold, hot = record["rows"]  # with --sustain: the rated-clock timing, then the sustained one
+    cold, hot = record["rows"]  # with --sustain: the short-run timing, then the sustained one
     assert [cold["sustained"], hot["sustained"]] == [False, True]
     for row in (cold, hot):
         assert row["variant"] == "rows_gtw8" and row["product"] == "fwd"

@@ -765,9 +765,9 @@ def test_gmm_tile_probe_record_missing_optional_fields(tmp_path):
             "tiling 300 TF/s") in text
 
 
-def test_fp8_kernels_headline_quotes_the_rated_clock_row_not_the_sustained_one():
+def test_fp8_kernels_headline_quotes_the_short_run_row_not_the_sustained_one():
     """A ``--sustain`` probe run times each job twice; the headline and the target check
-    read the first timing (rated clock), as every earlier record's single one."""
+    read the first timing (a short run), as every earlier record's single one."""
     rec = fp8_kernels_record("2026-12-04T13:30:00+00:00", [
         ("rows_gtw8", "fwd", 1200.0), ("rows_gtw8", "dgrad", 1180.0)])
     rec["rows"] += [{"variant": "rows_gtw8", "product": p, "kernel_ms": 1.3, "wall_ms": 1.4,

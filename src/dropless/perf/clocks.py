@@ -1,10 +1,10 @@
 """The GPU's SM clock, power and throttle reasons while a benchmark runs, from NVML.
 
 A timing is only as comparable as the clock it ran at. On an H200 a sustained
-training step draws the board's 700 W limit and the driver lowers the SM clock
-to 1,455-1,650 MHz (of 1,980) to stay under it, while a kernel timed for a few
-milliseconds runs at about the full 1,980 MHz: a kernel's time alone is not its
-time inside the step. So each record carries the clocks it ran at.
+training step drew the board's 700 W limit and the driver lowered the SM clock
+to 1,455-1,650 MHz (of 1,980) to stay under it, while a short burst of work can
+run near the full clock: a kernel's time alone need not be its time inside the
+step. So each record carries the clocks it ran at.
 
 ``ClockSampler`` polls NVML (``pynvml``, from ``nvidia-ml-py``) in a daemon
 thread and summarises named windows::

@@ -29,9 +29,9 @@ def _reached(value, target) -> str:
 
 
 def fp8_kernel_rows(record: dict) -> list[dict]:
-    """Timed rows of an ``fp8_kernels`` record (``benchmarks/fp8_kernel_probe.py``), at
-    the rated clock: a ``--sustain`` run's second timing of each job (``"sustained"``,
-    at the clock the power limit allows) is not what the targets are quoted against."""
+    """Timed rows of an ``fp8_kernels`` record (``benchmarks/fp8_kernel_probe.py``) from
+    short runs: a ``--sustain`` run's second timing of each job (``"sustained"``, after
+    the back-to-back run) is not what the targets are quoted against."""
     return [r for r in record.get("rows", []) if r.get("tflops_kernel") and not r.get("sustained")]
 
 
