@@ -535,6 +535,30 @@ def gmm(x_MK, w, group_sizes_G, *, tiling: GmmTiling, transpose_rhs=False, out_d
     )
 
 
+def batched_store(out, bm, bn, num_slots, slot_ref, dst_ref):
+    """The store of a whole [bm, bn] tile under one fence, as a function to call where it
+    belongs: every 64x64 chunk written to its own slot (``slot_ref(slot)``), one
+    ``commit_smem`` (the async-proxy fence and a warpgroup barrier), then each chunk
+    stored to ``dst_ref(i, j)``, instead of a fence and a barrier per chunk. Shared by
+    the forward's and the wgrad's ``_store_tile``.
+
+    Raises:
+      ValueError: more chunks than ``num_slots`` (checked now, at trace time).
+    """
+    chunks = [(i, j) for i in range(bm // _EPI) for j in range(bn // _EPI)]
+    if len(chunks) > num_slots:
+        raise ValueError(f"batched store: {len(chunks)} chunks need as many slots, got {num_slots}")
+
+    def store():
+        for slot, (i, j) in enumerate(chunks):
+            slot_ref(slot)[...] = out[i * _EPI:(i + 1) * _EPI, j * _EPI:(j + 1) * _EPI]
+        plgpu.commit_smem()
+        for slot, (i, j) in enumerate(chunks):
+            plgpu.copy_smem_to_gmem(slot_ref(slot), dst_ref(i, j))
+
+    return store
+
+
 def _store_tile(out, *, tiles_smem, rows_smem, o_gmem, m, bm, bn, row_start, col0, lo, hi,
                 batched=False):
     """Store rows [lo, hi) of a warpgroup's [bm, bn] result (block rows row_start..).
@@ -552,22 +576,14 @@ def _store_tile(out, *, tiles_smem, rows_smem, o_gmem, m, bm, bn, row_start, col
     # kernel's warpgroups store 64-row parts of a 128-row tile with its bounds).
     full = (lo <= row_start) & ((hi >= row_start + bm) | (hi == m))
 
-    chunks = [(i, j) for i in range(bm // _EPI) for j in range(bn // _EPI)]
-    if batched and len(chunks) > tiles_smem.shape[0]:
-        raise ValueError(f"batched store: {len(chunks)} chunks need as many slots, "
-                         f"got {tiles_smem.shape[0]}")
+    store_batched = batched and batched_store(
+        out, bm, bn, tiles_smem.shape[0], lambda slot: tiles_smem.at[slot],
+        lambda i, j: o_gmem.at[pl.ds(row_start + i * _EPI, _EPI), pl.ds(col0 + j * _EPI, _EPI)])
 
     @pl.when(full)
     def _whole_tile():
         if batched:
-            for slot, (i, j) in enumerate(chunks):
-                tiles_smem[slot] = out[i * _EPI:(i + 1) * _EPI, j * _EPI:(j + 1) * _EPI]
-            plgpu.commit_smem()
-            for slot, (i, j) in enumerate(chunks):
-                plgpu.copy_smem_to_gmem(
-                    tiles_smem.at[slot],
-                    o_gmem.at[pl.ds(row_start + i * _EPI, _EPI), pl.ds(col0 + j * _EPI, _EPI)],
-                )
+            store_batched()
             return
         for i in range(bm // _EPI):
             for j in range(bn // _EPI):

@@ -49,7 +49,7 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from dropless.ops.gmm import schedule as schedule_lib
 from dropless.ops.gmm.mosaic_gmm import (_EPI, _MEMORY_REGISTERS, _swizzle_transforms,
-                                         chained_tile_pipeline, persistent_kernel,
+                                         batched_store, chained_tile_pipeline, persistent_kernel,
                                          tile_order_operands, walk_tiles)
 from dropless.ops.gmm.tuning import TgmmTiling
 
@@ -284,19 +284,9 @@ def _store_tile(out, *, out_smem, wg, bk, bn, dst, batched=False):
     same values either way.
     """
     plgpu.wait_smem_to_gmem(0, wait_read_only=True)
-    chunks = [(i, j) for i in range(bk // _EPI) for j in range(bn // _EPI)]
-    if batched and len(chunks) > out_smem.shape[1]:
-        raise ValueError(f"batched store: {len(chunks)} chunks need as many slots, "
-                         f"got {out_smem.shape[1]}")
     if batched:
-        for slot, (i, j) in enumerate(chunks):
-            out_smem[wg, slot] = out[i * _EPI:(i + 1) * _EPI, j * _EPI:(j + 1) * _EPI]
-        plgpu.commit_smem()
-        for slot, (i, j) in enumerate(chunks):
-            plgpu.copy_smem_to_gmem(
-                out_smem.at[wg, slot],
-                dst.at[pl.ds(i * _EPI, _EPI), pl.ds(j * _EPI, _EPI)],
-            )
+        batched_store(out, bk, bn, out_smem.shape[1], lambda slot: out_smem.at[wg, slot],
+                      lambda i, j: dst.at[pl.ds(i * _EPI, _EPI), pl.ds(j * _EPI, _EPI)])()
         return
     for i in range(bk // _EPI):
         for j in range(bn // _EPI):
