@@ -183,12 +183,13 @@ def print_report(console, cfg, target, est, source, batch, global_batch, compile
                   f"{cfg.gradient_accumulation_steps} accum)")
     console.print(f"model: {est.num_params / 1e9:.3f}B parameters, {cfg.remat_policy} remat, "
                   f"{est.per_device_batch} sequences per device")
-    kept_bf16 = bf16_dense_matmuls_line(cfg.model())
+    model = cfg.model()
+    kept_bf16 = bf16_dense_matmuls_line(model)
     if kept_bf16:
         console.print(kept_bf16, style="yellow", markup=False, soft_wrap=True)
-    rows = moe.rows_per_local_expert(cfg.model().moe, est.per_device_batch * cfg.max_target_length,
+    rows = moe.rows_per_local_expert(model.moe, est.per_device_batch * cfg.max_target_length,
                                      est.mesh.get("expert", 1))
-    if few_rows := moe.fp8_rows_line(cfg.model().moe, rows):
+    if few_rows := moe.fp8_rows_line(model.moe, rows):
         console.print(few_rows, style="yellow", markup=False, soft_wrap=True)
     console.print(table)
     keep = getattr(cfg, "max_num_checkpoints_to_keep", 0)
