@@ -81,6 +81,10 @@ VARIANTS = {
     "rows_gtw8_stagger": dict(split="rows", grid_tile_width=8, stagger=True),
     # both 64x64 chunks of a warpgroup's whole tile written under one fence
     "rows_gtw8_batched": dict(split="rows", grid_tile_width=8, epilogue="batched"),
+    # CTAs in pairs on 256-row tiles, the weight tile loaded once and multicast into
+    # both (``cluster=2``); band sweeps of 8 and 4 pair tiles (16 and 8 row tiles)
+    "rows_gtw8_cluster": dict(split="rows", grid_tile_width=8, cluster=2),
+    "rows_gtw4_cluster": dict(split="rows", grid_tile_width=4, cluster=2),
 }
 # name -> keyword arguments of tgmm_fp8_blockwise; the first, the kernel's default
 # (what training runs), is the reference of the bitwise check. overlap: promotion

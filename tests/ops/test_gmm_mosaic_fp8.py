@@ -165,6 +165,25 @@ def test_fwd_dgrad_weight_scales_in_smem_lower_for_cuda_at_deepseek_shapes(kind,
 
 
 @pytest.mark.parametrize("kind,k_n", [("fwd", (2048, 7168)), ("dgrad", (7168, 4096))], ids=str)
+def test_fwd_dgrad_cluster_lowers_for_cuda_at_deepseek_shapes(kind, k_n):
+    """``cluster=2``: CTA pairs with the weight tile multicast (``collective_axes``)
+    and cluster-wide release barriers lower for CUDA, plain and with ``overlap``
+    (Pallas' GPU interpreter has no clusters: the bits are the GPU test's)."""
+    fn, args = _lowering_args(kind, 65536, *k_n, 32)
+    for kw in (dict(), dict(overlap=True)):
+        exported = jax.export.export(jax.jit(lambda *a: fn(*a, sms=132, cluster=2, **kw)),
+                                     platforms=["cuda"])(*args)
+        assert "mosaic_gpu" in exported.mlir_module()
+    for kw, match in [(dict(cluster=3), "cluster=3 must be 1 or 2"),
+                      (dict(cluster=2, split="columns"), "split='columns'"),
+                      (dict(cluster=2, chain=True, num_stages=2), "chain=True"),
+                      (dict(cluster=2, early_release=True), "early_release=True"),
+                      (dict(cluster=2, sms=131), "sms=131")]:
+        with pytest.raises(ValueError, match=match):
+            jax.eval_shape(lambda *a: fn(*a, **{"sms": 132, **kw}), *args)
+
+
+@pytest.mark.parametrize("kind,k_n", [("fwd", (2048, 7168)), ("dgrad", (7168, 4096))], ids=str)
 def test_fwd_dgrad_chain_lowers_for_cuda_at_deepseek_shapes(kind, k_n):
     """``chain=True``: the pipeline state is a traced value, and a CTA's chain of one
     tile takes the ordinary pipeline; both lower for CUDA (16 and 32 steps per tile,
@@ -827,6 +846,34 @@ def test_gpu_fwd_dgrad_early_release_equals_the_plain_kernel_bit_for_bit(rng, pr
     np.testing.assert_array_equal(_run_fwd_like(ops, gs, stagger=True), want)
     np.testing.assert_array_equal(
         _run_fwd_like(ops, gs, stagger=True, chain=True, num_stages=2), want)
+
+
+@gpu_test
+@pytest.mark.parametrize("product", ["fwd", "dgrad"])
+def test_gpu_fwd_dgrad_cluster_equals_the_plain_kernel_bit_for_bit(rng, product):
+    """``cluster=2`` on the hardware (the weight tile multicast into a pair of CTAs,
+    the slots' release barriers spanning the pair): the plain kernel's bits on random
+    data at fwd's 16 and dgrad's 56 steps, float32 and bf16, overlap on and off, on
+    unaligned groups whose boundaries fall inside the pairs' 256-row tiles (a CTA
+    whose rows all lie outside the visited group stores nothing); then with M padded
+    to 1,088 rows (4.25 pair tiles: the last pair's second CTA lies wholly past M,
+    its TMA boxes out of bounds)."""
+    fwd_ops, dgrad_ops, gs, total = _fwd_dgrad_inputs(rng, lambda r, s: _scaled(r, s, (0, 1)
+                                                      if len(s) == 2 else (1, 2)))
+    ops = _with_distinct_column_block_scales(rng, fwd_ops if product == "fwd" else dgrad_ops)
+    for overlap in (False, True):
+        np.testing.assert_array_equal(_run_fwd_like(ops, gs, cluster=2, overlap=overlap),
+                                      _run_fwd_like(ops, gs, overlap=overlap))
+    run16 = lambda ops_, **kw: np.asarray(mosaic_fp8.gmm_fp8_blockwise(  # noqa: E731
+        *ops_, gs, out_dtype=jnp.bfloat16, **kw).astype(jnp.float32))
+    np.testing.assert_array_equal(run16(ops, cluster=2), run16(ops))
+    aq, sa, bq, sb = ops
+    pad = 1088 - aq.shape[0]
+    padded = (jnp.pad(aq, ((0, pad), (0, 0))), jnp.pad(sa, ((0, 0), (0, pad)), constant_values=1.0),
+              bq, sb)
+    got = _run_fwd_like(padded, gs, cluster=2)
+    np.testing.assert_array_equal(got, _run_fwd_like(padded, gs))
+    np.testing.assert_array_equal(got[total:], 0.0)
 
 
 def _run_wgrad(ops, gs, **kw):

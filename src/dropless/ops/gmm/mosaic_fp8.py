@@ -216,7 +216,7 @@ def check_shapes(aq_MC, sa, bq_GOC, sb, group_sizes_G):
 def gmm_fp8_blockwise(aq_MC, sa, bq_GOC, sb, group_sizes_G, *, out_dtype=jnp.bfloat16,
                       num_stages=4, grid_tile_width=8, sms=None, split="rows", overlap=False,
                       chain=False, weight_scales="smem", scale_fence="auto", early_release=False,
-                      stagger=False, epilogue="chunks"):
+                      stagger=False, epilogue="chunks", cluster=1):
     """y [M, O] = per-group blockwise-scaled a . b[g]^T; see the module docstring.
 
     Rows past ``sum(group_sizes)`` come out as zeros. ``split`` (``SPLITS``),
@@ -235,6 +235,20 @@ def gmm_fp8_blockwise(aq_MC, sa, bq_GOC, sb, group_sizes_G, *, out_dtype=jnp.bfl
     module docstring) nothing holds them apart after that first step, so there is
     no per-step hand-over to pay; whether they stay apart is what the hardware
     says.
+
+    ``cluster=2`` (opt-in, ``split="rows"`` per-tile pipelines only): the CTAs run in
+    pairs (``persistent_kernel``'s clusters), each pair on 256-row tiles of the
+    schedule, each CTA on its 128 rows of one, and the pair's shared weight tile is
+    loaded once for both: each CTA's TMA fetches half of it and multicasts it into
+    both CTAs' shared memory (``collective_axes`` of its ``BlockSpec``; the slot's
+    release barrier then spans the cluster, so neither CTA refills a slot the other
+    still reads). DeepGEMM's FP8 kernels use such 2-CTA clusters; it halves the
+    weight tile's L2-to-SM traffic. Each tile's steps, promotions and stores are the
+    per-CTA kernel's, so the bits are the same. The cost: a 256-row tile that holds
+    a group boundary is visited once per group, as a 128-row one is, and a CTA whose
+    128 rows lie outside the visited group computes them and stores nothing; with
+    groups padded to 128 rows that is one extra 128-row tile of work for each group
+    whose row count is an odd multiple of 128.
 
     ``early_release`` (opt-in; the plain step only): each compute warpgroup hands
     a step's shared-memory slot back to the memory warpgroup as soon as its wgmma
@@ -283,7 +297,8 @@ def gmm_fp8_blockwise(aq_MC, sa, bq_GOC, sb, group_sizes_G, *, out_dtype=jnp.bfl
       ValueError: shapes or dtypes the kernel cannot take (``check_shapes``), an
         unknown ``split``, ``weight_scales`` or ``scale_fence``, ``chain`` with C / 128
         not a multiple of ``num_stages``, ``early_release`` or ``stagger`` with
-        ``overlap``.
+        ``overlap``, ``cluster`` not 1 or 2, or 2 with ``split="columns"``, ``chain``,
+        ``early_release``, ``stagger`` or an odd ``sms``.
     """
     m, c, o, _ = check_shapes(aq_MC, sa, bq_GOC, sb, group_sizes_G)
     scale_fence = resolve_scale_fence(scale_fence, "mosaic fp8 gmm")
@@ -313,7 +328,15 @@ def gmm_fp8_blockwise(aq_MC, sa, bq_GOC, sb, group_sizes_G, *, out_dtype=jnp.bfl
     by_rows = split == "rows"
     cta_m, cta_o = (2 * bm, bo) if by_rows else (bm, 2 * bo)
     n_bands = o // cta_o
-    sched = schedule_lib.row_tile_schedule(group_sizes_G, m, cta_m)
+    if cluster not in (1, 2):
+        raise ValueError(f"mosaic fp8 gmm: {cluster=} must be 1 or 2")
+    clustered = cluster == 2
+    if clustered and (not by_rows or chain or early_release or stagger or (sms or 0) % 2):
+        raise ValueError("mosaic fp8 gmm: cluster=2 takes split='rows' per-tile pipelines "
+                         "(no chain, early_release or stagger) and an even sms, got "
+                         f"{split=} {chain=} {early_release=} {stagger=} {sms=}")
+    # A cluster's tile: its CTAs' row tiles one above the other, one weight tile.
+    sched = schedule_lib.row_tile_schedule(group_sizes_G, m, cluster * cta_m)
     in_transforms = _swizzle_transforms(bc, aq_MC.dtype)
     out_transforms = _swizzle_transforms(64, out_dtype)
 
@@ -324,7 +347,8 @@ def gmm_fp8_blockwise(aq_MC, sa, bq_GOC, sb, group_sizes_G, *, out_dtype=jnp.bfl
             memory_registers=_MEMORY_REGISTERS,
             in_specs=[
                 plgpu.BlockSpec((cta_m, bc), lambda kk: (0, kk), transforms=in_transforms),
-                plgpu.BlockSpec((cta_o, bc), lambda kk: (0, kk), transforms=in_transforms),
+                plgpu.BlockSpec((cta_o, bc), lambda kk: (0, kk), transforms=in_transforms,
+                                **({"collective_axes": ("cluster",)} if clustered else {})),
                 plgpu.BlockSpec((1, cta_m), lambda kk: (kk, 0)),
                 *([plgpu.BlockSpec((1, _SCALE_WINDOW), lambda kk: (kk, 0))] if scales_in_smem
                   else []),
@@ -360,11 +384,14 @@ def gmm_fp8_blockwise(aq_MC, sa, bq_GOC, sb, group_sizes_G, *, out_dtype=jnp.bfl
         )
         def _scope(pipeline_allocs, out_smem, offset=None):
             wg = lax.axis_index("wg")
+            # This CTA's 128 rows of its cluster's 256-row tile (cluster=2).
+            cta_row = lax.axis_index("cluster") * cta_m if clustered else None
 
             @walk_row_tiles(num_tiles_ref[0], num_real_ref[0], n_bands, grid_tile_width, chain)
             def _tile(t, band, state):
                 group = group_ref[t]
-                row_start = pl.multiple_of(row_start_ref[t], cta_m)
+                row_start = row_start_ref[t] if cta_row is None else row_start_ref[t] + cta_row
+                row_start = pl.multiple_of(row_start, cta_m)
                 # This warpgroup's 64 x 128 part of the CTA tile.
                 wg_row = pl.multiple_of(row_start + wg * bm, bm) if by_rows else row_start
                 col0 = pl.multiple_of(band * cta_o + (0 if by_rows else wg * bo), bo)
@@ -492,7 +519,8 @@ def gmm_fp8_blockwise(aq_MC, sa, bq_GOC, sb, group_sizes_G, *, out_dtype=jnp.bfl
 
         plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
-    kernel = persistent_kernel(body, jax.ShapeDtypeStruct((m, o), out_dtype), sms, name="gmm_fp8")
+    kernel = persistent_kernel(body, jax.ShapeDtypeStruct((m, o), out_dtype), sms, name="gmm_fp8",
+                               cluster=cluster)
     return kernel(sched.group_T, sched.row_start_T, sched.store_lo_T, sched.store_hi_T,
                   sched.num_tiles, num_real_tiles(sched, chain), aq_MC, sa, bq_GOC, sb)
 

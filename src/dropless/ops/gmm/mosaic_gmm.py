@@ -59,11 +59,16 @@ def num_sms(device=None):
     return int(getattr(device, "core_count", 0) or 1)
 
 
-def persistent_kernel(body, out_type, sms=None, *, name):
+def persistent_kernel(body, out_type, sms=None, *, name, cluster=1):
     """``body`` as a persistent, warp-specialised kernel: one CTA per SM (``sms``
     or the device's count), three warpgroups ``wg`` (0, 1 compute; 2 TMA), warpgroup
     lowering. Every kernel of this package has this shape. ``name`` names the CUDA
     kernel (``<name>_mosaic_gpu_kernel``), so a profile tells the kernels apart.
+
+    ``cluster=2``: the CTAs run in clusters of two (axis ``"cluster"``), and the grid
+    axis ``"sm"`` counts clusters (``sms // 2`` of them): the two CTAs of a cluster
+    see the same ``"sm"`` index, so a walk over ``"sm"`` gives both the same tiles
+    (``mosaic_fp8.gmm_fp8_blockwise``'s multicast of the shared weight tile).
 
     Returns ``call(*operands)``. Inside ``shard_map`` (the MoE layer's experts run
     there) the output varies over the mesh axes its operands vary over
@@ -71,12 +76,17 @@ def persistent_kernel(body, out_type, sms=None, *, name):
     of expert parallelism fail to type-check.
     """
 
+    if cluster not in (1, 2):
+        raise ValueError(f"{name}: {cluster=} must be 1 or 2")
+
     def call(*operands):
+        clusters = (sms or num_sms()) // cluster
         out = plgpu.kernel(
             body,
             out_type=out_type,
-            grid=(sms or num_sms(),),
+            grid=(clusters,),
             grid_names=("sm",),
+            **(dict(cluster=(cluster,), cluster_names=("cluster",)) if cluster > 1 else {}),
             num_threads=3,
             thread_name="wg",
             kernel_name=name,
