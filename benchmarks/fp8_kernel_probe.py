@@ -110,15 +110,6 @@ WGRAD_VARIANTS = {
     "wgrad_rows_overlap_sorted_chain_prefetch": dict(split="rows", overlap=True,
                                                      tile_order="sorted_snake", chain=True,
                                                      prefetch=True),
-    # the product scaled by its column scales after the wgmma, then one FFMA by its row
-    # scales under the next (two float32 operations per element against the outer
-    # product's three), with the scale reads fenced per thread (no warpgroup barrier);
-    # and the default's promotion with that fence, its same-process reference
-    "wgrad_rows_overlap_sorted_chain_factored": dict(split="rows", overlap=True,
-                                                     tile_order="sorted_snake", chain=True,
-                                                     scale_fence="thread", promote="factored"),
-    "wgrad_rows_overlap_sorted_chain_factored_commit": dict(
-        split="rows", overlap=True, tile_order="sorted_snake", chain=True, promote="factored"),
     # a pipeline per output tile (the default until 2026-12-03)
     "wgrad_rows_overlap_sorted": dict(split="rows", overlap=True, tile_order="sorted_snake",
                                       chain=False),

@@ -199,10 +199,9 @@ def test_wgrad_tile_orders_lower_for_cuda_at_a_qwen3_shape():
     per group than SMs: where the order matters), as training runs it (defaults, bf16
     output): the default ``"sorted_snake"`` with its on-device group order and snake
     loop, and the round robin ``"groups"``; the default with the group data read ahead
-    (``prefetch``), and with the factored promotion (``promote``); an unknown order is
-    refused."""
+    (``prefetch``); an unknown order is refused."""
     fn, args = _lowering_args("wgrad", 65536, 768, 2048, 128)
-    for kw in ({}, {"prefetch": True}, {"promote": "factored", "scale_fence": "thread"}):
+    for kw in ({}, {"prefetch": True}):
         exported = jax.export.export(jax.jit(lambda *a, kw=kw: fn(*a, sms=132, **kw)),
                                      platforms=["cuda"])(*args)
         assert "mosaic_gpu" in exported.mlir_module()
@@ -543,24 +542,6 @@ def test_interpret_wgrad_prefetch_equals_the_plain_walk_bit_for_bit(rng, order):
                             tile_order=order, out_dtype=jnp.bfloat16)
     got = _same_bits_without_races(lambda: run(prefetch=True), lambda: run(prefetch=False))
     assert not np.isnan(np.asarray(got, np.float32)).any()
-
-
-@pytest.mark.parametrize("overlap", [True, pytest.param(False, marks=slow)])
-def test_interpret_wgrad_factored_promotion_equals_the_outer_product_bit_for_bit(rng, overlap):
-    """``promote="factored"``: each step's product times its column scales, then one
-    multiply-add by its row scales, against the default's scale outer product. The
-    scales are powers of two, so each product by them is exact and both sum the same
-    values in the same order: the same bits (race detector on; with ``commit_smem``'s
-    fence: the per-thread one it is timed with is inline PTX, which the interpreter
-    cannot run, and it changes no value): the chained schedule case, 3 CTAs, 5 rounds,
-    empty groups, tiles of 1, 2 and 3 steps, a NaN tail; an unknown form is refused."""
-    ops, gs = _schedule_wgrad_case(rng)
-    run = functools.partial(mosaic_fp8_tgmm.tgmm_fp8_blockwise, *ops, gs, sms=3, num_stages=3,
-                            overlap=overlap)
-    got = _same_bits_without_races(lambda: run(promote="factored"), lambda: run(promote="outer"))
-    assert not np.isnan(np.asarray(got)).any()
-    with pytest.raises(ValueError, match="promote='lazy' must be one of"):
-        mosaic_fp8_tgmm.tgmm_fp8_blockwise(*ops, gs, promote="lazy")
 
 
 def test_interpret_wgrad_tile_orders_agree_bit_for_bit(rng):
@@ -918,19 +899,6 @@ def test_gpu_wgrad_batched_epilogue_equals_the_chunks_bit_for_bit(rng, out_dtype
         *ops, gs, out_dtype=out_dtype, **kw).astype(jnp.float32))
     np.testing.assert_array_equal(run(ops, epilogue="batched"), run(ops, epilogue="chunks"))
     _assert_wgrad_exact_on_integer_data(rng, epilogue="batched")
-
-
-@gpu_test
-def test_gpu_wgrad_factored_promotion_equals_the_outer_product_bit_for_bit(rng):
-    """``promote="factored"`` on the hardware (ptxas may contract the row scale's multiply
-    and the add into one FFMA, which rounds once, as the add alone does since the product
-    is exact): the outer product's bits on random data with a NaN tail, with either scale
-    fence, and the exact product on integer-exact data."""
-    ops, gs = _wgrad_inputs(rng, lambda r, s: _scaled(r, s, (0, 1)))
-    for fence in ("commit", "thread"):
-        np.testing.assert_array_equal(
-            _run_wgrad(ops, gs, promote="factored", scale_fence=fence), _run_wgrad(ops, gs))
-    _assert_wgrad_exact_on_integer_data(rng, promote="factored", scale_fence="thread")
 
 
 @gpu_test

@@ -115,9 +115,14 @@ forward and 0.91-0.93x dgrad at both DeepSeek-V3 shapes, same bits
 Timed on the H200 and left opt-in, same bits (``fp8_kernels-s5-early-stagger-fence-
 20261204-102810``, K=7168 N=4096 G=32, fwd / dgrad TF/s against the default's 1,176 /
 1,154): five stages (``num_stages=5``, they fit in the rows split) 1,088 / 1,106,
-``early_release`` 1,153 / 1,127, ``stagger`` 1,144 / 1,121. Not yet timed:
-``epilogue="batched"``. Open: cluster multicast of the b tile (DeepGEMM's 2-CTA
-clusters).
+``early_release`` 1,153 / 1,127, ``stagger`` 1,144 / 1,121. ``epilogue="batched"`` ran even (1,214 / 1,185 against
+1,216 / 1,188, ``fp8_kernels-fwd-batched-wgrad-prefetch-k7168-n4096-20261204-124244``).
+``cluster=2`` (CTA pairs with the weight tile multicast, as DeepGEMM's 2-CTA
+clusters) gave the same bits and no gain: fwd / dgrad 1,178 / 1,179 against
+1,205 / 1,182 at K=7168 N=4096, 1,082 / 1,154 against 1,085 / 1,181 at K=2048
+N=7168, 0.95-0.97x under Dirichlet(0.3) and at G=256
+(``fp8_kernels-fwd-cluster-*-20261204-16*``): the weight tile's L2 traffic is not
+what holds these kernels back.
 """
 
 import functools
@@ -236,7 +241,8 @@ def gmm_fp8_blockwise(aq_MC, sa, bq_GOC, sb, group_sizes_G, *, out_dtype=jnp.bfl
     no per-step hand-over to pay; whether they stay apart is what the hardware
     says.
 
-    ``cluster=2`` (opt-in, ``split="rows"`` per-tile pipelines only): the CTAs run in
+    ``cluster=2`` (opt-in; measured 0.95-1.00x on the H200, module docstring;
+    ``split="rows"`` per-tile pipelines only): the CTAs run in
     pairs (``persistent_kernel``'s clusters), each pair on 256-row tiles of the
     schedule, each CTA on its 128 rows of one, and the pair's shared weight tile is
     loaded once for both: each CTA's TMA fetches half of it and multicasts it into

@@ -130,8 +130,11 @@ page (``kernel_anatomy-20261203-222102``) puts the difference before the next
 wgmma: the scale loads (``LDS``, waiting on the shared-memory queue), then the
 proxy fence after them and the warpgroup's ``BAR.SYNC``, about 26% of the samples
 against about 7% in the outer product's page. Since the scale reads can be fenced
-per thread without that barrier (``scale_fence="thread"``), the factored form is
-back as an option (``promote="factored"``), off until timed with that fence.
+per thread without that barrier (``scale_fence="thread"``), the factored form was
+tried again with that fence and lost again, against the default with the same fence
+in the same process: 0.99x / 0.97x (float32 / bf16 out) at K=7168 N=4096 G=32, 0.98x /
+0.97x at K=2048 N=7168, 0.81x / 0.95x at G=256
+(``fp8_kernels-wgrad-factored-*-20261204-15*``), so it was removed.
 """
 
 import functools
@@ -166,16 +169,6 @@ SPLITS = ("columns", "rows")
 # 0.87x by kernel time at G=256 (416 against 476; equal by wall clock), so float32
 # keeps the chunks.
 EPILOGUES = ("auto", "chunks", "batched")
-# How a step's product is scaled into the sum. "outer" (the default): the scale outer
-# product sx[rows] (x) sdy[cols] formed under the wgmma, then ``part * scale`` after it
-# and ``total + pending`` under the next (three float32 operations per element).
-# "factored": ``part * sdy[cols]`` after the wgmma and ``pending * sx[rows] + total``
-# (one FFMA) under the next: two operations per element, the same bits (the scales are
-# powers of two, so every product by them is exact, short of leaving float32's normal range). Measured with ``commit_smem``'s
-# scale fence on 2026-12-03 it ran 0.89x (module docstring: the scale loads, the fence
-# and the warpgroup barrier before the next wgmma); with the fence per thread
-# (``scale_fence="thread"``, no barrier) it is opt-in until timed.
-PROMOTES = ("outer", "factored")
 
 
 def check_shapes(xq_KM, sx, dyq_NM, sdy, group_sizes_G):
@@ -206,8 +199,7 @@ def check_shapes(xq_KM, sx, dyq_NM, sdy, group_sizes_G):
 
 def tgmm_fp8_blockwise(xq_KM, sx, dyq_NM, sdy, group_sizes_G, *, out_dtype=jnp.float32,
                        num_stages=4, sms=None, split="rows", overlap=True, tile_order="sorted_snake",
-                       chain=True, scale_fence="commit", epilogue="auto", prefetch=False,
-                       promote="outer"):
+                       chain=True, scale_fence="commit", epilogue="auto", prefetch=False):
     """dw [G, K, N] = per-group blockwise-scaled x^T dy; zeros for empty groups.
 
     See the module docstring for the operand layouts. ``split`` (``SPLITS``),
@@ -218,7 +210,6 @@ def tgmm_fp8_blockwise(xq_KM, sx, dyq_NM, sdy, group_sizes_G, *, out_dtype=jnp.f
     ``"auto"`` batches 2-byte outputs, which ran 1.00-1.04x on the H200),
     ``prefetch`` (with ``chain``: each tile's group data read rounds ahead,
     ``mosaic_gmm.walk_tiles_prefetched``; opt-in until timed),
-    ``promote`` (``PROMOTES``: how each step's product is scaled into the sum),
     ``scale_fence`` (``mosaic_fp8.SCALE_FENCES``: the scale reads' proxy fence with
     ``commit_smem``'s warpgroup barrier, or per thread alone, as the forward's
     default since 2026-12-04; here even on the H200, 828 against 830 TF/s with float32
@@ -235,14 +226,12 @@ def tgmm_fp8_blockwise(xq_KM, sx, dyq_NM, sdy, group_sizes_G, *, out_dtype=jnp.f
 
     Raises:
       ValueError: shapes or dtypes the kernel cannot take (``check_shapes``), an
-        unknown ``split``, ``tile_order``, ``scale_fence``, ``epilogue`` or ``promote``.
+        unknown ``split``, ``tile_order``, ``scale_fence`` or ``epilogue``.
     """
     m, k, n = check_shapes(xq_KM, sx, dyq_NM, sdy, group_sizes_G)
     scale_fence = resolve_scale_fence(scale_fence, "mosaic fp8 tgmm")
     if epilogue not in EPILOGUES:
         raise ValueError(f"mosaic fp8 tgmm: {epilogue=} must be one of {EPILOGUES}")
-    if promote not in PROMOTES:
-        raise ValueError(f"mosaic fp8 tgmm: {promote=} must be one of {PROMOTES}")
     num_groups = group_sizes_G.shape[0]
     out_dtype = jnp.dtype(out_dtype)
     if epilogue == "auto":
@@ -335,8 +324,6 @@ def tgmm_fp8_blockwise(xq_KM, sx, dyq_NM, sdy, group_sizes_G, *, out_dtype=jnp.f
                 return acc_ref[...]
 
             part = pl.run_scoped(m_step, plgpu.ACC((bk, bn), jnp.float32))
-            if promote == "factored":
-                return total + (part * cols_bcast(col_scale)) * rows_bcast(row_scale)
             return total + part * outer(row_scale, col_scale)
 
         def mma_body_overlap(_, x_smem, dy_smem, sx_smem, sdy_smem, carry):
@@ -356,26 +343,6 @@ def tgmm_fp8_blockwise(xq_KM, sx, dyq_NM, sdy, group_sizes_G, *, out_dtype=jnp.f
 
             return pl.run_scoped(m_step, plgpu.ACC((bk, bn), jnp.float32))
 
-        def mma_body_overlap_factored(_, x_smem, dy_smem, sx_smem, sdy_smem, carry):
-            # carry: the running sum, the previous step's product scaled by its column
-            # scales, and its row scales: their multiply-add runs under this step's wgmma.
-            total, pending, pending_rows = carry
-            lhs, rhs, rows, cols = operands(x_smem, dy_smem, sx_smem, sdy_smem)
-
-            def m_step(acc_ref):
-                plgpu.wgmma(acc_ref, lhs, rhs)
-                total_next = total + pending * rows_bcast(pending_rows)
-                row_scale, col_scale = load_scale(rows, cols)
-                plgpu.wgmma_wait(0)
-                return total_next, acc_ref[...] * cols_bcast(col_scale), row_scale
-
-            return pl.run_scoped(m_step, plgpu.ACC((bk, bn), jnp.float32))
-
-        if overlap and promote == "factored":  # the first step adds 0 * 0 to the zero sum
-            zero_rows = lambda: plgpu.layout_cast(  # noqa: E731
-                jnp.zeros((bk,), jnp.float32), plgpu.Layout.WGMMA.reduce(1))
-            return (mma_body_overlap_factored, lambda: (zeros(), zeros(), zero_rows()),
-                    lambda c: c[0] + c[1] * rows_bcast(c[2]))
         if overlap:  # the last step's product is still pending
             return mma_body_overlap, lambda: (zeros(), zeros()), lambda c: c[0] + c[1]
         return mma_body, zeros, lambda total: total
