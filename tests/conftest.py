@@ -24,6 +24,10 @@ executable the compile would have made. Entries are written without a lock;
 one read while another process is still writing it fails to decompress, and
 JAX then warns and compiles.
 
+The longest test files (``LONG_FIRST``, each 25-150 s on a two-core host, 2026-12-04)
+are collected first: with ``-n 2 --dist worksteal`` (``make test``) a 150 s test
+that starts late runs alone after the other worker has finished.
+
 ``fake_nvml`` stands in for NVML (``dropless.perf.clocks``' reader), which needs an
 NVIDIA driver: readings as scripted, for the clock sampler, the benchmarks' records
 and the training loop's rows.
@@ -101,3 +105,20 @@ def fake_nvml():
             self.closed = True
 
     return FakeNvml
+
+
+# Slowest first (seconds per file on a two-core host at c46f429, from --durations):
+# the multi-device suite 149, two processes training 76, the benchmarks' CPU smoke 65,
+# the quantizer sweep's smoke 31, FP8 training against bf16 26.
+LONG_FIRST = (
+    "tests/parallel/test_multidevice.py",
+    "tests/parallel/test_multiprocess_train.py",
+    "tests/perf/test_bench.py",
+    "tests/perf/test_fp8_quant_columns_sweep.py",
+    "tests/train/test_fp8_training.py",
+)
+
+
+def pytest_collection_modifyitems(config, items):
+    """Run the ``LONG_FIRST`` files first (module docstring); otherwise keep the order."""
+    items.sort(key=lambda item: not item.nodeid.startswith(LONG_FIRST))

@@ -253,8 +253,9 @@ def gmm_fp8_blockwise(aq_MC, sa, bq_GOC, sb, group_sizes_G, *, out_dtype=jnp.bfl
     per-CTA kernel's, so the bits are the same. The cost: a 256-row tile that holds
     a group boundary is visited once per group, as a 128-row one is, and a CTA whose
     128 rows lie outside the visited group computes them and stores nothing; with
-    groups padded to 128 rows that is one extra 128-row tile of work for each group
-    whose row count is an odd multiple of 128.
+    groups padded to 128 rows, each group boundary that falls at an odd multiple of
+    128 rows costs two 128-row tiles of extra work (the pair tile visited twice,
+    half of each visit wasted).
 
     ``early_release`` (opt-in; the plain step only): each compute warpgroup hands
     a step's shared-memory slot back to the memory warpgroup as soon as its wgmma
