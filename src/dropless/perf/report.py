@@ -42,9 +42,12 @@ Record fields read (aliases accepted, so the benchmarks' own formats work):
   case over all single runs.
 - **fp8_kernels** (``benchmarks/fp8_kernel_probe.py``): ``rows`` of ``variant``,
   ``product`` (fwd | dgrad | wgrad), ``kernel_ms``, ``wall_ms``, ``tflops_kernel``,
-  ``tflops_wall``, or a bit-for-bit check (``bitwise_equal_to``, ``equal``). The
-  newest record timing the products and the newest wgrad variant sweep render
-  (``fp8_kernels_variant``); the headline quotes the default variants.
+  ``tflops_wall``, or a bit-for-bit check (``bitwise_equal_to``, ``equal``), and with
+  ``--sustain`` a second timing of each job (``sustained``). The newest record of each
+  scope renders (``fp8_kernels_variant``: the products, a wgrad variant sweep, or a
+  sustained run, each per shape and layout); the headlines quote the default variants,
+  against the issue's targets at its shapes only, and a sustained run's loaded rows
+  beside their short runs.
 - **gmm_tile_probe** (``benchmarks/gmm_tile_probe.py``): ``rows`` per (``shape``,
   ``layout``, ``product``, ``tiling``) with ``tiles``, ``overhead``, ``kernel_ms``,
   ``wall_ms``, ``tflops_kernel``, ``tflops_wall``, ``vs_dense``, ``equal`` (or

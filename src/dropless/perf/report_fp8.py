@@ -1,6 +1,7 @@
 """The FP8 sections of ``benchmarks/RESULTS.md``: the grouped GEMM kernels alone
-(``benchmarks/fp8_kernel_probe.py``: the newest run of all products and the newest wgrad
-variant sweep, ``fp8_kernels_variant``), the quantization passes and the kernel path's
+(``benchmarks/fp8_kernel_probe.py``: the newest run of all products, of a wgrad variant
+sweep and of a ``--sustain`` run, each per shape and layout, ``fp8_kernels_variant``), the
+quantization passes and the kernel path's
 products (``benchmarks/fp8_quant.py``), and the dense matmuls in bf16 against FP8
 (``benchmarks/fp8_dense.py``).
 """
@@ -14,8 +15,11 @@ FP8_TARGETS = {"fwd": 1250.0, "dgrad": 1250.0, "wgrad": 1100.0}  # TF/s, kernels
 # gmm_fp8_blockwise split rows, grid tile width 8, 4 stages; tgmm_fp8_blockwise split
 # rows with overlap since ba9c7f3 (split columns, no overlap before), in the sorted_snake
 # tile order since 2026-12-02 (the probe's ``wgrad_rows_overlap`` is now the flat round
-# robin; the probe's float32 output; training writes the layer's dtype, the ``_bf16`` rows).
-DEFAULT_VARIANTS = {"fwd": "rows_gtw8", "dgrad": "rows_gtw8", "wgrad": "wgrad_rows_overlap_sorted"}
+# robin), its tiles chained since 2026-12-03 (``wgrad_rows_overlap_sorted`` before, now
+# the per-tile pipelines); the probe's float32 output; training writes the layer's dtype,
+# the ``_bf16`` rows.
+DEFAULT_VARIANTS = {"fwd": "rows_gtw8", "dgrad": "rows_gtw8",
+                    "wgrad": "wgrad_rows_overlap_sorted_chain"}
 # The probe's default shape: a sweep at another shape or layout is its own variant, so a
 # Qwen3 or skewed sweep does not replace the DeepSeek one.
 DEEPSEEK_SWEEP_SHAPE = (65536, 32, 7168, 4096)
@@ -36,18 +40,49 @@ def fp8_kernel_rows(record: dict) -> list[dict]:
 
 
 def fp8_kernels_variant(record: dict) -> str:
-    """What an ``fp8_kernels`` record times: "wgrad sweep" when its rows are all wgrad
-    variants (the probe run with ``--variants=``), else "products" (fwd and dgrad, with
-    wgrad unless ``--wgrad-variants=``)."""
-    products = {r.get("product") for r in record.get("rows", [])}
-    if products != {"wgrad"}:
-        return "products"
+    """What an ``fp8_kernels`` record times: "sustained" when it has ``--sustain`` rows
+    (each job timed again after running back to back), else "wgrad sweep" when its rows
+    are all wgrad variants (the probe run with ``--variants=``), else "products" (fwd and
+    dgrad, with wgrad unless ``--wgrad-variants=``). A sustained run or a sweep at
+    another shape or layout than the probe's default names it."""
+    rows = record.get("rows", [])
+    if any(r.get("sustained") for r in rows):
+        return "sustained" + _shape_suffix(record)
+    if {r.get("product") for r in rows} != {"wgrad"}:
+        return "products" + _shape_suffix(record)
+    return "wgrad sweep" + _shape_suffix(record)
+
+
+def _at_target_shape(record: dict) -> bool:
+    """Whether the issue's kernel targets (``FP8_TARGETS``) are set at the record's shape:
+    M=65536, G=32 or 256, DeepSeek-V3's K=7168 N=4096 or K=2048 N=7168 (or no shape given)."""
+    cfg = record.get("config") or {}
+    shape = tuple(cfg.get(k) for k in ("M", "G", "K", "N"))
+    return shape == (None,) * 4 or (shape[0] == 65536 and shape[1] in (32, 256)
+                                    and shape[2:] in ((7168, 4096), (2048, 7168)))
+
+
+def _shape_suffix(record: dict) -> str:
+    """"" at the probe's default shape and layout, else " M=.. G=.. K=.. N=.. layout"."""
     cfg = record.get("config") or {}
     shape = tuple(cfg.get(k) for k in ("M", "G", "K", "N"))
     layout = cfg.get("layout", "balanced")
     if shape in (DEEPSEEK_SWEEP_SHAPE, (None,) * 4) and layout == "balanced":
-        return "wgrad sweep"
-    return "wgrad sweep " + " ".join(f"{k}={v}" for k, v in zip("MGKN", shape)) + f" {layout}"
+        return ""
+    return " " + " ".join(f"{k}={v}" for k, v in zip("MGKN", shape)) + f" {layout}"
+
+
+def sustained_pairs(record: dict) -> list[tuple[dict, dict]]:
+    """(short-run row, sustained row) of each job a ``--sustain`` record timed twice."""
+    short = {(r["variant"], r["product"]): r for r in fp8_kernel_rows(record)}
+    return [(short[key], r) for r in record.get("rows", [])
+            if r.get("sustained") and r.get("tflops_kernel")
+            and (key := (r["variant"], r["product"])) in short]
+
+
+def _mhz(row: dict):
+    """The median SM clock NVML sampled while the row was timed, if it was."""
+    return (row.get("gpu_clocks") or {}).get("sm_mhz_median")
 
 
 def fp8_kernels_headline(variant: str, record: dict) -> list[str]:
@@ -58,6 +93,20 @@ def fp8_kernels_headline(variant: str, record: dict) -> list[str]:
     each named.
     """
     rows = fp8_kernel_rows(record)
+    if variant.startswith("sustained"):
+        pairs = [(a, b) for a, b in sustained_pairs(record)
+                 if a["variant"] == DEFAULT_VARIANTS.get(a["product"])]
+        if not pairs:
+            return []
+        seconds = (record.get("config") or {}).get("sustain_s")
+        after = f"after {seconds:g} s back to back" if seconds else "run back to back"
+        return [f"FP8 kernels under load{variant.removeprefix('sustained')} (CUPTI, default "
+                f"variants, {after}): " + ", ".join(
+                    f"{a['product']} {b['tflops_kernel']:.0f} TF/s"
+                    + (f" at {_mhz(b):.0f} MHz" if _mhz(b) else "")
+                    + f", {_ratio(b['tflops_kernel'], a['tflops_kernel'])} its short run's "
+                    f"{a['tflops_kernel']:.0f}" + (f" at {_mhz(a):.0f} MHz" if _mhz(a) else "")
+                    for a, b in pairs)]
     if variant.startswith("wgrad sweep"):
         timed = [r for r in rows if r["product"] == "wgrad"]
         if not timed:
@@ -76,33 +125,64 @@ def fp8_kernels_headline(variant: str, record: dict) -> list[str]:
         return [f"FP8 wgrad variant sweep{at} (CUPTI): " + ", ".join(
             f"{which} {r['variant']} {r['tflops_kernel']:.0f} TF/s" for which, r in quoted) + target]
     quoted = []
+    targets = _at_target_shape(record)
     for product, name in DEFAULT_VARIANTS.items():
         timed = [r for r in rows if r["product"] == product]
         if not timed:
             continue
         row = next((r for r in timed if r["variant"] == name), None)
-        why = "" if row else f"; the best timed, the default {name} was not"
+        why = "" if row else f"the best timed, the default {name} was not"
         row = row or max(timed, key=lambda r: r["tflops_kernel"])
-        quoted.append(f"{product} {row['variant']} {row['tflops_kernel']:.0f} TF/s "
-                      f"(target {FP8_TARGETS[product]:.0f}{why})")
-    return ["FP8 kernels alone (CUPTI, default variants): " + ", ".join(quoted)] if quoted else []
+        notes = [f"target {FP8_TARGETS[product]:.0f}"] if targets else []
+        notes += [why] if why else []
+        quoted.append(f"{product} {row['variant']} {row['tflops_kernel']:.0f} TF/s"
+                      + (f" ({'; '.join(notes)})" if notes else ""))
+    at = _shape_suffix(record)
+    return ([f"FP8 kernels alone{at} (CUPTI, default variants): " + ", ".join(quoted)]
+            if quoted else [])
 
 
 def fp8_kernels_section(variants: dict, fig_dir: Path, md_dir: Path) -> str:
-    """Markdown for the FP8 kernels alone: the newest record timing the products (each
-    variant against the targets), then the newest wgrad variant sweep.
+    """Markdown for the FP8 kernels alone: the newest record timing the products at the
+    probe's default shape (each variant against the targets), then at each other shape
+    and layout, the newest sustained run of each, and the newest wgrad variant sweep of
+    each.
 
     Args:
       variants: ``fp8_kernels_variant`` -> (record, path).
     """
     parts = [f"## {TITLES['fp8_kernels']}"]
     if "products" in variants:
-        parts += [_source_line(*variants["products"]), "",
-                  "Default variants (the kernels' default arguments, which training uses): "
-                  + ", ".join(f"{p} `{v}`" for p, v in DEFAULT_VARIANTS.items())
-                  + "; training writes wgrad in the layer's dtype, so in bf16 it runs "
-                  f"`{DEFAULT_VARIANTS['wgrad']}_bf16`.", "",
-                  _fp8_kernel_table(variants["products"][0])]
+        parts += [_source_line(*variants["products"]), ""]
+    parts += ["Default variants (the kernels' default arguments, which training uses): "
+              + ", ".join(f"{p} `{v}`" for p, v in DEFAULT_VARIANTS.items())
+              + "; training writes wgrad in the layer's dtype, so in bf16 it runs "
+              f"`{DEFAULT_VARIANTS['wgrad']}_bf16`. Targets (issue 12) are set at M=65536, "
+              "G=32 and 256, K=7168 N=4096 and K=2048 N=7168."]
+    if "products" in variants:
+        parts += ["", _fp8_kernel_table(variants["products"][0])]
+    for name in sorted(v for v in variants if v.startswith("products ")):
+        record = variants[name][0]
+        parts += ["", "### Products" + name.removeprefix("products"),
+                  _source_line(*variants[name]), "",
+                  _fp8_kernel_table(record, targets=_at_target_shape(record))]
+    for name in sorted(v for v in variants if v.startswith("sustained")):
+        record = variants[name][0]
+        seconds = (record.get("config") or {}).get("sustain_s")
+        body = [[a["variant"], a["product"], _num(a["tflops_kernel"], ".0f"), _num(_mhz(a), ".0f"),
+                 _num(b["tflops_kernel"], ".0f"), _num(_mhz(b), ".0f"),
+                 _ratio(b["tflops_kernel"], a["tflops_kernel"])]
+                for a, b in sustained_pairs(record)]
+        parts += ["", "### Under load" + name.removeprefix("sustained"),
+                  _source_line(*variants[name]), "",
+                  "`benchmarks/fp8_kernel_probe.py --sustain SECONDS`: each kernel timed in a "
+                  "short run, then again after running back to back for "
+                  + (f"{seconds:g} s" if seconds else "a while")
+                  + " (where a training step runs, at the board's power limit); the SM clock "
+                  "is NVML's median over each timing.", "",
+                  md_table(["variant", "product", "short TF/s", "short MHz", "loaded TF/s",
+                            "loaded MHz", "loaded / short"], body, labels=2)
+                  if body else "_no sustained rows in the record_"]
     for name in sorted(v for v in variants if v.startswith("wgrad sweep")):
         title = "wgrad variant sweep" + name.removeprefix("wgrad sweep")
         parts += ["", f"### {title}", _source_line(*variants[name]), "",
