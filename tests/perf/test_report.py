@@ -830,3 +830,15 @@ def test_fp8_kernels_sustained_and_other_shapes_render_beside_the_default(tmp_pa
     assert "| rows_gtw8 | fwd | 1.000 | 1.100 | 1079 | 1029 | 1250: **not met** |" in section[g256_at:]
     assert "| rows_gtw8 | fwd | 1.000 | 1.100 | 1205 | 1155 | 1250: **not met** |" in section[:qwen_at]
 
+
+
+def test_fp8_kernels_wgrad_sweep_at_an_issue_shape_is_quoted_against_the_target():
+    """The issue sets the kernel targets at G=32 and 256 on both DeepSeek-V3 shapes: a wgrad
+    sweep at G=256 is quoted against them, as the default shape's is (a Qwen3 one is not:
+    ``test_fp8_kernels_sweeps_at_other_shapes_are_their_own_variant``)."""
+    sweep = fp8_kernels_record("2026-12-04T15:44:43+00:00", [
+        ("wgrad_rows_overlap_sorted_chain", "wgrad", 479.0)])
+    sweep["config"].update(G=256)
+    assert report.headlines("fp8_kernels", sweep) == [
+        "FP8 wgrad variant sweep M=65536 G=256 K=7168 N=4096 balanced (CUPTI): default "
+        "wgrad_rows_overlap_sorted_chain 479 TF/s (target 1100)"]

@@ -119,9 +119,9 @@ def fp8_kernels_headline(variant: str, record: dict) -> list[str]:
         quoted = [(which, r) for which, r in (("default", default), ("bf16 output, as trained",
                                                                        trained), ("best", best))
                   if r]
-        # The target is the issue's, at DeepSeek-V3's shape: other sweeps are quoted bare.
+        # The target is the issue's, at its shapes (``_at_target_shape``): others quoted bare.
         at = variant.removeprefix("wgrad sweep")
-        target = "" if at else f" (target {FP8_TARGETS['wgrad']:.0f})"
+        target = f" (target {FP8_TARGETS['wgrad']:.0f})" if _at_target_shape(record) else ""
         return [f"FP8 wgrad variant sweep{at} (CUPTI): " + ", ".join(
             f"{which} {r['variant']} {r['tflops_kernel']:.0f} TF/s" for which, r in quoted) + target]
     quoted = []
@@ -189,7 +189,8 @@ def fp8_kernels_section(variants: dict, fig_dir: Path, md_dir: Path) -> str:
                   "`benchmarks/fp8_kernel_probe.py --variants=`: the wgrad kernel's variants "
                   "alone, each with float32 output and with bf16 (`_bf16`); "
                   f"`{DEFAULT_VARIANTS['wgrad']}` is the default.", "",
-                  _fp8_kernel_table(variants[name][0], targets=name == "wgrad sweep")]
+                  _fp8_kernel_table(variants[name][0],
+                                    targets=_at_target_shape(variants[name][0]))]
     return "\n".join(parts)
 
 
