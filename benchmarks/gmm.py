@@ -46,7 +46,6 @@ Pallas GPU interpret mode on CPU, to check this script without a GPU.
 """
 
 import argparse
-import contextlib
 import dataclasses
 import datetime
 import functools
@@ -443,12 +442,9 @@ def bench_shape(m, g, k, n, layouts, impls, tilings, args, record, save=lambda: 
     run cut off by its limit keeps the rows it finished. Each row has the GPU's clocks
     over its timings (``gpu_clocks``, ``perf.clocks``; ``clocks``: an entered sampler,
     default a fresh ``ClockSampler``)."""
-    with contextlib.ExitStack() as stack:
-        clocks = clocks or stack.enter_context(ClockSampler())
-        _bench_layouts(m, g, k, n, layouts, impls, tilings, args, record, save, clocks)
-
-
-def _bench_layouts(m, g, k, n, layouts, impls, tilings, args, record, save, clocks):
+    if clocks is None:
+        with ClockSampler() as sampler:
+            return bench_shape(m, g, k, n, layouts, impls, tilings, args, record, save, sampler)
     x, w, dy = random_inputs(m, g, k, n, seed=m + g + k + n)
     dense_ms, dense_wall_ms, dense8_ms = {}, {}, {}
     for layout in layouts:

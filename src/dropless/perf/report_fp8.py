@@ -53,20 +53,24 @@ def fp8_kernels_variant(record: dict) -> str:
     return "wgrad sweep" + _shape_suffix(record)
 
 
+def _shape(record: dict) -> tuple:
+    """The record's (M, G, K, N), None where its config lacks one."""
+    cfg = record.get("config") or {}
+    return tuple(cfg.get(k) for k in ("M", "G", "K", "N"))
+
+
 def _at_target_shape(record: dict) -> bool:
     """Whether the issue's kernel targets (``FP8_TARGETS``) are set at the record's shape:
     M=65536, G=32 or 256, DeepSeek-V3's K=7168 N=4096 or K=2048 N=7168 (or no shape given)."""
-    cfg = record.get("config") or {}
-    shape = tuple(cfg.get(k) for k in ("M", "G", "K", "N"))
+    shape = _shape(record)
     return shape == (None,) * 4 or (shape[0] == 65536 and shape[1] in (32, 256)
                                     and shape[2:] in ((7168, 4096), (2048, 7168)))
 
 
 def _shape_suffix(record: dict) -> str:
     """"" at the probe's default shape and layout, else " M=.. G=.. K=.. N=.. layout"."""
-    cfg = record.get("config") or {}
-    shape = tuple(cfg.get(k) for k in ("M", "G", "K", "N"))
-    layout = cfg.get("layout", "balanced")
+    shape = _shape(record)
+    layout = (record.get("config") or {}).get("layout", "balanced")
     if shape in (DEEPSEEK_SWEEP_SHAPE, (None,) * 4) and layout == "balanced":
         return ""
     return " " + " ".join(f"{k}={v}" for k, v in zip("MGKN", shape)) + f" {layout}"
