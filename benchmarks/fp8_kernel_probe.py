@@ -71,6 +71,8 @@ VARIANTS = {
     # the scales' proxy fence with commit_smem's warpgroup barrier, then also the
     # weight scales from global memory (the default until 2026-12-04)
     "rows_gtw8_commit": dict(split="rows", grid_tile_width=8, scale_fence="commit"),
+    # no fence: the slot's release barrier alone orders the scale reads (as DeepGEMM)
+    "rows_gtw8_nofence": dict(split="rows", grid_tile_width=8, scale_fence="none"),
     "rows_gtw8_gmem_commit": dict(split="rows", grid_tile_width=8, weight_scales="gmem",
                                   scale_fence="commit"),
     # five stages: the rows split's stage is 32.6 KiB, so five fit beside the epilogue
@@ -98,6 +100,10 @@ WGRAD_VARIANTS = {
     "wgrad_rows_overlap_sorted_chain_fence": dict(split="rows", overlap=True,
                                                   tile_order="sorted_snake", chain=True,
                                                   scale_fence="thread"),
+    # no fence and no warpgroup barrier: the slot's release barrier alone (as DeepGEMM)
+    "wgrad_rows_overlap_sorted_chain_nofence": dict(split="rows", overlap=True,
+                                                    tile_order="sorted_snake", chain=True,
+                                                    scale_fence="none"),
     # each output tile's two 64x64 chunks fenced and stored one by one (the default for
     # float32 output; for bf16 until 2026-12-04), or both under one fence (the bf16 default)
     "wgrad_rows_overlap_sorted_chain_chunks": dict(split="rows", overlap=True,

@@ -213,7 +213,8 @@ def tgmm_fp8_blockwise(xq_KM, sx, dyq_NM, sdy, group_sizes_G, *, out_dtype=jnp.f
     ``scale_fence`` (``mosaic_fp8.SCALE_FENCES``: the scale reads' proxy fence with
     ``commit_smem``'s warpgroup barrier, or per thread alone, as the forward's
     default since 2026-12-04; here even on the H200, 828 against 830 TF/s with float32
-    output, ``fp8_kernels-s5-early-stagger-fence-20261204-102810``, so it stays opt-in)
+    output, ``fp8_kernels-s5-early-stagger-fence-20261204-102810``, so it stays opt-in;
+    ``"none"``: no fence, as DeepGEMM, opt-in until timed: ``mosaic_fp8.gmm_fp8_blockwise``)
     and ``tile_order``
     (``mosaic_gmm.TILE_ORDERS``: which CTA computes which output tile,
     ``mosaic_gmm.walk_tiles``) change how the kernel runs, not its bits;
