@@ -381,13 +381,16 @@ TRACEBACK = "exit 1: Traceback (most recent call last):\n  File | x.py, line 1\n
 
 def test_step_variant():
     """Only cases with a TFLOPS result decide what a record compares."""
-    baselines = step_py_record("t", [("ours", 400.0, {}), ("xla", 50.0, {})])
+    baselines = step_py_record("t", [("ours", 400.0, {}), ("xla", 50.0, {}),
+                                     ("capacity", 250.0, {})])
+    xla_alone = step_py_record("t", [("ours", 400.0, {}), ("xla", 50.0, {})])
     failed_xla = step_py_record("t", [("ours", 400.0, {}), ("xla", "OOM", {})])
     fp8 = step_py_record("t", [("ours", 400.0, {}), ("ours_fp8kp", 420.0, {})])
     failed_fp8 = step_py_record("t", [("ours", 400.0, {}), ("ours_fp8kp", "boom", {})])
     qwen3 = step_py_record("t", [("qwen3-moe-proxy", 300.0, {})])
-    assert [report.step_variant(r) for r in (baselines, failed_xla, fp8, failed_fp8, qwen3)] == [
-        "baselines", "models", "fp8", "models", "models"]
+    assert [report.step_variant(r) for r in (baselines, xla_alone, failed_xla, fp8, failed_fp8,
+                                              qwen3)] == [
+        "baselines", "baselines xla", "models", "fp8", "models", "models"]
     assert report.step_variant(step_record()) == "baselines"  # role "baseline" given by the row
 
 
@@ -413,12 +416,17 @@ def test_step_variants_render(tmp_path):
         "step-e.json": step_py_record("2026-12-01T22:22:27", [("ours", 401.0, deepseek)]),
         "step-f.json": step_py_record("2026-12-01T22:23:47", [
             ("qwen3-moe-proxy", 318.0, {"config": {"model_name": "qwen3-moe-proxy"}})]),
+        # A newer run of the xla baseline alone (at batch 1) keeps a's table.
+        "step-g.json": step_py_record("2026-12-02T08:00:00", [
+            ("xla", 40.0, {"per_device_batch_size": 1.0}),
+            ("ours", 300.0, {"per_device_batch_size": 1.0})]),
     }
     for name, record in records.items():
         (d / name).write_text(json.dumps(record))
     newest = report.newest_records(d, log=lambda _: None)
     assert {k: p.name for k, (_, p) in newest.items()} == {
-        "step:baselines": "step-a.json", "step:fp8": "step-c.json", "step:models": "step-f.json"}
+        "step:baselines": "step-a.json", "step:baselines xla": "step-g.json",
+        "step:fp8": "step-c.json", "step:models": "step-f.json"}
     text = report.render(d, tmp_path / "R.md", log=lambda _: None).read_text()
     section = text[text.index("## Training step"):]
     # The baseline table, unchanged: ratios to the best baseline (capacity, 250).
@@ -426,6 +434,11 @@ def test_step_variants_render(tmp_path):
     assert "| capacity | baseline | 250.0 | 1.00x |" in section and "qwen3-moe-proxy | baseline" \
         not in section
     assert "](figures/step_tflops.png)" in section
+    # g's own table, after a's, its ratio to its own xla row.
+    assert section.index("### Ours against the baselines (capacity, xla)") < section.index(
+        "### Ours against the baselines (xla)")
+    assert "| ours | ours | 300.0 | 7.50x |" in section
+    assert "](figures/step_tflops_xla.png)" in section
     # FP8: the newest fp8 record (c), against its own ours (400, not b's 380 or a's).
     assert ("| ours_fp8kp | kernel | `te_gmm_quantization=te_fp8_blockwise` "
             "`gmm_fp8_impl=kernel` | 420.0 | 1.05x | 420,000 | 400.0 | 64.2 | 2 | - |") in section
@@ -440,7 +453,9 @@ def test_step_variants_render(tmp_path):
                                         "### Other models and single runs")]
     assert order == sorted(order)
     # Headlines, and the sources table's time from step.py's "time" field.
-    assert "- training step: ours 400 TFLOPS/device = 1.6x the best baseline" in text
+    assert ("- training step: ours 400 TFLOPS/device = 1.6x the best baseline (capacity, "
+            "batch 2, same run of 2026-11-29)") in text
+    assert "- training step: ours 300 TFLOPS/device = 7.5x the best baseline (xla, batch 1" in text
     assert "- training step, variant ours_fp8kp 420 TFLOPS/device = 1.05x ours (same run)" in text
     assert "qwen3-moe-proxy 318 TFLOPS" not in text
     assert "| step:models | `step-f.json` | NVIDIA H200 | 0.11.2 | `cccccccccccc` | " \

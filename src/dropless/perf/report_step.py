@@ -57,7 +57,8 @@ def _clock_note(clocks) -> str:
 
 def step_variant(record: dict) -> str:
     """What a step record compares, from its cases that have a TFLOPS result:
-    "baselines" (an ``xla`` or ``capacity`` case, or a row with role baseline),
+    "baselines" (``xla`` and ``capacity`` cases, or a row with role baseline; "baselines
+    xla" or "baselines capacity" where the run has only that one),
     "fp8" (``ours`` and ``ours_*`` cases: FP8 and other variants of ours in one run),
     "variants" (the same, where ``case_overrides`` shows that no ``ours_*`` case, failed
     ones included, sets a quantization key: ``scan_layers=true`` against ``ours``, say),
@@ -66,9 +67,11 @@ def step_variant(record: dict) -> str:
     or "variants <overrides>"."""
     rows = [r for r in step_rows(record) if r["tflops"]]
     names = {r["name"] for r in rows}
-    if names & set(STEP_BASELINES) or any(r["explicit_role"] and r["role"] == "baseline"
-                                          for r in rows):
-        return "baselines"
+    present = sorted(names & set(STEP_BASELINES))
+    if present or any(r["explicit_role"] and r["role"] == "baseline" for r in rows):
+        # A run of one baseline (the xla case needs batch 1, say) is its own variant, so
+        # the newest run of the other does not hide it.
+        return "baselines" + (f" {present[0]}" if len(present) == 1 else "")
     if "ours" in names and any(n.startswith("ours_") for n in names):
         overrides = record.get("case_overrides") or {}
         variants = {r["name"] for r in step_rows(record) if r["name"].startswith("ours_")}
@@ -102,8 +105,8 @@ def step_section(variants: dict, fig_dir: Path, md_dir: Path, models=None) -> st
     if models is None and "models" in variants:
         models = [(*variants["models"], 0)]
     parts = [f"## {TITLES['step']}"]
-    if "baselines" in variants:
-        parts += ["", _step_baselines(*variants["baselines"], fig_dir, md_dir)]
+    for name in sorted(v for v in variants if v.split(" ")[0] == "baselines"):
+        parts += ["", _step_baselines(*variants[name], fig_dir, md_dir)]
     for kind, title in (("fp8", "FP8 and other variants of ours"),
                         ("variants", "Other variants of ours (same run)")):
         for name in sorted(v for v in variants if v.split(" ")[0] == kind):
@@ -121,13 +124,16 @@ def _step_baselines(record: dict, path: Path, fig_dir: Path, md_dir: Path) -> st
     body = [[r["name"], r["role"], _num(r["tflops"]), _ratio(r["tflops"], best),
              _num(r["tokens_per_s"], ",.0f"), _num(r["step_ms"], ".1f"), _num(r["memory"], ".1f"),
              _num(r["batch"], "g"), _cell(r["note"])] for r in rows]
-    parts = ["### Ours against the baselines", _source_line(record, path), ""]
+    names = ", ".join(r["name"] for r in rows if r["role"] != "ours")
+    parts = [f"### Ours against the baselines ({names or 'none'})", _source_line(record, path), ""]
     cfg = record.get("config") or {}
     if cfg:
         parts += ["Config: " + ", ".join(f"`{k}={v}`" for k, v in cfg.items()
                                           if not isinstance(v, (dict, list)))[:600], ""]
     if rows:
-        fig = _step_plot(rows, best, fig_dir / "step_tflops.png")
+        base_names = [r["name"] for r in rows if r["role"] != "ours"]
+        stem = "step_tflops" + (f"_{base_names[0]}" if len(base_names) == 1 else "")
+        fig = _step_plot(rows, best, fig_dir / f"{stem}.png")
         parts += [f"![training step TFLOPS/device]({os.path.relpath(fig, md_dir)})", ""]
     parts.append(md_table(["variant", "role", "TFLOPS/device", "vs best baseline", "tokens/s",
                            "step ms", "peak memory GiB", "batch/device", "note"], body, labels=2)
@@ -203,10 +209,14 @@ def step_headline(variant: str, record: dict) -> list[str]:
     """Baselines: ours against the best baseline; fp8 and variants: each ``ours_*`` case
     against the same run's ``ours``; models: none (rows of different runs)."""
     rows = step_rows(record)
-    if variant == "baselines":
-        best = max((r["tflops"] for r in rows if r["role"] != "ours" and r["tflops"]), default=None)
+    if variant.split(" ")[0] == "baselines":
+        date = str(record.get("time") or record.get("created") or "")[:10]
+        when = f" of {date}" if date else ""
+        best = max((r for r in rows if r["role"] != "ours" and r["tflops"]),
+                   key=lambda r: r["tflops"], default=None)
         return [f"training step: {r['name']} {r['tflops']:.0f} TFLOPS/device"
-                + (f" = {r['tflops'] / best:.1f}x the best baseline" if best else "")
+                + (f" = {r['tflops'] / best['tflops']:.1f}x the best baseline ({best['name']}, "
+                   f"batch {_num(best['batch'], 'g')}, same run{when})" if best else "")
                 for r in rows if r["role"] == "ours" and r["tflops"]]
     if variant.split(" ")[0] in ("fp8", "variants"):
         ours = next((r["tflops"] for r in rows if r["name"] == "ours"), None)
