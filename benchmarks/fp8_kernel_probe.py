@@ -71,6 +71,10 @@ VARIANTS = {
     # the scales' proxy fence with commit_smem's warpgroup barrier, then also the
     # weight scales from global memory (the default until 2026-12-04)
     "rows_gtw8_commit": dict(split="rows", grid_tile_width=8, scale_fence="commit"),
+    # each step as two 64x64 wgmmas, the first half promoted while the second runs
+    "rows_gtw8_halves": dict(split="rows", grid_tile_width=8, halves=True),
+    "rows_gtw8_halves_nofence": dict(split="rows", grid_tile_width=8, halves=True,
+                                     scale_fence="none"),
     # no fence: the slot's release barrier alone orders the scale reads (as DeepGEMM)
     "rows_gtw8_nofence": dict(split="rows", grid_tile_width=8, scale_fence="none"),
     "rows_gtw8_gmem_commit": dict(split="rows", grid_tile_width=8, weight_scales="gmem",
