@@ -104,6 +104,11 @@ WGRAD_VARIANTS = {
     "wgrad_rows_overlap_sorted_chain_fence": dict(split="rows", overlap=True,
                                                   tile_order="sorted_snake", chain=True,
                                                   scale_fence="thread"),
+    # the plain step as two 64x64 wgmmas, the first half promoted while the second runs
+    "wgrad_rows_halves_sorted_chain": dict(split="rows", overlap=False, tile_order="sorted_snake",
+                                           chain=True, halves=True),
+    "wgrad_rows_sorted_chain": dict(split="rows", overlap=False, tile_order="sorted_snake",
+                                    chain=True),
     # no fence and no warpgroup barrier: the slot's release barrier alone (as DeepGEMM)
     "wgrad_rows_overlap_sorted_chain_nofence": dict(split="rows", overlap=True,
                                                     tile_order="sorted_snake", chain=True,

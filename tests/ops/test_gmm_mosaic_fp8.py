@@ -549,6 +549,28 @@ def test_interpret_wgrad_batched_epilogue_equals_the_chunks_bit_for_bit(rng, out
         mosaic_fp8_tgmm.tgmm_fp8_blockwise(*ops, gs, epilogue="late")
 
 
+@pytest.mark.parametrize("split", ["rows", pytest.param("columns", marks=slow)])
+def test_interpret_wgrad_halves_equal_the_plain_step_bit_for_bit(rng, split):
+    """``halves=True`` (the plain step as two 64x64 wgmmas, the first half promoted
+    while the second runs) stores the plain step's bits, race detector on, over the
+    chained schedule case (3 CTAs, 5 rounds, empty groups' zero tiles, a NaN tail) and
+    per tile; it lowers for CUDA at a DeepSeek-V3 shape; with ``overlap`` it is refused.
+    The interpreter completes each wgmma when it is issued, so the wait for one group
+    is checked on the hardware."""
+    ops, gs = _schedule_wgrad_case(rng)
+    run = functools.partial(mosaic_fp8_tgmm.tgmm_fp8_blockwise, *ops, gs, sms=3, num_stages=3,
+                            out_dtype=jnp.bfloat16, split=split, overlap=False)
+    got = _same_bits_without_races(lambda: run(halves=True), run)
+    assert not np.isnan(np.asarray(got, np.float32)).any()
+    _same_bits_without_races(lambda: run(halves=True, chain=False), lambda: run(chain=False))
+    with pytest.raises(ValueError, match="halves=True takes the plain step"):
+        mosaic_fp8_tgmm.tgmm_fp8_blockwise(*ops, gs, halves=True)
+    fn, args = _lowering_args("wgrad", 65536, 7168, 4096, 32)
+    exported = jax.export.export(
+        jax.jit(lambda *a: fn(*a, sms=132, overlap=False, halves=True)), platforms=["cuda"])(*args)
+    assert "mosaic_gpu" in exported.mlir_module()
+
+
 @pytest.mark.parametrize("order", ["sorted_snake", pytest.param("groups", marks=slow)])
 def test_interpret_wgrad_prefetch_equals_the_plain_walk_bit_for_bit(rng, order):
     """``prefetch=True``: each tile's group index and step count read rounds ahead of
@@ -911,6 +933,20 @@ def _assert_wgrad_exact_on_integer_data(rng, **kw):
 WGRAD_CONFIGS = pytest.mark.parametrize(
     "split,overlap", [(s_, o_) for s_ in mosaic_fp8_tgmm.SPLITS for o_ in (True, False)],
     ids=lambda v: v if isinstance(v, str) else ("overlap" if v else "wait"))
+
+
+@gpu_test
+def test_gpu_wgrad_halves_equal_the_plain_step_bit_for_bit(rng):
+    """``halves=True`` on the hardware (the first half promoted while the second half's
+    wgmma is still in flight): the plain step's bits on random data with a NaN tail,
+    chained and per tile, in both splits, and the exact product on integer-exact data."""
+    ops, gs = _wgrad_inputs(rng, lambda r, s: _scaled(r, s, (0, 1)))
+    for split in mosaic_fp8_tgmm.SPLITS:
+        for chain in (True, False):
+            np.testing.assert_array_equal(
+                _run_wgrad(ops, gs, split=split, overlap=False, chain=chain, halves=True),
+                _run_wgrad(ops, gs, split=split, overlap=False, chain=chain))
+    _assert_wgrad_exact_on_integer_data(rng, overlap=False, halves=True)
 
 
 @gpu_test

@@ -199,7 +199,8 @@ def check_shapes(xq_KM, sx, dyq_NM, sdy, group_sizes_G):
 
 def tgmm_fp8_blockwise(xq_KM, sx, dyq_NM, sdy, group_sizes_G, *, out_dtype=jnp.float32,
                        num_stages=4, sms=None, split="rows", overlap=True, tile_order="sorted_snake",
-                       chain=True, scale_fence="commit", epilogue="auto", prefetch=False):
+                       chain=True, scale_fence="commit", epilogue="auto", prefetch=False,
+                       halves=False):
     """dw [G, K, N] = per-group blockwise-scaled x^T dy; zeros for empty groups.
 
     See the module docstring for the operand layouts. ``split`` (``SPLITS``),
@@ -210,6 +211,9 @@ def tgmm_fp8_blockwise(xq_KM, sx, dyq_NM, sdy, group_sizes_G, *, out_dtype=jnp.f
     ``"auto"`` batches 2-byte outputs, which ran 1.00-1.04x on the H200),
     ``prefetch`` (with ``chain``: each tile's group data read rounds ahead,
     ``mosaic_gmm.walk_tiles_prefetched``; opt-in until timed),
+    ``halves`` (the plain step only, ``overlap=False``; opt-in until timed: each step as
+    two 64x64 wgmmas, the first half promoted while the second runs, as the forward's
+    ``mosaic_fp8.gmm_fp8_blockwise(halves=True)``, whose docstring says why),
     ``scale_fence`` (``mosaic_fp8.SCALE_FENCES``: the scale reads' proxy fence with
     ``commit_smem``'s warpgroup barrier, or per thread alone, as the forward's
     default since 2026-12-04; here even on the H200, 828 against 830 TF/s with float32
@@ -227,10 +231,13 @@ def tgmm_fp8_blockwise(xq_KM, sx, dyq_NM, sdy, group_sizes_G, *, out_dtype=jnp.f
 
     Raises:
       ValueError: shapes or dtypes the kernel cannot take (``check_shapes``), an
-        unknown ``split``, ``tile_order``, ``scale_fence`` or ``epilogue``.
+        unknown ``split``, ``tile_order``, ``scale_fence`` or ``epilogue``, ``halves``
+        with ``overlap``.
     """
     m, k, n = check_shapes(xq_KM, sx, dyq_NM, sdy, group_sizes_G)
     scale_fence = resolve_scale_fence(scale_fence, "mosaic fp8 tgmm")
+    if halves and overlap:
+        raise ValueError("mosaic fp8 tgmm: halves=True takes the plain step (overlap=False)")
     if epilogue not in EPILOGUES:
         raise ValueError(f"mosaic fp8 tgmm: {epilogue=} must be one of {EPILOGUES}")
     num_groups = group_sizes_G.shape[0]
@@ -243,6 +250,7 @@ def tgmm_fp8_blockwise(xq_KM, sx, dyq_NM, sdy, group_sizes_G, *, out_dtype=jnp.f
     if split == "rows" and k % (2 * BLOCK_K):
         split = "columns"  # K = 64 (mod 128): only the 64-row CTA tile fits
     bk, bn, bm = BLOCK_K, BLOCK, BLOCK  # one warpgroup's tile: 64 (K) x 128 (N)
+    half = bn // 2  # each wgmma's columns with ``halves``
     by_rows = split == "rows"
     cta_k, cta_n = (2 * bk, bn) if by_rows else (bk, 2 * bn)
     k_tiles, n_bands = k // cta_k, n // cta_n
@@ -314,6 +322,32 @@ def tgmm_fp8_blockwise(xq_KM, sx, dyq_NM, sdy, group_sizes_G, *, out_dtype=jnp.f
         def outer(row_scale, col_scale):
             return rows_bcast(row_scale) * cols_bcast(col_scale)
 
+        def mma_body_halves(_, x_smem, dy_smem, sx_smem, sdy_smem, total):
+            lhs, _, rows, cols = operands(x_smem, dy_smem, sx_smem, sdy_smem)
+            first = 0 if by_rows else wg * bn
+            rhs = [dy_smem.at[pl.ds(first + h * half, half)].T for h in range(2)]
+            row_scale = plgpu.load(rows, layout=plgpu.Layout.WGMMA.reduce(1))
+            col_scales = [plgpu.load(cols.at[pl.ds(h * half, half)],
+                                     layout=plgpu.Layout.WGMMA.reduce(0)) for h in range(2)]
+            fence_scale_reads(scale_fence)
+
+            def scale(h):
+                return (lax.broadcast_in_dim(row_scale, (bk, half), (0,))
+                        * lax.broadcast_in_dim(col_scales[h], (bk, half), (1,)))
+
+            def m_halves(acc_lo, acc_hi):
+                plgpu.wgmma(acc_lo, lhs, rhs[0])
+                plgpu.wgmma(acc_hi, lhs, rhs[1])
+                # The first half's wgmma is done (one group left in flight).
+                part = plgpu.wgmma_accumulator_load(acc_lo, wait_n=1)
+                total_lo = total[:, :half] + part * scale(0)
+                part = plgpu.wgmma_accumulator_load(acc_hi, wait_n=0)
+                total_hi = total[:, half:] + part * scale(1)
+                return jnp.concatenate([total_lo, total_hi], axis=1)
+
+            return pl.run_scoped(m_halves, plgpu.ACC((bk, half), jnp.float32),
+                                 plgpu.ACC((bk, half), jnp.float32))
+
         def mma_body(_, x_smem, dy_smem, sx_smem, sdy_smem, total):
             lhs, rhs, rows, cols = operands(x_smem, dy_smem, sx_smem, sdy_smem)
             # Scales first: their loads overlap the wgmma.
@@ -346,7 +380,7 @@ def tgmm_fp8_blockwise(xq_KM, sx, dyq_NM, sdy, group_sizes_G, *, out_dtype=jnp.f
 
         if overlap:  # the last step's product is still pending
             return mma_body_overlap, lambda: (zeros(), zeros()), lambda c: c[0] + c[1]
-        return mma_body, zeros, lambda total: total
+        return mma_body_halves if halves else mma_body, zeros, lambda total: total
 
     def body(starts_ref, sizes_ref, *refs):
         *order_ref, x_gmem, sx_gmem, dy_gmem, sdy_gmem, o_gmem = refs  # order_ref: [] or [order]
