@@ -71,9 +71,11 @@ VARIANTS = {
     # the scales' proxy fence with commit_smem's warpgroup barrier, then also the
     # weight scales from global memory (the default until 2026-12-04)
     "rows_gtw8_commit": dict(split="rows", grid_tile_width=8, scale_fence="commit"),
-    # each step as two 64x64 wgmmas, the first half promoted while the second runs
-    "rows_gtw8_halves": dict(split="rows", grid_tile_width=8, halves=True),
-    "rows_gtw8_halves_nofence": dict(split="rows", grid_tile_width=8, halves=True,
+    # each step as 2 (4) wgmmas over 64 (32) columns, each slice promoted while the
+    # later ones run
+    "rows_gtw8_halves": dict(split="rows", grid_tile_width=8, parts=2),
+    "rows_gtw8_quarters": dict(split="rows", grid_tile_width=8, parts=4),
+    "rows_gtw8_halves_nofence": dict(split="rows", grid_tile_width=8, parts=2,
                                      scale_fence="none"),
     # no fence: the slot's release barrier alone orders the scale reads (as DeepGEMM)
     "rows_gtw8_nofence": dict(split="rows", grid_tile_width=8, scale_fence="none"),
@@ -104,9 +106,12 @@ WGRAD_VARIANTS = {
     "wgrad_rows_overlap_sorted_chain_fence": dict(split="rows", overlap=True,
                                                   tile_order="sorted_snake", chain=True,
                                                   scale_fence="thread"),
-    # the plain step as two 64x64 wgmmas, the first half promoted while the second runs
+    # the plain step as 2 (4) wgmmas over 64 (32) columns, each slice promoted while the
+    # later ones run
     "wgrad_rows_halves_sorted_chain": dict(split="rows", overlap=False, tile_order="sorted_snake",
-                                           chain=True, halves=True),
+                                           chain=True, parts=2),
+    "wgrad_rows_quarters_sorted_chain": dict(split="rows", overlap=False,
+                                             tile_order="sorted_snake", chain=True, parts=4),
     "wgrad_rows_sorted_chain": dict(split="rows", overlap=False, tile_order="sorted_snake",
                                     chain=True),
     # no fence and no warpgroup barrier: the slot's release barrier alone (as DeepGEMM)

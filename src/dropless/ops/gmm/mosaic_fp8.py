@@ -151,6 +151,7 @@ SCALE_FENCES = ("auto", "commit", "thread", "none")  # how a step fences its sca
 # barrier per 64x64 chunk (the default), or both chunks under one fence ("batched",
 # opt-in until timed; the wgrad's batched epilogue ran 1.00-1.04x, ``mosaic_fp8_tgmm``).
 EPILOGUES = ("chunks", "batched")
+PARTS = (1, 2, 4)  # wgmmas per warpgroup step, each over 128 / parts columns (``parts``)
 _SCALE_WINDOW = 32  # weight-scale columns per step's TMA row with weight_scales="smem"
 _MEMORY_REGISTERS = 40
 
@@ -191,6 +192,12 @@ def fence_scale_reads(scale_fence):
         plgpu.commit_smem()
 
 
+def check_parts(parts, who):
+    """Raise ValueError unless ``parts`` is one of ``PARTS``."""
+    if parts not in PARTS:
+        raise ValueError(f"{who}: {parts=} must be one of {PARTS}")
+
+
 def _swizzle_transforms(minor_elems, dtype):
     swizzle = plgpu.find_swizzle(minor_elems * jnp.dtype(dtype).itemsize * 8)
     swizzle_elems = swizzle // jnp.dtype(dtype).itemsize
@@ -222,7 +229,7 @@ def check_shapes(aq_MC, sa, bq_GOC, sb, group_sizes_G):
 def gmm_fp8_blockwise(aq_MC, sa, bq_GOC, sb, group_sizes_G, *, out_dtype=jnp.bfloat16,
                       num_stages=4, grid_tile_width=8, sms=None, split="rows", overlap=False,
                       chain=False, weight_scales="smem", scale_fence="auto", early_release=False,
-                      stagger=False, epilogue="chunks", cluster=1, halves=False):
+                      stagger=False, epilogue="chunks", cluster=1, parts=1):
     """y [M, O] = per-group blockwise-scaled a . b[g]^T; see the module docstring.
 
     Rows past ``sum(group_sizes)`` come out as zeros. ``split`` (``SPLITS``),
@@ -230,24 +237,25 @@ def gmm_fp8_blockwise(aq_MC, sa, bq_GOC, sb, group_sizes_G, *, out_dtype=jnp.bfl
     row tiles at a time), ``num_stages``, ``overlap`` (promote each step's
     product during the next step's wgmma), ``chain``, ``weight_scales``,
     ``scale_fence``, ``early_release``, ``stagger``, ``epilogue`` (``EPILOGUES``) and
-    ``halves`` change how the kernel runs, not its bits.
+    ``parts`` change how the kernel runs, not its bits.
 
-    ``halves`` (opt-in until timed; the plain step only): each warpgroup's step is two
-    64x64 wgmmas into two accumulators, committed one after the other; the first half
-    is promoted as soon as its wgmma has completed (``wgmma_accumulator_load(wait_n=1)``),
-    while the second half's still runs, and only the second half's 32 multiply-adds
-    per thread follow the last wait. In the plain step all 64 follow it with the tensor
+    ``parts`` (``PARTS``; 2 or 4 opt-in until timed; the plain step only): each
+    warpgroup's step is ``parts`` wgmmas over 128 / ``parts`` columns each, into as many
+    accumulators, committed one after the other; each slice is promoted as soon as its
+    wgmma has completed (``wgmma_accumulator_load(wait_n=...)``) while the later ones
+    still run, and only the last slice's 64 / ``parts`` multiply-adds per thread follow
+    the last wait. In the plain step all 64 follow it with the tensor
     cores idle for this warpgroup, and the other warpgroup, waiting on the same stage,
     promotes at the same time (71% tensor-pipe activity,
     ``kernel_anatomy-20261204-062616``). ``overlap`` was meant to hide the promotion
     too, but ptxas schedules the carried product's 64 register copies and the previous
     step's 64 multiply-adds before the step's wgmma (its SASS,
     ``logs/fp8-fwd-overlap-ptx-20261204-1830/``), so nothing runs under the wgmma.
-    Here both accumulators are fresh in each step and nothing is carried, so there is
-    nothing to copy. The cost: each half's wgmma reads the warpgroup's 64-row operand
-    tile from shared memory again (8 KiB more per warpgroup and step, 32 against 24).
-    Each element's promotion is the plain step's expression on the same operands, so
-    the bits are the same.
+    Here the accumulators are fresh in each step and nothing is carried, so there is
+    nothing to copy. The cost: each slice's wgmma reads the warpgroup's 64-row operand
+    tile from shared memory again (per warpgroup and step 24 KiB at ``parts=1``, 32 at
+    2, 48 at 4). Each element's promotion is the plain step's expression on the same
+    operands, so the bits are the same.
 
     ``stagger`` (opt-in; the plain step only): at the first step of each tile the
     second compute warpgroup waits until the first one's wgmma has completed, then
@@ -333,8 +341,8 @@ def gmm_fp8_blockwise(aq_MC, sa, bq_GOC, sb, group_sizes_G, *, out_dtype=jnp.bfl
         unknown ``split``, ``weight_scales`` or ``scale_fence``, ``chain`` with C / 128
         not a multiple of ``num_stages``, ``early_release`` or ``stagger`` with
         ``overlap``, ``cluster`` not 1 or 2, or 2 with ``split="columns"``, ``chain``,
-        ``early_release``, ``stagger`` or an odd ``sms``, ``halves`` with ``overlap``,
-        ``early_release`` or ``stagger``.
+        ``early_release``, ``stagger`` or an odd ``sms``, ``parts`` not in ``PARTS``, or
+        above 1 with ``overlap``, ``early_release`` or ``stagger``.
     """
     m, c, o, _ = check_shapes(aq_MC, sa, bq_GOC, sb, group_sizes_G)
     scale_fence = resolve_scale_fence(scale_fence, "mosaic fp8 gmm")
@@ -342,8 +350,9 @@ def gmm_fp8_blockwise(aq_MC, sa, bq_GOC, sb, group_sizes_G, *, out_dtype=jnp.bfl
         raise ValueError("mosaic fp8 gmm: early_release=True takes the plain step (overlap=False)")
     if stagger and overlap:
         raise ValueError("mosaic fp8 gmm: stagger=True takes the plain step (overlap=False)")
-    if halves and (overlap or early_release or stagger):
-        raise ValueError("mosaic fp8 gmm: halves=True takes the plain step without "
+    check_parts(parts, "mosaic fp8 gmm")
+    if parts > 1 and (overlap or early_release or stagger):
+        raise ValueError(f"mosaic fp8 gmm: {parts=} takes the plain step without "
                          f"early_release or stagger, got {overlap=} {early_release=} {stagger=}")
     if weight_scales not in WEIGHT_SCALES:
         raise ValueError(f"mosaic fp8 gmm: {weight_scales=} must be one of {WEIGHT_SCALES}")
@@ -361,7 +370,7 @@ def gmm_fp8_blockwise(aq_MC, sa, bq_GOC, sb, group_sizes_G, *, out_dtype=jnp.bfl
     if split not in SPLITS:
         raise ValueError(f"mosaic fp8 gmm: {split=} must be one of {SPLITS}")
     bm, bo, bc = BLOCK_M, BLOCK, BLOCK  # one warpgroup's tile: 64 x 128
-    half = bo // 2  # each wgmma's columns with ``halves``
+    width = bo // parts  # each wgmma's columns
     if chain and (c // bc) % num_stages:
         raise ValueError(f"mosaic fp8 gmm: chain=True needs C / {bc} = {c // bc} steps to be a "
                          f"multiple of {num_stages=}")
@@ -476,10 +485,10 @@ def gmm_fp8_blockwise(aq_MC, sa, bq_GOC, sb, group_sizes_G, *, out_dtype=jnp.bfl
                     # [C, O] view of C-major storage
                     return a_smem, b_smem.at[pl.ds(wg * bo, bo)].T, sa_smem.at[0]
 
-                def rhs_halves(b_smem):
-                    """This warpgroup's rhs as two [C, 64] views (``halves``)."""
+                def rhs_parts(b_smem):
+                    """This warpgroup's rhs as ``parts`` [C, 128 / parts] views."""
                     first = 0 if by_rows else wg * bo
-                    return [b_smem.at[pl.ds(first + h * half, half)].T for h in range(2)]
+                    return [b_smem.at[pl.ds(first + i * width, width)].T for i in range(parts)]
 
                 def load_row_scale(rows):
                     row_scale = plgpu.load(rows, layout=plgpu.Layout.WGMMA.reduce(1))
@@ -519,22 +528,22 @@ def gmm_fp8_blockwise(aq_MC, sa, bq_GOC, sb, group_sizes_G, *, out_dtype=jnp.bfl
                                 lambda: plgpu.barrier_arrive(offset))
                         return acc_ref[...]
 
-                    if halves:
-                        rhs_lo, rhs_hi = rhs_halves(b_smem)
+                    if parts > 1:
+                        rhs = rhs_parts(b_smem)
 
-                        def c_halves(acc_lo, acc_hi):
-                            plgpu.wgmma(acc_lo, lhs, rhs_lo)
-                            plgpu.wgmma(acc_hi, lhs, rhs_hi)
-                            scale = lax.broadcast_in_dim(row_scale * w_scale, (bm, half), (0,))
-                            # The first half's wgmma is done (one group left in flight).
-                            part = plgpu.wgmma_accumulator_load(acc_lo, wait_n=1)
-                            total_lo = total[:, :half] + part * scale
-                            part = plgpu.wgmma_accumulator_load(acc_hi, wait_n=0)
-                            total_hi = total[:, half:] + part * scale
-                            return jnp.concatenate([total_lo, total_hi], axis=1)
+                        def c_parts(*accs):
+                            for acc, r in zip(accs, rhs):
+                                plgpu.wgmma(acc, lhs, r)
+                            scale = lax.broadcast_in_dim(row_scale * w_scale, (bm, width), (0,))
+                            out = []
+                            for i, acc in enumerate(accs):
+                                # Slice i's wgmma is done; the later ones may still run.
+                                part = plgpu.wgmma_accumulator_load(acc, wait_n=parts - 1 - i)
+                                out.append(total[:, i * width:(i + 1) * width] + part * scale)
+                            return jnp.concatenate(out, axis=1)
 
-                        return pl.run_scoped(c_halves, plgpu.ACC((bm, half), jnp.float32),
-                                             plgpu.ACC((bm, half), jnp.float32))
+                        return pl.run_scoped(
+                            c_parts, *[plgpu.ACC((bm, width), jnp.float32)] * parts)
                     part = pl.run_scoped(c_step, plgpu.ACC((bm, bo), jnp.float32))
                     return total + part * by_row(row_scale * w_scale)
 

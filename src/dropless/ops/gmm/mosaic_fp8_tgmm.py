@@ -149,7 +149,8 @@ from dropless.ops import quant
 from dropless.ops.gmm import reference as ref_backend
 from dropless.ops.gmm import schedule as schedule_lib
 from dropless.ops.gmm.mosaic_fp8 import (BLOCK, _MEMORY_REGISTERS, _swizzle_transforms,
-                                         fence_scale_reads, resolve_scale_fence)
+                                         check_parts, fence_scale_reads,
+                                         resolve_scale_fence)
 from dropless.ops.gmm.mosaic_gmm import (chained_tile_pipeline, persistent_kernel,
                                         tile_order_operands, walk_tiles)
 from dropless.ops.gmm.mosaic_tgmm import _store_tile
@@ -200,7 +201,7 @@ def check_shapes(xq_KM, sx, dyq_NM, sdy, group_sizes_G):
 def tgmm_fp8_blockwise(xq_KM, sx, dyq_NM, sdy, group_sizes_G, *, out_dtype=jnp.float32,
                        num_stages=4, sms=None, split="rows", overlap=True, tile_order="sorted_snake",
                        chain=True, scale_fence="commit", epilogue="auto", prefetch=False,
-                       halves=False):
+                       parts=1):
     """dw [G, K, N] = per-group blockwise-scaled x^T dy; zeros for empty groups.
 
     See the module docstring for the operand layouts. ``split`` (``SPLITS``),
@@ -211,9 +212,10 @@ def tgmm_fp8_blockwise(xq_KM, sx, dyq_NM, sdy, group_sizes_G, *, out_dtype=jnp.f
     ``"auto"`` batches 2-byte outputs, which ran 1.00-1.04x on the H200),
     ``prefetch`` (with ``chain``: each tile's group data read rounds ahead,
     ``mosaic_gmm.walk_tiles_prefetched``; opt-in until timed),
-    ``halves`` (the plain step only, ``overlap=False``; opt-in until timed: each step as
-    two 64x64 wgmmas, the first half promoted while the second runs, as the forward's
-    ``mosaic_fp8.gmm_fp8_blockwise(halves=True)``, whose docstring says why),
+    ``parts`` (``mosaic_fp8.PARTS``; above 1 the plain step only, ``overlap=False``;
+    opt-in until timed: each step as ``parts`` wgmmas over 128 / ``parts`` columns, each
+    slice promoted while the later ones run, as the forward's
+    ``mosaic_fp8.gmm_fp8_blockwise(parts=...)``, whose docstring says why),
     ``scale_fence`` (``mosaic_fp8.SCALE_FENCES``: the scale reads' proxy fence with
     ``commit_smem``'s warpgroup barrier, or per thread alone, as the forward's
     default since 2026-12-04; here even on the H200, 828 against 830 TF/s with float32
@@ -233,13 +235,14 @@ def tgmm_fp8_blockwise(xq_KM, sx, dyq_NM, sdy, group_sizes_G, *, out_dtype=jnp.f
 
     Raises:
       ValueError: shapes or dtypes the kernel cannot take (``check_shapes``), an
-        unknown ``split``, ``tile_order``, ``scale_fence`` or ``epilogue``, ``halves``
-        with ``overlap``.
+        unknown ``split``, ``tile_order``, ``scale_fence`` or ``epilogue``, ``parts`` not
+        in ``mosaic_fp8.PARTS`` or above 1 with ``overlap``.
     """
     m, k, n = check_shapes(xq_KM, sx, dyq_NM, sdy, group_sizes_G)
     scale_fence = resolve_scale_fence(scale_fence, "mosaic fp8 tgmm")
-    if halves and overlap:
-        raise ValueError("mosaic fp8 tgmm: halves=True takes the plain step (overlap=False)")
+    check_parts(parts, "mosaic fp8 tgmm")
+    if parts > 1 and overlap:
+        raise ValueError(f"mosaic fp8 tgmm: {parts=} takes the plain step (overlap=False)")
     if epilogue not in EPILOGUES:
         raise ValueError(f"mosaic fp8 tgmm: {epilogue=} must be one of {EPILOGUES}")
     num_groups = group_sizes_G.shape[0]
@@ -252,7 +255,7 @@ def tgmm_fp8_blockwise(xq_KM, sx, dyq_NM, sdy, group_sizes_G, *, out_dtype=jnp.f
     if split == "rows" and k % (2 * BLOCK_K):
         split = "columns"  # K = 64 (mod 128): only the 64-row CTA tile fits
     bk, bn, bm = BLOCK_K, BLOCK, BLOCK  # one warpgroup's tile: 64 (K) x 128 (N)
-    half = bn // 2  # each wgmma's columns with ``halves``
+    width = bn // parts  # each wgmma's columns
     by_rows = split == "rows"
     cta_k, cta_n = (2 * bk, bn) if by_rows else (bk, 2 * bn)
     k_tiles, n_bands = k // cta_k, n // cta_n
@@ -324,31 +327,30 @@ def tgmm_fp8_blockwise(xq_KM, sx, dyq_NM, sdy, group_sizes_G, *, out_dtype=jnp.f
         def outer(row_scale, col_scale):
             return rows_bcast(row_scale) * cols_bcast(col_scale)
 
-        def mma_body_halves(_, x_smem, dy_smem, sx_smem, sdy_smem, total):
+        def mma_body_parts(_, x_smem, dy_smem, sx_smem, sdy_smem, total):
             lhs, _, rows, cols = operands(x_smem, dy_smem, sx_smem, sdy_smem)
             first = 0 if by_rows else wg * bn
-            rhs = [dy_smem.at[pl.ds(first + h * half, half)].T for h in range(2)]
+            rhs = [dy_smem.at[pl.ds(first + i * width, width)].T for i in range(parts)]
             row_scale = plgpu.load(rows, layout=plgpu.Layout.WGMMA.reduce(1))
-            col_scales = [plgpu.load(cols.at[pl.ds(h * half, half)],
-                                     layout=plgpu.Layout.WGMMA.reduce(0)) for h in range(2)]
+            col_scales = [plgpu.load(cols.at[pl.ds(i * width, width)],
+                                     layout=plgpu.Layout.WGMMA.reduce(0)) for i in range(parts)]
             fence_scale_reads(scale_fence)
 
-            def scale(h):
-                return (lax.broadcast_in_dim(row_scale, (bk, half), (0,))
-                        * lax.broadcast_in_dim(col_scales[h], (bk, half), (1,)))
+            def scale(i):
+                return (lax.broadcast_in_dim(row_scale, (bk, width), (0,))
+                        * lax.broadcast_in_dim(col_scales[i], (bk, width), (1,)))
 
-            def m_halves(acc_lo, acc_hi):
-                plgpu.wgmma(acc_lo, lhs, rhs[0])
-                plgpu.wgmma(acc_hi, lhs, rhs[1])
-                # The first half's wgmma is done (one group left in flight).
-                part = plgpu.wgmma_accumulator_load(acc_lo, wait_n=1)
-                total_lo = total[:, :half] + part * scale(0)
-                part = plgpu.wgmma_accumulator_load(acc_hi, wait_n=0)
-                total_hi = total[:, half:] + part * scale(1)
-                return jnp.concatenate([total_lo, total_hi], axis=1)
+            def m_parts(*accs):
+                for acc, r in zip(accs, rhs):
+                    plgpu.wgmma(acc, lhs, r)
+                out = []
+                for i, acc in enumerate(accs):
+                    # Slice i's wgmma is done; the later ones may still run.
+                    part = plgpu.wgmma_accumulator_load(acc, wait_n=parts - 1 - i)
+                    out.append(total[:, i * width:(i + 1) * width] + part * scale(i))
+                return jnp.concatenate(out, axis=1)
 
-            return pl.run_scoped(m_halves, plgpu.ACC((bk, half), jnp.float32),
-                                 plgpu.ACC((bk, half), jnp.float32))
+            return pl.run_scoped(m_parts, *[plgpu.ACC((bk, width), jnp.float32)] * parts)
 
         def mma_body(_, x_smem, dy_smem, sx_smem, sdy_smem, total):
             lhs, rhs, rows, cols = operands(x_smem, dy_smem, sx_smem, sdy_smem)
@@ -382,7 +384,7 @@ def tgmm_fp8_blockwise(xq_KM, sx, dyq_NM, sdy, group_sizes_G, *, out_dtype=jnp.f
 
         if overlap:  # the last step's product is still pending
             return mma_body_overlap, lambda: (zeros(), zeros()), lambda c: c[0] + c[1]
-        return mma_body_halves if halves else mma_body, zeros, lambda total: total
+        return mma_body_parts if parts > 1 else mma_body, zeros, lambda total: total
 
     def body(starts_ref, sizes_ref, *refs):
         *order_ref, x_gmem, sx_gmem, dy_gmem, sdy_gmem, o_gmem = refs  # order_ref: [] or [order]
