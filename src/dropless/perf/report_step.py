@@ -106,7 +106,7 @@ def step_section(variants: dict, fig_dir: Path, md_dir: Path, models=None) -> st
         models = [(*variants["models"], 0)]
     parts = [f"## {TITLES['step']}"]
     for name in sorted(v for v in variants if v.split(" ")[0] == "baselines"):
-        parts += ["", _step_baselines(*variants[name], fig_dir, md_dir)]
+        parts += ["", _step_baselines(*variants[name], fig_dir, md_dir, name)]
     for kind, title in (("fp8", "FP8 and other variants of ours"),
                         ("variants", "Other variants of ours (same run)")):
         for name in sorted(v for v in variants if v.split(" ")[0] == kind):
@@ -116,8 +116,10 @@ def step_section(variants: dict, fig_dir: Path, md_dir: Path, models=None) -> st
     return "\n".join(parts)
 
 
-def _step_baselines(record: dict, path: Path, fig_dir: Path, md_dir: Path) -> str:
-    """Ours against the baselines of one run: TFLOPS/device and the ratio to the best."""
+def _step_baselines(record: dict, path: Path, fig_dir: Path, md_dir: Path,
+                    variant: str = "baselines") -> str:
+    """Ours against the baselines of one run: TFLOPS/device and the ratio to the best;
+    ``variant`` (``step_variant``'s) names its figure."""
     rows = step_rows(record)
     baselines = [r["tflops"] for r in rows if r["role"] != "ours" and r["tflops"]]
     best = max(baselines, default=None)
@@ -131,8 +133,7 @@ def _step_baselines(record: dict, path: Path, fig_dir: Path, md_dir: Path) -> st
         parts += ["Config: " + ", ".join(f"`{k}={v}`" for k, v in cfg.items()
                                           if not isinstance(v, (dict, list)))[:600], ""]
     if rows:
-        base_names = [r["name"] for r in rows if r["role"] != "ours"]
-        stem = "step_tflops" + (f"_{base_names[0]}" if len(base_names) == 1 else "")
+        stem = "_".join(["step_tflops", *variant.split(" ")[1:]])
         fig = _step_plot(rows, best, fig_dir / f"{stem}.png")
         parts += [f"![training step TFLOPS/device]({os.path.relpath(fig, md_dir)})", ""]
     parts.append(md_table(["variant", "role", "TFLOPS/device", "vs best baseline", "tokens/s",

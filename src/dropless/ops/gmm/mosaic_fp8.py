@@ -198,6 +198,30 @@ def check_parts(parts, who):
         raise ValueError(f"{who}: {parts=} must be one of {PARTS}")
 
 
+def promote_in_parts(total, lhs, b_smem, first, parts, scale_of):
+    """One step with ``parts`` above 1 (``gmm_fp8_blockwise``'s docstring): the
+    warpgroup's wgmmas over ``parts`` column slices of ``b_smem`` (its rows ``first`` on,
+    one per output column, contraction-major), each into a fresh accumulator and
+    committed in turn; each slice then promoted into ``total`` [rows, cols] as soon as
+    its own wgmma has completed, as ``total + part * scale_of(i)``. Shared with the
+    wgrad's plain step (``mosaic_fp8_tgmm``), whose scale is an outer product."""
+    rows, cols = total.shape
+    width = cols // parts
+    rhs = [b_smem.at[pl.ds(first + i * width, width)].T for i in range(parts)]
+
+    def step(*accs):
+        for acc, r in zip(accs, rhs):
+            plgpu.wgmma(acc, lhs, r)
+        out = []
+        for i, acc in enumerate(accs):
+            # Slice i's wgmma is done; the later ones may still run.
+            part = plgpu.wgmma_accumulator_load(acc, wait_n=parts - 1 - i)
+            out.append(total[:, i * width:(i + 1) * width] + part * scale_of(i))
+        return jnp.concatenate(out, axis=1)
+
+    return pl.run_scoped(step, *[plgpu.ACC((rows, width), jnp.float32)] * parts)
+
+
 def _swizzle_transforms(minor_elems, dtype):
     swizzle = plgpu.find_swizzle(minor_elems * jnp.dtype(dtype).itemsize * 8)
     swizzle_elems = swizzle // jnp.dtype(dtype).itemsize
@@ -370,7 +394,6 @@ def gmm_fp8_blockwise(aq_MC, sa, bq_GOC, sb, group_sizes_G, *, out_dtype=jnp.bfl
     if split not in SPLITS:
         raise ValueError(f"mosaic fp8 gmm: {split=} must be one of {SPLITS}")
     bm, bo, bc = BLOCK_M, BLOCK, BLOCK  # one warpgroup's tile: 64 x 128
-    width = bo // parts  # each wgmma's columns
     if chain and (c // bc) % num_stages:
         raise ValueError(f"mosaic fp8 gmm: chain=True needs C / {bc} = {c // bc} steps to be a "
                          f"multiple of {num_stages=}")
@@ -485,11 +508,6 @@ def gmm_fp8_blockwise(aq_MC, sa, bq_GOC, sb, group_sizes_G, *, out_dtype=jnp.bfl
                     # [C, O] view of C-major storage
                     return a_smem, b_smem.at[pl.ds(wg * bo, bo)].T, sa_smem.at[0]
 
-                def rhs_parts(b_smem):
-                    """This warpgroup's rhs as ``parts`` [C, 128 / parts] views."""
-                    first = 0 if by_rows else wg * bo
-                    return [b_smem.at[pl.ds(first + i * width, width)].T for i in range(parts)]
-
                 def load_row_scale(rows):
                     row_scale = plgpu.load(rows, layout=plgpu.Layout.WGMMA.reduce(1))
                     # Fence the generic-proxy read before the pipeline hands the slot
@@ -529,21 +547,10 @@ def gmm_fp8_blockwise(aq_MC, sa, bq_GOC, sb, group_sizes_G, *, out_dtype=jnp.bfl
                         return acc_ref[...]
 
                     if parts > 1:
-                        rhs = rhs_parts(b_smem)
-
-                        def c_parts(*accs):
-                            for acc, r in zip(accs, rhs):
-                                plgpu.wgmma(acc, lhs, r)
-                            scale = lax.broadcast_in_dim(row_scale * w_scale, (bm, width), (0,))
-                            out = []
-                            for i, acc in enumerate(accs):
-                                # Slice i's wgmma is done; the later ones may still run.
-                                part = plgpu.wgmma_accumulator_load(acc, wait_n=parts - 1 - i)
-                                out.append(total[:, i * width:(i + 1) * width] + part * scale)
-                            return jnp.concatenate(out, axis=1)
-
-                        return pl.run_scoped(
-                            c_parts, *[plgpu.ACC((bm, width), jnp.float32)] * parts)
+                        scale = lax.broadcast_in_dim(row_scale * w_scale, (bm, bo // parts),
+                                                     (0,))
+                        return promote_in_parts(total, lhs, b_smem, 0 if by_rows else wg * bo,
+                                                parts, lambda _: scale)
                     part = pl.run_scoped(c_step, plgpu.ACC((bm, bo), jnp.float32))
                     return total + part * by_row(row_scale * w_scale)
 

@@ -149,7 +149,7 @@ from dropless.ops import quant
 from dropless.ops.gmm import reference as ref_backend
 from dropless.ops.gmm import schedule as schedule_lib
 from dropless.ops.gmm.mosaic_fp8 import (BLOCK, _MEMORY_REGISTERS, _swizzle_transforms,
-                                         check_parts, fence_scale_reads,
+                                         check_parts, fence_scale_reads, promote_in_parts,
                                          resolve_scale_fence)
 from dropless.ops.gmm.mosaic_gmm import (chained_tile_pipeline, persistent_kernel,
                                         tile_order_operands, walk_tiles)
@@ -329,8 +329,6 @@ def tgmm_fp8_blockwise(xq_KM, sx, dyq_NM, sdy, group_sizes_G, *, out_dtype=jnp.f
 
         def mma_body_parts(_, x_smem, dy_smem, sx_smem, sdy_smem, total):
             lhs, _, rows, cols = operands(x_smem, dy_smem, sx_smem, sdy_smem)
-            first = 0 if by_rows else wg * bn
-            rhs = [dy_smem.at[pl.ds(first + i * width, width)].T for i in range(parts)]
             row_scale = plgpu.load(rows, layout=plgpu.Layout.WGMMA.reduce(1))
             col_scales = [plgpu.load(cols.at[pl.ds(i * width, width)],
                                      layout=plgpu.Layout.WGMMA.reduce(0)) for i in range(parts)]
@@ -340,17 +338,8 @@ def tgmm_fp8_blockwise(xq_KM, sx, dyq_NM, sdy, group_sizes_G, *, out_dtype=jnp.f
                 return (lax.broadcast_in_dim(row_scale, (bk, width), (0,))
                         * lax.broadcast_in_dim(col_scales[i], (bk, width), (1,)))
 
-            def m_parts(*accs):
-                for acc, r in zip(accs, rhs):
-                    plgpu.wgmma(acc, lhs, r)
-                out = []
-                for i, acc in enumerate(accs):
-                    # Slice i's wgmma is done; the later ones may still run.
-                    part = plgpu.wgmma_accumulator_load(acc, wait_n=parts - 1 - i)
-                    out.append(total[:, i * width:(i + 1) * width] + part * scale(i))
-                return jnp.concatenate(out, axis=1)
-
-            return pl.run_scoped(m_parts, *[plgpu.ACC((bk, width), jnp.float32)] * parts)
+            return promote_in_parts(total, lhs, dy_smem, 0 if by_rows else wg * bn, parts,
+                                    scale)
 
         def mma_body(_, x_smem, dy_smem, sx_smem, sdy_smem, total):
             lhs, rhs, rows, cols = operands(x_smem, dy_smem, sx_smem, sdy_smem)
