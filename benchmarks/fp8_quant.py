@@ -17,9 +17,11 @@ and wall-clock time (jitted call, back to back, median), its bytes (input
 read once, outputs written once) and GB/s next to a plain bf16 elementwise
 pass over x (``copy``: read + write) measured in the same process, the
 bandwidth ceiling a fused pass could reach. Then the whole products, fwd
-and fwd+dgrad+wgrad of the kernel path against the FP8 kernels alone and
-the bf16 kernel, and a per-kernel breakdown (``jax.profiler`` trace) of the
-kernel path's fwd+bwd, so the passes that cost most are named.
+and fwd+dgrad+wgrad of the kernel path with each quantizer (``auto q``: the
+model's default, Mosaic GPU for bfloat16 operands; ``pallas q``; unmarked:
+XLA's) against the FP8 kernels alone and the bf16 kernel, and a per-kernel
+breakdown (``jax.profiler`` trace) of the default path's fwd+bwd, so the
+passes that cost most are named.
 
 Run on the GPU machine:
   PYTHONPATH=src python3 benchmarks/fp8_quant.py [--shape M,G,K,N] [--out DIR]
@@ -140,7 +142,11 @@ def _bits(a):
 
 
 def products(x, w, gs, dy):
-    """name -> (fn, args): the kernel path, the FP8 kernels alone, the bf16 kernel."""
+    """name -> (fn, args): the kernel path with each quantizer (``auto``, the default the
+    model runs: Mosaic GPU for bfloat16 operands; ``pallas``; ``xla``), the FP8 kernels
+    alone, the bf16 kernel."""
+    kpath_a = lambda x, w: quantized.gmm(x, w, gs, recipe="te_fp8_blockwise", impl="kernel",  # noqa: E731
+                                         groups_aligned=True, quant_impl="auto")
     kpath = lambda x, w: quantized.gmm(x, w, gs, recipe="te_fp8_blockwise", impl="kernel",  # noqa: E731
                                        groups_aligned=True, quant_impl="xla")
     kpath_p = lambda x, w: quantized.gmm(x, w, gs, recipe="te_fp8_blockwise", impl="kernel",  # noqa: E731
@@ -161,11 +167,13 @@ def products(x, w, gs, dy):
                                         mosaic_fp8.gmm_fp8_blockwise(*d, gs),
                                         mosaic_fp8_tgmm.tgmm_fp8_blockwise(*wg, gs)))
     return {
+        "fwd kernel path, auto quant": (jax.jit(kpath_a), (x, w)),
         "fwd kernel path": (jax.jit(kpath), (x, w)),
         "fwd kernel path, pallas quant": (jax.jit(kpath_p), (x, w)),
         "fwd FP8 kernel alone": (jax.jit(lambda o: mosaic_fp8.gmm_fp8_blockwise(*o, gs)),
                                  (fwd_ops,)),
         "fwd bf16 kernel": (jax.jit(bf16), (x, w)),
+        "fwd+bwd kernel path, auto q": (fwd_bwd(kpath_a), (x, w, dy)),
         "fwd+bwd kernel path": (fwd_bwd(kpath), (x, w, dy)),
         "fwd+bwd kernel path, pallas q": (fwd_bwd(kpath_p), (x, w, dy)),
         "fwd+bwd FP8 kernels alone": (kernels, (fwd_ops, dgrad_ops, wgrad_ops)),
@@ -417,10 +425,11 @@ def main(argv=None):
                   f"{(kms and fl / kms / 1e9) or float('nan'):>10.0f} {fl / wms / 1e9:>10.0f}")
         path = measure.write_record(record, a.out)  # kept if the breakdown fails
     if mosaic.is_available() and not a.no_breakdown:
-        fn, args = products(x, w, gs, dy)["fwd+bwd kernel path"]
+        fn, args = products(x, w, gs, dy)["fwd+bwd kernel path, auto q"]
         bd = measure.profile_calls(fn, *args, calls=3)
         record["breakdown_fwd_bwd_kernel_path"] = bd.to_dict()
-        print("\nfwd+bwd kernel path, kernels by time (3 calls):")
+        record["breakdown_quant_impl"] = "auto"
+        print("\nfwd+bwd kernel path (auto quantizers), kernels by time (3 calls):")
         for kr in bd.top_kernels:
             print(f"  {kr['time_us'] / 3 / 1e3:8.3f} ms  x{kr['count'] // 3:<3} {kr['name'][:90]}")
     elif not mosaic.is_available():

@@ -172,6 +172,13 @@ def test_fp8_sections(tmp_path):
     assert report.headlines("fp8_quant", quant) == [
         "FP8 fwd+dgrad+wgrad with quantization (Pallas quantizers) 12.8 ms = 1.25x bf16's 16.0 ms "
         "(XLA's quantization 20.0 ms = 0.80x; kernels alone 10.0 ms = 1.60x)"]
+    # With the default quantizers' row (auto), the headline leads with it, Pallas's beside.
+    quant["rows"].append({"section": "product", "name": "fwd+bwd kernel path, auto q",
+                          "kernel_ms": 12.5, "wall_ms": 13.0, "tflops_kernel": 920.0})
+    assert report.headlines("fp8_quant", quant) == [
+        "FP8 fwd+dgrad+wgrad with quantization (default quantizers) 12.5 ms = 1.28x bf16's 16.0 ms "
+        "(Pallas quantizers 12.8 ms = 1.25x; XLA's quantization 20.0 ms = 0.80x; "
+        "kernels alone 10.0 ms = 1.60x)"]
 
 
 def fp8_kernels_record(created, rows):

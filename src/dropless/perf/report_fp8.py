@@ -247,17 +247,20 @@ def fp8_quant_section(record: dict, path: Path, fig_dir: Path, md_dir: Path) -> 
 
 def fp8_quant_headline(record: dict) -> list[str]:
     """The kernel path's fwd+dgrad+wgrad (quantization included) against bf16's: with the
-    Pallas quantizers (the default) when the record has them, and with XLA's."""
+    default quantizers (``auto``) when the record has them, else the Pallas ones (the
+    default before 2026-12-03), else XLA's; the others beside it."""
     by = {r["name"]: r for r in record.get("rows", []) if r.get("section") == "product"}
-    pallas, xla, alone, bf16 = (by.get(n, {}).get("kernel_ms") for n in (
-        "fwd+bwd kernel path, pallas q", "fwd+bwd kernel path", "fwd+bwd FP8 kernels alone",
-        "fwd+bwd bf16 kernel"))
-    path = pallas or xla
+    auto, pallas, xla, alone, bf16 = (by.get(n, {}).get("kernel_ms") for n in (
+        "fwd+bwd kernel path, auto q", "fwd+bwd kernel path, pallas q", "fwd+bwd kernel path",
+        "fwd+bwd FP8 kernels alone", "fwd+bwd bf16 kernel"))
+    path, which = next(((t, w) for t, w in ((auto, " (default quantizers)"),
+                                            (pallas, " (Pallas quantizers)"), (xla, ""))
+                        if t), (None, ""))
     if not (path and bf16):
         return []
-    line = (f"FP8 fwd+dgrad+wgrad with quantization{' (Pallas quantizers)' if pallas else ''} "
-            f"{path:.1f} ms = {bf16 / path:.2f}x bf16's {bf16:.1f} ms")
-    extras = [f"XLA's quantization {xla:.1f} ms = {bf16 / xla:.2f}x"] if pallas and xla else []
+    line = f"FP8 fwd+dgrad+wgrad with quantization{which} {path:.1f} ms = {bf16 / path:.2f}x bf16's {bf16:.1f} ms"
+    extras = [f"Pallas quantizers {pallas:.1f} ms = {bf16 / pallas:.2f}x"] if auto and pallas else []
+    extras += [f"XLA's quantization {xla:.1f} ms = {bf16 / xla:.2f}x"] if path != xla and xla else []
     extras += [f"kernels alone {alone:.1f} ms = {bf16 / alone:.2f}x"] if alone else []
     return [line + (f" ({'; '.join(extras)})" if extras else "")]
 
