@@ -35,6 +35,9 @@ only that attempt):
             experts stay bf16)
   ours_fp8_all  ``ours_fp8_blockwise`` with ``fp8_min_dim=0``: every dense
             projection in FP8
+  ours_fp8_halves  ``ours_fp8_blockwise`` with
+            ``gmm_fp8_kernel_schedule=halves_unfenced``: each FP8 kernel step as two
+            wgmmas over column halves, the forward's and dgrad's scale reads unfenced
   ours_fp8e ``ours_fp8_blockwise`` emulated (``gmm_fp8_impl=emulate``:
             quantize -> dequantize -> bf16 kernel)
   ours_fp8k ``ours_fp8_blockwise`` through the FP8 Mosaic kernels with XLA's
@@ -102,7 +105,7 @@ import time
 CASES = ("xla", "capacity", "ours", "ours_fp8", "ours_fp8_blockwise")
 QWEN3_CASE = "qwen3-moe-proxy"  # ``ours`` on the Qwen3-MoE proxy instead of the DeepSeek one
 MIXTRAL_CASE = "mixtral-proxy"  # ``ours`` on the Mixtral proxy
-EXTRA_CASES = ("ours_fp8_all", "ours_fp8e", "ours_fp8k", "ours_fp8kp", "ours_fp8km", "ours_fp8kp_head", "ours_gfp8kp", "ours_mla_unpadded",
+EXTRA_CASES = ("ours_fp8_all", "ours_fp8_halves", "ours_fp8e", "ours_fp8k", "ours_fp8kp", "ours_fp8km", "ours_fp8kp_head", "ours_gfp8kp", "ours_mla_unpadded",
                "ours_mla_padded", "ours_scan", "ours_align64", "ours_align128",
                QWEN3_CASE, MIXTRAL_CASE)
 QUICK_CASES = ("xla", "capacity", "ours")
@@ -125,6 +128,7 @@ CASE_OVERRIDES = {
     "ours_fp8": ["gmm_backend=auto", "te_gmm_quantization=te_mxfp8", f"quantization={FP8_DENSE}"],
     "ours_fp8_blockwise": [*FP8_BLOCKWISE],
     "ours_fp8_all": [*FP8_BLOCKWISE, "fp8_min_dim=0"],
+    "ours_fp8_halves": [*FP8_BLOCKWISE, "gmm_fp8_kernel_schedule=halves_unfenced"],
     "ours_fp8e": [*FP8_BLOCKWISE, "gmm_fp8_impl=emulate"],
     "ours_fp8k": [*FP8_BLOCKWISE, "gmm_fp8_impl=kernel", "gmm_fp8_quantizer=xla"],
     "ours_fp8kp": [*FP8_BLOCKWISE, "gmm_fp8_impl=kernel", "gmm_fp8_quantizer=pallas"],

@@ -160,6 +160,11 @@ BAD = [
      "with gmm_fp8_impl=emulate only auto or xla is allowed"),
     (["te_gmm_quantization=te_fp8_blockwise", "gmm_fp8_quantizer=mosaic", "dtype=float32"],
      "mosaic quantizes bfloat16 operands only, got dtype=float32; set dtype=bfloat16, or gmm_fp8_quantizer=auto"),
+    (["gmm_fp8_kernel_schedule=halves_unfenced"],
+     "gmm_fp8_kernel_schedule='halves_unfenced' (from command line): schedules the FP8 kernels, which run for te_gmm_quantization=te_fp8_blockwise"),
+    (["te_gmm_quantization=te_fp8_blockwise", "gmm_fp8_impl=emulate", "gmm_fp8_kernel_schedule=halves_unfenced"],
+     "got te_gmm_quantization=te_fp8_blockwise gmm_fp8_impl=emulate; allowed here: default"),
+    (["gmm_fp8_kernel_schedule=quarters"], "'default' or 'halves_unfenced'"),
     (["te_gmm_quantization=te_fp8_blockwise", "gmm_fp8_impl=kernel", "emb_dim=256", "moe_mlp_dim=200"],
      "kernels need emb_dim and moe_mlp_dim multiples of 256, got moe_mlp_dim=200"),
     (["attention=cudnn_flash_te", "dtype=float32"], "got dtype=float32; set dtype=bfloat16 or attention=dot_product"),
@@ -211,21 +216,23 @@ def test_gmm_fp8_impl_and_quantizer_reach_the_grouped_gemms(monkeypatch, quantiz
     from dropless.ops.gmm import quantized
 
     default = resolve("te_gmm_quantization=te_fp8_blockwise").config.moe()
-    assert (default.gmm_fp8_impl, default.gmm_fp8_quantizer) == ("auto", "auto")
+    assert (default.gmm_fp8_impl, default.gmm_fp8_quantizer, default.gmm_fp8_kernel_schedule) == (
+        "auto", "auto", "default")
     section = resolve("te_gmm_quantization=te_fp8_blockwise", "gmm_fp8_impl=kernel", "emb_dim=256",
                       "moe_mlp_dim=256", "num_experts=4", "num_experts_per_tok=2",
-                      "gmm_backend=xla", "dtype=bfloat16", f"gmm_fp8_quantizer={quantizer}").config.moe()
+                      "gmm_backend=xla", "dtype=bfloat16", f"gmm_fp8_quantizer={quantizer}",
+                      "gmm_fp8_kernel_schedule=halves_unfenced").config.moe()
     assert section.gmm_fp8_impl == "kernel" and section.gmm_fp8_quantizer == quantizer
     seen, real_gmm = [], quantized.gmm
 
     def recording_gmm(x, w, group_sizes, **kw):  # records, then runs the emulation (CPU)
-        seen.append((kw["impl"], kw["quant_impl"]))
+        seen.append((kw["impl"], kw["quant_impl"], kw["kernel_schedule"]))
         return real_gmm(x, w, group_sizes, **dict(kw, impl="emulate"))
 
     monkeypatch.setattr(quantized, "gmm", recording_gmm)
     block = moe.MoEBlock(section, emb_dim=32, rngs=nnx.Rngs(0))
     jax.eval_shape(lambda x: block(x)[0], jax.ShapeDtypeStruct((1, 8, 32), jnp.float32))
-    assert seen == [("kernel", quantizer)] * 2
+    assert seen == [("kernel", quantizer, "halves_unfenced")] * 2
     with pytest.raises(ValueError, match="gmm_fp8_impl"):
         moe.MoEBlock(dataclasses.replace(section, gmm_quantization="te_mxfp8"), emb_dim=32,
                      rngs=nnx.Rngs(0))

@@ -238,7 +238,7 @@ def test_backward_reads_dy_once_where_groups_are_aligned(monkeypatch, aligned):
     q = q._replace(**{f: spy(f, getattr(q, f)) for f in ("rows", "columns", "rows_and_columns")})
     m, k, n = 256, 256, 512
     gs = jnp.array([128, 0, 128], jnp.int32)
-    f = lambda x, w: quantized._kgmm(x, w, gs, jnp.float32, aligned, q)  # noqa: E731
+    f = lambda x, w: quantized._kgmm(x, w, gs, jnp.float32, aligned, q, "default")  # noqa: E731
     y, vjp = jax.vjp(f, jnp.ones((m, k)), jnp.ones((3, k, n)))
     calls.clear()
     jax.eval_shape(vjp, y)

@@ -215,15 +215,17 @@ def test_wgrad_tile_orders_lower_for_cuda_at_a_qwen3_shape():
         jax.eval_shape(lambda *a: fn(*a, tile_order="lpt"), *args)
 
 
-@pytest.mark.parametrize("quant_impl,aligned", [("xla", False), ("pallas", False), ("pallas", True),
-                                               ("auto", False), ("auto", True), ("mosaic", False),
-                                               ("mosaic", True)])
-def test_kernel_impl_value_and_gradients_lower_for_cuda(monkeypatch, quant_impl, aligned):
+@pytest.mark.parametrize("quant_impl,aligned,schedule", [
+    ("xla", False, "default"), ("pallas", False, "default"), ("pallas", True, "default"),
+    ("auto", False, "default"), ("auto", True, "default"), ("mosaic", False, "default"),
+    ("mosaic", True, "default"), ("auto", True, "halves_unfenced")])
+def test_kernel_impl_value_and_gradients_lower_for_cuda(monkeypatch, quant_impl, aligned, schedule):
     """The whole custom_vjp (quantizers, layouts, three kernels) at a DeepSeek-V3 shape,
     with XLA's quantization and with the Pallas quantizers (Triton calls; with aligned
     groups the backward quantizes dy in one fused call: 4 Triton calls, else 5), where
     and with ``mosaic`` and the default ``auto`` (bf16 operands), which quantize every
-    operand in Mosaic GPU calls (no Triton call)."""
+    operand in Mosaic GPU calls (no Triton call); and the default path with the
+    ``halves_unfenced`` kernel schedule."""
     monkeypatch.setattr(mosaic, "is_available", lambda: True)  # export from a CPU host
     monkeypatch.setattr(fp8_quant_kernels, "default_interpret", lambda: False)
     m, k, n, g = 65536, 7168, 2048, 32
@@ -231,7 +233,7 @@ def test_kernel_impl_value_and_gradients_lower_for_cuda(monkeypatch, quant_impl,
 
     def loss(x, w, gs):
         y = quantized.gmm(x, w, gs, recipe="te_fp8_blockwise", impl="kernel", quant_impl=quant_impl,
-                          groups_aligned=aligned)
+                          groups_aligned=aligned, kernel_schedule=schedule)
         return jnp.sum(y.astype(jnp.float32))
 
     fn = jax.jit(jax.value_and_grad(loss, argnums=(0, 1)))
@@ -666,6 +668,50 @@ def test_kernel_impl_matches_emulation_in_value_and_gradients(rng):
             np.testing.assert_array_equal(np.asarray(dw[e]), 0.0)
 
 
+@pytest.mark.parametrize("aligned", [True, False])
+def test_kernel_schedules_reach_the_kernels(rng, monkeypatch, aligned):
+    """``quantized.gmm(kernel_schedule=...)`` hands each kernel its schedule's keyword
+    arguments (``KERNEL_SCHEDULES``: the forward and dgrad one set, the wgrad the other)
+    and nothing under ``default``, through the custom_vjp's forward and backward. The
+    kernels are replaced by their float32 references, which ignore schedules, so the
+    values must be equal too; an unknown schedule is refused on every path."""
+    monkeypatch.setattr(mosaic, "is_available", lambda: True)
+    seen = []
+
+    def recording(product, ref):
+        def kernel(*ops, out_dtype, **kw):
+            seen.append((product, kw))
+            return ref(*ops, out_dtype=out_dtype)
+        return kernel
+
+    monkeypatch.setattr(mosaic_fp8, "gmm_fp8_blockwise", recording("gmm", mosaic_fp8.reference))
+    monkeypatch.setattr(mosaic_fp8_tgmm, "tgmm_fp8_blockwise",
+                        recording("tgmm", mosaic_fp8_tgmm.reference))
+    gs = jnp.asarray([128, 0, 256] if aligned else [100, 0, 284], jnp.int32)
+    x, w, dy = (jnp.asarray(rng.standard_normal(s), jnp.bfloat16)
+                for s in ((384, 256), (3, 256, 256), (384, 256)))
+
+    def run(schedule):
+        f = lambda x, w: quantized.gmm(x, w, gs, recipe="te_fp8_blockwise", impl="kernel",  # noqa: E731
+                                       groups_aligned=aligned, quant_impl="xla",
+                                       kernel_schedule=schedule)
+        y, vjp = jax.vjp(f, x, w)
+        return [np.asarray(v, np.float32) for v in (y, *vjp(dy))]
+
+    want = run("default")
+    assert seen == [("gmm", {}), ("gmm", {}), ("tgmm", {})]
+    seen.clear()
+    for got, ref in zip(run("halves_unfenced"), want):
+        np.testing.assert_array_equal(got, ref)
+    fwd_kw, wgrad_kw = (dict(kw) for kw in quantized.KERNEL_SCHEDULES["halves_unfenced"])
+    assert fwd_kw == {"parts": 2, "scale_fence": "none"}
+    assert wgrad_kw == {"overlap": False, "parts": 2}
+    assert seen == [("gmm", fwd_kw), ("gmm", fwd_kw), ("tgmm", wgrad_kw)]
+    for impl in ("kernel", "emulate"):
+        with pytest.raises(ValueError, match="kernel schedule 'quarters' is not one of"):
+            quantized.gmm(x, w, gs, recipe="te_fp8_blockwise", impl=impl, kernel_schedule="quarters")
+
+
 def test_kernel_impl_errors():
     x, w = S((256, 256), jnp.float32), S((2, 256, 256), jnp.float32)
     gs = jnp.array([128, 128], jnp.int32)
@@ -1071,6 +1117,33 @@ def _blockwise_f64(a, block):
 
     q, s = quant.quantize_blocks(a, block)
     return np.asarray(quant.dequantize_blocks(q, s, block, jnp.float32), np.float64)
+
+
+@gpu_test
+def test_gpu_kernel_schedules_give_the_default_bits(rng):
+    """``quantized.gmm(impl="kernel", kernel_schedule="halves_unfenced")`` on the
+    hardware (the halves' wgmmas in flight together, the scale reads unfenced, which
+    the interpreter cannot show): value, dx and dw equal the default schedule's bit for
+    bit, with bf16 operands, aligned groups with an empty one, at DeepSeek-V3's
+    contraction lengths (fwd 56 steps of K=7168, dgrad 16 of N=2048)."""
+    sizes = [1024, 0, 2048, 640]
+    m, k, n, total = 4096, 7168, 2048, sum(sizes)
+    gs = jnp.asarray(np.array(sizes, np.int32))
+    x = _scaled(rng, (m, k), (0, 1)).astype(jnp.bfloat16)
+    dy = _scaled(rng, (m, n), (0, 1)).astype(jnp.bfloat16)
+    w = (_scaled(rng, (len(sizes), k, n), (1, 2)) / 16).astype(jnp.bfloat16)
+
+    @functools.partial(jax.jit, static_argnums=0)
+    def run(schedule):
+        y, vjp = jax.vjp(lambda x, w: quantized.gmm(
+            x, w, gs, recipe="te_fp8_blockwise", impl="kernel", groups_aligned=True,
+            kernel_schedule=schedule), x, w)
+        return (y, *vjp(dy))
+
+    want = run("default")
+    assert np.isfinite(np.asarray(want[0][:total], np.float32)).all()
+    for got, ref in zip(run("halves_unfenced"), want):
+        np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(ref, np.float32))
 
 
 @gpu_test

@@ -123,7 +123,7 @@ def combine(y_PD, weights_TK, plan):
 
 
 def grouped_swiglu(x_PD, group_sizes_G, weights, *, backend, quantization="te_no_quant",
-                   fp8_impl="auto", fp8_quantizer="auto"):
+                   fp8_impl="auto", fp8_quantizer="auto", fp8_kernel_schedule="default"):
     """SwiGLU experts over an expert-sorted buffer: [P, D] -> [P, D].
 
     Args:
@@ -136,12 +136,14 @@ def grouped_swiglu(x_PD, group_sizes_G, weights, *, backend, quantization="te_no
       quantization: the grouped-GEMM recipe (``quantized.RECIPES``).
       fp8_impl: ``quantized.IMPLS``: auto, emulate, or the FP8 kernels (te_fp8_blockwise).
       fp8_quantizer: ``quantized.QUANT_IMPLS``: how the FP8 kernels' operands are quantized.
+      fp8_kernel_schedule: ``quantized.KERNEL_SCHEDULES``: how the FP8 kernels schedule
+        their steps (the same bits with each).
     """
 
     def grouped(x, w, name):
         y = quantized.gmm(x, w, group_sizes_G, recipe=quantization, backend=backend,
                           impl=fp8_impl, groups_aligned=True,  # the contract above
-                          quant_impl=fp8_quantizer)
+                          quant_impl=fp8_quantizer, kernel_schedule=fp8_kernel_schedule)
         # The barrier gives the kernel's output one user. In a scan that saves it
         # (remat ``minimal``) it would also feed the dynamic-update-slice into the
         # stacked residual, and XLA's GPU dynamic-slice fusion then runs a second
@@ -213,6 +215,9 @@ def _check_config(cfg: MoEConfig):
         raise ValueError(f"{cfg.gmm_fp8_impl=} is not one of {quantized.IMPLS}")
     if cfg.gmm_fp8_quantizer not in quantized.QUANT_IMPLS:
         raise ValueError(f"{cfg.gmm_fp8_quantizer=} is not one of {quantized.QUANT_IMPLS}")
+    if cfg.gmm_fp8_kernel_schedule not in quantized.KERNEL_SCHEDULES:
+        raise ValueError(f"{cfg.gmm_fp8_kernel_schedule=} is not one of "
+                         f"{tuple(quantized.KERNEL_SCHEDULES)}")
     if cfg.gmm_fp8_impl == "kernel" and cfg.gmm_quantization != quantized.KERNEL_RECIPE:
         raise ValueError(f"{cfg.gmm_fp8_impl=} has kernels for gmm_quantization="
                          f"{quantized.KERNEL_RECIPE} only, got {cfg.gmm_quantization=}")
@@ -367,7 +372,8 @@ class MoEBlock(nnx.Module):
                               backend=self.cfg.gmm_backend,
                               quantization=self.cfg.gmm_quantization,
                               fp8_impl=self.cfg.gmm_fp8_impl,
-                              fp8_quantizer=self.cfg.gmm_fp8_quantizer)
+                              fp8_quantizer=self.cfg.gmm_fp8_quantizer,
+                              fp8_kernel_schedule=self.cfg.gmm_fp8_kernel_schedule)
 
     def _experts_dense(self, x_ECD):
         """Batched SwiGLU over per-expert capacity buffers: [E, C, D] -> [E, C, D]."""
@@ -392,7 +398,8 @@ class MoEBlock(nnx.Module):
             functools.partial(grouped_swiglu, backend=self.cfg.gmm_backend,
                               quantization=self.cfg.gmm_quantization,
                               fp8_impl=self.cfg.gmm_fp8_impl,
-                              fp8_quantizer=self.cfg.gmm_fp8_quantizer),
+                              fp8_quantizer=self.cfg.gmm_fp8_quantizer,
+                              fp8_kernel_schedule=self.cfg.gmm_fp8_kernel_schedule),
             num_experts=e, alignment=group_alignment(self.cfg), ep=self.ep,
         )
         tokens_E = routing.tokens_per_expert(decision.experts_TK, e)

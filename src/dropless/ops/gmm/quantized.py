@@ -105,6 +105,30 @@ KERNEL_RECIPE = "te_fp8_blockwise"
 # Triton kernels for other dtypes (measured, ``quantizer``). All give the same
 # codes and scales bit for bit (but for a NaN-scale block's codes on the GPU).
 QUANT_IMPLS = ("auto", "xla", "pallas", "mosaic")
+# How the three FP8 kernels schedule their 128-wide steps (config key
+# ``gmm_fp8_kernel_schedule``): name -> (keyword arguments of the forward and dgrad
+# kernel, ``mosaic_fp8.gmm_fp8_blockwise``; of the wgrad kernel,
+# ``mosaic_fp8_tgmm.tgmm_fp8_blockwise``). Every schedule gives the same bits.
+#   default          the kernels' own defaults (forward and dgrad: the plain step with
+#                    the scale reads fenced; wgrad: each step's promotion during the
+#                    next step's wgmma).
+#   halves_unfenced  each step as two wgmmas over 64-column halves, the first half's
+#                    promotion running under the second half's wgmma (``parts=2``), and
+#                    the forward's and dgrad's scale reads without the proxy fence, as
+#                    DeepGEMM's SM90 kernels (``scale_fence="none"``); the wgrad's plain
+#                    step in halves. On an H200 (M=65536, G=32, balanced, CUPTI, same
+#                    process): fwd 1,274 / dgrad 1,234 TF/s against 1,229 / 1,200 at
+#                    K=7168 N=4096, and after 8 s under the power cap 1,142 / 1,085 against
+#                    1,054 / 1,050; at K=2048 N=7168 1,120 / 1,247 against 1,096 / 1,200;
+#                    wgrad (bf16 out) 910 against 874, 898 against 891
+#                    (``fp8_kernels-parts-sustain-k7168-n4096-20261204-211715``,
+#                    ``fp8_kernels-parts-k2048-n7168-20261204-212131``). Opt-in until the
+#                    step confirms it (``benchmarks/step.py --cases ours_fp8_blockwise,
+#                    ours_fp8_halves``).
+KERNEL_SCHEDULES = {
+    "default": ((), ()),
+    "halves_unfenced": ((("parts", 2), ("scale_fence", "none")), (("overlap", False), ("parts", 2))),
+}
 _KERNEL_DIM = 256  # K and N: the kernels' CTA tiles are 256 wide along O, 128 along C
 _ALIGNMENT = {"te_no_quant": 1, "te_fp8_blockwise": quant.BLOCKWISE_TILE, "te_mxfp8": quant.MX_BLOCK}
 _log = logging.getLogger(__name__)
@@ -360,30 +384,41 @@ def _quantizer(name: str) -> Quantizer:
                      kernels.quantize_rows_and_columns)
 
 
-def _fwd_from_codes(x, wq_t, sw, group_sizes, out_dtype, q: Quantizer):
+def _schedule(name: str, product: str) -> dict:
+    """The kernel keyword arguments of schedule ``name`` (``KERNEL_SCHEDULES``) for
+    ``product``: ``"gmm"`` (fwd, dgrad) or ``"tgmm"`` (wgrad)."""
+    if name not in KERNEL_SCHEDULES:
+        raise ValueError(f"gmm: kernel schedule {name!r} is not one of {tuple(KERNEL_SCHEDULES)}")
+    return dict(KERNEL_SCHEDULES[name][product == "tgmm"])
+
+
+def _fwd_from_codes(x, wq_t, sw, group_sizes, out_dtype, q: Quantizer, schedule="default"):
     from dropless.ops.gmm import mosaic_fp8
 
     xq, sx = q.rows(pad_kernel_rows(x))
-    y = mosaic_fp8.gmm_fp8_blockwise(xq, sx, wq_t, sw, group_sizes, out_dtype=out_dtype)
+    y = mosaic_fp8.gmm_fp8_blockwise(xq, sx, wq_t, sw, group_sizes, out_dtype=out_dtype,
+                                     **_schedule(schedule, "gmm"))
     return y[:x.shape[0]]
 
 
-def _dgrad_from_codes(dy, wq, sw, group_sizes, out_dtype, q: Quantizer, dy_rows=None):
+def _dgrad_from_codes(dy, wq, sw, group_sizes, out_dtype, q: Quantizer, dy_rows=None,
+                      schedule="default"):
     """dx [M, K]; ``dy_rows``: dy's 1x128 codes and scales when already quantized."""
     from dropless.ops.gmm import mosaic_fp8
 
     dyq, sdy = dy_rows or q.rows(pad_kernel_rows(dy))
     dx = mosaic_fp8.gmm_fp8_blockwise(dyq, sdy, wq, jnp.swapaxes(sw, 1, 2), group_sizes,
-                                      out_dtype=out_dtype)
+                                      out_dtype=out_dtype, **_schedule(schedule, "gmm"))
     return dx[:dy.shape[0]]
 
 
-def _fwd(x, w, group_sizes, out_dtype, q: Quantizer):
+def _fwd(x, w, group_sizes, out_dtype, q: Quantizer, schedule="default"):
     _, wq_t, sw = q.weight_both(w)
-    return _fwd_from_codes(x, wq_t, sw, group_sizes, out_dtype, q)
+    return _fwd_from_codes(x, wq_t, sw, group_sizes, out_dtype, q, schedule)
 
 
-def _wgrad(x, dy, group_sizes, out_dtype, aligned, q: Quantizer, dy_columns=None):
+def _wgrad(x, dy, group_sizes, out_dtype, aligned, q: Quantizer, dy_columns=None,
+           schedule="default"):
     """dw [G, K, N]; ``dy_columns``: dy's 128x1 codes and scales when already quantized
     (only where ``aligned``: otherwise wgrad's dy is a regrouped copy)."""
     from dropless.ops.gmm import mosaic_fp8_tgmm
@@ -391,7 +426,8 @@ def _wgrad(x, dy, group_sizes, out_dtype, aligned, q: Quantizer, dy_columns=None
     x, dy, group_sizes = _wgrad_rows(x, dy, group_sizes, quant.BLOCKWISE_TILE, aligned)
     dy_columns = dy_columns or q.columns(pad_kernel_rows(dy))
     return mosaic_fp8_tgmm.tgmm_fp8_blockwise(*q.columns(pad_kernel_rows(x)), *dy_columns,
-                                               group_sizes, out_dtype=out_dtype)
+                                               group_sizes, out_dtype=out_dtype,
+                                               **_schedule(schedule, "tgmm"))
 
 
 def kernel_fwd(x, w, group_sizes, out_dtype, quant_impl="xla"):
@@ -418,12 +454,12 @@ def kernel_wgrad(x, dy, group_sizes, out_dtype, aligned=False, quant_impl="xla")
     return _wgrad(x, dy, group_sizes, out_dtype, aligned, quantizer(quant_impl))
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5))
-def _kgmm(x, w, group_sizes, out_dtype, aligned, q: Quantizer):
-    return _fwd(x, w, group_sizes, out_dtype, q)
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5, 6))
+def _kgmm(x, w, group_sizes, out_dtype, aligned, q: Quantizer, schedule):
+    return _fwd(x, w, group_sizes, out_dtype, q, schedule)
 
 
-def _kgmm_fwd(x, w, group_sizes, out_dtype, aligned, q: Quantizer):
+def _kgmm_fwd(x, w, group_sizes, out_dtype, aligned, q: Quantizer, schedule):
     # The weight is quantized once, into both byte layouts (the forward reads the
     # transposed copy, dgrad the natural one: FP8 wgmma reads both operands K-major):
     # the natural codes (one byte per weight) are the backward's residual, so dgrad
@@ -431,12 +467,12 @@ def _kgmm_fwd(x, w, group_sizes, out_dtype, aligned, q: Quantizer):
     # Named so a remat policy can keep them (``minimal`` does) instead of quantizing
     # the weight again when the backward pass recomputes the layer.
     wq, wq_t, sw = q.weight_both(w)
-    y = _fwd_from_codes(x, wq_t, sw, group_sizes, out_dtype, q)
+    y = _fwd_from_codes(x, wq_t, sw, group_sizes, out_dtype, q, schedule)
     wq, sw = checkpoint_name(wq, "moe_fp8_weights"), checkpoint_name(sw, "moe_fp8_weights")
     return y, (x, wq, sw, group_sizes, jnp.zeros((0,), w.dtype))
 
 
-def _kgmm_bwd(out_dtype, aligned, q: Quantizer, res, dy):
+def _kgmm_bwd(out_dtype, aligned, q: Quantizer, schedule, res, dy):
     x, wq, sw, group_sizes, w_dtype = res
     dy_rows = dy_columns = None
     if aligned:
@@ -444,8 +480,8 @@ def _kgmm_bwd(out_dtype, aligned, q: Quantizer, res, dy):
         # (1x128 and 128x1) from one read of it, the same bits as two passes.
         dyq, sdy, dyq_c, sdy_c = q.rows_and_columns(pad_kernel_rows(dy))
         dy_rows, dy_columns = (dyq, sdy), (dyq_c, sdy_c)
-    dx = _dgrad_from_codes(dy, wq, sw, group_sizes, x.dtype, q, dy_rows)
-    dw = _wgrad(x, dy, group_sizes, w_dtype.dtype, aligned, q, dy_columns)
+    dx = _dgrad_from_codes(dy, wq, sw, group_sizes, x.dtype, q, dy_rows, schedule)
+    dw = _wgrad(x, dy, group_sizes, w_dtype.dtype, aligned, q, dy_columns, schedule)
     return dx, dw, jnp.zeros(group_sizes.shape, jax.dtypes.float0)
 
 
@@ -461,7 +497,7 @@ def _interpreting():
 
 
 def gmm(x, w, group_sizes, *, recipe="te_no_quant", backend="auto", out_dtype=None,
-        impl="auto", groups_aligned=False, quant_impl="auto"):
+        impl="auto", groups_aligned=False, quant_impl="auto", kernel_schedule="default"):
     """Grouped matmul with the FP8 numerics of ``recipe`` in all three products.
 
     Args:
@@ -477,15 +513,18 @@ def gmm(x, w, group_sizes, *, recipe="te_no_quant", backend="auto", out_dtype=No
         ``auto`` is ``mosaic`` for bfloat16 operands, ``pallas`` for others).
       groups_aligned: the caller guarantees every group size is a multiple
         of ``required_alignment(recipe)``, so wgrad needs no regrouping.
+      kernel_schedule: how the FP8 kernels schedule their steps (``KERNEL_SCHEDULES``;
+        the same bits with each). Inert where the kernels do not run (``impl`` resolves
+        to ``emulate``, or another recipe).
 
     Returns:
       [M, N]; rows past ``sum(group_sizes)`` are zeros. Differentiable in x
       and w (dgrad and wgrad quantized as in the module docstring).
 
     Raises:
-      ValueError: unknown recipe or impl; ``impl="kernel"`` with another
-        recipe than ``te_fp8_blockwise``, off a Hopper GPU outside interpret
-        mode, or with K or N not a multiple of 256; what ``api.gmm`` raises
+      ValueError: unknown recipe, impl, quant_impl or kernel_schedule;
+        ``impl="kernel"`` with another recipe than ``te_fp8_blockwise``, off a
+        Hopper GPU outside interpret mode, or with K or N not a multiple of 256; what ``api.gmm`` raises
         for the shapes.
     """
     required_alignment(recipe)
@@ -493,6 +532,7 @@ def gmm(x, w, group_sizes, *, recipe="te_no_quant", backend="auto", out_dtype=No
         raise ValueError(f"gmm: impl {impl!r} is not one of {IMPLS}")
     if quant_impl not in QUANT_IMPLS:
         raise ValueError(f"gmm: quant_impl {quant_impl!r} is not one of {QUANT_IMPLS}")
+    _schedule(kernel_schedule, "gmm")  # checked on every path, where it runs or not
     if recipe == "te_no_quant":
         return api.gmm(x, w, group_sizes, backend=backend, out_dtype=out_dtype)
     api._check_gmm_args(x, w, group_sizes, transpose_rhs=False)
@@ -503,6 +543,7 @@ def gmm(x, w, group_sizes, *, recipe="te_no_quant", backend="auto", out_dtype=No
         if why := _kernel_refusal(recipe, w.shape):
             raise ValueError(f"gmm: impl='kernel' (config key gmm_fp8_impl): {why}; use impl='emulate'")
         _say_once(recipe, jax.devices()[0].device_kind, "fp8_kernel")
-        return _kgmm(x, w, group_sizes, out_dtype, bool(groups_aligned), quantizer(quant_impl))
+        return _kgmm(x, w, group_sizes, out_dtype, bool(groups_aligned), quantizer(quant_impl),
+                     kernel_schedule)
     _say_once(recipe, jax.devices()[0].device_kind, name, why)
     return _qgmm(x, w, group_sizes, recipe, name, out_dtype, bool(groups_aligned))
