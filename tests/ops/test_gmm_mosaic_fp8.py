@@ -712,6 +712,24 @@ def test_kernel_schedules_reach_the_kernels(rng, monkeypatch, aligned):
             quantized.gmm(x, w, gs, recipe="te_fp8_blockwise", impl=impl, kernel_schedule="quarters")
 
 
+def test_kernel_schedule_is_named_where_it_runs_and_where_it_cannot(caplog):
+    """A schedule other than ``default`` is named in the kernels' log line, and where
+    the emulation runs instead, a warning says it has no effect (no silent downgrade)."""
+    x, w = jnp.ones((256, 256), jnp.bfloat16), jnp.ones((2, 256, 256), jnp.bfloat16)
+    gs = jnp.array([128, 128], jnp.int32)
+    quantized._say_once.cache_clear()
+    with caplog.at_level("WARNING", logger=quantized._log.name):
+        jax.eval_shape(lambda x, w: quantized.gmm(x, w, gs, recipe="te_fp8_blockwise",
+                                                  impl="emulate", kernel_schedule="halves_unfenced"), x, w)
+        with _interpret():
+            jax.eval_shape(lambda x, w: quantized.gmm(x, w, gs, recipe="te_fp8_blockwise",
+                                                      impl="kernel", kernel_schedule="halves_unfenced"), x, w)
+    quantized._say_once.cache_clear()
+    text = caplog.text
+    assert "gmm_fp8_kernel_schedule=halves_unfenced has no effect: the FP8 kernels do not run here" in text
+    assert "impl=kernel: fwd, dgrad and wgrad" in text and "kernel schedule halves_unfenced" in text
+
+
 def test_kernel_impl_errors():
     x, w = S((256, 256), jnp.float32), S((2, 256, 256), jnp.float32)
     gs = jnp.array([128, 128], jnp.int32)

@@ -243,7 +243,11 @@ def _kernel_refusal(recipe: str, w_shape, backend: str | None = None) -> str:
 
 
 @functools.cache
-def _say_once(recipe: str, device_kind: str, backend: str, why: str = ""):
+def _say_once(recipe: str, device_kind: str, backend: str, why: str = "",
+              schedule: str = "default"):
+    if schedule != "default" and backend != "fp8_kernel":
+        _log.warning("gmm_fp8_kernel_schedule=%s has no effect: the FP8 kernels do not run "
+                     "here (%s).", schedule, why or f"{recipe} with impl=emulate")
     if recipe == "te_mxfp8":
         _log.warning("te_mxfp8: MXFP8 is emulated on %s (no MXFP8 tensor-core grouped GEMM is "
                      "used): operands are quantized to E4M3 with E8M0 scales per 32, "
@@ -252,7 +256,8 @@ def _say_once(recipe: str, device_kind: str, backend: str, why: str = ""):
     elif backend == "fp8_kernel":
         _log.warning("te_fp8_blockwise: FP8 E4M3 Mosaic GPU grouped GEMM kernels on %s "
                      "(impl=kernel: fwd, dgrad and wgrad on FP8 codes with 1x128 / 128x128 "
-                     "scales).", device_kind)
+                     "scales%s).", device_kind,
+                     "" if schedule == "default" else f"; kernel schedule {schedule}")
     else:
         _log.warning("te_fp8_blockwise: FP8 blockwise numerics (1x128 / 128x128 scales) through "
                      "the %s bf16 grouped GEMM on %s (impl=emulate%s), so speed is bf16's.",
@@ -542,8 +547,8 @@ def gmm(x, w, group_sizes, *, recipe="te_no_quant", backend="auto", out_dtype=No
     if impl == "kernel":
         if why := _kernel_refusal(recipe, w.shape):
             raise ValueError(f"gmm: impl='kernel' (config key gmm_fp8_impl): {why}; use impl='emulate'")
-        _say_once(recipe, jax.devices()[0].device_kind, "fp8_kernel")
+        _say_once(recipe, jax.devices()[0].device_kind, "fp8_kernel", schedule=kernel_schedule)
         return _kgmm(x, w, group_sizes, out_dtype, bool(groups_aligned), quantizer(quant_impl),
                      kernel_schedule)
-    _say_once(recipe, jax.devices()[0].device_kind, name, why)
+    _say_once(recipe, jax.devices()[0].device_kind, name, why, kernel_schedule)
     return _qgmm(x, w, group_sizes, recipe, name, out_dtype, bool(groups_aligned))
