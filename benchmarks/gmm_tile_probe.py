@@ -75,9 +75,10 @@ TILINGS = {
     "table": None,
     # the table's tile without the chain: the block_m=128 side of the plain pair
     "m128_n128_w8": GmmTiling(block_m=128, block_n=128, grid_tile_width=8),
-    # the DeepSeek-V3 shapes' table entry (chained), for shapes the table lacks, where
-    # ``table`` is ``tuning.default_tiling`` (grid_tile_width=1, no chain)
+    # the DeepSeek-V3 shapes' table entry (chained), and ``tuning.default_tiling``'s
+    # until 2026-12-04 (bands of one row tile), for shapes the table lacks
     "m128_n128_w8_chain": GmmTiling(block_m=128, block_n=128, grid_tile_width=8, chain=True),
+    "m128_n128_w1": GmmTiling(block_m=128, block_n=128, grid_tile_width=1),
     # half the rows, the same columns: 160 KiB ring + 32 KiB epilogue
     "m64_n128_w8": GmmTiling(block_m=64, block_n=128, grid_tile_width=8),
     "m64_n128_w8_chain": GmmTiling(block_m=64, block_n=128, grid_tile_width=8, chain=True),

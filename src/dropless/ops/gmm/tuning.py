@@ -111,14 +111,26 @@ def fits(tiling, kind, k, n):
 
 def default_tiling(kind, k, n):
     """Fallback rule: 128-wide warpgroup tiles when they divide, else 64-wide; the
-    wgrad chained (``TgmmTiling.chain``).
+    wgrad chained (``TgmmTiling.chain``); fwd and dgrad in bands of 8 row tiles
+    (``GmmTiling.grid_tile_width``).
+
+    Bands of 8: every H200 tune so far ran fwd and dgrad faster with 8 row tiles per
+    column band than with 1, by 1.8-46% (9 of 10 comparisons; dgrad at K=768 N=2048
+    631 against 634 TF/s), and no table entry kept 1 for the forward
+    (``gmm-qwen3-30b-tune-20261203-0547``, ``gmm-deepseek-tune-chain-20261203-1306``,
+    ``gmm-deepseek-g256-tune-chain-20261203-1323``). With 1, the CTAs in flight cover
+    about one row tile across every column band, so a wide output re-reads the whole
+    expert weight from HBM for each row tile: Mixtral-8x7B's forward (K=4096, N=28672,
+    235 MB of weight per expert), on the untuned default, ran at 0.80x dense cuBLAS
+    where its dgrad ran at 1.01x (``gmm-mixtral-8x7b-20261204-213629``).
 
     Returns None when no standard tile divides the shape (K or N not a
     multiple of 128).
     """
     cls = tiling_cls(kind)
     for width in (128, 64):
-        tiling = cls(block_k=width, chain=True) if kind == "wgrad" else cls(block_n=width)
+        tiling = (cls(block_k=width, chain=True) if kind == "wgrad"
+                  else cls(block_n=width, grid_tile_width=8))
         if fits(tiling, kind, k, n):
             return tiling
         if kind == "wgrad":
