@@ -110,6 +110,11 @@ WGRAD_VARIANTS = {
     # later ones run
     "wgrad_rows_halves_sorted_chain": dict(split="rows", overlap=False, tile_order="sorted_snake",
                                            chain=True, parts=2),
+    # the halves with the scale reads unfenced (the forward's two gained together what
+    # neither did alone, 2026-12-04 late night)
+    "wgrad_rows_halves_sorted_chain_nofence": dict(split="rows", overlap=False,
+                                                   tile_order="sorted_snake", chain=True,
+                                                   parts=2, scale_fence="none"),
     "wgrad_rows_quarters_sorted_chain": dict(split="rows", overlap=False,
                                              tile_order="sorted_snake", chain=True, parts=4),
     "wgrad_rows_sorted_chain": dict(split="rows", overlap=False, tile_order="sorted_snake",
