@@ -718,15 +718,18 @@ def test_kernel_schedule_is_named_where_it_runs_and_where_it_cannot(caplog):
     x, w = jnp.ones((256, 256), jnp.bfloat16), jnp.ones((2, 256, 256), jnp.bfloat16)
     gs = jnp.array([128, 128], jnp.int32)
     quantized._say_once.cache_clear()
+    def trace(impl):
+        jax.eval_shape(lambda x, w: quantized.gmm(x, w, gs, recipe="te_fp8_blockwise", impl=impl,
+                                                  kernel_schedule="halves_unfenced"), x, w)
+
     with caplog.at_level("WARNING", logger=quantized._log.name):
-        jax.eval_shape(lambda x, w: quantized.gmm(x, w, gs, recipe="te_fp8_blockwise",
-                                                  impl="emulate", kernel_schedule="halves_unfenced"), x, w)
+        trace("emulate")
         with _interpret():
-            jax.eval_shape(lambda x, w: quantized.gmm(x, w, gs, recipe="te_fp8_blockwise",
-                                                      impl="kernel", kernel_schedule="halves_unfenced"), x, w)
+            trace("kernel")
     quantized._say_once.cache_clear()
     text = caplog.text
-    assert "gmm_fp8_kernel_schedule=halves_unfenced has no effect: the FP8 kernels do not run here" in text
+    assert ("gmm_fp8_kernel_schedule=halves_unfenced has no effect: the FP8 kernels do not "
+            "run here") in text
     assert "impl=kernel: fwd, dgrad and wgrad" in text and "kernel schedule halves_unfenced" in text
 
 

@@ -258,9 +258,10 @@ def fp8_quant_headline(record: dict) -> list[str]:
                         if t), (None, ""))
     if not (path and bf16):
         return []
-    line = f"FP8 fwd+dgrad+wgrad with quantization{which} {path:.1f} ms = {bf16 / path:.2f}x bf16's {bf16:.1f} ms"
+    line = (f"FP8 fwd+dgrad+wgrad with quantization{which} {path:.1f} ms = "
+            f"{bf16 / path:.2f}x bf16's {bf16:.1f} ms")
     extras = [f"Pallas quantizers {pallas:.1f} ms = {bf16 / pallas:.2f}x"] if auto and pallas else []
-    extras += [f"XLA's quantization {xla:.1f} ms = {bf16 / xla:.2f}x"] if path != xla and xla else []
+    extras += [f"XLA's quantization {xla:.1f} ms = {bf16 / xla:.2f}x"] if xla and path != xla else []
     extras += [f"kernels alone {alone:.1f} ms = {bf16 / alone:.2f}x"] if alone else []
     return [line + (f" ({'; '.join(extras)})" if extras else "")]
 

@@ -127,7 +127,8 @@ QUANT_IMPLS = ("auto", "xla", "pallas", "mosaic")
 #                    ours_fp8_halves``).
 KERNEL_SCHEDULES = {
     "default": ((), ()),
-    "halves_unfenced": ((("parts", 2), ("scale_fence", "none")), (("overlap", False), ("parts", 2))),
+    "halves_unfenced": ((("parts", 2), ("scale_fence", "none")),
+                        (("overlap", False), ("parts", 2))),
 }
 _KERNEL_DIM = 256  # K and N: the kernels' CTA tiles are 256 wide along O, 128 along C
 _ALIGNMENT = {"te_no_quant": 1, "te_fp8_blockwise": quant.BLOCKWISE_TILE, "te_mxfp8": quant.MX_BLOCK}
@@ -529,8 +530,8 @@ def gmm(x, w, group_sizes, *, recipe="te_no_quant", backend="auto", out_dtype=No
     Raises:
       ValueError: unknown recipe, impl, quant_impl or kernel_schedule;
         ``impl="kernel"`` with another recipe than ``te_fp8_blockwise``, off a
-        Hopper GPU outside interpret mode, or with K or N not a multiple of 256; what ``api.gmm`` raises
-        for the shapes.
+        Hopper GPU outside interpret mode, or with K or N not a multiple of 256;
+        what ``api.gmm`` raises for the shapes.
     """
     required_alignment(recipe)
     if impl not in IMPLS:
