@@ -1155,15 +1155,15 @@ def test_gpu_kernel_schedules_give_the_default_bits(rng):
     w = (_scaled(rng, (len(sizes), k, n), (1, 2)) / 16).astype(jnp.bfloat16)
 
     @functools.partial(jax.jit, static_argnums=0)
-    def run(schedule):
+    def run(schedule, x, w, dy):
         y, vjp = jax.vjp(lambda x, w: quantized.gmm(
             x, w, gs, recipe="te_fp8_blockwise", impl="kernel", groups_aligned=True,
             kernel_schedule=schedule), x, w)
         return (y, *vjp(dy))
 
-    want = run("default")
+    want = run("default", x, w, dy)
     assert np.isfinite(np.asarray(want[0][:total], np.float32)).all()
-    for got, ref in zip(run("halves_unfenced"), want):
+    for got, ref in zip(run("halves_unfenced", x, w, dy), want):
         np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(ref, np.float32))
 
 
