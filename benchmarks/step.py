@@ -379,7 +379,8 @@ def print_table(rows, tiny: bool = False) -> None:
 
 
 def speedups(rows) -> dict:
-    """TFLOP/s/device of ours over each baseline and over the better one; each variant of ours over it."""
+    """TFLOP/s/device of ours over each baseline and over the better one; each variant of ours
+    over it; each FP8 variant over ``ours_fp8_blockwise`` (the FP8 defaults) of the same run."""
     by = {r["case"]: r.get("tflops_per_device") for r in rows}
     ours = by.get("ours")
     out = {f"ours_over_{c}": ours / by[c] for c in ("xla", "capacity") if ours and by.get(c)}
@@ -389,6 +390,10 @@ def speedups(rows) -> dict:
     for c in by:  # every variant of ours against ours of the same run
         if c.startswith("ours_") and ours and by[c]:
             out[f"{c}_over_ours"] = by[c] / ours
+    fp8 = by.get("ours_fp8_blockwise")
+    for c in by:
+        if c.startswith("ours_fp8") and c != "ours_fp8_blockwise" and fp8 and by[c]:
+            out[f"{c}_over_ours_fp8_blockwise"] = by[c] / fp8
     return out
 
 
