@@ -77,6 +77,11 @@ VARIANTS = {
     "rows_gtw8_quarters": dict(split="rows", grid_tile_width=8, parts=4),
     "rows_gtw8_halves_nofence": dict(split="rows", grid_tile_width=8, parts=2,
                                      scale_fence="none"),
+    # 96 + 32 columns: the long slice promoted under the short slice's wgmma, 16 of a
+    # thread's 64 multiply-adds after the last wait (the halves leave 32 there)
+    "rows_gtw8_p96_32": dict(split="rows", grid_tile_width=8, parts=(96, 32)),
+    "rows_gtw8_p96_32_nofence": dict(split="rows", grid_tile_width=8, parts=(96, 32),
+                                     scale_fence="none"),
     # no fence: the slot's release barrier alone orders the scale reads (as DeepGEMM)
     "rows_gtw8_nofence": dict(split="rows", grid_tile_width=8, scale_fence="none"),
     "rows_gtw8_gmem_commit": dict(split="rows", grid_tile_width=8, weight_scales="gmem",
@@ -115,6 +120,9 @@ WGRAD_VARIANTS = {
     "wgrad_rows_halves_sorted_chain_nofence": dict(split="rows", overlap=False,
                                                    tile_order="sorted_snake", chain=True,
                                                    parts=2, scale_fence="none"),
+    "wgrad_rows_p96_32_sorted_chain": dict(split="rows", overlap=False,
+                                           tile_order="sorted_snake", chain=True,
+                                           parts=(96, 32)),
     "wgrad_rows_quarters_sorted_chain": dict(split="rows", overlap=False,
                                              tile_order="sorted_snake", chain=True, parts=4),
     "wgrad_rows_sorted_chain": dict(split="rows", overlap=False, tile_order="sorted_snake",

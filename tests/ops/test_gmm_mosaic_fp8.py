@@ -34,6 +34,7 @@ fwd ``overlap`` tests added about 17 s of CPU time.
 
 import functools
 import os
+import re
 
 import fp8_accumulation as fp8_acc
 import jax
@@ -151,7 +152,8 @@ def test_fwd_dgrad_overlap_lowers_for_cuda_at_a_deepseek_shape(kind, split):
 def test_fwd_dgrad_weight_scales_in_smem_lower_for_cuda_at_deepseek_shapes(kind, k_n):
     """``weight_scales="smem"``: a fourth TMA stream of 128-224 byte rows (32 or 56
     column blocks of float32) lowers for CUDA at both DeepSeek-V3 shapes, both products,
-    with each ``scale_fence`` (``"none"`` at one shape); at K=2048 N=7168 with ``parts`` 2 and 4;
+    with each ``scale_fence`` (``"none"`` at one shape); at K=2048 N=7168 with ``parts`` 2, 4
+    and (96, 32);
     at K=7168 N=4096 also with ``early_release``, at five
     stages (the rows split's 32.6 KiB stage: five fit in shared memory, six do not) and
     with the batched epilogue."""
@@ -159,7 +161,7 @@ def test_fwd_dgrad_weight_scales_in_smem_lower_for_cuda_at_deepseek_shapes(kind,
     # (early_release, five stages and the batched epilogue at one shape: CI time)
     extra = ([dict(early_release=True), dict(num_stages=5), dict(stagger=True),
               dict(epilogue="batched")] if k_n == (7168, 4096)
-             else [dict(parts=2), dict(parts=4)])
+             else [dict(parts=2), dict(parts=4), dict(parts=(96, 32))])
     fences = [f for f in mosaic_fp8.SCALE_FENCES[1:] if f != "none" or k_n == (7168, 4096)]
     for kw in [*(dict(scale_fence=fence) for fence in fences), *extra]:
         exported = jax.export.export(jax.jit(lambda *a: fn(*a, sms=132, **kw)),
@@ -436,10 +438,12 @@ def test_interpret_fwd_early_release_equals_the_plain_kernel_bit_for_bit(
         mosaic_fp8.gmm_fp8_blockwise(aq, sa, bq, sb, gs, stagger=True, overlap=True)
 
 
-@pytest.mark.parametrize("split,parts", [("rows", 2), pytest.param("columns", 2, marks=slow),
-                                         pytest.param("rows", 4, marks=slow)])
+@pytest.mark.parametrize("split,parts", [("rows", 2), ("rows", (96, 32)),
+                                         pytest.param("columns", 2, marks=slow),
+                                         pytest.param("rows", 4, marks=slow)], ids=str)
 def test_interpret_fwd_parts_equal_the_plain_kernel_bit_for_bit(rng, split, parts):
-    """``parts`` above 1: each step as 2 or 4 wgmmas over column slices, each slice
+    """``parts`` above 1: each step as 2 or 4 wgmmas over equal column slices, or over
+    96 and 32 columns, each slice
     promoted while the later ones run, stores the plain step's bits over the awkward
     layout (unaligned groups, an empty group, zero rows past the total) with the race
     detector on; ``parts`` outside ``PARTS``, or above 1 with ``overlap``,
@@ -453,8 +457,10 @@ def test_interpret_fwd_parts_equal_the_plain_kernel_bit_for_bit(rng, split, part
     for kw in (dict(overlap=True), dict(early_release=True), dict(stagger=True)):
         with pytest.raises(ValueError, match="parts=2 takes the plain step"):
             mosaic_fp8.gmm_fp8_blockwise(aq, sa, bq, sb, gs, parts=2, **kw)
-    with pytest.raises(ValueError, match=r"parts=3 must be one of \(1, 2, 4\)"):
+    with pytest.raises(ValueError, match=r"parts=3 must be one of \(1, 2, 4, \(96, 32\)\)"):
         mosaic_fp8.gmm_fp8_blockwise(aq, sa, bq, sb, gs, parts=3)
+    with pytest.raises(ValueError, match=r"parts=\(64, 64\) must be one of"):
+        mosaic_fp8.gmm_fp8_blockwise(aq, sa, bq, sb, gs, parts=(64, 64))
 
 
 @pytest.mark.parametrize("out_dtype", [jnp.float32, pytest.param(jnp.bfloat16, marks=slow)])
@@ -556,8 +562,9 @@ def test_interpret_wgrad_batched_epilogue_equals_the_chunks_bit_for_bit(rng, out
         mosaic_fp8_tgmm.tgmm_fp8_blockwise(*ops, gs, epilogue="late")
 
 
-@pytest.mark.parametrize("split,parts", [("rows", 2), pytest.param("columns", 2, marks=slow),
-                                         pytest.param("rows", 4, marks=slow)])
+@pytest.mark.parametrize("split,parts", [("rows", 2), ("rows", (96, 32)),
+                                         pytest.param("columns", 2, marks=slow),
+                                         pytest.param("rows", 4, marks=slow)], ids=str)
 def test_interpret_wgrad_parts_equal_the_plain_step_bit_for_bit(rng, split, parts):
     """``parts`` above 1 (the plain step as 2 or 4 wgmmas over column slices, each slice
     promoted while the later ones run) stores the plain step's bits, race detector on,
@@ -571,7 +578,7 @@ def test_interpret_wgrad_parts_equal_the_plain_step_bit_for_bit(rng, split, part
     got = _same_bits_without_races(lambda: run(parts=parts), run)
     assert not np.isnan(np.asarray(got, np.float32)).any()
     _same_bits_without_races(lambda: run(parts=parts, chain=False), lambda: run(chain=False))
-    with pytest.raises(ValueError, match=f"parts={parts} takes the plain step"):
+    with pytest.raises(ValueError, match=re.escape(f"parts={parts} takes the plain step")):
         mosaic_fp8_tgmm.tgmm_fp8_blockwise(*ops, gs, parts=parts)
     fn, args = _lowering_args("wgrad", 65536, 7168, 4096, 32)
     exported = jax.export.export(
@@ -929,14 +936,14 @@ def test_gpu_fwd_dgrad_batched_epilogue_equals_the_chunks_bit_for_bit(rng, produ
 @gpu_test
 @pytest.mark.parametrize("product", ["fwd", "dgrad"])
 def test_gpu_fwd_dgrad_parts_equal_the_plain_kernel_bit_for_bit(rng, product):
-    """``parts`` 2 and 4 on the hardware (a slice promoted while later slices' wgmmas
-    are still in flight, which the interpreter cannot show): the plain kernel's bits on
-    random data at fwd's 16 and dgrad's 56 steps, with weight scales distinct along the
-    column blocks, in both splits, per tile and chained."""
+    """``parts`` 2, 4 and (96, 32) on the hardware (a slice promoted while later slices'
+    wgmmas are still in flight, which the interpreter cannot show): the plain kernel's
+    bits on random data at fwd's 16 and dgrad's 56 steps, with weight scales distinct
+    along the column blocks, in both splits, per tile and chained."""
     fwd_ops, dgrad_ops, gs, _ = _fwd_dgrad_inputs(rng, lambda r, s: _scaled(r, s, (0, 1)
                                                   if len(s) == 2 else (1, 2)))
     ops = _with_distinct_column_block_scales(rng, fwd_ops if product == "fwd" else dgrad_ops)
-    for parts in (2, 4):
+    for parts in (2, 4, (96, 32)):
         for split in mosaic_fp8.SPLITS:
             np.testing.assert_array_equal(_run_fwd_like(ops, gs, split=split, parts=parts),
                                           _run_fwd_like(ops, gs, split=split))
@@ -1012,11 +1019,11 @@ WGRAD_CONFIGS = pytest.mark.parametrize(
 
 @gpu_test
 def test_gpu_wgrad_parts_equal_the_plain_step_bit_for_bit(rng):
-    """``parts`` 2 and 4 on the hardware (a slice promoted while later slices' wgmmas
-    are still in flight): the plain step's bits on random data with a NaN tail, chained
-    and per tile, in both splits, and the exact product on integer-exact data."""
+    """``parts`` 2, 4 and (96, 32) on the hardware (a slice promoted while later slices'
+    wgmmas are still in flight): the plain step's bits on random data with a NaN tail,
+    chained and per tile, in both splits, and the exact product on integer-exact data."""
     ops, gs = _wgrad_inputs(rng, lambda r, s: _scaled(r, s, (0, 1)))
-    for parts in (2, 4):
+    for parts in (2, 4, (96, 32)):
         for split in mosaic_fp8_tgmm.SPLITS:
             for chain in (True, False):
                 np.testing.assert_array_equal(

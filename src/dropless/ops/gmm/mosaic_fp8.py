@@ -151,7 +151,10 @@ SCALE_FENCES = ("auto", "commit", "thread", "none")  # how a step fences its sca
 # barrier per 64x64 chunk (the default), or both chunks under one fence ("batched",
 # opt-in until timed; the wgrad's batched epilogue ran 1.00-1.04x, ``mosaic_fp8_tgmm``).
 EPILOGUES = ("chunks", "batched")
-PARTS = (1, 2, 4)  # wgmmas per warpgroup step, each over 128 / parts columns (``parts``)
+# wgmmas per warpgroup step (``parts``): n over 128 / n columns each, or a tuple of the
+# slices' widths ((96, 32): the long slice's promotion under the short slice's wgmma, only
+# the short one's 16 multiply-adds per thread after the last wait)
+PARTS = (1, 2, 4, (96, 32))
 _SCALE_WINDOW = 32  # weight-scale columns per step's TMA row with weight_scales="smem"
 _MEMORY_REGISTERS = 40
 
@@ -198,6 +201,13 @@ def check_parts(parts, who):
         raise ValueError(f"{who}: {parts=} must be one of {PARTS}")
 
 
+def part_widths(parts, cols):
+    """The column widths of ``parts``' slices (``PARTS``) of a ``cols``-wide step."""
+    widths = (cols // parts,) * parts if isinstance(parts, int) else tuple(parts)
+    assert sum(widths) == cols, (parts, cols)
+    return widths
+
+
 def promote_in_parts(total, lhs, b_smem, first, parts, scale_of):
     """One step with ``parts`` above 1 (``gmm_fp8_blockwise``'s docstring): the
     warpgroup's wgmmas over ``parts`` column slices of ``b_smem`` (its rows ``first`` on,
@@ -206,20 +216,21 @@ def promote_in_parts(total, lhs, b_smem, first, parts, scale_of):
     its own wgmma has completed, as ``total + part * scale_of(i)``. Shared with the
     wgrad's plain step (``mosaic_fp8_tgmm``), whose scale is an outer product."""
     rows, cols = total.shape
-    width = cols // parts
-    rhs = [b_smem.at[pl.ds(first + i * width, width)].T for i in range(parts)]
+    widths = part_widths(parts, cols)
+    starts = [sum(widths[:i]) for i in range(len(widths))]
+    rhs = [b_smem.at[pl.ds(first + s, w)].T for s, w in zip(starts, widths)]
 
     def step(*accs):
         for acc, r in zip(accs, rhs):
             plgpu.wgmma(acc, lhs, r)
         out = []
-        for i, acc in enumerate(accs):
+        for i, (acc, s, w) in enumerate(zip(accs, starts, widths)):
             # Slice i's wgmma is done; the later ones may still run.
-            part = plgpu.wgmma_accumulator_load(acc, wait_n=parts - 1 - i)
-            out.append(total[:, i * width:(i + 1) * width] + part * scale_of(i))
+            part = plgpu.wgmma_accumulator_load(acc, wait_n=len(widths) - 1 - i)
+            out.append(total[:, s:s + w] + part * scale_of(i))
         return jnp.concatenate(out, axis=1)
 
-    return pl.run_scoped(step, *[plgpu.ACC((rows, width), jnp.float32)] * parts)
+    return pl.run_scoped(step, *[plgpu.ACC((rows, w), jnp.float32) for w in widths])
 
 
 def _swizzle_transforms(minor_elems, dtype):
@@ -263,12 +274,15 @@ def gmm_fp8_blockwise(aq_MC, sa, bq_GOC, sb, group_sizes_G, *, out_dtype=jnp.bfl
     ``scale_fence``, ``early_release``, ``stagger``, ``epilogue`` (``EPILOGUES``) and
     ``parts`` change how the kernel runs, not its bits.
 
-    ``parts`` (``PARTS``; 2 or 4 opt-in until timed; the plain step only): each
-    warpgroup's step is ``parts`` wgmmas over 128 / ``parts`` columns each, into as many
-    accumulators, committed one after the other; each slice is promoted as soon as its
-    wgmma has completed (``wgmma_accumulator_load(wait_n=...)``) while the later ones
-    still run, and only the last slice's 64 / ``parts`` multiply-adds per thread follow
-    the last wait. In the plain step all 64 follow it with the tensor
+    ``parts`` (``PARTS``; opt-in; the plain step only): each warpgroup's step is
+    ``parts`` wgmmas over 128 / ``parts`` columns each (or over the widths of a tuple,
+    ``(96, 32)``), into as many accumulators, committed one after the other; each slice
+    is promoted as soon as its wgmma has completed (``wgmma_accumulator_load(wait_n=...)``)
+    while the later ones still run, and only the last slice's multiply-adds (64 /
+    ``parts`` per thread; 16 with ``(96, 32)``) follow the last wait. On the H200, 2
+    ran 0-1% faster than the plain step, 4 0.79x, 2 with ``scale_fence="none"`` 1.02-1.08x
+    (``fp8_kernels-parts-*-20261204-21*``); ``(96, 32)`` is untimed: its 96-column
+    slice's 48 multiply-adds per thread have to fit under the 32-column wgmma. In the plain step all 64 follow it with the tensor
     cores idle for this warpgroup, and the other warpgroup, waiting on the same stage,
     promotes at the same time (71% tensor-pipe activity,
     ``kernel_anatomy-20261204-062616``). ``overlap`` was meant to hide the promotion
@@ -375,7 +389,7 @@ def gmm_fp8_blockwise(aq_MC, sa, bq_GOC, sb, group_sizes_G, *, out_dtype=jnp.bfl
     if stagger and overlap:
         raise ValueError("mosaic fp8 gmm: stagger=True takes the plain step (overlap=False)")
     check_parts(parts, "mosaic fp8 gmm")
-    if parts > 1 and (overlap or early_release or stagger):
+    if parts != 1 and (overlap or early_release or stagger):
         raise ValueError(f"mosaic fp8 gmm: {parts=} takes the plain step without "
                          f"early_release or stagger, got {overlap=} {early_release=} {stagger=}")
     if weight_scales not in WEIGHT_SCALES:
@@ -546,11 +560,12 @@ def gmm_fp8_blockwise(aq_MC, sa, bq_GOC, sb, group_sizes_G, *, out_dtype=jnp.bfl
                                 lambda: plgpu.barrier_arrive(offset))
                         return acc_ref[...]
 
-                    if parts > 1:
-                        scale = lax.broadcast_in_dim(row_scale * w_scale, (bm, bo // parts),
-                                                     (0,))
-                        return promote_in_parts(total, lhs, b_smem, 0 if by_rows else wg * bo,
-                                                parts, lambda _: scale)
+                    if parts != 1:
+                        widths = part_widths(parts, bo)
+                        scale = row_scale * w_scale
+                        return promote_in_parts(
+                            total, lhs, b_smem, 0 if by_rows else wg * bo, parts,
+                            lambda i: lax.broadcast_in_dim(scale, (bm, widths[i]), (0,)))
                     part = pl.run_scoped(c_step, plgpu.ACC((bm, bo), jnp.float32))
                     return total + part * by_row(row_scale * w_scale)
 

@@ -149,8 +149,8 @@ from dropless.ops import quant
 from dropless.ops.gmm import reference as ref_backend
 from dropless.ops.gmm import schedule as schedule_lib
 from dropless.ops.gmm.mosaic_fp8 import (BLOCK, _MEMORY_REGISTERS, _swizzle_transforms,
-                                         check_parts, fence_scale_reads, promote_in_parts,
-                                         resolve_scale_fence)
+                                         check_parts, fence_scale_reads, part_widths,
+                                         promote_in_parts, resolve_scale_fence)
 from dropless.ops.gmm.mosaic_gmm import (chained_tile_pipeline, persistent_kernel,
                                         tile_order_operands, walk_tiles)
 from dropless.ops.gmm.mosaic_tgmm import _store_tile
@@ -212,9 +212,9 @@ def tgmm_fp8_blockwise(xq_KM, sx, dyq_NM, sdy, group_sizes_G, *, out_dtype=jnp.f
     ``"auto"`` batches 2-byte outputs, which ran 1.00-1.04x on the H200),
     ``prefetch`` (with ``chain``: each tile's group data read rounds ahead,
     ``mosaic_gmm.walk_tiles_prefetched``; opt-in until timed),
-    ``parts`` (``mosaic_fp8.PARTS``; above 1 the plain step only, ``overlap=False``;
-    opt-in until timed: each step as ``parts`` wgmmas over 128 / ``parts`` columns, each
-    slice promoted while the later ones run, as the forward's
+    ``parts`` (``mosaic_fp8.PARTS``; other than 1 the plain step only, ``overlap=False``;
+    opt-in: each step as ``parts`` wgmmas over 128 / ``parts`` columns, or over the
+    widths of a tuple, each slice promoted while the later ones run, as the forward's
     ``mosaic_fp8.gmm_fp8_blockwise(parts=...)``, whose docstring says why),
     ``scale_fence`` (``mosaic_fp8.SCALE_FENCES``: the scale reads' proxy fence with
     ``commit_smem``'s warpgroup barrier, or per thread alone, as the forward's
@@ -241,7 +241,7 @@ def tgmm_fp8_blockwise(xq_KM, sx, dyq_NM, sdy, group_sizes_G, *, out_dtype=jnp.f
     m, k, n = check_shapes(xq_KM, sx, dyq_NM, sdy, group_sizes_G)
     scale_fence = resolve_scale_fence(scale_fence, "mosaic fp8 tgmm")
     check_parts(parts, "mosaic fp8 tgmm")
-    if parts > 1 and overlap:
+    if parts != 1 and overlap:
         raise ValueError(f"mosaic fp8 tgmm: {parts=} takes the plain step (overlap=False)")
     if epilogue not in EPILOGUES:
         raise ValueError(f"mosaic fp8 tgmm: {epilogue=} must be one of {EPILOGUES}")
@@ -255,7 +255,8 @@ def tgmm_fp8_blockwise(xq_KM, sx, dyq_NM, sdy, group_sizes_G, *, out_dtype=jnp.f
     if split == "rows" and k % (2 * BLOCK_K):
         split = "columns"  # K = 64 (mod 128): only the 64-row CTA tile fits
     bk, bn, bm = BLOCK_K, BLOCK, BLOCK  # one warpgroup's tile: 64 (K) x 128 (N)
-    width = bn // parts  # each wgmma's columns
+    widths = part_widths(parts, bn)  # each wgmma's columns
+    starts = [sum(widths[:i]) for i in range(len(widths))]
     by_rows = split == "rows"
     cta_k, cta_n = (2 * bk, bn) if by_rows else (bk, 2 * bn)
     k_tiles, n_bands = k // cta_k, n // cta_n
@@ -330,13 +331,13 @@ def tgmm_fp8_blockwise(xq_KM, sx, dyq_NM, sdy, group_sizes_G, *, out_dtype=jnp.f
         def mma_body_parts(_, x_smem, dy_smem, sx_smem, sdy_smem, total):
             lhs, _, rows, cols = operands(x_smem, dy_smem, sx_smem, sdy_smem)
             row_scale = plgpu.load(rows, layout=plgpu.Layout.WGMMA.reduce(1))
-            col_scales = [plgpu.load(cols.at[pl.ds(i * width, width)],
-                                     layout=plgpu.Layout.WGMMA.reduce(0)) for i in range(parts)]
+            col_scales = [plgpu.load(cols.at[pl.ds(s, w)], layout=plgpu.Layout.WGMMA.reduce(0))
+                          for s, w in zip(starts, widths)]
             fence_scale_reads(scale_fence)
 
             def scale(i):
-                return (lax.broadcast_in_dim(row_scale, (bk, width), (0,))
-                        * lax.broadcast_in_dim(col_scales[i], (bk, width), (1,)))
+                return (lax.broadcast_in_dim(row_scale, (bk, widths[i]), (0,))
+                        * lax.broadcast_in_dim(col_scales[i], (bk, widths[i]), (1,)))
 
             return promote_in_parts(total, lhs, dy_smem, 0 if by_rows else wg * bn, parts,
                                     scale)
@@ -373,7 +374,7 @@ def tgmm_fp8_blockwise(xq_KM, sx, dyq_NM, sdy, group_sizes_G, *, out_dtype=jnp.f
 
         if overlap:  # the last step's product is still pending
             return mma_body_overlap, lambda: (zeros(), zeros()), lambda c: c[0] + c[1]
-        return mma_body_parts if parts > 1 else mma_body, zeros, lambda total: total
+        return mma_body_parts if parts != 1 else mma_body, zeros, lambda total: total
 
     def body(starts_ref, sizes_ref, *refs):
         *order_ref, x_gmem, sx_gmem, dy_gmem, sdy_gmem, o_gmem = refs  # order_ref: [] or [order]
