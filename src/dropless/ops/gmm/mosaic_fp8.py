@@ -282,8 +282,8 @@ def gmm_fp8_blockwise(aq_MC, sa, bq_GOC, sb, group_sizes_G, *, out_dtype=jnp.bfl
     ``parts`` per thread; 16 with ``(96, 32)``) follow the last wait. On the H200, 2
     ran 0-1% faster than the plain step, 4 0.79x, 2 with ``scale_fence="none"`` 1.02-1.08x
     (``fp8_kernels-parts-*-20261204-21*``); ``(96, 32)`` is untimed: its 96-column
-    slice's 48 multiply-adds per thread have to fit under the 32-column wgmma. In the plain step all 64 follow it with the tensor
-    cores idle for this warpgroup, and the other warpgroup, waiting on the same stage,
+    slice's 48 multiply-adds per thread have to fit under the 32-column wgmma. In the
+    plain step all 64 follow it with the tensor cores idle for this warpgroup, and the other warpgroup, waiting on the same stage,
     promotes at the same time (71% tensor-pipe activity,
     ``kernel_anatomy-20261204-062616``). ``overlap`` was meant to hide the promotion
     too, but ptxas schedules the carried product's 64 register copies and the previous
