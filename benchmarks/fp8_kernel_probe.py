@@ -80,6 +80,10 @@ VARIANTS = {
     # 96 + 32 columns: the long slice promoted under the short slice's wgmma, 16 of a
     # thread's 64 multiply-adds after the last wait (the halves leave 32 there)
     "rows_gtw8_p96_32": dict(split="rows", grid_tile_width=8, parts=(96, 32)),
+    # the halves across steps: each promotion under a wgmma (slots released a step late)
+    "rows_gtw8_xhalves": dict(split="rows", grid_tile_width=8, parts=2, overlap=True),
+    "rows_gtw8_xhalves_nofence": dict(split="rows", grid_tile_width=8, parts=2, overlap=True,
+                                      scale_fence="none"),
     "rows_gtw8_p96_32_nofence": dict(split="rows", grid_tile_width=8, parts=(96, 32),
                                      scale_fence="none"),
     # no fence: the slot's release barrier alone orders the scale reads (as DeepGEMM)

@@ -153,7 +153,7 @@ def test_fwd_dgrad_weight_scales_in_smem_lower_for_cuda_at_deepseek_shapes(kind,
     """``weight_scales="smem"``: a fourth TMA stream of 128-224 byte rows (32 or 56
     column blocks of float32) lowers for CUDA at both DeepSeek-V3 shapes, both products,
     with each ``scale_fence`` (``"none"`` at one shape); at K=2048 N=7168 with ``parts`` 2, 4
-    and (96, 32);
+    and (96, 32), and the halves across steps (``overlap`` with ``parts=2``);
     at K=7168 N=4096 also with ``early_release``, at five
     stages (the rows split's 32.6 KiB stage: five fit in shared memory, six do not) and
     with the batched epilogue."""
@@ -161,7 +161,8 @@ def test_fwd_dgrad_weight_scales_in_smem_lower_for_cuda_at_deepseek_shapes(kind,
     # (early_release, five stages and the batched epilogue at one shape: CI time)
     extra = ([dict(early_release=True), dict(num_stages=5), dict(stagger=True),
               dict(epilogue="batched")] if k_n == (7168, 4096)
-             else [dict(parts=2), dict(parts=4), dict(parts=(96, 32))])
+             else [dict(parts=2), dict(parts=4), dict(parts=(96, 32)),
+                   dict(parts=2, overlap=True)])
     fences = [f for f in mosaic_fp8.SCALE_FENCES[1:] if f != "none" or k_n == (7168, 4096)]
     for kw in [*(dict(scale_fence=fence) for fence in fences), *extra]:
         exported = jax.export.export(jax.jit(lambda *a: fn(*a, sms=132, **kw)),
@@ -454,9 +455,12 @@ def test_interpret_fwd_parts_equal_the_plain_kernel_bit_for_bit(rng, split, part
                             out_dtype=jnp.float32, split=split)
     y = _same_bits_without_races(lambda: run(parts=parts), run)
     np.testing.assert_array_equal(np.asarray(y)[total:], 0.0)
-    for kw in (dict(overlap=True), dict(early_release=True), dict(stagger=True)):
-        with pytest.raises(ValueError, match="parts=2 takes the plain step"):
-            mosaic_fp8.gmm_fp8_blockwise(aq, sa, bq, sb, gs, parts=2, **kw)
+    for kw in (dict(early_release=True), dict(stagger=True), dict(overlap=True, parts=4)):
+        with pytest.raises(ValueError, match="takes the plain step"):
+            mosaic_fp8.gmm_fp8_blockwise(aq, sa, bq, sb, gs, **{"parts": 2, **kw})
+    for kw in (dict(chain=True, num_stages=2), dict(cluster=2)):
+        with pytest.raises(ValueError, match="overlap with parts=2 takes per-tile pipelines"):
+            mosaic_fp8.gmm_fp8_blockwise(aq, sa, bq, sb, gs, parts=2, overlap=True, **kw)
     with pytest.raises(ValueError, match=r"parts=3 must be one of \(1, 2, 4, \(96, 32\)\)"):
         mosaic_fp8.gmm_fp8_blockwise(aq, sa, bq, sb, gs, parts=3)
     with pytest.raises(ValueError, match=r"parts=\(64, 64\) must be one of"):
@@ -937,12 +941,16 @@ def test_gpu_fwd_dgrad_batched_epilogue_equals_the_chunks_bit_for_bit(rng, produ
 @pytest.mark.parametrize("product", ["fwd", "dgrad"])
 def test_gpu_fwd_dgrad_parts_equal_the_plain_kernel_bit_for_bit(rng, product):
     """``parts`` 2, 4 and (96, 32) on the hardware (a slice promoted while later slices'
-    wgmmas are still in flight, which the interpreter cannot show): the plain kernel's
-    bits on random data at fwd's 16 and dgrad's 56 steps, with weight scales distinct
-    along the column blocks, in both splits, per tile and chained."""
+    wgmmas are still in flight, which the interpreter cannot show), and the halves
+    across steps (``overlap=True, parts=2``, which the interpreter cannot run): the
+    plain kernel's bits on random data at fwd's 16 and dgrad's 56 steps, with weight
+    scales distinct along the column blocks, in both splits, per tile and chained."""
     fwd_ops, dgrad_ops, gs, _ = _fwd_dgrad_inputs(rng, lambda r, s: _scaled(r, s, (0, 1)
                                                   if len(s) == 2 else (1, 2)))
     ops = _with_distinct_column_block_scales(rng, fwd_ops if product == "fwd" else dgrad_ops)
+    for split in mosaic_fp8.SPLITS:  # the halves across steps (interpreter: cannot run)
+        np.testing.assert_array_equal(_run_fwd_like(ops, gs, split=split, parts=2, overlap=True),
+                                      _run_fwd_like(ops, gs, split=split))
     for parts in (2, 4, (96, 32)):
         for split in mosaic_fp8.SPLITS:
             np.testing.assert_array_equal(_run_fwd_like(ops, gs, split=split, parts=parts),

@@ -282,7 +282,17 @@ def gmm_fp8_blockwise(aq_MC, sa, bq_GOC, sb, group_sizes_G, *, out_dtype=jnp.bfl
     ``parts`` per thread; 16 with ``(96, 32)``) follow the last wait. On the H200, 2
     ran 0-1% faster than the plain step, 4 0.79x, 2 with ``scale_fence="none"`` 1.02-1.08x
     (``fp8_kernels-parts-*-20261204-21*``); ``(96, 32)`` is untimed: its 96-column
-    slice's 48 multiply-adds per thread have to fit under the 32-column wgmma. In the
+    slice's 48 multiply-adds per thread have to fit under the 32-column wgmma.
+    ``overlap=True`` with ``parts=2`` (opt-in, untimed; per-tile pipelines, no cluster)
+    carries the halves across steps: each input slot is released one step late
+    (``BlockSpec(delay_release=1)``, as jax's Hopper matmul keeps a wgmma in flight), so
+    a step issues its first half's wgmma, promotes the previous step's second half under
+    it, issues its own second half into the tile's second-half accumulator and promotes
+    its first half under that; the last step's second half is promoted after the
+    pipeline. Every promotion then runs under a wgmma, and each element still adds its
+    steps' ``part * scale`` in step order, so the bits are the plain step's. Pallas' GPU
+    interpreter cannot run it (it has no store into a wgmma accumulator), so its bits
+    are checked on the hardware only. In the
     plain step all 64 follow it with the tensor cores idle for this warpgroup, and the other warpgroup, waiting on the same stage,
     promotes at the same time (71% tensor-pipe activity,
     ``kernel_anatomy-20261204-062616``). ``overlap`` was meant to hide the promotion
@@ -389,9 +399,15 @@ def gmm_fp8_blockwise(aq_MC, sa, bq_GOC, sb, group_sizes_G, *, out_dtype=jnp.bfl
     if stagger and overlap:
         raise ValueError("mosaic fp8 gmm: stagger=True takes the plain step (overlap=False)")
     check_parts(parts, "mosaic fp8 gmm")
-    if parts != 1 and (overlap or early_release or stagger):
-        raise ValueError(f"mosaic fp8 gmm: {parts=} takes the plain step without "
-                         f"early_release or stagger, got {overlap=} {early_release=} {stagger=}")
+    # overlap with parts=2: the halves across steps (``overlap``'s docstring paragraph)
+    cross = overlap and parts == 2
+    if parts != 1 and ((overlap and not cross) or early_release or stagger):
+        raise ValueError(f"mosaic fp8 gmm: {parts=} takes the plain step (or overlap with "
+                         f"parts=2) without early_release or stagger, got {overlap=} "
+                         f"{early_release=} {stagger=}")
+    if cross and (chain or cluster != 1):
+        raise ValueError(f"mosaic fp8 gmm: overlap with parts=2 takes per-tile pipelines "
+                         f"(no chain) and cluster=1, got {chain=} {cluster=}")
     if weight_scales not in WEIGHT_SCALES:
         raise ValueError(f"mosaic fp8 gmm: {weight_scales=} must be one of {WEIGHT_SCALES}")
     if epilogue not in EPILOGUES:
@@ -426,18 +442,24 @@ def gmm_fp8_blockwise(aq_MC, sa, bq_GOC, sb, group_sizes_G, *, out_dtype=jnp.bfl
     in_transforms = _swizzle_transforms(bc, aq_MC.dtype)
     out_transforms = _swizzle_transforms(64, out_dtype)
 
+    # cross: a step's slot is released one step late, after the next step's body, so its
+    # second half's wgmma may still run when its own body returns.
+    delay = {"delay_release": 1} if cross else {}
+
     def make_pipeline(mma_body, compute_context, pipeline_state=None):
         return plgpu.emit_pipeline_warp_specialized(
             mma_body,
             grid=(c // bc,),
             memory_registers=_MEMORY_REGISTERS,
             in_specs=[
-                plgpu.BlockSpec((cta_m, bc), lambda kk: (0, kk), transforms=in_transforms),
+                plgpu.BlockSpec((cta_m, bc), lambda kk: (0, kk), transforms=in_transforms,
+                                **delay),
                 plgpu.BlockSpec((cta_o, bc), lambda kk: (0, kk), transforms=in_transforms,
-                                **({"collective_axes": ("cluster",)} if clustered else {})),
-                plgpu.BlockSpec((1, cta_m), lambda kk: (kk, 0)),
-                *([plgpu.BlockSpec((1, _SCALE_WINDOW), lambda kk: (kk, 0))] if scales_in_smem
-                  else []),
+                                **({"collective_axes": ("cluster",)} if clustered else {}),
+                                **delay),
+                plgpu.BlockSpec((1, cta_m), lambda kk: (kk, 0), **delay),
+                *([plgpu.BlockSpec((1, _SCALE_WINDOW), lambda kk: (kk, 0), **delay)]
+                  if scales_in_smem else []),
             ],
             wg_axis="wg",
             num_compute_wgs=2,
@@ -500,8 +522,23 @@ def gmm_fp8_blockwise(aq_MC, sa, bq_GOC, sb, group_sizes_G, *, out_dtype=jnp.bfl
                 zeros = lambda: plgpu.layout_cast(jnp.zeros((bm, bo), jnp.float32),
                                                   plgpu.Layout.WGMMA)
 
+                half = bo // 2
+                second_half = []  # cross: the tile's second-half accumulator, for the body
+
                 def compute_context(eval_pipeline):
-                    if overlap:  # the last step's product is still pending
+                    if cross:  # the last step's second half is still running
+                        def scoped(b_acc):
+                            second_half[:] = [b_acc]
+                            no_scale = plgpu.layout_cast(jnp.zeros((bm,), jnp.float32),
+                                                         plgpu.Layout.WGMMA.reduce(1))
+                            total, pending_scale = eval_pipeline((zeros(), no_scale))
+                            last = plgpu.wgmma_accumulator_load(b_acc, wait_n=0)
+                            upper = total[:, half:] + last * lax.broadcast_in_dim(
+                                pending_scale, (bm, half), (0,))
+                            return jnp.concatenate([total[:, :half], upper], axis=1)
+
+                        total = pl.run_scoped(scoped, plgpu.ACC((bm, half), jnp.float32))
+                    elif overlap:  # the last step's product is still pending
                         no_scale = plgpu.layout_cast(jnp.zeros((bm,), jnp.float32),
                                                      plgpu.Layout.WGMMA.reduce(1))
                         total, pending, pending_scale = eval_pipeline(
@@ -589,8 +626,42 @@ def gmm_fp8_blockwise(aq_MC, sa, bq_GOC, sb, group_sizes_G, *, out_dtype=jnp.bfl
 
                     return pl.run_scoped(c_step, plgpu.ACC((bm, bo), jnp.float32))
 
+                def mma_body_cross(idx, a_smem, b_smem, sa_smem, *rest):
+                    # carry: the running sum and the previous step's row scale; its
+                    # second half's wgmma (``second_half``) may still run. The first
+                    # half's wgmma is issued, then the previous step's second half promoted
+                    # under it, then this step's second half issued and left running while
+                    # the first half is promoted (``overlap``'s docstring paragraph).
+                    (kk,), (*refs, (total, pending_scale)) = idx, rest
+                    [b_acc] = second_half
+                    w_scale = weight_scale(kk, refs)
+                    lhs, _, rows = operands(a_smem, b_smem, sa_smem)
+                    scale = load_row_scale(rows) * w_scale
+                    first = 0 if by_rows else wg * bo
+                    rhs = [b_smem.at[pl.ds(first + i * half, half)].T for i in range(2)]
+
+                    def by_row_half(s):
+                        return lax.broadcast_in_dim(s, (bm, half), (0,))
+
+                    def c_step(a_acc):
+                        plgpu.wgmma(a_acc, lhs, rhs[0])
+                        # The previous step's second half is done (this step's first may run).
+                        prev = plgpu.wgmma_accumulator_load(b_acc, wait_n=1)
+                        upper = total[:, half:] + prev * by_row_half(pending_scale)
+                        b_acc[...] = plgpu.layout_cast(jnp.zeros((bm, half), jnp.float32),
+                                                       plgpu.Layout.WGMMA)
+                        plgpu.wgmma(b_acc, lhs, rhs[1])
+                        # This step's first half is done (its second half may run).
+                        cur = plgpu.wgmma_accumulator_load(a_acc, wait_n=1)
+                        lower = total[:, :half] + cur * by_row_half(scale)
+                        return jnp.concatenate([lower, upper], axis=1)
+
+                    total = pl.run_scoped(c_step, plgpu.ACC((bm, half), jnp.float32))
+                    return total, scale
+
                 def run(state):
-                    make_pipeline(mma_body_overlap if overlap else mma_body, compute_context,
+                    make_pipeline(mma_body_cross if cross else
+                                  mma_body_overlap if overlap else mma_body, compute_context,
                                   state)(
                         a_gmem.at[pl.ds(row_start, bm)],
                         b_gmem.at[group, pl.ds(band * cta_o, cta_o)],
