@@ -84,7 +84,9 @@ row-exact epilogue it reuses):
 the plain step waits for its wgmma before promoting, so the tensor cores
 idle while each thread runs its 64 multiply-adds (``total + part *
 scale``). The pipeline releases a step's shared-memory slot when its body
-returns, so a wgmma cannot stay in flight across steps; instead each step
+returns (unless its ``BlockSpec``s set ``delay_release``, as the halves across
+steps do: ``gmm_fp8_blockwise``'s ``parts``), so this overlap does not keep a
+wgmma in flight across steps; instead each step
 carries its product, unscaled, and its row scale ``sa[rows] * sb`` to the
 next step, which issues its own wgmma, loads its row scales and evaluates
 the previous step's ``total + part * scale`` while the wgmma runs; after the
