@@ -601,10 +601,10 @@ def gmm_fp8_blockwise(aq_MC, sa, bq_GOC, sb, group_sizes_G, *, out_dtype=jnp.bfl
 
                     if parts != 1:
                         widths = part_widths(parts, bo)
-                        scale = row_scale * w_scale
-                        return promote_in_parts(
-                            total, lhs, b_smem, 0 if by_rows else wg * bo, parts,
-                            lambda i: lax.broadcast_in_dim(scale, (bm, widths[i]), (0,)))
+                        scales = {w: lax.broadcast_in_dim(row_scale * w_scale, (bm, w), (0,))
+                                  for w in dict.fromkeys(widths)}  # one per distinct width
+                        return promote_in_parts(total, lhs, b_smem, 0 if by_rows else wg * bo,
+                                                parts, lambda i: scales[widths[i]])
                     part = pl.run_scoped(c_step, plgpu.ACC((bm, bo), jnp.float32))
                     return total + part * by_row(row_scale * w_scale)
 
