@@ -203,11 +203,12 @@ def check_parts(parts, who):
         raise ValueError(f"{who}: {parts=} must be one of {PARTS}")
 
 
-def part_widths(parts, cols):
-    """The column widths of ``parts``' slices (``PARTS``) of a ``cols``-wide step."""
+def part_slices(parts, cols):
+    """(first column, width) of each of ``parts``' slices (``PARTS``) of a ``cols``-wide
+    step."""
     widths = (cols // parts,) * parts if isinstance(parts, int) else tuple(parts)
     assert sum(widths) == cols, (parts, cols)
-    return widths
+    return tuple((sum(widths[:i]), w) for i, w in enumerate(widths))
 
 
 def promote_in_parts(total, lhs, b_smem, first, parts, scale_of):
@@ -218,21 +219,20 @@ def promote_in_parts(total, lhs, b_smem, first, parts, scale_of):
     its own wgmma has completed, as ``total + part * scale_of(i)``. Shared with the
     wgrad's plain step (``mosaic_fp8_tgmm``), whose scale is an outer product."""
     rows, cols = total.shape
-    widths = part_widths(parts, cols)
-    starts = [sum(widths[:i]) for i in range(len(widths))]
-    rhs = [b_smem.at[pl.ds(first + s, w)].T for s, w in zip(starts, widths)]
+    slices = part_slices(parts, cols)
+    rhs = [b_smem.at[pl.ds(first + s, w)].T for s, w in slices]
 
     def step(*accs):
         for acc, r in zip(accs, rhs):
             plgpu.wgmma(acc, lhs, r)
         out = []
-        for i, (acc, s, w) in enumerate(zip(accs, starts, widths)):
+        for i, (acc, (s, w)) in enumerate(zip(accs, slices)):
             # Slice i's wgmma is done; the later ones may still run.
-            part = plgpu.wgmma_accumulator_load(acc, wait_n=len(widths) - 1 - i)
+            part = plgpu.wgmma_accumulator_load(acc, wait_n=len(slices) - 1 - i)
             out.append(total[:, s:s + w] + part * scale_of(i))
         return jnp.concatenate(out, axis=1)
 
-    return pl.run_scoped(step, *[plgpu.ACC((rows, w), jnp.float32) for w in widths])
+    return pl.run_scoped(step, *[plgpu.ACC((rows, w), jnp.float32) for _, w in slices])
 
 
 def _swizzle_transforms(minor_elems, dtype):
@@ -281,10 +281,22 @@ def gmm_fp8_blockwise(aq_MC, sa, bq_GOC, sb, group_sizes_G, *, out_dtype=jnp.bfl
     ``(96, 32)``), into as many accumulators, committed one after the other; each slice
     is promoted as soon as its wgmma has completed (``wgmma_accumulator_load(wait_n=...)``)
     while the later ones still run, and only the last slice's multiply-adds (64 /
-    ``parts`` per thread; 16 with ``(96, 32)``) follow the last wait. On the H200, 2
-    ran 0-1% faster than the plain step, 4 0.79x, 2 with ``scale_fence="none"`` 1.02-1.08x
+    ``parts`` per thread; 16 with ``(96, 32)``) follow the last wait. In the plain step
+    all 64 follow it with the tensor cores idle for this warpgroup, and the other
+    warpgroup, waiting on the same stage, promotes at the same time (71% tensor-pipe
+    activity, ``kernel_anatomy-20261204-062616``). ``overlap`` was meant to hide the
+    promotion too, but ptxas schedules the carried product's 64 register copies and the
+    previous step's 64 multiply-adds before the step's wgmma (its SASS,
+    ``logs/fp8-fwd-overlap-ptx-20261204-1830/``), so nothing runs under the wgmma.
+    Here the accumulators are fresh in each step and nothing is carried, so there is
+    nothing to copy. The cost: each slice's wgmma reads the warpgroup's 64-row operand
+    tile from shared memory again (per warpgroup and step 24 KiB at ``parts=1``, 32 at
+    2, 48 at 4). Each element's promotion is the plain step's expression on the same
+    operands, so the bits are the same. On the H200, 2 ran 0-1% faster than the plain
+    step, 4 0.79x, 2 with ``scale_fence="none"`` 1.02-1.08x
     (``fp8_kernels-parts-*-20261204-21*``); ``(96, 32)`` is untimed: its 96-column
     slice's 48 multiply-adds per thread have to fit under the 32-column wgmma.
+
     ``overlap=True`` with ``parts=2`` (opt-in, untimed; per-tile pipelines, no cluster)
     carries the halves across steps: each input slot is released one step late
     (``BlockSpec(delay_release=1)``, as jax's Hopper matmul keeps a wgmma in flight), so
@@ -294,18 +306,7 @@ def gmm_fp8_blockwise(aq_MC, sa, bq_GOC, sb, group_sizes_G, *, out_dtype=jnp.bfl
     pipeline. Every promotion then runs under a wgmma, and each element still adds its
     steps' ``part * scale`` in step order, so the bits are the plain step's. Pallas' GPU
     interpreter cannot run it (it has no store into a wgmma accumulator), so its bits
-    are checked on the hardware only. In the
-    plain step all 64 follow it with the tensor cores idle for this warpgroup, and the other warpgroup, waiting on the same stage,
-    promotes at the same time (71% tensor-pipe activity,
-    ``kernel_anatomy-20261204-062616``). ``overlap`` was meant to hide the promotion
-    too, but ptxas schedules the carried product's 64 register copies and the previous
-    step's 64 multiply-adds before the step's wgmma (its SASS,
-    ``logs/fp8-fwd-overlap-ptx-20261204-1830/``), so nothing runs under the wgmma.
-    Here the accumulators are fresh in each step and nothing is carried, so there is
-    nothing to copy. The cost: each slice's wgmma reads the warpgroup's 64-row operand
-    tile from shared memory again (per warpgroup and step 24 KiB at ``parts=1``, 32 at
-    2, 48 at 4). Each element's promotion is the plain step's expression on the same
-    operands, so the bits are the same.
+    are checked on the hardware only.
 
     ``stagger`` (opt-in; the plain step only): at the first step of each tile the
     second compute warpgroup waits until the first one's wgmma has completed, then
@@ -392,7 +393,8 @@ def gmm_fp8_blockwise(aq_MC, sa, bq_GOC, sb, group_sizes_G, *, out_dtype=jnp.bfl
         not a multiple of ``num_stages``, ``early_release`` or ``stagger`` with
         ``overlap``, ``cluster`` not 1 or 2, or 2 with ``split="columns"``, ``chain``,
         ``early_release``, ``stagger`` or an odd ``sms``, ``parts`` not in ``PARTS``, or
-        above 1 with ``overlap``, ``early_release`` or ``stagger``.
+        other than 1 with ``early_release``, ``stagger`` or (unless 2) ``overlap``, or
+        ``overlap`` with ``parts=2`` and ``chain`` or ``cluster=2``.
     """
     m, c, o, _ = check_shapes(aq_MC, sa, bq_GOC, sb, group_sizes_G)
     scale_fence = resolve_scale_fence(scale_fence, "mosaic fp8 gmm")
@@ -523,6 +525,8 @@ def gmm_fp8_blockwise(aq_MC, sa, bq_GOC, sb, group_sizes_G, *, out_dtype=jnp.bfl
                 window = (band * (cta_o // bo)) // _SCALE_WINDOW * _SCALE_WINDOW
                 zeros = lambda: plgpu.layout_cast(jnp.zeros((bm, bo), jnp.float32),
                                                   plgpu.Layout.WGMMA)
+                no_scale = lambda: plgpu.layout_cast(jnp.zeros((bm,), jnp.float32),
+                                                     plgpu.Layout.WGMMA.reduce(1))
 
                 half = bo // 2
                 second_half = []  # cross: the tile's second-half accumulator, for the body
@@ -531,9 +535,7 @@ def gmm_fp8_blockwise(aq_MC, sa, bq_GOC, sb, group_sizes_G, *, out_dtype=jnp.bfl
                     if cross:  # the last step's second half is still running
                         def scoped(b_acc):
                             second_half[:] = [b_acc]
-                            no_scale = plgpu.layout_cast(jnp.zeros((bm,), jnp.float32),
-                                                         plgpu.Layout.WGMMA.reduce(1))
-                            total, pending_scale = eval_pipeline((zeros(), no_scale))
+                            total, pending_scale = eval_pipeline((zeros(), no_scale()))
                             last = plgpu.wgmma_accumulator_load(b_acc, wait_n=0)
                             upper = total[:, half:] + last * lax.broadcast_in_dim(
                                 pending_scale, (bm, half), (0,))
@@ -541,10 +543,9 @@ def gmm_fp8_blockwise(aq_MC, sa, bq_GOC, sb, group_sizes_G, *, out_dtype=jnp.bfl
 
                         total = pl.run_scoped(scoped, plgpu.ACC((bm, half), jnp.float32))
                     elif overlap:  # the last step's product is still pending
-                        no_scale = plgpu.layout_cast(jnp.zeros((bm,), jnp.float32),
-                                                     plgpu.Layout.WGMMA.reduce(1))
+                        first_scale = no_scale()
                         total, pending, pending_scale = eval_pipeline(
-                            (zeros(), zeros(), no_scale))
+                            (zeros(), zeros(), first_scale))
                         total = total + pending * by_row(pending_scale)
                     else:
                         total = eval_pipeline(zeros())
@@ -600,7 +601,7 @@ def gmm_fp8_blockwise(aq_MC, sa, bq_GOC, sb, group_sizes_G, *, out_dtype=jnp.bfl
                         return acc_ref[...]
 
                     if parts != 1:
-                        widths = part_widths(parts, bo)
+                        widths = [w for _, w in part_slices(parts, bo)]
                         scales = {w: lax.broadcast_in_dim(row_scale * w_scale, (bm, w), (0,))
                                   for w in dict.fromkeys(widths)}  # one per distinct width
                         return promote_in_parts(total, lhs, b_smem, 0 if by_rows else wg * bo,
@@ -633,14 +634,14 @@ def gmm_fp8_blockwise(aq_MC, sa, bq_GOC, sb, group_sizes_G, *, out_dtype=jnp.bfl
                     # second half's wgmma (``second_half``) may still run. The first
                     # half's wgmma is issued, then the previous step's second half promoted
                     # under it, then this step's second half issued and left running while
-                    # the first half is promoted (``overlap``'s docstring paragraph).
+                    # the first half is promoted (``gmm_fp8_blockwise``'s docstring).
                     (kk,), (*refs, (total, pending_scale)) = idx, rest
                     [b_acc] = second_half
                     w_scale = weight_scale(kk, refs)
                     lhs, _, rows = operands(a_smem, b_smem, sa_smem)
                     scale = load_row_scale(rows) * w_scale
                     first = 0 if by_rows else wg * bo
-                    rhs = [b_smem.at[pl.ds(first + i * half, half)].T for i in range(2)]
+                    rhs = [b_smem.at[pl.ds(first + s, w)].T for s, w in part_slices(2, bo)]
 
                     def by_row_half(s):
                         return lax.broadcast_in_dim(s, (bm, half), (0,))

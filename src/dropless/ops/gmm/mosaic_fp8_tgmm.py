@@ -149,7 +149,7 @@ from dropless.ops import quant
 from dropless.ops.gmm import reference as ref_backend
 from dropless.ops.gmm import schedule as schedule_lib
 from dropless.ops.gmm.mosaic_fp8 import (BLOCK, _MEMORY_REGISTERS, _swizzle_transforms,
-                                         check_parts, fence_scale_reads, part_widths,
+                                         check_parts, fence_scale_reads, part_slices,
                                          promote_in_parts, resolve_scale_fence)
 from dropless.ops.gmm.mosaic_gmm import (chained_tile_pipeline, persistent_kernel,
                                         tile_order_operands, walk_tiles)
@@ -255,8 +255,7 @@ def tgmm_fp8_blockwise(xq_KM, sx, dyq_NM, sdy, group_sizes_G, *, out_dtype=jnp.f
     if split == "rows" and k % (2 * BLOCK_K):
         split = "columns"  # K = 64 (mod 128): only the 64-row CTA tile fits
     bk, bn, bm = BLOCK_K, BLOCK, BLOCK  # one warpgroup's tile: 64 (K) x 128 (N)
-    widths = part_widths(parts, bn)  # each wgmma's columns
-    starts = [sum(widths[:i]) for i in range(len(widths))]
+    slices = part_slices(parts, bn)  # each wgmma's (first column, columns)
     by_rows = split == "rows"
     cta_k, cta_n = (2 * bk, bn) if by_rows else (bk, 2 * bn)
     k_tiles, n_bands = k // cta_k, n // cta_n
@@ -332,12 +331,13 @@ def tgmm_fp8_blockwise(xq_KM, sx, dyq_NM, sdy, group_sizes_G, *, out_dtype=jnp.f
             lhs, _, rows, cols = operands(x_smem, dy_smem, sx_smem, sdy_smem)
             row_scale = plgpu.load(rows, layout=plgpu.Layout.WGMMA.reduce(1))
             col_scales = [plgpu.load(cols.at[pl.ds(s, w)], layout=plgpu.Layout.WGMMA.reduce(0))
-                          for s, w in zip(starts, widths)]
+                          for s, w in slices]
             fence_scale_reads(scale_fence)
 
             def scale(i):
-                return (lax.broadcast_in_dim(row_scale, (bk, widths[i]), (0,))
-                        * lax.broadcast_in_dim(col_scales[i], (bk, widths[i]), (1,)))
+                width = slices[i][1]
+                return (lax.broadcast_in_dim(row_scale, (bk, width), (0,))
+                        * lax.broadcast_in_dim(col_scales[i], (bk, width), (1,)))
 
             return promote_in_parts(total, lhs, dy_smem, 0 if by_rows else wg * bn, parts,
                                     scale)
