@@ -38,6 +38,10 @@ only that attempt):
   ours_fp8_halves  ``ours_fp8_blockwise`` with
             ``gmm_fp8_kernel_schedule=halves_unfenced``: each FP8 kernel step as two
             wgmmas over column halves, the forward's and dgrad's scale reads unfenced
+  ours_fp8_p96_32  ``ours_fp8_blockwise`` with
+            ``gmm_fp8_kernel_schedule=p96_32_unfenced`` (a 96- and a 32-column wgmma)
+  ours_fp8_xhalves  ``ours_fp8_blockwise`` with
+            ``gmm_fp8_kernel_schedule=xhalves_unfenced`` (the halves across steps)
   ours_fp8e ``ours_fp8_blockwise`` emulated (``gmm_fp8_impl=emulate``:
             quantize -> dequantize -> bf16 kernel)
   ours_fp8k ``ours_fp8_blockwise`` through the FP8 Mosaic kernels with XLA's
@@ -105,7 +109,7 @@ import time
 CASES = ("xla", "capacity", "ours", "ours_fp8", "ours_fp8_blockwise")
 QWEN3_CASE = "qwen3-moe-proxy"  # ``ours`` on the Qwen3-MoE proxy instead of the DeepSeek one
 MIXTRAL_CASE = "mixtral-proxy"  # ``ours`` on the Mixtral proxy
-EXTRA_CASES = ("ours_fp8_all", "ours_fp8_halves", "ours_fp8e", "ours_fp8k", "ours_fp8kp", "ours_fp8km", "ours_fp8kp_head", "ours_gfp8kp", "ours_mla_unpadded",
+EXTRA_CASES = ("ours_fp8_all", "ours_fp8_halves", "ours_fp8_p96_32", "ours_fp8_xhalves", "ours_fp8e", "ours_fp8k", "ours_fp8kp", "ours_fp8km", "ours_fp8kp_head", "ours_gfp8kp", "ours_mla_unpadded",
                "ours_mla_padded", "ours_scan", "ours_align64", "ours_align128",
                QWEN3_CASE, MIXTRAL_CASE)
 QUICK_CASES = ("xla", "capacity", "ours")
@@ -129,6 +133,8 @@ CASE_OVERRIDES = {
     "ours_fp8_blockwise": [*FP8_BLOCKWISE],
     "ours_fp8_all": [*FP8_BLOCKWISE, "fp8_min_dim=0"],
     "ours_fp8_halves": [*FP8_BLOCKWISE, "gmm_fp8_kernel_schedule=halves_unfenced"],
+    "ours_fp8_p96_32": [*FP8_BLOCKWISE, "gmm_fp8_kernel_schedule=p96_32_unfenced"],
+    "ours_fp8_xhalves": [*FP8_BLOCKWISE, "gmm_fp8_kernel_schedule=xhalves_unfenced"],
     "ours_fp8e": [*FP8_BLOCKWISE, "gmm_fp8_impl=emulate"],
     "ours_fp8k": [*FP8_BLOCKWISE, "gmm_fp8_impl=kernel", "gmm_fp8_quantizer=xla"],
     "ours_fp8kp": [*FP8_BLOCKWISE, "gmm_fp8_impl=kernel", "gmm_fp8_quantizer=pallas"],

@@ -3,6 +3,7 @@
 import os
 import subprocess
 import sys
+import typing
 from pathlib import Path
 
 import pytest
@@ -164,7 +165,8 @@ BAD = [
      "gmm_fp8_kernel_schedule='halves_unfenced' (from command line): schedules the FP8 kernels, which run for te_gmm_quantization=te_fp8_blockwise"),
     (["te_gmm_quantization=te_fp8_blockwise", "gmm_fp8_impl=emulate", "gmm_fp8_kernel_schedule=halves_unfenced"],
      "got te_gmm_quantization=te_fp8_blockwise gmm_fp8_impl=emulate; allowed here: default"),
-    (["gmm_fp8_kernel_schedule=quarters"], "'default' or 'halves_unfenced'"),
+    (["gmm_fp8_kernel_schedule=quarters"],
+     "'default', 'halves_unfenced', 'p96_32_unfenced' or 'xhalves_unfenced'"),
     (["te_gmm_quantization=te_fp8_blockwise", "gmm_fp8_impl=kernel", "emb_dim=256", "moe_mlp_dim=200"],
      "kernels need emb_dim and moe_mlp_dim multiples of 256, got moe_mlp_dim=200"),
     (["attention=cudnn_flash_te", "dtype=float32"], "got dtype=float32; set dtype=bfloat16 or attention=dot_product"),
@@ -215,6 +217,8 @@ def test_gmm_fp8_impl_and_quantizer_reach_the_grouped_gemms(monkeypatch, quantiz
     from dropless.nn import moe
     from dropless.ops.gmm import quantized
 
+    allowed = typing.get_args(Config.model_fields["gmm_fp8_kernel_schedule"].annotation)
+    assert allowed == tuple(quantized.KERNEL_SCHEDULES)  # the key offers exactly the schedules
     default = resolve("te_gmm_quantization=te_fp8_blockwise").config.moe()
     assert (default.gmm_fp8_impl, default.gmm_fp8_quantizer, default.gmm_fp8_kernel_schedule) == (
         "auto", "auto", "default")

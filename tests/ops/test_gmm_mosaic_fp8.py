@@ -221,14 +221,15 @@ def test_wgrad_tile_orders_lower_for_cuda_at_a_qwen3_shape():
 @pytest.mark.parametrize("quant_impl,aligned,schedule", [
     ("xla", False, "default"), ("pallas", False, "default"), ("pallas", True, "default"),
     ("auto", False, "default"), ("auto", True, "default"), ("mosaic", False, "default"),
-    ("mosaic", True, "default"), ("auto", True, "halves_unfenced")])
+    ("mosaic", True, "default"), ("auto", True, "halves_unfenced"), ("auto", True, "p96_32_unfenced"),
+    ("auto", True, "xhalves_unfenced")])
 def test_kernel_impl_value_and_gradients_lower_for_cuda(monkeypatch, quant_impl, aligned, schedule):
     """The whole custom_vjp (quantizers, layouts, three kernels) at a DeepSeek-V3 shape,
     with XLA's quantization and with the Pallas quantizers (Triton calls; with aligned
     groups the backward quantizes dy in one fused call: 4 Triton calls, else 5), where
     and with ``mosaic`` and the default ``auto`` (bf16 operands), which quantize every
-    operand in Mosaic GPU calls (no Triton call); and the default path with the
-    ``halves_unfenced`` kernel schedule."""
+    operand in Mosaic GPU calls (no Triton call); and the default path with each
+    other kernel schedule."""
     monkeypatch.setattr(mosaic, "is_available", lambda: True)  # export from a CPU host
     monkeypatch.setattr(fp8_quant_kernels, "default_interpret", lambda: False)
     m, k, n, g = 65536, 7168, 2048, 32
@@ -718,6 +719,11 @@ def test_kernel_schedules_reach_the_kernels(rng, monkeypatch, aligned):
     assert fwd_kw == {"parts": 2, "scale_fence": "none"}
     assert wgrad_kw == {"overlap": False, "parts": 2}
     assert seen == [("gmm", fwd_kw), ("gmm", fwd_kw), ("tgmm", wgrad_kw)]
+    for name, (fwd_kw, wgrad_kw) in quantized.KERNEL_SCHEDULES.items():
+        seen.clear()
+        for got, ref in zip(run(name), want):
+            np.testing.assert_array_equal(got, ref)
+        assert seen == [("gmm", dict(fwd_kw)), ("gmm", dict(fwd_kw)), ("tgmm", dict(wgrad_kw))]
     for impl in ("kernel", "emulate"):
         with pytest.raises(ValueError, match="kernel schedule 'quarters' is not one of"):
             quantized.gmm(x, w, gs, recipe="te_fp8_blockwise", impl=impl, kernel_schedule="quarters")
@@ -1156,12 +1162,13 @@ def _blockwise_f64(a, block):
 
 
 @gpu_test
-def test_gpu_kernel_schedules_give_the_default_bits(rng):
-    """``quantized.gmm(impl="kernel", kernel_schedule="halves_unfenced")`` on the
-    hardware (the halves' wgmmas in flight together, the scale reads unfenced, which
-    the interpreter cannot show): value, dx and dw equal the default schedule's bit for
-    bit, with bf16 operands, aligned groups with an empty one, at DeepSeek-V3's
-    contraction lengths (fwd 56 steps of K=7168, dgrad 16 of N=2048)."""
+@pytest.mark.parametrize("schedule", [s for s in quantized.KERNEL_SCHEDULES if s != "default"])
+def test_gpu_kernel_schedules_give_the_default_bits(rng, schedule):
+    """``quantized.gmm(impl="kernel", kernel_schedule=...)`` on the hardware (the
+    parts' wgmmas in flight together, the scale reads unfenced, the halves across
+    steps, none of which the interpreter can show): value, dx and dw equal the default
+    schedule's bit for bit, with bf16 operands, aligned groups with an empty one, at
+    DeepSeek-V3's contraction lengths (fwd 56 steps of K=7168, dgrad 16 of N=2048)."""
     sizes = [1024, 0, 2048, 640]
     m, k, n, total = 4096, 7168, 2048, sum(sizes)
     gs = jnp.asarray(np.array(sizes, np.int32))
@@ -1178,7 +1185,7 @@ def test_gpu_kernel_schedules_give_the_default_bits(rng):
 
     want = run("default", x, w, dy)
     assert np.isfinite(np.asarray(want[0][:total], np.float32)).all()
-    for got, ref in zip(run("halves_unfenced", x, w, dy), want):
+    for got, ref in zip(run(schedule, x, w, dy), want):
         np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(ref, np.float32))
 
 

@@ -45,7 +45,7 @@ class MoEConfig:
     gmm_quantization: str = _d("te_gmm_quantization")  # te_no_quant | te_fp8_blockwise | te_mxfp8
     gmm_fp8_impl: str = _d("gmm_fp8_impl")  # te_fp8_blockwise: auto | emulate (qdq + bf16 gmm) | kernel (FP8 Mosaic)
     gmm_fp8_quantizer: str = _d("gmm_fp8_quantizer")  # the kernels' operand quantization: auto | xla | pallas | mosaic
-    gmm_fp8_kernel_schedule: str = _d("gmm_fp8_kernel_schedule")  # the kernels' step schedule: default | halves_unfenced
+    gmm_fp8_kernel_schedule: str = _d("gmm_fp8_kernel_schedule")  # the kernels' step schedule: quantized.KERNEL_SCHEDULES
 
 
 @dataclasses.dataclass(frozen=True)

@@ -125,10 +125,22 @@ QUANT_IMPLS = ("auto", "xla", "pallas", "mosaic")
 #                    ``fp8_kernels-parts-k2048-n7168-20261204-212131``). Opt-in until the
 #                    step confirms it (``benchmarks/step.py --cases ours_fp8_blockwise,
 #                    ours_fp8_halves``).
+#   p96_32_unfenced  as ``halves_unfenced`` with a 96- and a 32-column wgmma per step
+#                    (``parts=(96, 32)``, in all three kernels): the long slice's
+#                    promotion under the short slice's wgmma, 16 multiply-adds per thread
+#                    after the last wait instead of 32. Untimed.
+#   xhalves_unfenced the forward's and dgrad's halves across steps (``overlap=True,
+#                    parts=2``: each promotion under the next wgmma, the previous step's
+#                    second half under this step's first), unfenced; the wgrad as
+#                    ``halves_unfenced``. Untimed.
 KERNEL_SCHEDULES = {
     "default": ((), ()),
     "halves_unfenced": ((("parts", 2), ("scale_fence", "none")),
                         (("overlap", False), ("parts", 2))),
+    "p96_32_unfenced": ((("parts", (96, 32)), ("scale_fence", "none")),
+                        (("overlap", False), ("parts", (96, 32)))),
+    "xhalves_unfenced": ((("overlap", True), ("parts", 2), ("scale_fence", "none")),
+                         (("overlap", False), ("parts", 2))),
 }
 _KERNEL_DIM = 256  # K and N: the kernels' CTA tiles are 256 wide along O, 128 along C
 _ALIGNMENT = {"te_no_quant": 1, "te_fp8_blockwise": quant.BLOCKWISE_TILE, "te_mxfp8": quant.MX_BLOCK}
