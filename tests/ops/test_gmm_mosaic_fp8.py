@@ -729,6 +729,57 @@ def test_kernel_schedules_reach_the_kernels(rng, monkeypatch, aligned):
             quantized.gmm(x, w, gs, recipe="te_fp8_blockwise", impl=impl, kernel_schedule="quarters")
 
 
+@pytest.mark.parametrize("aligned", [True, False])
+def test_weight_codes_given_equal_the_weight_quantized_inside(rng, monkeypatch, aligned):
+    """``quantized.gmm(w_codes=weight_codes(w))`` (the codes made once per optimizer
+    step under gradient accumulation) gives the value, dx and dw of ``gmm`` quantizing w
+    itself, bit for bit, and quantizes no weight inside; the kernels are their float32
+    references here (the hardware's bits: ``test_gpu_weight_codes_give_the_same_bits``).
+    A stack [L, G, K, N] quantized at once gives each layer's own codes; codes of the
+    wrong shapes are refused."""
+    monkeypatch.setattr(mosaic, "is_available", lambda: True)
+    monkeypatch.setattr(mosaic_fp8, "gmm_fp8_blockwise",
+                        lambda *ops, out_dtype, **kw: mosaic_fp8.reference(*ops, out_dtype=out_dtype))
+    monkeypatch.setattr(mosaic_fp8_tgmm, "tgmm_fp8_blockwise",
+                        lambda *ops, out_dtype, **kw: mosaic_fp8_tgmm.reference(*ops, out_dtype=out_dtype))
+    gs = jnp.asarray([128, 0, 256] if aligned else [100, 0, 284], jnp.int32)
+    x, dy = (jnp.asarray(rng.standard_normal(s), jnp.bfloat16) for s in ((384, 256), (384, 512)))
+    stack = jnp.asarray(rng.standard_normal((2, 3, 256, 512)), jnp.bfloat16)
+    real = quantized.quantizer("xla")
+    weights_quantized = []
+
+    def weight_both(w):
+        weights_quantized.append(w.shape)
+        return real.weight_both(w)
+
+    monkeypatch.setattr(quantized, "quantizer", lambda name: real._replace(weight_both=weight_both))
+
+    def run(w, codes):
+        f = lambda x, w: quantized.gmm(x, w, gs, recipe="te_fp8_blockwise", impl="kernel",  # noqa: E731
+                                       groups_aligned=aligned, quant_impl="xla", w_codes=codes)
+        y, vjp = jax.vjp(f, x, w)
+        return [np.asarray(v, np.float32) for v in (y, *vjp(dy))]
+
+    codes = quantized.weight_codes(stack, "xla")
+    assert [c.shape for c in codes] == [(2, 3, 256, 512), (2, 3, 512, 256), (2, 3, 2, 4)]
+    for layer in range(2):
+        w = stack[layer]
+        for got, ref in zip(quantized.weight_codes(w, "xla"), (c[layer] for c in codes)):
+            np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(ref, np.float32))
+        want = run(w, None)
+        weights_quantized.clear()
+        got = run(w, tuple(c[layer] for c in codes))
+        assert weights_quantized == []
+        for g, r in zip(got, want):
+            np.testing.assert_array_equal(g, r)
+        assert np.abs(got[2]).max() > 0  # dw flows to w
+    wq, wq_t, sw = (c[0] for c in codes)
+    with pytest.raises(ValueError, match="w_codes have shapes"):
+        run(stack[0], (wq, wq, sw))
+    with pytest.raises(ValueError, match="quant_impl 'fast' is not one of"):
+        quantized.weight_codes(stack, "fast")
+
+
 def test_kernel_schedule_is_named_where_it_runs_and_where_it_cannot(caplog):
     """A schedule other than ``default`` is named in the kernels' log line, and where
     the emulation runs instead, a warning says it has no effect (no silent downgrade)."""
@@ -1186,6 +1237,32 @@ def test_gpu_kernel_schedules_give_the_default_bits(rng, schedule):
     want = run("default", x, w, dy)
     assert np.isfinite(np.asarray(want[0][:total], np.float32)).all()
     for got, ref in zip(run(schedule, x, w, dy), want):
+        np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(ref, np.float32))
+
+
+@gpu_test
+def test_gpu_weight_codes_give_the_same_bits(rng):
+    """``quantized.gmm(w_codes=weight_codes(w))`` on the hardware, with the default
+    quantizers (Mosaic GPU for bf16): value, dx and dw equal those of ``gmm`` quantizing
+    w itself, bit for bit (the codes made once per step under gradient accumulation)."""
+    sizes = [1024, 0, 2048, 640]
+    m, k, n = 4096, 7168, 2048
+    gs = jnp.asarray(np.array(sizes, np.int32))
+    x = _scaled(rng, (m, k), (0, 1)).astype(jnp.bfloat16)
+    dy = _scaled(rng, (m, n), (0, 1)).astype(jnp.bfloat16)
+    w = (_scaled(rng, (len(sizes), k, n), (1, 2)) / 16).astype(jnp.bfloat16)
+
+    @functools.partial(jax.jit, static_argnums=0)
+    def run(given, x, w, dy):
+        codes = quantized.weight_codes(w) if given else None
+        y, vjp = jax.vjp(lambda x, w: quantized.gmm(
+            x, w, gs, recipe="te_fp8_blockwise", impl="kernel", groups_aligned=True,
+            w_codes=codes), x, w)
+        return (y, *vjp(dy))
+
+    want = run(False, x, w, dy)
+    assert np.isfinite(np.asarray(want[0][:sum(sizes)], np.float32)).all()
+    for got, ref in zip(run(True, x, w, dy), want):
         np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(ref, np.float32))
 
 

@@ -46,6 +46,7 @@ class MoEConfig:
     gmm_fp8_impl: str = _d("gmm_fp8_impl")  # te_fp8_blockwise: auto | emulate (qdq + bf16 gmm) | kernel (FP8 Mosaic)
     gmm_fp8_quantizer: str = _d("gmm_fp8_quantizer")  # the kernels' operand quantization: auto | xla | pallas | mosaic
     gmm_fp8_kernel_schedule: str = _d("gmm_fp8_kernel_schedule")  # the kernels' step schedule: quantized.KERNEL_SCHEDULES
+    gmm_fp8_weights_once_per_step: bool = _d("gmm_fp8_weights_once_per_step")  # GA > 1: expert weights quantized before the microbatch loop
 
 
 @dataclasses.dataclass(frozen=True)

@@ -78,6 +78,20 @@ class RouterBias(nnx.Variable):
     """
 
 
+class Fp8WeightCodes(nnx.Variable):
+    """The FP8 codes of a block's expert weights, ``{name: quantized.weight_codes(w)}``,
+    attached for one optimizer step (``attach_fp8_weight_codes``): not a parameter,
+    never saved, absent from the model's own state."""
+
+
+class WeightWithCodes(NamedTuple):
+    """An expert weight [E, ...] and its ``quantized.weight_codes`` (a pytree whose
+    leaves all lead with E, so expert parallelism splits both alike)."""
+
+    w: jax.Array
+    codes: tuple
+
+
 class MoEStats(NamedTuple):
     """Per-call statistics of an MoE block (a pytree).
 
@@ -131,7 +145,9 @@ def grouped_swiglu(x_PD, group_sizes_G, weights, *, backend, quantization="te_no
       group_sizes_G: [G] int32 rows per expert; rows past their sum give zeros.
         Multiples of ``quantized.required_alignment(quantization)``.
       weights: ``(wi [G, D, 2F], wo [G, F, D])`` (gate|up fused) or
-        ``(wi_0 [G, D, F], wi_1 [G, D, F], wo [G, F, D])``, in x's dtype.
+        ``(wi_0 [G, D, F], wi_1 [G, D, F], wo [G, F, D])``, in x's dtype; each may
+        come as a ``WeightWithCodes``, whose FP8 codes the kernels then read instead
+        of quantizing the weight.
       backend: the gmm backend.
       quantization: the grouped-GEMM recipe (``quantized.RECIPES``).
       fp8_impl: ``quantized.IMPLS``: auto, emulate, or the FP8 kernels (te_fp8_blockwise).
@@ -141,9 +157,11 @@ def grouped_swiglu(x_PD, group_sizes_G, weights, *, backend, quantization="te_no
     """
 
     def grouped(x, w, name):
+        w, codes = w if isinstance(w, WeightWithCodes) else (w, None)
         y = quantized.gmm(x, w, group_sizes_G, recipe=quantization, backend=backend,
                           impl=fp8_impl, groups_aligned=True,  # the contract above
-                          quant_impl=fp8_quantizer, kernel_schedule=fp8_kernel_schedule)
+                          quant_impl=fp8_quantizer, kernel_schedule=fp8_kernel_schedule,
+                          w_codes=codes)
         # The barrier gives the kernel's output one user. In a scan that saves it
         # (remat ``minimal``) it would also feed the dynamic-update-slice into the
         # stacked residual, and XLA's GPU dynamic-slice fusion then runs a second
@@ -366,9 +384,49 @@ class MoEBlock(nnx.Module):
         gate_up = (w_gate,) if w_up is None else (w_gate, w_up)
         return (*gate_up, self.wo[...].astype(self.dtype))
 
+    def _hoistable_fp8_weights(self) -> tuple[bool, str]:
+        """(whether the FP8 kernels will read this block's expert weights, so that their
+        codes can be computed once per optimizer step, ``fp8_weight_codes``; why not)."""
+        cfg = self.cfg
+        if not cfg.sparse_matmul or cfg.gmm_quantization != quantized.KERNEL_RECIPE:
+            return False, ""
+        for w in self._expert_weights():
+            impl, _ = quantized.resolve_impl(cfg.gmm_fp8_impl, cfg.gmm_quantization,
+                                             cfg.gmm_backend, None, w.shape[-3:], self.dtype)
+            if impl != "kernel":
+                return False, ""  # the emulation: its own log line says so
+        if self.ep is not None and self.ep.mesh.size > 1:
+            return False, (f"expert parallelism over {self.ep.mesh.size} devices: the codes "
+                           "would be computed outside the expert-parallel region")
+        return True, ""
+
+    def fp8_weight_codes(self) -> dict:
+        """``{name: quantized.weight_codes(w)}`` of the expert weights as the FP8 kernels
+        read them (in ``dtype``, [(L,) E, ...]), or {} where the kernels do not read them
+        (another recipe, the emulation, expert parallelism over several devices)."""
+        if not self._hoistable_fp8_weights()[0]:
+            return {}
+        names = self._expert_weight_names()
+        return {name: quantized.weight_codes(w, self.cfg.gmm_fp8_quantizer)
+                for name, w in zip(names, self._expert_weights())}
+
+    def _expert_weight_names(self):
+        gate_up = ("wi",) if self.cfg.prefuse_moe_weights else ("wi_0", "wi_1")
+        return (*gate_up, "wo")
+
+    def _expert_operands(self):
+        """``_expert_weights``, each paired with its codes where ``Fp8WeightCodes`` are attached."""
+        weights = self._expert_weights()
+        codes = getattr(self, "fp8_codes", None)
+        if codes is None:
+            return weights
+        codes = codes.get_value()
+        return tuple(WeightWithCodes(w, codes[name])
+                     for name, w in zip(self._expert_weight_names(), weights))
+
     def _experts_sparse(self, x_PD, group_sizes_E):
         """Grouped SwiGLU over the expert-sorted buffer: [P, D] -> [P, D]."""
-        return grouped_swiglu(x_PD, group_sizes_E, self._expert_weights(),
+        return grouped_swiglu(x_PD, group_sizes_E, self._expert_operands(),
                               backend=self.cfg.gmm_backend,
                               quantization=self.cfg.gmm_quantization,
                               fp8_impl=self.cfg.gmm_fp8_impl,
@@ -394,7 +452,7 @@ class MoEBlock(nnx.Module):
         """Dispatch -> grouped experts -> combine (over ``ep`` when given); nothing dropped."""
         e = self.cfg.num_experts
         out_TD, ep_stats = ep_lib.routed_experts(
-            x_TD, decision.experts_TK, decision.weights_TK, self._expert_weights(),
+            x_TD, decision.experts_TK, decision.weights_TK, self._expert_operands(),
             functools.partial(grouped_swiglu, backend=self.cfg.gmm_backend,
                               quantization=self.cfg.gmm_quantization,
                               fp8_impl=self.cfg.gmm_fp8_impl,
@@ -496,3 +554,42 @@ class MoEBlock(nnx.Module):
             ep_extra_rounds=ep_stats.extra_rounds,
         )
         return out_TD.reshape(b, s, d), stats
+
+
+def fp8_weight_codes(model: nnx.Module) -> dict[str, dict]:
+    """The FP8 codes of every MoE block's expert weights in ``model`` that the FP8
+    kernels read, keyed by the block's path ("a/b/c"); see ``MoEBlock.fp8_weight_codes``.
+
+    The trainer computes them once per optimizer step, before the gradient-accumulation
+    loop, and attaches them to each micro-batch's model (``attach_fp8_weight_codes``):
+    the same codes, so the same bits, as quantizing in every micro-batch, for about one
+    more byte per expert weight held through the step.
+    """
+    codes = {}
+    for path, node in nnx.iter_graph(model):
+        if isinstance(node, MoEBlock) and (c := node.fp8_weight_codes()):
+            codes["/".join(map(str, path))] = c
+    return codes
+
+
+def fp8_weight_codes_refusals(model: nnx.Module) -> list[str]:
+    """Why the FP8 expert weights of ``model`` cannot be quantized once per optimizer
+    step, one line per reason (empty when they can, or when no kernel reads them)."""
+    whys = (node._hoistable_fp8_weights()[1] for _, node in nnx.iter_graph(model)
+            if isinstance(node, MoEBlock))
+    return sorted({why for why in whys if why})
+
+
+def attach_fp8_weight_codes(model: nnx.Module, codes: dict[str, dict]) -> None:
+    """Give each MoE block of ``model`` its codes from ``fp8_weight_codes`` (in place;
+    the model must have the structure the codes were computed from).
+
+    Raises:
+      ValueError: a block path in ``codes`` that ``model`` does not have.
+    """
+    blocks = {"/".join(map(str, path)): node for path, node in nnx.iter_graph(model)
+              if isinstance(node, MoEBlock)}
+    if unknown := sorted(set(codes) - set(blocks)):
+        raise ValueError(f"attach_fp8_weight_codes: no MoE block at {unknown}")
+    for path, c in codes.items():
+        blocks[path].fp8_codes = Fp8WeightCodes(c)

@@ -24,6 +24,7 @@ the new params, optimizer state and bias are all discarded on device
 advances so the data stream moves on.
 """
 
+import logging
 from typing import Callable
 
 import jax
@@ -33,8 +34,11 @@ from flax import nnx
 
 from dropless.config.sections import ModelConfig
 from dropless.nn.model import Transformer, moe_stats_concat
+from dropless.nn import moe as moe_lib
 from dropless.nn.moe import RouterBias
 from dropless.train.data import Batch
+
+_log = logging.getLogger(__name__)
 
 
 def build_model(cfg: ModelConfig, seed: int, remat=None, ep=None) -> Transformer:
@@ -86,14 +90,20 @@ def _token_ce(logits_BSV, targets_BS, weights_BS):
     return jnp.sum(nll_BS * weights_BS), jnp.sum(weights_BS)
 
 
-def loss_fn(params, router_bias, graphdef, cfg: ModelConfig, inputs_BS, targets_BS, weights_BS):
+def loss_fn(params, router_bias, graphdef, cfg: ModelConfig, inputs_BS, targets_BS, weights_BS,
+            fp8_codes=None):
     """Total loss of one microbatch and its parts.
+
+    ``fp8_codes``: the expert weights' FP8 codes of this step (``moe.fp8_weight_codes``),
+    read by the FP8 kernels instead of quantizing the weights again; None: quantized here.
 
     Returns:
       (loss [] float32, aux) with aux a dict: ``lm_loss``, ``aux_loss``,
       ``mtp_loss`` scalars and ``moe_stats`` (dict of MoEStats per stack).
     """
     model = nnx.merge(graphdef, params, router_bias, {})
+    if fp8_codes:
+        moe_lib.attach_fp8_weight_codes(model, fp8_codes)
     out = model(inputs_BS)
     ce_sum, w_sum = _token_ce(out.logits_BSV, targets_BS, weights_BS)
     lm_loss = ce_sum / jnp.maximum(w_sum, 1.0)
@@ -132,17 +142,36 @@ def _accumulate(acc, new):
     return jax.tree_util.tree_map_with_path(add, acc, new)
 
 
+def _fp8_codes_once(state, graphdef, cfg: ModelConfig):
+    """The expert weights' FP8 codes for all the step's microbatches (``moe.fp8_weight_codes``),
+    or None: ``gmm_fp8_weights_once_per_step`` off, or no FP8 kernel reads the weights.
+    Where the kernels run but the codes cannot be shared (expert parallelism over several
+    devices), a warning says so and each microbatch quantizes them."""
+    if not cfg.moe.gmm_fp8_weights_once_per_step:
+        return None
+    model = nnx.merge(graphdef, state["params"], state["router_bias"], {})
+    for why in moe_lib.fp8_weight_codes_refusals(model):
+        _log.warning("gmm_fp8_weights_once_per_step: the expert weights are quantized in every "
+                     "microbatch: %s", why)
+    codes = moe_lib.fp8_weight_codes(model)
+    if codes:
+        _log.info("FP8 expert weights: quantized once per optimizer step for its "
+                  "microbatches (%d MoE blocks)", len(codes))
+    return codes or None
+
+
 def _grads(state, batch: Batch, graphdef, cfg: ModelConfig):
     """Mean loss, aux and float32-averaged gradients over the A microbatches."""
     grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
+    num_micro = batch.inputs.shape[0]
+    fp8_codes = _fp8_codes_once(state, graphdef, cfg) if num_micro > 1 else None
 
     def micro(i):
         return grad_fn(
             state["params"], state["router_bias"], graphdef, cfg,
-            batch.inputs[i], batch.targets[i], batch.weights[i],
+            batch.inputs[i], batch.targets[i], batch.weights[i], fp8_codes,
         )
 
-    num_micro = batch.inputs.shape[0]
     if num_micro == 1:
         (loss, aux), grads = micro(0)
         return loss, aux, grads

@@ -510,6 +510,49 @@ def _kgmm_bwd(out_dtype, aligned, q: Quantizer, schedule, res, dy):
 _kgmm.defvjp(_kgmm_fwd, _kgmm_bwd)
 
 
+def weight_codes(w, quant_impl="auto"):
+    """w [G, K, N]'s FP8 codes as the kernel path reads them: ``(wq [G, K, N], wq as
+    [G, N, K], sw [G, Kb, Nb])``, 128x128 blocks, from one read (``Quantizer.weight_both``;
+    no gradient flows through them).
+
+    For ``gmm(w_codes=...)``: computed once per optimizer step, outside the
+    gradient-accumulation loop, they spare each further micro-batch the quantization
+    of the same weights (``train.step``). A stack [L, G, K, N] is quantized as L x G
+    groups (the blocks never cross a group), so slicing layer l out of its codes gives
+    the codes of w[l].
+    """
+    if quant_impl not in QUANT_IMPLS:
+        raise ValueError(f"weight_codes: quant_impl {quant_impl!r} is not one of {QUANT_IMPLS}")
+    w = jax.lax.stop_gradient(w)
+    lead = w.shape[:-2]
+    wq, wq_t, sw = quantizer(quant_impl).weight_both(w.reshape(-1, *w.shape[-2:]))
+    return tuple(a.reshape(*lead, *a.shape[1:]) for a in (wq, wq_t, sw))
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(6, 7, 8, 9))
+def _kgmm_codes(x, w, wq, wq_t, sw, group_sizes, out_dtype, aligned, q: Quantizer, schedule):
+    return _fwd_from_codes(x, wq_t, sw, group_sizes, out_dtype, q, schedule)
+
+
+def _kgmm_codes_fwd(x, w, wq, wq_t, sw, group_sizes, out_dtype, aligned, q, schedule):
+    # w itself is not read: its codes come in (weight_codes of this very w), and it
+    # stays an argument so that dw is its gradient. The codes are inputs, so keeping
+    # wq for dgrad costs no memory of its own.
+    y = _fwd_from_codes(x, wq_t, sw, group_sizes, out_dtype, q, schedule)
+    return y, (x, wq, wq_t, sw, group_sizes, jnp.zeros((0,), w.dtype))
+
+
+def _kgmm_codes_bwd(out_dtype, aligned, q, schedule, res, dy):
+    x, wq, wq_t, sw, group_sizes, w_dtype = res
+    dx, dw, dgs = _kgmm_bwd(out_dtype, aligned, q, schedule,
+                            (x, wq, sw, group_sizes, w_dtype), dy)
+    # The codes are constants of the step: zero cotangents (dead code under jit).
+    return dx, dw, jnp.zeros_like(wq), jnp.zeros_like(wq_t), jnp.zeros_like(sw), dgs
+
+
+_kgmm_codes.defvjp(_kgmm_codes_fwd, _kgmm_codes_bwd)
+
+
 def _interpreting():
     """True inside ``plgpu.force_gpu_interpret_mode`` (Pallas keeps it in this private flag)."""
     from jax._src import config as jax_config
@@ -519,7 +562,8 @@ def _interpreting():
 
 
 def gmm(x, w, group_sizes, *, recipe="te_no_quant", backend="auto", out_dtype=None,
-        impl="auto", groups_aligned=False, quant_impl="auto", kernel_schedule="default"):
+        impl="auto", groups_aligned=False, quant_impl="auto", kernel_schedule="default",
+        w_codes=None):
     """Grouped matmul with the FP8 numerics of ``recipe`` in all three products.
 
     Args:
@@ -538,6 +582,11 @@ def gmm(x, w, group_sizes, *, recipe="te_no_quant", backend="auto", out_dtype=No
       kernel_schedule: how the FP8 kernels schedule their steps (``KERNEL_SCHEDULES``;
         the same bits with each). Inert where the kernels do not run (``impl`` resolves
         to ``emulate``, or another recipe).
+      w_codes: ``weight_codes(w, quant_impl)``, computed by the caller (once per
+        optimizer step under gradient accumulation): the kernel path then reads them
+        instead of quantizing w (the same codes, so the same bits). They must be this
+        w's, by this ``quant_impl``: nothing under ``jit`` can check that. Unused
+        where the emulation runs (and then dead code under ``jit``).
 
     Returns:
       [M, N]; rows past ``sum(group_sizes)`` are zeros. Differentiable in x
@@ -565,6 +614,15 @@ def gmm(x, w, group_sizes, *, recipe="te_no_quant", backend="auto", out_dtype=No
         if why := _kernel_refusal(recipe, w.shape):
             raise ValueError(f"gmm: impl='kernel' (config key gmm_fp8_impl): {why}; use impl='emulate'")
         _say_once(recipe, jax.devices()[0].device_kind, "fp8_kernel", schedule=kernel_schedule)
+        if w_codes is not None:
+            wq, wq_t, sw = w_codes
+            g, k, n = w.shape
+            want = ((g, k, n), (g, n, k), (g, -(-k // quant.BLOCKWISE_TILE), -(-n // quant.BLOCKWISE_TILE)))
+            if (wq.shape, wq_t.shape, sw.shape) != want:
+                raise ValueError(f"gmm: w_codes have shapes {wq.shape}, {wq_t.shape}, {sw.shape}; "
+                                 f"w {tuple(w.shape)} needs {want} (weight_codes(w))")
+            return _kgmm_codes(x, w, wq, wq_t, sw, group_sizes, out_dtype, bool(groups_aligned),
+                               quantizer(quant_impl), kernel_schedule)
         return _kgmm(x, w, group_sizes, out_dtype, bool(groups_aligned), quantizer(quant_impl),
                      kernel_schedule)
     _say_once(recipe, jax.devices()[0].device_kind, name, why, kernel_schedule)
