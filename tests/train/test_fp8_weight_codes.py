@@ -49,24 +49,27 @@ def kernels_as_references(monkeypatch):
     return calls
 
 
-def _config(small_model, once):
+def _config(small_model, once, scan_layers=True):
     # K and N multiples of 256 (the kernels' shapes): wi [E, 256, 512], wo [E, 256, 256].
     moe = dataclasses.replace(small_model.moe, gmm_quantization="te_fp8_blockwise",
                               gmm_fp8_impl="kernel", gmm_fp8_quantizer="xla", moe_mlp_dim=256,
                               gmm_fp8_weights_once_per_step=once)
-    return dataclasses.replace(small_model, emb_dim=256, mlp_dim=256, moe=moe)
+    return dataclasses.replace(small_model, emb_dim=256, mlp_dim=256, moe=moe,
+                               scan_layers=scan_layers)
 
 
 def _codes(state, graphdef, cfg):
     return jax.eval_shape(lambda s: step_lib._fp8_codes_once(s, graphdef, cfg), state)
 
 
+@pytest.mark.parametrize("scan_layers", [True, False])
 def test_weights_quantized_once_per_step_give_the_per_microbatch_bits(
-        small_model, kernels_as_references, caplog):
+        small_model, kernels_as_references, caplog, scan_layers):
+    """The layers in a scan (each takes its slice of the stacked codes) and unrolled."""
     calls = kernels_as_references
     results = {}
     for once in (False, True):
-        cfg = _config(small_model, once)
+        cfg = _config(small_model, once, scan_layers)
         graphdef, init = step_lib.init_state_fn(cfg, optax.identity(), 0)
         state = jax.jit(init)()
         batch = data_lib.make_source(DataConfig(data_seed=1), cfg.vocab_size,
