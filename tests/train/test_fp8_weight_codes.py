@@ -119,3 +119,23 @@ def test_no_codes_where_the_emulation_runs(small_model):
                                   moe=dataclasses.replace(small_model.moe, moe_mlp_dim=256, **moe))
         graphdef, init = step_lib.init_state_fn(cfg, optax.identity(), 0)
         assert _codes(jax.eval_shape(init), graphdef, cfg) is None, moe
+
+
+def test_expert_parallelism_over_devices_quantizes_per_microbatch_and_says_so(
+        small_model, kernels_as_references):
+    """Over several expert ranks the codes would be made outside the expert-parallel
+    region (each rank holds its own experts): no codes, and a warning names why."""
+    from flax import nnx
+
+    from dropless.nn.moe import MoEBlock, fp8_weight_codes, fp8_weight_codes_refusals
+    from dropless.parallel.ep import ExpertParallel
+
+    cfg = _config(small_model, True)
+    mesh = jax.sharding.AbstractMesh((1, 1, 2), ("data", "fsdp", "expert"))
+    for ep, refused in ((None, False), (ExpertParallel(mesh), True)):
+        block = MoEBlock(cfg.moe, emb_dim=256, rngs=nnx.Rngs(0), ep=ep)
+        whys = fp8_weight_codes_refusals(block)
+        assert bool(whys) == refused and bool(fp8_weight_codes(block)) != refused
+        if refused:
+            assert whys == ["expert parallelism over 2 devices: the codes would be computed "
+                            "outside the expert-parallel region"]
