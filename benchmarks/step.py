@@ -109,7 +109,7 @@ import time
 CASES = ("xla", "capacity", "ours", "ours_fp8", "ours_fp8_blockwise")
 QWEN3_CASE = "qwen3-moe-proxy"  # ``ours`` on the Qwen3-MoE proxy instead of the DeepSeek one
 MIXTRAL_CASE = "mixtral-proxy"  # ``ours`` on the Mixtral proxy
-EXTRA_CASES = ("ours_fp8_all", "ours_fp8_halves", "ours_fp8_p96_32", "ours_fp8_xhalves", "ours_fp8_wq_per_micro", "ours_fp8e", "ours_fp8k", "ours_fp8kp", "ours_fp8km", "ours_fp8kp_head", "ours_gfp8kp", "ours_mla_unpadded",
+EXTRA_CASES = ("ours_fp8_all", "ours_fp8_halves", "ours_fp8_p96_32", "ours_fp8_xhalves", "ours_fp8_wq_once", "ours_fp8e", "ours_fp8k", "ours_fp8kp", "ours_fp8km", "ours_fp8kp_head", "ours_gfp8kp", "ours_mla_unpadded",
                "ours_mla_padded", "ours_scan", "ours_align64", "ours_align128",
                QWEN3_CASE, MIXTRAL_CASE)
 QUICK_CASES = ("xla", "capacity", "ours")
@@ -136,8 +136,8 @@ CASE_OVERRIDES = {
     "ours_fp8_p96_32": [*FP8_BLOCKWISE, "gmm_fp8_kernel_schedule=p96_32_unfenced"],
     "ours_fp8_xhalves": [*FP8_BLOCKWISE, "gmm_fp8_kernel_schedule=xhalves_unfenced"],
     # Under gradient accumulation (--set gradient_accumulation_steps=2): the expert
-    # weights quantized in every microbatch, against once per step (the default).
-    "ours_fp8_wq_per_micro": [*FP8_BLOCKWISE, "gmm_fp8_weights_once_per_step=false"],
+    # weights quantized once per step, against in every microbatch (the default).
+    "ours_fp8_wq_once": [*FP8_BLOCKWISE, "gmm_fp8_weights_once_per_step=true"],
     "ours_fp8e": [*FP8_BLOCKWISE, "gmm_fp8_impl=emulate"],
     "ours_fp8k": [*FP8_BLOCKWISE, "gmm_fp8_impl=kernel", "gmm_fp8_quantizer=xla"],
     "ours_fp8kp": [*FP8_BLOCKWISE, "gmm_fp8_impl=kernel", "gmm_fp8_quantizer=pallas"],

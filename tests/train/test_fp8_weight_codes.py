@@ -1,6 +1,6 @@
 """Under gradient accumulation the FP8 kernels' expert-weight codes are made once per step.
 
-``gmm_fp8_weights_once_per_step`` (default on): with A > 1 microbatches the train
+``gmm_fp8_weights_once_per_step: true`` (opt-in): with A > 1 microbatches the train
 step quantizes each expert weight before the microbatch loop (``moe.fp8_weight_codes``)
 and every microbatch's FP8 kernels read those codes (``quantized.gmm(w_codes=...)``)
 instead of quantizing the same weight again. Quantization is deterministic, so the
@@ -111,12 +111,17 @@ def test_one_microbatch_quantizes_in_the_layer(small_model, kernels_as_reference
         small_model.num_decoder_layers - small_model.first_num_dense_layers)
 
 
-def test_no_codes_where_the_emulation_runs(small_model):
-    """The emulation (or another recipe) reads no codes: none are made."""
+def test_no_codes_where_the_emulation_runs_or_by_default(small_model, kernels_as_references):
+    """The emulation (or another recipe) reads no codes: none are made; nor by default
+    (``gmm_fp8_weights_once_per_step`` is opt-in), where the kernels would read them."""
+    cfg = _config(small_model, False)
+    assert not dataclasses.replace(small_model.moe).gmm_fp8_weights_once_per_step
+    graphdef, init = step_lib.init_state_fn(cfg, optax.identity(), 0)
+    assert _codes(jax.eval_shape(init), graphdef, cfg) is None
     for moe in (dict(gmm_quantization="te_fp8_blockwise", gmm_fp8_impl="emulate"),
                 dict(gmm_quantization="te_mxfp8"), dict()):
-        cfg = dataclasses.replace(small_model, emb_dim=256,
-                                  moe=dataclasses.replace(small_model.moe, moe_mlp_dim=256, **moe))
+        cfg = dataclasses.replace(small_model, emb_dim=256, moe=dataclasses.replace(
+            small_model.moe, moe_mlp_dim=256, gmm_fp8_weights_once_per_step=True, **moe))
         graphdef, init = step_lib.init_state_fn(cfg, optax.identity(), 0)
         assert _codes(jax.eval_shape(init), graphdef, cfg) is None, moe
 
