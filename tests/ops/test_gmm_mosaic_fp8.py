@@ -1212,14 +1212,11 @@ def _blockwise_f64(a, block):
     return np.asarray(quant.dequantize_blocks(q, s, block, jnp.float32), np.float64)
 
 
-@gpu_test
-@pytest.mark.parametrize("schedule", [s for s in quantized.KERNEL_SCHEDULES if s != "default"])
-def test_gpu_kernel_schedules_give_the_default_bits(rng, schedule):
-    """``quantized.gmm(impl="kernel", kernel_schedule=...)`` on the hardware (the
-    parts' wgmmas in flight together, the scale reads unfenced, the halves across
-    steps, none of which the interpreter can show): value, dx and dw equal the default
-    schedule's bit for bit, with bf16 operands, aligned groups with an empty one, at
-    DeepSeek-V3's contraction lengths (fwd 56 steps of K=7168, dgrad 16 of N=2048)."""
+def _assert_gpu_path_bits_equal(rng, variant):
+    """Value, dx and dw of ``quantized.gmm(impl="kernel")`` with the keyword arguments
+    ``variant(w)`` equal those without them, bit for bit: bf16 operands, aligned groups
+    with an empty one, at DeepSeek-V3's contraction lengths (fwd 56 steps of K=7168,
+    dgrad 16 of N=2048)."""
     sizes = [1024, 0, 2048, 640]
     m, k, n, total = 4096, 7168, 2048, sum(sizes)
     gs = jnp.asarray(np.array(sizes, np.int32))
@@ -1228,16 +1225,26 @@ def test_gpu_kernel_schedules_give_the_default_bits(rng, schedule):
     w = (_scaled(rng, (len(sizes), k, n), (1, 2)) / 16).astype(jnp.bfloat16)
 
     @functools.partial(jax.jit, static_argnums=0)
-    def run(schedule, x, w, dy):
+    def run(varied, x, w, dy):
+        extra = variant(w) if varied else {}
         y, vjp = jax.vjp(lambda x, w: quantized.gmm(
-            x, w, gs, recipe="te_fp8_blockwise", impl="kernel", groups_aligned=True,
-            kernel_schedule=schedule), x, w)
+            x, w, gs, recipe="te_fp8_blockwise", impl="kernel", groups_aligned=True, **extra), x, w)
         return (y, *vjp(dy))
 
-    want = run("default", x, w, dy)
+    want = run(False, x, w, dy)
     assert np.isfinite(np.asarray(want[0][:total], np.float32)).all()
-    for got, ref in zip(run(schedule, x, w, dy), want):
+    for got, ref in zip(run(True, x, w, dy), want):
         np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(ref, np.float32))
+
+
+@gpu_test
+@pytest.mark.parametrize("schedule", [s for s in quantized.KERNEL_SCHEDULES if s != "default"])
+def test_gpu_kernel_schedules_give_the_default_bits(rng, schedule):
+    """``quantized.gmm(impl="kernel", kernel_schedule=...)`` on the hardware (the
+    parts' wgmmas in flight together, the scale reads unfenced, the halves across
+    steps, none of which the interpreter can show): value, dx and dw equal the default
+    schedule's bit for bit (``_assert_gpu_path_bits_equal``)."""
+    _assert_gpu_path_bits_equal(rng, lambda w: {"kernel_schedule": schedule})
 
 
 @gpu_test
@@ -1245,25 +1252,7 @@ def test_gpu_weight_codes_give_the_same_bits(rng):
     """``quantized.gmm(w_codes=weight_codes(w))`` on the hardware, with the default
     quantizers (Mosaic GPU for bf16): value, dx and dw equal those of ``gmm`` quantizing
     w itself, bit for bit (the codes made once per step under gradient accumulation)."""
-    sizes = [1024, 0, 2048, 640]
-    m, k, n = 4096, 7168, 2048
-    gs = jnp.asarray(np.array(sizes, np.int32))
-    x = _scaled(rng, (m, k), (0, 1)).astype(jnp.bfloat16)
-    dy = _scaled(rng, (m, n), (0, 1)).astype(jnp.bfloat16)
-    w = (_scaled(rng, (len(sizes), k, n), (1, 2)) / 16).astype(jnp.bfloat16)
-
-    @functools.partial(jax.jit, static_argnums=0)
-    def run(given, x, w, dy):
-        codes = quantized.weight_codes(w) if given else None
-        y, vjp = jax.vjp(lambda x, w: quantized.gmm(
-            x, w, gs, recipe="te_fp8_blockwise", impl="kernel", groups_aligned=True,
-            w_codes=codes), x, w)
-        return (y, *vjp(dy))
-
-    want = run(False, x, w, dy)
-    assert np.isfinite(np.asarray(want[0][:sum(sizes)], np.float32)).all()
-    for got, ref in zip(run(True, x, w, dy), want):
-        np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(ref, np.float32))
+    _assert_gpu_path_bits_equal(rng, lambda w: {"w_codes": quantized.weight_codes(w)})
 
 
 @gpu_test
