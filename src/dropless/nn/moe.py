@@ -560,10 +560,10 @@ def fp8_weight_codes(model: nnx.Module) -> dict[str, dict]:
     """The FP8 codes of every MoE block's expert weights in ``model`` that the FP8
     kernels read, keyed by the block's path ("a/b/c"); see ``MoEBlock.fp8_weight_codes``.
 
-    The trainer computes them once per optimizer step, before the gradient-accumulation
-    loop, and attaches them to each micro-batch's model (``attach_fp8_weight_codes``):
-    the same codes, so the same bits, as quantizing in every micro-batch, for about one
-    more byte per expert weight held through the step.
+    With ``gmm_fp8_weights_once_per_step`` the trainer computes them once per optimizer
+    step, before the gradient-accumulation loop, and attaches them to each microbatch's
+    model (``attach_fp8_weight_codes``): the same codes, so the same bits, as quantizing
+    in every microbatch, for both byte layouts held through the step.
     """
     codes = {}
     for path, node in nnx.iter_graph(model):

@@ -33,8 +33,8 @@ import optax
 from flax import nnx
 
 from dropless.config.sections import ModelConfig
-from dropless.nn.model import Transformer, moe_stats_concat
 from dropless.nn import moe as moe_lib
+from dropless.nn.model import Transformer, moe_stats_concat
 from dropless.nn.moe import RouterBias
 from dropless.train.data import Batch
 
