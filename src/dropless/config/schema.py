@@ -350,6 +350,8 @@ def _check_contradictions(c: Config):
         bad("gmm_fp8_quantizer", f"mosaic quantizes bfloat16 operands only, got dtype={c.dtype}; set dtype=bfloat16, or gmm_fp8_quantizer=auto (pallas for other dtypes)")
     if c.gmm_fp8_kernel_schedule != "default" and (c.te_gmm_quantization != "te_fp8_blockwise" or c.gmm_fp8_impl == "emulate"):
         bad("gmm_fp8_kernel_schedule", f"schedules the FP8 kernels, which run for te_gmm_quantization=te_fp8_blockwise with gmm_fp8_impl auto or kernel only, got te_gmm_quantization={c.te_gmm_quantization} gmm_fp8_impl={c.gmm_fp8_impl}; allowed here: default")
+    if c.gmm_fp8_weights_once_per_step and (c.te_gmm_quantization != "te_fp8_blockwise" or c.gmm_fp8_impl == "emulate"):
+        bad("gmm_fp8_weights_once_per_step", f"shares the FP8 kernels' weight codes across microbatches; the kernels run for te_gmm_quantization=te_fp8_blockwise with gmm_fp8_impl auto or kernel only, got te_gmm_quantization={c.te_gmm_quantization} gmm_fp8_impl={c.gmm_fp8_impl}; allowed here: false")
     if c.gmm_fp8_impl == "kernel" and c.hardware in ("cpu", "tpu"):
         bad("gmm_fp8_impl", f"runs Mosaic GPU kernels on a Hopper GPU; with hardware={c.hardware} only auto or emulate is allowed")
     if c.gmm_fp8_impl == "kernel":
