@@ -158,6 +158,31 @@ def test_device_snapshot_adds_one_copy_of_the_state():
         "checkpoint_device_snapshot=false")
 
 
+def test_weights_once_per_step_count_their_codes():
+    """gmm_fp8_weights_once_per_step under accumulation holds every expert weight's two
+    one-byte layouts and its 128x128 float32 scales through the step: counted in the total
+    and named; not at one microbatch, nor without the key."""
+    cfg, model = _tiny("te_gmm_quantization=te_fp8_blockwise", "emb_dim=256", "moe_mlp_dim=256",
+                       "gmm_fp8_weights_once_per_step=true")
+    kw = dict(per_device_batch=1, seq=16, mesh_shape=ONE, optimizer=cfg.optimizer())
+    on = memory.estimate(model, accum=2, **kw)
+    from dropless.train import step as step_lib
+
+    params = jax.eval_shape(lambda: step_lib.split_model(step_lib.build_model(model, 0))[1])
+    want = 0
+    for path, w in jax.tree_util.tree_flatten_with_path(params)[0]:
+        if jax.tree_util.keystr(path).endswith(("['wi']", "['wi_0']", "['wi_1']", "['wo']")):
+            *lead, k, n = w.shape
+            want += int(np.prod(lead)) * (2 * k * n + 4 * (k // 128) * (n // 128))
+    assert want > 0 and on.fp8_weight_codes == want
+    assert ("FP8 expert weight codes (gmm_fp8_weights_once_per_step)", want) in on.rows()
+    off_model = dataclasses.replace(model, moe=dataclasses.replace(
+        model.moe, gmm_fp8_weights_once_per_step=False))
+    off = memory.estimate(off_model, accum=2, **kw)
+    assert off.fp8_weight_codes == 0 and on.total - off.total == want
+    assert memory.estimate(model, accum=1, **kw).fp8_weight_codes == 0
+
+
 def test_dry_run_counts_the_snapshot_only_when_a_train_run_saves(capsys):
     args = ["--dry-run", "model_name=deepseek3-tiny", "checkpoint_device_snapshot=true"]
     assert cli.main(["train", *args]) == 0

@@ -22,6 +22,9 @@ What the estimate adds up, per device, for a mesh of ``num_devices``:
   activation dtype (one per MTP head too); the float32 softmax it comes from
   is already a saved residual, and XLA computes the cotangent from it in one
   fusion.
+* ``FP8 expert weight codes``: with ``gmm_fp8_weights_once_per_step`` under gradient
+  accumulation where the FP8 kernels run on one device, both byte layouts of every
+  expert weight and its 128x128 scales, held through the step (``train.step``).
 * ``checkpoint snapshot``: with ``checkpoint_device_snapshot``, one more copy
   of the train state (parameters, optimizer state, router bias and counters),
   which lives beside the steps while Orbax copies it to the host.
@@ -125,6 +128,7 @@ class Estimate:
     per_device_batch: int
     mesh: dict
     snapshot: int = 0  # checkpoint_device_snapshot's copy of the state
+    fp8_weight_codes: int = 0  # gmm_fp8_weights_once_per_step's codes, held through the step
 
     @property
     def state(self) -> int:
@@ -136,13 +140,15 @@ class Estimate:
 
     @property
     def total(self) -> int:
-        return self.state + self.snapshot + self.activations
+        return self.state + self.snapshot + self.fp8_weight_codes + self.activations
 
     def rows(self) -> list[tuple[str, int]]:
         snapshot = [("checkpoint snapshot (checkpoint_device_snapshot)", self.snapshot)] if self.snapshot else []
         return [("parameters", self.params), ("gradients", self.grads),
                 ("optimizer state", self.optimizer), ("router bias, counters", self.other_state),
                 *snapshot,
+                *([("FP8 expert weight codes (gmm_fp8_weights_once_per_step)", self.fp8_weight_codes)]
+                  if self.fp8_weight_codes else []),
                 ("saved activations (remat policy)", self.saved_activations),
                 ("layer working set (recompute)", self.layer_working_set),
                 ("loss-head gradient", self.head_gradient)]
@@ -349,7 +355,35 @@ def estimate(model: ModelConfig, *, per_device_batch: int, seq: int, accum: int,
         checkpoint_bytes=ckpt_lib.save_bytes(abstract),
         num_params=num_params, per_device_batch=per_device_batch, mesh=dict(mesh_shape),
         snapshot=snapshot,
+        fp8_weight_codes=fp8_weight_codes_bytes(model, abstract["params"], accum, mesh_shape),
     )
+
+
+def fp8_weight_codes_bytes(model: ModelConfig, params, accum: int, mesh_shape: dict) -> int:
+    """Bytes of the expert weights' FP8 codes ``gmm_fp8_weights_once_per_step`` holds through
+    a step: each expert weight's two one-byte layouts and its float32 128x128 scales, where
+    the trainer makes them (more than one microbatch, the FP8 kernels on a Hopper GPU, one
+    device: ``moe.MoEBlock.fp8_weight_codes``); else 0. On the DeepSeek proxy that is 7.9 GiB;
+    its measured peak rose by 4.0 GiB over quantizing per microbatch
+    (``step-fp8-ga2-weights-once-20261205-032126``), since there remat ``minimal`` already
+    keeps one layout per layer for dgrad, which the codes then stand in for."""
+    from dropless.ops import quant
+    from dropless.parallel import sharding
+
+    moe = model.moe
+    kernels = moe.gmm_fp8_impl == "kernel" or (
+        moe.gmm_fp8_impl == "auto" and moe.gmm_backend in ("auto", "mosaic")
+        and model.emb_dim % 256 == 0 and moe.moe_mlp_dim % 256 == 0)
+    if not (accum > 1 and moe.gmm_fp8_weights_once_per_step and kernels and moe.sparse_matmul
+            and moe.gmm_quantization == "te_fp8_blockwise" and math.prod(mesh_shape.values()) == 1):
+        return 0
+    tile = quant.BLOCKWISE_TILE
+    total = 0
+    for path, w in jax.tree_util.tree_flatten_with_path(params)[0]:
+        if getattr(path[-1], "key", None) in sharding.EXPERT_WEIGHTS:
+            *lead, k, n = w.shape
+            total += math.prod(lead) * (2 * k * n + 4 * -(-k // tile) * -(-n // tile))
+    return total
 
 
 def _leaf_specs(tree, mesh_shape):
