@@ -176,7 +176,8 @@ def print_report(console, cfg, target, est, source, batch, global_batch, compile
                       f"{(compiled['peak'] + est.snapshot) / GiB:.2f}", style="bold")
     table.add_row(f"usable ({target.memory_bytes / GiB:.1f} GiB x {target.mem_fraction:g})",
                   f"{target.usable_bytes / GiB:.2f}")
-    table.caption = (f"peak = state{snapshot} + saved activations + max(layer working set, loss-head "
+    codes = " + FP8 weight codes" if est.fp8_weight_codes else ""
+    table.caption = (f"peak = state{snapshot}{codes} + saved activations + max(layer working set, loss-head "
                      "gradient); XLA's temporaries are not modelled (perf/memory.py)")
     console.print(f"data: {source.description}; batch {tuple(batch.inputs.shape)} on this device "
                   f"(global {global_batch} x {cfg.max_target_length} x "
