@@ -255,6 +255,28 @@ def test_kernel_impl_value_and_gradients_lower_for_cuda(monkeypatch, quant_impl,
     assert text.count("stablehlo.custom_call @__gpu$xla.gpu.triton") == quantizers - in_mosaic
 
 
+def test_weight_codes_path_lowers_for_cuda(monkeypatch):
+    """``gmm(w_codes=weight_codes(w))`` (value and both gradients) lowers for CUDA at a
+    DeepSeek-V3 shape with the default quantizers, with the same Mosaic GPU calls as the
+    path that quantizes w itself (the weight's quantizer moved out, not added)."""
+    monkeypatch.setattr(mosaic, "is_available", lambda: True)  # export from a CPU host
+    m, k, n, g = 65536, 7168, 2048, 32
+
+    def mosaic_calls(given):
+        def loss(x, w, gs):
+            codes = quantized.weight_codes(w) if given else None
+            y = quantized.gmm(x, w, gs, recipe="te_fp8_blockwise", impl="kernel",
+                              groups_aligned=True, w_codes=codes)
+            return jnp.sum(y.astype(jnp.float32))
+
+        fn = jax.jit(jax.value_and_grad(loss, argnums=(0, 1)))
+        text = jax.export.export(fn, platforms=["cuda"])(
+            S((m, k), jnp.bfloat16), S((g, k, n), jnp.bfloat16), S((g,), jnp.int32)).mlir_module()
+        return text.count("stablehlo.custom_call @mosaic_gpu")
+
+    assert mosaic_calls(True) == mosaic_calls(False) == 3 + 4  # 3 GEMMs, 4 quantizers
+
+
 def test_shape_checks():
     good = dict(aq=S((64, 256), F8), sa=S((2, 64), jnp.float32), bq=S((2, 256, 256), F8),
                 sb=S((2, 2, 2), jnp.float32), gs=S((2,), jnp.int32))

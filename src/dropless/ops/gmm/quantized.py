@@ -539,15 +539,15 @@ def _kgmm_codes_fwd(x, w, wq, wq_t, sw, group_sizes, out_dtype, aligned, q, sche
     # stays an argument so that dw is its gradient. The codes are inputs, so keeping
     # wq for dgrad costs no memory of its own.
     y = _fwd_from_codes(x, wq_t, sw, group_sizes, out_dtype, q, schedule)
-    return y, (x, wq, wq_t, sw, group_sizes, jnp.zeros((0,), w.dtype))
+    return y, (x, wq, sw, group_sizes, jnp.zeros((0,), w.dtype))
 
 
 def _kgmm_codes_bwd(out_dtype, aligned, q, schedule, res, dy):
-    x, wq, wq_t, sw, group_sizes, w_dtype = res
-    dx, dw, dgs = _kgmm_bwd(out_dtype, aligned, q, schedule,
-                            (x, wq, sw, group_sizes, w_dtype), dy)
+    x, wq, sw, group_sizes, _ = res
+    dx, dw, dgs = _kgmm_bwd(out_dtype, aligned, q, schedule, res, dy)
     # The codes are constants of the step: zero cotangents (dead code under jit).
-    return dx, dw, jnp.zeros_like(wq), jnp.zeros_like(wq_t), jnp.zeros_like(sw), dgs
+    g, k, n = wq.shape
+    return (dx, dw, jnp.zeros_like(wq), jnp.zeros((g, n, k), wq.dtype), jnp.zeros_like(sw), dgs)
 
 
 _kgmm_codes.defvjp(_kgmm_codes_fwd, _kgmm_codes_bwd)
