@@ -368,19 +368,18 @@ def fp8_weight_codes_bytes(model: ModelConfig, params, accum: int, mesh_shape: d
     (``step-fp8-ga2-weights-once-20261205-032126``), since there remat ``minimal`` already
     keeps one layout per layer for dgrad, which the codes then stand in for."""
     from dropless.ops import quant
+    from dropless.ops.gmm import quantized
     from dropless.parallel import sharding
 
     moe = model.moe
-    kernels = moe.gmm_fp8_impl == "kernel" or (
-        moe.gmm_fp8_impl == "auto" and moe.gmm_backend in ("auto", "mosaic")
-        and model.emb_dim % 256 == 0 and moe.moe_mlp_dim % 256 == 0)
-    if not (accum > 1 and moe.gmm_fp8_weights_once_per_step and kernels and moe.sparse_matmul
-            and moe.gmm_quantization == "te_fp8_blockwise" and math.prod(mesh_shape.values()) == 1):
+    if not (accum > 1 and moe.gmm_fp8_weights_once_per_step and moe.sparse_matmul
+            and math.prod(mesh_shape.values()) == 1):
         return 0
     tile = quant.BLOCKWISE_TILE
     total = 0
     for path, w in jax.tree_util.tree_flatten_with_path(params)[0]:
-        if getattr(path[-1], "key", None) in sharding.EXPERT_WEIGHTS:
+        if getattr(path[-1], "key", None) in sharding.EXPERT_WEIGHTS and quantized.kernels_run_on_hopper(
+                moe.gmm_fp8_impl, moe.gmm_quantization, moe.gmm_backend, w.shape[-3:]):
             *lead, k, n = w.shape
             total += math.prod(lead) * (2 * k * n + 4 * -(-k // tile) * -(-n // tile))
     return total

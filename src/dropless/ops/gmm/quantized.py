@@ -236,6 +236,17 @@ def resolve_impl(impl: str, recipe: str, backend: str, x_shape, w_shape, dtype) 
     return ("emulate", why) if why else ("kernel", "")
 
 
+def kernels_run_on_hopper(impl: str, recipe: str, backend: str, w_shape) -> bool:
+    """Whether ``impl`` would run the FP8 kernels for w of ``w_shape`` on a Hopper GPU, where
+    ``backend`` ``auto`` resolves to ``mosaic``: ``resolve_impl`` for a target that is not
+    the host (memory estimates for an H200 made on a CPU)."""
+    if impl == "emulate":
+        return False
+    if impl == "kernel":
+        return recipe == KERNEL_RECIPE
+    return backend in ("auto", "mosaic") and not _kernel_refusal(recipe, w_shape, "mosaic")
+
+
 def _kernel_refusal(recipe: str, w_shape, backend: str | None = None) -> str:
     """Why the FP8 kernels cannot run ``recipe`` on w of ``w_shape`` here, or "" when they can.
 
@@ -543,7 +554,7 @@ def _kgmm_codes_fwd(x, w, wq, wq_t, sw, group_sizes, out_dtype, aligned, q, sche
 
 
 def _kgmm_codes_bwd(out_dtype, aligned, q, schedule, res, dy):
-    x, wq, sw, group_sizes, _ = res
+    _, wq, sw, _, _ = res
     dx, dw, dgs = _kgmm_bwd(out_dtype, aligned, q, schedule, res, dy)
     # The codes are constants of the step: zero cotangents (dead code under jit).
     g, k, n = wq.shape
