@@ -131,6 +131,12 @@ WGRAD_VARIANTS = {
                                              tile_order="sorted_snake", chain=True, parts=4),
     "wgrad_rows_sorted_chain": dict(split="rows", overlap=False, tile_order="sorted_snake",
                                     chain=True),
+    # wider warpgroup tiles with the plain step (64 x 160 and 64 x 192 per warpgroup, as
+    # DeepGEMM's 128x152 CTA tiles); the last N band runs past N (4096 = 25.6 x 160)
+    "wgrad_rows_n160_sorted_chain": dict(split="rows", overlap=False, tile_order="sorted_snake",
+                                         chain=True, block_n=160),
+    "wgrad_rows_n192_sorted_chain": dict(split="rows", overlap=False, tile_order="sorted_snake",
+                                         chain=True, block_n=192),
     # no fence and no warpgroup barrier: the slot's release barrier alone (as DeepGEMM)
     "wgrad_rows_overlap_sorted_chain_nofence": dict(split="rows", overlap=True,
                                                     tile_order="sorted_snake", chain=True,

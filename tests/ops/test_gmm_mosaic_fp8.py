@@ -614,6 +614,41 @@ def test_interpret_wgrad_parts_equal_the_plain_step_bit_for_bit(rng, split, part
     assert "mosaic_gpu" in exported.mlir_module()
 
 
+@pytest.mark.parametrize("block_n,out_dtype", [(160, jnp.bfloat16), (192, jnp.float32),
+                                               pytest.param(160, jnp.float32, marks=slow),
+                                               pytest.param(192, jnp.bfloat16, marks=slow)],
+                         ids=str)
+def test_interpret_wgrad_wide_tiles_equal_the_plain_step_bit_for_bit(rng, block_n, out_dtype):
+    """``block_n`` 160 and 192 (a warpgroup's 64 rows of dw over that many columns, one
+    wgmma each, the plain step) store the 128-column plain step's bits: each element is
+    the same sum of the same 128-row products scaled by the same powers of two. N = 256
+    is 1.6 and 1.33 bands: the last band's columns past N are TMA's zeros on the loads
+    and clipped from the stores (a store past N would fail the shape, one that shifted
+    would fail the bits). Race detector on, the chained schedule case (3 CTAs over 7
+    groups, empty groups' zero tiles, a NaN tail) and a pipeline per tile; 64x32 store
+    chunks at 160, 64x64 at 192. The overlap, parts and the columns split are refused
+    with it; both widths lower for CUDA at the DeepSeek-V3 shapes, whose N (4096, 7168)
+    are not multiples of 160 or 192."""
+    ops, gs = _schedule_wgrad_case(rng)
+    run = functools.partial(mosaic_fp8_tgmm.tgmm_fp8_blockwise, *ops, gs, sms=3, num_stages=3,
+                            out_dtype=out_dtype, overlap=False)
+    got = _same_bits_without_races(lambda: run(block_n=block_n), run)
+    assert not np.isnan(np.asarray(got, np.float32)).any()
+    _same_bits_without_races(lambda: run(block_n=block_n, chain=False), lambda: run(chain=False))
+    for bad in (dict(overlap=True), dict(parts=2), dict(split="columns")):
+        with pytest.raises(ValueError, match=f"block_n={block_n} takes the plain step"):
+            mosaic_fp8_tgmm.tgmm_fp8_blockwise(*ops, gs, block_n=block_n,
+                                               **{"overlap": False, **bad})
+    with pytest.raises(ValueError, match=re.escape("block_n=144 must be one of (128, 160, 192)")):
+        mosaic_fp8_tgmm.tgmm_fp8_blockwise(*ops, gs, overlap=False, block_n=144)
+    for shape in [(65536, 7168, 4096, 32), (65536, 2048, 7168, 32)]:
+        fn, args = _lowering_args("wgrad", *shape)
+        exported = jax.export.export(
+            jax.jit(lambda *a: fn(*a, sms=132, overlap=False, block_n=block_n)),
+            platforms=["cuda"])(*args)
+        assert "mosaic_gpu" in exported.mlir_module()
+
+
 @pytest.mark.parametrize("order", ["sorted_snake", pytest.param("groups", marks=slow)])
 def test_interpret_wgrad_prefetch_equals_the_plain_walk_bit_for_bit(rng, order):
     """``prefetch=True``: each tile's group index and step count read rounds ahead of
@@ -1156,6 +1191,23 @@ def test_gpu_wgrad_prefetch_equals_the_plain_walk_bit_for_bit(rng):
         np.testing.assert_array_equal(_run_wgrad(ops, gs, tile_order=order, prefetch=True),
                                       _run_wgrad(ops, gs, tile_order=order))
     _assert_wgrad_exact_on_integer_data(rng, prefetch=True)
+
+
+@gpu_test
+@pytest.mark.parametrize("block_n", [160, 192])
+def test_gpu_wgrad_wide_tiles_equal_the_plain_step_bit_for_bit(rng, block_n):
+    """``block_n`` 160 and 192 on the hardware (one wgmma of N = 160 or 192 per step,
+    the last band past N = 768 at 160: 4.8 bands): the 128-column plain step's bits on
+    random data with a NaN tail, chained and per tile, float32 and bf16 output, and the
+    exact product on integer-exact data."""
+    ops, gs = _wgrad_inputs(rng, lambda r, s: _scaled(r, s, (0, 1)))
+    for out_dtype in (jnp.float32, jnp.bfloat16):
+        for chain in (True, False):
+            run = lambda **kw: np.asarray(mosaic_fp8_tgmm.tgmm_fp8_blockwise(  # noqa: E731
+                *ops, gs, out_dtype=out_dtype, overlap=False, chain=chain, **kw
+            ).astype(jnp.float32))
+            np.testing.assert_array_equal(run(block_n=block_n), run())
+    _assert_wgrad_exact_on_integer_data(rng, overlap=False, block_n=block_n)
 
 
 @gpu_test

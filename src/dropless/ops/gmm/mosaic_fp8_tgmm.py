@@ -170,6 +170,14 @@ SPLITS = ("columns", "rows")
 # 0.87x by kernel time at G=256 (416 against 476; equal by wall clock), so float32
 # keeps the chunks.
 EPILOGUES = ("auto", "chunks", "batched")
+# Columns of dw per warpgroup (wgmma's N) with the "rows" split, as DeepGEMM's SM90
+# wgrad widens its tiles (128x152): 128 (the default), or 160 and 192 with the plain
+# step (``overlap=False``; the overlap's three float32 tiles would not fit the
+# registers). The tile's per-step work that is not promotion (scale loads, fence,
+# barriers, the wgmma issue) is then spread over 1.25-1.5x the elements
+# (``benchmarks/notes/gpu_plan.md``). N need not be a multiple: the last band's
+# columns past N are zeros read by TMA and clipped from the stores.
+BLOCK_NS = (BLOCK, 160, 192)
 
 
 def check_shapes(xq_KM, sx, dyq_NM, sdy, group_sizes_G):
@@ -201,7 +209,7 @@ def check_shapes(xq_KM, sx, dyq_NM, sdy, group_sizes_G):
 def tgmm_fp8_blockwise(xq_KM, sx, dyq_NM, sdy, group_sizes_G, *, out_dtype=jnp.float32,
                        num_stages=4, sms=None, split="rows", overlap=True, tile_order="sorted_snake",
                        chain=True, scale_fence="commit", epilogue="auto", prefetch=False,
-                       parts=1):
+                       parts=1, block_n=BLOCK):
     """dw [G, K, N] = per-group blockwise-scaled x^T dy; zeros for empty groups.
 
     See the module docstring for the operand layouts. ``split`` (``SPLITS``),
@@ -236,7 +244,9 @@ def tgmm_fp8_blockwise(xq_KM, sx, dyq_NM, sdy, group_sizes_G, *, out_dtype=jnp.f
     Raises:
       ValueError: shapes or dtypes the kernel cannot take (``check_shapes``), an
         unknown ``split``, ``tile_order``, ``scale_fence`` or ``epilogue``, ``parts`` not
-        in ``mosaic_fp8.PARTS`` or above 1 with ``overlap``.
+        in ``mosaic_fp8.PARTS`` or above 1 with ``overlap``, ``block_n`` not in
+        ``BLOCK_NS`` or wider than 128 with ``overlap``, ``parts``, the "columns" split
+        or a K that is not a multiple of 128.
     """
     m, k, n = check_shapes(xq_KM, sx, dyq_NM, sdy, group_sizes_G)
     scale_fence = resolve_scale_fence(scale_fence, "mosaic fp8 tgmm")
@@ -252,18 +262,28 @@ def tgmm_fp8_blockwise(xq_KM, sx, dyq_NM, sdy, group_sizes_G, *, out_dtype=jnp.f
     num_stages = num_stages if out_dtype.itemsize <= 2 else min(num_stages, 3)
     if split not in SPLITS:
         raise ValueError(f"mosaic fp8 tgmm: {split=} must be one of {SPLITS}")
+    if block_n not in BLOCK_NS:
+        raise ValueError(f"mosaic fp8 tgmm: {block_n=} must be one of {BLOCK_NS}")
+    if block_n != BLOCK and (overlap or parts != 1 or split != "rows" or k % (2 * BLOCK_K)):
+        raise ValueError(f"mosaic fp8 tgmm: {block_n=} takes the plain step (overlap=False, "
+                         f"parts=1) and the rows split with K a multiple of {2 * BLOCK_K}; got "
+                         f"{overlap=}, {parts=}, {split=}, {k=}")
     if split == "rows" and k % (2 * BLOCK_K):
         split = "columns"  # K = 64 (mod 128): only the 64-row CTA tile fits
-    bk, bn, bm = BLOCK_K, BLOCK, BLOCK  # one warpgroup's tile: 64 (K) x 128 (N)
+    bk, bn, bm = BLOCK_K, block_n, BLOCK  # one warpgroup's tile: 64 (K) x block_n (N)
     slices = part_slices(parts, bn)  # each wgmma's (first column, columns)
     by_rows = split == "rows"
     cta_k, cta_n = (2 * bk, bn) if by_rows else (bk, 2 * bn)
-    k_tiles, n_bands = k // cta_k, n // cta_n
+    k_tiles, n_bands = k // cta_k, -(-n // cta_n)  # the last band may run past N
     mb = m // bm
     starts_G, sizes_G = schedule_lib.group_offsets(group_sizes_G, m)
     order_refs = tile_order_operands(tile_order, group_sizes_G, m, bm)
     in_transforms = _swizzle_transforms(bm, xq_KM.dtype)
-    out_transforms = _swizzle_transforms(64, out_dtype)
+    # The epilogue's chunk (``mosaic_tgmm._store_tile``): 64x64, or 64x32 where the
+    # warpgroup's columns are not a multiple of 64 (160); one slot per chunk.
+    chunk_n = 64 if bn % 64 == 0 else 32
+    out_slots = max(2, bn // chunk_n)
+    out_transforms = _swizzle_transforms(chunk_n, out_dtype)
 
     def make_pipeline(mma_body, compute_context, steps):
         return plgpu.emit_pipeline_warp_specialized(
@@ -387,7 +407,8 @@ def tgmm_fp8_blockwise(xq_KM, sx, dyq_NM, sdy, group_sizes_G, *, out_dtype=jnp.f
         @functools.partial(
             pl.run_scoped,
             pipeline_allocs=pipeline_allocs,
-            out_smem=plgpu.SMEM((2, 2, 64, 64), out_dtype, transforms=out_transforms),
+            out_smem=plgpu.SMEM((2, out_slots, 64, chunk_n), out_dtype,
+                                transforms=out_transforms),
             collective_axes="wg",
         )
         def _scope(pipeline_allocs, out_smem):
@@ -428,7 +449,8 @@ def tgmm_fp8_blockwise(xq_KM, sx, dyq_NM, sdy, group_sizes_G, *, out_dtype=jnp.f
 
         @functools.partial(
             pl.run_scoped,
-            out_smem=plgpu.SMEM((2, 2, 64, 64), out_dtype, transforms=out_transforms),
+            out_smem=plgpu.SMEM((2, out_slots, 64, chunk_n), out_dtype,
+                                transforms=out_transforms),
             collective_axes="wg",
         )
         def _scope(out_smem):

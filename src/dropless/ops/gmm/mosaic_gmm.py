@@ -545,23 +545,24 @@ def gmm(x_MK, w, group_sizes_G, *, tiling: GmmTiling, transpose_rhs=False, out_d
     )
 
 
-def batched_store(out, bm, bn, num_slots, slot_ref, dst_ref):
+def batched_store(out, bm, bn, num_slots, slot_ref, dst_ref, chunk=(_EPI, _EPI)):
     """The store of a whole [bm, bn] tile under one fence, as a function to call where it
-    belongs: every 64x64 chunk written to its own slot (``slot_ref(slot)``), one
-    ``commit_smem`` (the async-proxy fence and a warpgroup barrier), then each chunk
-    stored to ``dst_ref(i, j)``, instead of a fence and a barrier per chunk. Shared by
-    the forward's and the wgrad's ``_store_tile``.
+    belongs: every ``chunk`` (64x64 unless given) written to its own slot
+    (``slot_ref(slot)``), one ``commit_smem`` (the async-proxy fence and a warpgroup
+    barrier), then each chunk stored to ``dst_ref(i, j)``, instead of a fence and a
+    barrier per chunk. Shared by the forward's and the wgrad's ``_store_tile``.
 
     Raises:
       ValueError: more chunks than ``num_slots`` (checked now, at trace time).
     """
-    chunks = [(i, j) for i in range(bm // _EPI) for j in range(bn // _EPI)]
+    ch, cw = chunk
+    chunks = [(i, j) for i in range(bm // ch) for j in range(bn // cw)]
     if len(chunks) > num_slots:
         raise ValueError(f"batched store: {len(chunks)} chunks need as many slots, got {num_slots}")
 
     def store():
         for slot, (i, j) in enumerate(chunks):
-            slot_ref(slot)[...] = out[i * _EPI:(i + 1) * _EPI, j * _EPI:(j + 1) * _EPI]
+            slot_ref(slot)[...] = out[i * ch:(i + 1) * ch, j * cw:(j + 1) * cw]
         plgpu.commit_smem()
         for slot, (i, j) in enumerate(chunks):
             plgpu.copy_smem_to_gmem(slot_ref(slot), dst_ref(i, j))

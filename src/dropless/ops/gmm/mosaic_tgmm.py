@@ -272,29 +272,31 @@ def _mask_rows(tile_ref, lo, hi):
 
 
 def _store_tile(out, *, out_smem, wg, bk, bn, dst, batched=False):
-    """Store a warpgroup's [bk, bn] result through swizzled 64x64 smem tiles.
+    """Store a warpgroup's [bk, bn] result through swizzled smem chunks.
 
-    Chunk by chunk (the default): each 64x64 chunk waits for its slot, is written,
-    fenced (``commit_smem``: the async-proxy fence and a warpgroup barrier) and
-    stored, one store in flight while the next slot fills. ``batched``: when the
-    warpgroup's slots hold the whole tile, every chunk is written first and one
-    ``commit_smem`` fences them all before the stores: one fence and barrier per tile
-    instead of one per chunk (the FP8 wgrad's epilogue spent most of its samples in
-    those at 2 steps per tile, ``kernel_anatomy-20261204-105729``). Same stores of the
-    same values either way.
+    The chunk is a slot of ``out_smem`` [warpgroups, slots, rows, columns]: 64x64
+    here and in the FP8 wgrad at 128 columns per warpgroup; 64x32 for its 160. Chunk by
+    chunk (the default): each chunk waits for its slot, is written, fenced
+    (``commit_smem``: the async-proxy fence and a warpgroup barrier) and stored, one
+    store in flight while the next slot fills. ``batched``: when the warpgroup's slots
+    hold the whole tile, every chunk is written first and one ``commit_smem`` fences
+    them all before the stores: one fence and barrier per tile instead of one per chunk
+    (the FP8 wgrad's epilogue spent most of its samples in those at 2 steps per tile,
+    ``kernel_anatomy-20261204-105729``). Same stores of the same values either way.
     """
+    ch, cw = out_smem.shape[-2:]
     plgpu.wait_smem_to_gmem(0, wait_read_only=True)
     if batched:
         batched_store(out, bk, bn, out_smem.shape[1], lambda slot: out_smem.at[wg, slot],
-                      lambda i, j: dst.at[pl.ds(i * _EPI, _EPI), pl.ds(j * _EPI, _EPI)])()
+                      lambda i, j: dst.at[pl.ds(i * ch, ch), pl.ds(j * cw, cw)], (ch, cw))()
         return
-    for i in range(bk // _EPI):
-        for j in range(bn // _EPI):
-            slot = (i * (bn // _EPI) + j) % 2
+    for i in range(bk // ch):
+        for j in range(bn // cw):
+            slot = (i * (bn // cw) + j) % 2
             plgpu.wait_smem_to_gmem(1, wait_read_only=True)
-            out_smem[wg, slot] = out[i * _EPI:(i + 1) * _EPI, j * _EPI:(j + 1) * _EPI]
+            out_smem[wg, slot] = out[i * ch:(i + 1) * ch, j * cw:(j + 1) * cw]
             plgpu.commit_smem()
             plgpu.copy_smem_to_gmem(
                 out_smem.at[wg, slot],
-                dst.at[pl.ds(i * _EPI, _EPI), pl.ds(j * _EPI, _EPI)],
+                dst.at[pl.ds(i * ch, ch), pl.ds(j * cw, cw)],
             )
