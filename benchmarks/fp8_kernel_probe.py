@@ -137,6 +137,13 @@ WGRAD_VARIANTS = {
                                          chain=True, block_n=160),
     "wgrad_rows_n192_sorted_chain": dict(split="rows", overlap=False, tile_order="sorted_snake",
                                          chain=True, block_n=192),
+    # the wide tiles in halves (80 + 80, 96 + 96 columns), as the 128-column halves above
+    "wgrad_rows_n160_halves_sorted_chain": dict(split="rows", overlap=False,
+                                                tile_order="sorted_snake", chain=True,
+                                                block_n=160, parts=2),
+    "wgrad_rows_n192_halves_sorted_chain": dict(split="rows", overlap=False,
+                                                tile_order="sorted_snake", chain=True,
+                                                block_n=192, parts=2),
     # no fence and no warpgroup barrier: the slot's release barrier alone (as DeepGEMM)
     "wgrad_rows_overlap_sorted_chain_nofence": dict(split="rows", overlap=True,
                                                     tile_order="sorted_snake", chain=True,

@@ -626,16 +626,18 @@ def test_interpret_wgrad_wide_tiles_equal_the_plain_step_bit_for_bit(rng, block_
     and clipped from the stores (a store past N would fail the shape, one that shifted
     would fail the bits). Race detector on, the chained schedule case (3 CTAs over 7
     groups, empty groups' zero tiles, a NaN tail) and a pipeline per tile; 64x32 store
-    chunks at 160, 64x64 at 192. The overlap, parts and the columns split are refused
-    with it; both widths lower for CUDA at the DeepSeek-V3 shapes, whose N (4096, 7168)
-    are not multiples of 160 or 192."""
+    chunks at 160, 64x64 at 192; in halves (``parts=2``, 80 + 80 and 96 + 96 columns)
+    too. The overlap, other parts and the columns split are refused with it; both
+    widths, whole and in halves, lower for CUDA at the DeepSeek-V3 shapes, whose N
+    (4096, 7168) are not multiples of 160 or 192."""
     ops, gs = _schedule_wgrad_case(rng)
     run = functools.partial(mosaic_fp8_tgmm.tgmm_fp8_blockwise, *ops, gs, sms=3, num_stages=3,
                             out_dtype=out_dtype, overlap=False)
     got = _same_bits_without_races(lambda: run(block_n=block_n), run)
     assert not np.isnan(np.asarray(got, np.float32)).any()
     _same_bits_without_races(lambda: run(block_n=block_n, chain=False), lambda: run(chain=False))
-    for bad in (dict(overlap=True), dict(parts=2), dict(split="columns")):
+    _same_bits_without_races(lambda: run(block_n=block_n, parts=2), run)
+    for bad in (dict(overlap=True), dict(parts=4), dict(split="columns")):
         with pytest.raises(ValueError, match=f"block_n={block_n} takes the plain step"):
             mosaic_fp8_tgmm.tgmm_fp8_blockwise(*ops, gs, block_n=block_n,
                                                **{"overlap": False, **bad})
@@ -643,10 +645,12 @@ def test_interpret_wgrad_wide_tiles_equal_the_plain_step_bit_for_bit(rng, block_
         mosaic_fp8_tgmm.tgmm_fp8_blockwise(*ops, gs, overlap=False, block_n=144)
     for shape in [(65536, 7168, 4096, 32), (65536, 2048, 7168, 32)]:
         fn, args = _lowering_args("wgrad", *shape)
-        exported = jax.export.export(
-            jax.jit(lambda *a: fn(*a, sms=132, overlap=False, block_n=block_n)),
-            platforms=["cuda"])(*args)
-        assert "mosaic_gpu" in exported.mlir_module()
+        for parts in (1, 2):
+            exported = jax.export.export(
+                jax.jit(lambda *a, p=parts: fn(*a, sms=132, overlap=False, block_n=block_n,
+                                               parts=p)),
+                platforms=["cuda"])(*args)
+            assert "mosaic_gpu" in exported.mlir_module()
 
 
 @pytest.mark.parametrize("order", ["sorted_snake", pytest.param("groups", marks=slow)])
@@ -1199,15 +1203,18 @@ def test_gpu_wgrad_wide_tiles_equal_the_plain_step_bit_for_bit(rng, block_n):
     """``block_n`` 160 and 192 on the hardware (one wgmma of N = 160 or 192 per step,
     the last band past N = 768 at 160: 4.8 bands): the 128-column plain step's bits on
     random data with a NaN tail, chained and per tile, float32 and bf16 output, and the
-    exact product on integer-exact data."""
+    exact product on integer-exact data; in halves (``parts=2``) likewise."""
     ops, gs = _wgrad_inputs(rng, lambda r, s: _scaled(r, s, (0, 1)))
     for out_dtype in (jnp.float32, jnp.bfloat16):
         for chain in (True, False):
             run = lambda **kw: np.asarray(mosaic_fp8_tgmm.tgmm_fp8_blockwise(  # noqa: E731
                 *ops, gs, out_dtype=out_dtype, overlap=False, chain=chain, **kw
             ).astype(jnp.float32))
-            np.testing.assert_array_equal(run(block_n=block_n), run())
-    _assert_wgrad_exact_on_integer_data(rng, overlap=False, block_n=block_n)
+            want = run()
+            np.testing.assert_array_equal(run(block_n=block_n), want)
+            np.testing.assert_array_equal(run(block_n=block_n, parts=2), want)
+    for parts in (1, 2):
+        _assert_wgrad_exact_on_integer_data(rng, overlap=False, block_n=block_n, parts=parts)
 
 
 @gpu_test

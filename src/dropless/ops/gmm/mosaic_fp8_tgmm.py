@@ -173,7 +173,7 @@ EPILOGUES = ("auto", "chunks", "batched")
 # Columns of dw per warpgroup (wgmma's N) with the "rows" split, as DeepGEMM's SM90
 # wgrad widens its tiles (128x152): 128 (the default), or 160 and 192 with the plain
 # step (``overlap=False``; the overlap's three float32 tiles would not fit the
-# registers). The tile's per-step work that is not promotion (scale loads, fence,
+# registers), whole or in halves (``parts=2``: 80 + 80, 96 + 96). The tile's per-step work that is not promotion (scale loads, fence,
 # barriers, the wgmma issue) is then spread over 1.25-1.5x the elements
 # (``benchmarks/notes/gpu_plan.md``). N need not be a multiple: the last band's
 # columns past N are zeros read by TMA and clipped from the stores.
@@ -245,8 +245,8 @@ def tgmm_fp8_blockwise(xq_KM, sx, dyq_NM, sdy, group_sizes_G, *, out_dtype=jnp.f
       ValueError: shapes or dtypes the kernel cannot take (``check_shapes``), an
         unknown ``split``, ``tile_order``, ``scale_fence`` or ``epilogue``, ``parts`` not
         in ``mosaic_fp8.PARTS`` or above 1 with ``overlap``, ``block_n`` not in
-        ``BLOCK_NS`` or wider than 128 with ``overlap``, ``parts``, the "columns" split
-        or a K that is not a multiple of 128.
+        ``BLOCK_NS`` or wider than 128 with ``overlap``, ``parts`` other than 1 or 2,
+        the "columns" split or a K that is not a multiple of 128.
     """
     m, k, n = check_shapes(xq_KM, sx, dyq_NM, sdy, group_sizes_G)
     scale_fence = resolve_scale_fence(scale_fence, "mosaic fp8 tgmm")
@@ -264,9 +264,10 @@ def tgmm_fp8_blockwise(xq_KM, sx, dyq_NM, sdy, group_sizes_G, *, out_dtype=jnp.f
         raise ValueError(f"mosaic fp8 tgmm: {split=} must be one of {SPLITS}")
     if block_n not in BLOCK_NS:
         raise ValueError(f"mosaic fp8 tgmm: {block_n=} must be one of {BLOCK_NS}")
-    if block_n != BLOCK and (overlap or parts != 1 or split != "rows" or k % (2 * BLOCK_K)):
+    if block_n != BLOCK and (overlap or parts not in (1, 2) or split != "rows"
+                             or k % (2 * BLOCK_K)):
         raise ValueError(f"mosaic fp8 tgmm: {block_n=} takes the plain step (overlap=False, "
-                         f"parts=1) and the rows split with K a multiple of {2 * BLOCK_K}; got "
+                         f"parts 1 or 2) and the rows split with K a multiple of {2 * BLOCK_K}; got "
                          f"{overlap=}, {parts=}, {split=}, {k=}")
     if split == "rows" and k % (2 * BLOCK_K):
         split = "columns"  # K = 64 (mod 128): only the 64-row CTA tile fits
