@@ -88,6 +88,13 @@ VARIANTS = {
                                      scale_fence="none"),
     # no fence: the slot's release barrier alone orders the scale reads (as DeepGEMM)
     "rows_gtw8_nofence": dict(split="rows", grid_tile_width=8, scale_fence="none"),
+    # 64 x 192 per warpgroup (128 x 192 CTA tiles, as DeepGEMM's widest with 128x128
+    # weight scales): each 64-column chunk scaled by its weight block's scale
+    "rows_gtw8_o192": dict(split="rows", grid_tile_width=8, block_o=192),
+    "rows_gtw8_o192_nofence": dict(split="rows", grid_tile_width=8, block_o=192,
+                                   scale_fence="none"),
+    "rows_gtw8_o192_batched": dict(split="rows", grid_tile_width=8, block_o=192,
+                                   epilogue="batched"),
     "rows_gtw8_gmem_commit": dict(split="rows", grid_tile_width=8, weight_scales="gmem",
                                   scale_fence="commit"),
     # five stages: the rows split's stage is 32.6 KiB, so five fit beside the epilogue

@@ -393,6 +393,44 @@ def test_interpret_fwd_overlap_equals_the_plain_step_bit_for_bit(rng, split):
     _assert_close(y, mosaic_fp8.reference(*ops, gs, out_dtype=jnp.float32), total)
 
 
+@pytest.mark.parametrize("n,weight_scales,chain", [
+    (512, "smem", False), (768, "gmem", True),
+    pytest.param(512, "gmem", True, marks=slow), pytest.param(768, "smem", False, marks=slow)],
+    ids=str)
+def test_interpret_fwd_wide_tiles_equal_the_plain_kernel_bit_for_bit(rng, n, weight_scales,
+                                                                      chain):
+    """``block_o=192`` (64 x 192 per warpgroup, one wgmma per step) stores the default's
+    bits: each element's step scale is still ``row scale * its weight block's scale``, the
+    block chosen per 64-column chunk by the tile's offset (0 or 64 within a 128-column
+    block). N = 512 is bands at columns 0 (blocks 0 | 1), 192 (1 | 2) and 384 (3, past N
+    from 512); N = 768 four whole bands. The weight scales differ between neighbouring
+    blocks (a chunk scaled by the wrong block fails the bits); the awkward rows (an empty
+    group, unaligned sizes, a NaN tail); the scales from shared memory (a 64-wide window)
+    and from global memory; per-tile pipelines and the chain; float32 and bf16 output, the
+    chunked and the batched epilogue (three 64x64 slots). Race detector on. Refused with
+    the overlap, parts, the columns split or cluster=2; lowers for CUDA at both DeepSeek-V3
+    shapes, fwd and dgrad (O = 4096, 7168, 2048: not multiples of 192)."""
+    ops, gs, total = _awkward_fwd_operands(rng, n=n)
+    for out_dtype, epilogue in ((jnp.float32, "chunks"), (jnp.bfloat16, "batched")):
+        run = functools.partial(mosaic_fp8.gmm_fp8_blockwise, *ops, gs, out_dtype=out_dtype,
+                                weight_scales=weight_scales, chain=chain, sms=3,
+                                num_stages=2 if chain else 4)
+        y = _same_bits_without_races(lambda: run(block_o=192, epilogue=epilogue), run)
+        np.testing.assert_array_equal(np.asarray(y, np.float32)[total:], 0.0)
+    for bad in (dict(overlap=True), dict(parts=2), dict(split="columns"),
+                dict(cluster=2, sms=2)):
+        with pytest.raises(ValueError, match="block_o=192 takes the plain step"):
+            mosaic_fp8.gmm_fp8_blockwise(*ops, gs, block_o=192, **bad)
+    with pytest.raises(ValueError, match=re.escape("block_o=256 must be one of (128, 192)")):
+        mosaic_fp8.gmm_fp8_blockwise(*ops, gs, block_o=256)
+    for kind in ("fwd", "dgrad"):
+        for shape in [(65536, 7168, 4096, 32), (65536, 7168, 2048, 256)]:
+            fn, args = _lowering_args(kind, *shape)
+            exported = jax.export.export(jax.jit(lambda *a: fn(*a, sms=132, block_o=192)),
+                                         platforms=["cuda"])(*args)
+            assert "mosaic_gpu" in exported.mlir_module()
+
+
 @pytest.mark.parametrize("sms", [1, 5])
 def test_interpret_fwd_chain_equals_the_plain_kernel_bit_for_bit(rng, sms):
     """``chain=True`` runs each CTA's tile pipelines as one chain (the next tile's loads
@@ -961,6 +999,27 @@ def _with_distinct_column_block_scales(rng, ops):
 
 def _run_fwd_like(ops, gs, **kw):
     return _f64(mosaic_fp8.gmm_fp8_blockwise(*ops, gs, out_dtype=jnp.float32, **kw))
+
+
+@gpu_test
+@pytest.mark.parametrize("product", ["fwd", "dgrad"])
+def test_gpu_fwd_dgrad_wide_tiles_equal_the_plain_kernel_bit_for_bit(rng, product):
+    """``block_o=192`` on the hardware (one 64x192x128 wgmma per step; dgrad's O = 2048
+    is 10.7 bands, fwd's 7168 37.3, so both end past O): the default's bits on random
+    data with a NaN tail and distinct weight-block scales, the scales from shared and
+    global memory, chunked and batched epilogue, and the exact product on integer-exact
+    data."""
+    fwd_ops, dgrad_ops, gs, total = _fwd_dgrad_inputs(rng, lambda r, s: _scaled(r, s, (0, 1)))
+    ops = _with_distinct_column_block_scales(rng, fwd_ops if product == "fwd" else dgrad_ops)
+    for kw in (dict(), dict(weight_scales="gmem"), dict(epilogue="batched")):
+        np.testing.assert_array_equal(_run_fwd_like(ops, gs, block_o=192, **kw),
+                                      _run_fwd_like(ops, gs))
+    fwd_ops, dgrad_ops, gs, total = _fwd_dgrad_inputs(rng, _integer_exact)
+    ops = fwd_ops if product == "fwd" else dgrad_ops
+    got = _run_fwd_like(ops, gs, block_o=192)
+    a, b = _dequantized_fwd_operands(*ops)
+    np.testing.assert_array_equal(got[total:], 0.0)
+    np.testing.assert_array_equal(got[:total], fp8_acc.gmm(a[:total], b, FWD_SIZES))
 
 
 @gpu_test

@@ -158,6 +158,12 @@ EPILOGUES = ("chunks", "batched")
 # the short one's 16 multiply-adds per thread after the last wait)
 PARTS = (1, 2, 4, (96, 32))
 _SCALE_WINDOW = 32  # weight-scale columns per step's TMA row with weight_scales="smem"
+# Output columns per warpgroup (wgmma's N; ``gmm_fp8_blockwise(block_o=...)``): 128, one
+# weight block (the default), or 192, as DeepGEMM's SM90 FP8 GEMM with 128x128 weight
+# scales takes tiles up to 128x192 (its heuristic stops there for register spills). A
+# 192-column tile starts at a multiple of 64, so it holds three 64-column chunks each
+# inside one weight block: the first block's or the next one's, by the tile's offset.
+BLOCK_OS = (BLOCK, 192)
 _MEMORY_REGISTERS = 40
 
 
@@ -266,7 +272,7 @@ def check_shapes(aq_MC, sa, bq_GOC, sb, group_sizes_G):
 def gmm_fp8_blockwise(aq_MC, sa, bq_GOC, sb, group_sizes_G, *, out_dtype=jnp.bfloat16,
                       num_stages=4, grid_tile_width=8, sms=None, split="rows", overlap=False,
                       chain=False, weight_scales="smem", scale_fence="auto", early_release=False,
-                      stagger=False, epilogue="chunks", cluster=1, parts=1):
+                      stagger=False, epilogue="chunks", cluster=1, parts=1, block_o=BLOCK):
     """y [M, O] = per-group blockwise-scaled a . b[g]^T; see the module docstring.
 
     Rows past ``sum(group_sizes)`` come out as zeros. ``split`` (``SPLITS``),
@@ -317,6 +323,18 @@ def gmm_fp8_blockwise(aq_MC, sa, bq_GOC, sb, group_sizes_G, *, out_dtype=jnp.bfl
     module docstring) nothing holds them apart after that first step, so there is
     no per-step hand-over to pay; whether they stay apart is what the hardware
     says.
+
+    ``block_o`` (``BLOCK_OS``; opt-in until timed): a warpgroup's output columns, 128
+    or 192 (a CTA tile of 128 x 192 in the rows split, the plain step). One wgmma of N =
+    192 per step; its running sum and step product take 2 x 96 registers per thread (the
+    default 2 x 64). A tile starts at a multiple of 192 columns, so at offset 0 or 64 in
+    its first 128-column weight block: each 64-column chunk lies in that block or the
+    next, and its step scale is ``row scale * that block's scale`` (both blocks' scales
+    read per step; with ``weight_scales="smem"`` from a 64-wide window), the default's
+    expression, so the same bits. O need not be a multiple of 192: the last band's rows
+    of b past O are TMA's zeros and its stores are clipped. Per FLOP the wider tile reads
+    a 64-row a tile and the scales once for 1.5x the columns, and has two thirds of the
+    tiles' epilogues and per-step waits.
 
     ``cluster=2`` (opt-in; measured 0.95-1.00x on the H200, module docstring;
     ``split="rows"`` per-tile pipelines only): the CTAs run in
@@ -394,10 +412,21 @@ def gmm_fp8_blockwise(aq_MC, sa, bq_GOC, sb, group_sizes_G, *, out_dtype=jnp.bfl
         ``overlap``, ``cluster`` not 1 or 2, or 2 with ``split="columns"``, ``chain``,
         ``early_release``, ``stagger`` or an odd ``sms``, ``parts`` not in ``PARTS``, or
         other than 1 with ``early_release``, ``stagger`` or (unless 2) ``overlap``, or
-        ``overlap`` with ``parts=2`` and ``chain`` or ``cluster=2``.
+        ``overlap`` with ``parts=2`` and ``chain`` or ``cluster=2``; ``block_o`` not in
+        ``BLOCK_OS``, or 192 with ``overlap``, ``parts``, ``split="columns"``,
+        ``cluster=2``, ``early_release`` or ``stagger``.
     """
     m, c, o, _ = check_shapes(aq_MC, sa, bq_GOC, sb, group_sizes_G)
     scale_fence = resolve_scale_fence(scale_fence, "mosaic fp8 gmm")
+    if block_o not in BLOCK_OS:
+        raise ValueError(f"mosaic fp8 gmm: {block_o=} must be one of {BLOCK_OS}")
+    wide = block_o != BLOCK
+    if wide and (overlap or parts != 1 or split != "rows" or cluster != 1 or early_release
+                 or stagger):
+        raise ValueError(f"mosaic fp8 gmm: {block_o=} takes the plain step in the rows split "
+                         f"(overlap=False, parts=1, cluster=1, no early_release or stagger); got "
+                         f"{overlap=}, {parts=}, {split=}, {cluster=}, {early_release=}, "
+                         f"{stagger=}")
     if early_release and overlap:
         raise ValueError("mosaic fp8 gmm: early_release=True takes the plain step (overlap=False)")
     if stagger and overlap:
@@ -417,23 +446,26 @@ def gmm_fp8_blockwise(aq_MC, sa, bq_GOC, sb, group_sizes_G, *, out_dtype=jnp.bfl
     if epilogue not in EPILOGUES:
         raise ValueError(f"mosaic fp8 gmm: {epilogue=} must be one of {EPILOGUES}")
     scales_in_smem = weight_scales == "smem"
-    if scales_in_smem and sb.shape[-1] % _SCALE_WINDOW:
-        # Each step loads the window of 32 column blocks (128 bytes: a TMA destination
-        # in shared memory is 128-byte aligned, so each stage's row must be) that holds
-        # the CTA's; pad the column blocks to whole windows (the padding is never read).
-        sb = jnp.pad(sb, ((0, 0), (0, 0), (0, -sb.shape[-1] % _SCALE_WINDOW)))
+    # With "smem" each step loads the window of 32 column blocks (128 bytes: a TMA
+    # destination in shared memory is 128-byte aligned, so each stage's row must be) that
+    # holds the CTA's; a wide tile's two blocks may straddle two windows, so it loads 64.
+    window_cols = 2 * _SCALE_WINDOW if wide else _SCALE_WINDOW
+    if scales_in_smem and (wide or sb.shape[-1] % _SCALE_WINDOW):
+        # Pad the column blocks to whole windows (the padding is never used).
+        pad = -sb.shape[-1] % _SCALE_WINDOW + (_SCALE_WINDOW if wide else 0)
+        sb = jnp.pad(sb, ((0, 0), (0, 0), (0, pad)))
     out_dtype = jnp.dtype(out_dtype)
     # 4-byte outputs double the epilogue buffers; one load stage less keeps smem in bounds.
     num_stages = num_stages if out_dtype.itemsize <= 2 else min(num_stages, 3)
     if split not in SPLITS:
         raise ValueError(f"mosaic fp8 gmm: {split=} must be one of {SPLITS}")
-    bm, bo, bc = BLOCK_M, BLOCK, BLOCK  # one warpgroup's tile: 64 x 128
+    bm, bo, bc = BLOCK_M, block_o, BLOCK  # one warpgroup's tile: 64 x block_o
     if chain and (c // bc) % num_stages:
         raise ValueError(f"mosaic fp8 gmm: chain=True needs C / {bc} = {c // bc} steps to be a "
                          f"multiple of {num_stages=}")
     by_rows = split == "rows"
     cta_m, cta_o = (2 * bm, bo) if by_rows else (bm, 2 * bo)
-    n_bands = o // cta_o
+    n_bands = -(-o // cta_o)  # a wide tile's last band may run past O (TMA clips it)
     if cluster not in (1, 2):
         raise ValueError(f"mosaic fp8 gmm: {cluster=} must be 1 or 2")
     clustered = cluster == 2
@@ -462,7 +494,7 @@ def gmm_fp8_blockwise(aq_MC, sa, bq_GOC, sb, group_sizes_G, *, out_dtype=jnp.bfl
                                 **({"collective_axes": ("cluster",)} if clustered else {}),
                                 **delay),
                 plgpu.BlockSpec((1, cta_m), lambda kk: (kk, 0), **delay),
-                *([plgpu.BlockSpec((1, _SCALE_WINDOW), lambda kk: (kk, 0), **delay)]
+                *([plgpu.BlockSpec((1, window_cols), lambda kk: (kk, 0), **delay)]
                   if scales_in_smem else []),
             ],
             wg_axis="wg",
@@ -479,14 +511,15 @@ def gmm_fp8_blockwise(aq_MC, sa, bq_GOC, sb, group_sizes_G, *, out_dtype=jnp.bfl
         pipeline_allocs = make_pipeline(ignore, ignore).get_allocations(
             a_gmem.at[pl.ds(0, cta_m)], b_gmem.at[0, pl.ds(0, cta_o)],
             sa_gmem.at[:, pl.ds(0, cta_m)],
-            *([sb_gmem.at[0, :, pl.ds(0, _SCALE_WINDOW)]] if scales_in_smem else []))
+            *([sb_gmem.at[0, :, pl.ds(0, window_cols)]] if scales_in_smem else []))
 
         @functools.partial(
             pl.run_scoped,
             pipeline_allocs=pipeline_allocs,
             out_smem=[
                 plgpu.RefUnion(
-                    plgpu.SMEM((2, 64, 64), out_dtype, transforms=out_transforms),
+                    plgpu.SMEM((max(2, bo // 64), 64, 64), out_dtype,
+                               transforms=out_transforms),
                     plgpu.SMEM((64, bo), out_dtype),
                 )
                 for _ in range(2)
@@ -519,10 +552,10 @@ def gmm_fp8_blockwise(aq_MC, sa, bq_GOC, sb, group_sizes_G, *, out_dtype=jnp.bfl
                                         col0=col0, lo=lo, hi=hi,
                                         batched=epilogue == "batched")
 
-                col_block = col0 // bo
+                col_block = col0 // BLOCK  # a wide tile's first weight block
                 # The window of weight-scale columns this CTA's tile reads (``"smem"``);
                 # both warpgroups' column blocks lie in it (cta_o // bo divides it).
-                window = (band * (cta_o // bo)) // _SCALE_WINDOW * _SCALE_WINDOW
+                window = col_block // _SCALE_WINDOW * _SCALE_WINDOW
                 zeros = lambda: plgpu.layout_cast(jnp.zeros((bm, bo), jnp.float32),
                                                   plgpu.Layout.WGMMA)
                 no_scale = lambda: plgpu.layout_cast(jnp.zeros((bm,), jnp.float32),
@@ -573,9 +606,26 @@ def gmm_fp8_blockwise(aq_MC, sa, bq_GOC, sb, group_sizes_G, *, out_dtype=jnp.bfl
                     """This step's weight scale (``weight_scales``), read before the
                     row scales' proxy fence; ``refs``: the body's slot refs after the
                     row scales' (the weight scales' first with ``"smem"``)."""
+                    if wide:  # the first block's scale and the next one's
+                        if scales_in_smem:
+                            return (refs[0][0, col_block - window],
+                                    refs[0][0, col_block - window + 1])
+                        return (sb_gmem[group, kk, col_block],
+                                sb_gmem[group, kk, jnp.minimum(col_block + 1, o // BLOCK - 1)])
                     if scales_in_smem:
                         return refs[0][0, col_block - window]
                     return sb_gmem[group, kk, col_block]
+
+                def wide_scale(row_scale, w_scale):
+                    """A wide tile's [bm, bo] step scale: each 64-column chunk lies in the
+                    first weight block or the next (by the tile's offset in its block),
+                    each element ``row_scale * that block's scale``, as the default's."""
+                    first, second = w_scale
+                    offset = col0 % BLOCK
+                    return jnp.concatenate(
+                        [lax.broadcast_in_dim(
+                            row_scale * jnp.where(offset + i * 64 >= BLOCK, second, first),
+                            (bm, 64), (0,)) for i in range(bo // 64)], axis=1)
 
                 def mma_body(idx, a_smem, b_smem, sa_smem, *rest):
                     # rest: the weight scales' slot ("smem"), the consumed barriers
@@ -607,6 +657,8 @@ def gmm_fp8_blockwise(aq_MC, sa, bq_GOC, sb, group_sizes_G, *, out_dtype=jnp.bfl
                         return promote_in_parts(total, lhs, b_smem, 0 if by_rows else wg * bo,
                                                 parts, lambda i: scales[widths[i]])
                     part = pl.run_scoped(c_step, plgpu.ACC((bm, bo), jnp.float32))
+                    if wide:
+                        return total + part * wide_scale(row_scale, w_scale)
                     return total + part * by_row(row_scale * w_scale)
 
                 def mma_body_overlap(idx, a_smem, b_smem, sa_smem, *rest):
@@ -669,7 +721,7 @@ def gmm_fp8_blockwise(aq_MC, sa, bq_GOC, sb, group_sizes_G, *, out_dtype=jnp.bfl
                         a_gmem.at[pl.ds(row_start, bm)],
                         b_gmem.at[group, pl.ds(band * cta_o, cta_o)],
                         sa_gmem.at[:, pl.ds(row_start, bm)],
-                        *([sb_gmem.at[group, :, pl.ds(window, _SCALE_WINDOW)]]
+                        *([sb_gmem.at[group, :, pl.ds(window, window_cols)]]
                           if scales_in_smem else []),
                         allocations=pipeline_allocs,
                     )
