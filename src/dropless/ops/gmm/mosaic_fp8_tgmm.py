@@ -173,9 +173,10 @@ EPILOGUES = ("auto", "chunks", "batched")
 # Columns of dw per warpgroup (wgmma's N) with the "rows" split, as DeepGEMM's SM90
 # wgrad widens its tiles (128x152): 128 (the default), or 160 and 192 with the plain
 # step (``overlap=False``; the overlap's three float32 tiles would not fit the
-# registers), whole or in halves (``parts=2``: 80 + 80, 96 + 96). The tile's per-step work that is not promotion (scale loads, fence,
-# barriers, the wgmma issue) is then spread over 1.25-1.5x the elements
-# (``benchmarks/notes/gpu_plan.md``). N need not be a multiple: the last band's
+# registers), whole or in halves (``parts=2``: 80 + 80, 96 + 96). The tile's per-step
+# work that is not promotion (scale loads, fence, barriers, the wgmma issue) is then
+# spread over 1.25-1.5x the elements (``benchmarks/notes/gpu_plan.md``). Opt-in until
+# timed on the hardware. N need not be a multiple: the last band's
 # columns past N are zeros read by TMA and clipped from the stores.
 BLOCK_NS = (BLOCK, 160, 192)
 
