@@ -42,6 +42,10 @@ only that attempt):
             ``gmm_fp8_kernel_schedule=p96_32_unfenced`` (a 96- and a 32-column wgmma)
   ours_fp8_xhalves  ``ours_fp8_blockwise`` with
             ``gmm_fp8_kernel_schedule=xhalves_unfenced`` (the halves across steps)
+  ours_fp8_o192, ours_fp8_n160, ours_fp8_n192, ours_fp8_o192_n160, ours_fp8_o192_n192
+            ``ours_fp8_blockwise`` with ``gmm_fp8_kernel_schedule=wide_...``: the
+            forward and dgrad with 128x192 CTA tiles (o192), the wgrad with 128x160 or
+            128x192 (n160, n192), or both
   ours_fp8e ``ours_fp8_blockwise`` emulated (``gmm_fp8_impl=emulate``:
             quantize -> dequantize -> bf16 kernel)
   ours_fp8k ``ours_fp8_blockwise`` through the FP8 Mosaic kernels with XLA's
@@ -109,7 +113,10 @@ import time
 CASES = ("xla", "capacity", "ours", "ours_fp8", "ours_fp8_blockwise")
 QWEN3_CASE = "qwen3-moe-proxy"  # ``ours`` on the Qwen3-MoE proxy instead of the DeepSeek one
 MIXTRAL_CASE = "mixtral-proxy"  # ``ours`` on the Mixtral proxy
-EXTRA_CASES = ("ours_fp8_all", "ours_fp8_halves", "ours_fp8_p96_32", "ours_fp8_xhalves", "ours_fp8_wq_once", "ours_fp8e", "ours_fp8k", "ours_fp8kp", "ours_fp8km", "ours_fp8kp_head", "ours_gfp8kp", "ours_mla_unpadded",
+EXTRA_CASES = ("ours_fp8_all", "ours_fp8_halves", "ours_fp8_p96_32", "ours_fp8_xhalves",
+               "ours_fp8_o192", "ours_fp8_n160", "ours_fp8_n192", "ours_fp8_o192_n160",
+               "ours_fp8_o192_n192", "ours_fp8_wq_once", "ours_fp8e", "ours_fp8k", "ours_fp8kp",
+               "ours_fp8km", "ours_fp8kp_head", "ours_gfp8kp", "ours_mla_unpadded",
                "ours_mla_padded", "ours_scan", "ours_align64", "ours_align128",
                QWEN3_CASE, MIXTRAL_CASE)
 QUICK_CASES = ("xla", "capacity", "ours")
@@ -135,6 +142,11 @@ CASE_OVERRIDES = {
     "ours_fp8_halves": [*FP8_BLOCKWISE, "gmm_fp8_kernel_schedule=halves_unfenced"],
     "ours_fp8_p96_32": [*FP8_BLOCKWISE, "gmm_fp8_kernel_schedule=p96_32_unfenced"],
     "ours_fp8_xhalves": [*FP8_BLOCKWISE, "gmm_fp8_kernel_schedule=xhalves_unfenced"],
+    "ours_fp8_o192": [*FP8_BLOCKWISE, "gmm_fp8_kernel_schedule=wide_o192"],
+    "ours_fp8_n160": [*FP8_BLOCKWISE, "gmm_fp8_kernel_schedule=wide_n160"],
+    "ours_fp8_n192": [*FP8_BLOCKWISE, "gmm_fp8_kernel_schedule=wide_n192"],
+    "ours_fp8_o192_n160": [*FP8_BLOCKWISE, "gmm_fp8_kernel_schedule=wide_o192_n160"],
+    "ours_fp8_o192_n192": [*FP8_BLOCKWISE, "gmm_fp8_kernel_schedule=wide_o192_n192"],
     # Under gradient accumulation (--set gradient_accumulation_steps=2): the expert
     # weights quantized once per step, against in every microbatch (the default).
     "ours_fp8_wq_once": [*FP8_BLOCKWISE, "gmm_fp8_weights_once_per_step=true"],

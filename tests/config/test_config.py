@@ -170,7 +170,8 @@ BAD = [
     (["te_gmm_quantization=te_fp8_blockwise", "gmm_fp8_impl=emulate", "gmm_fp8_weights_once_per_step=true"],
      "allowed here: false"),
     (["gmm_fp8_kernel_schedule=quarters"],
-     "'default', 'halves_unfenced', 'p96_32_unfenced' or 'xhalves_unfenced'"),
+     "'default', 'halves_unfenced', 'p96_32_unfenced', 'xhalves_unfenced', 'wide_o192', 'wide_n160', "
+     "'wide_n192', 'wide_o192_n160' or 'wide_o192_n192'"),
     (["te_gmm_quantization=te_fp8_blockwise", "gmm_fp8_impl=kernel", "emb_dim=256", "moe_mlp_dim=200"],
      "kernels need emb_dim and moe_mlp_dim multiples of 256, got moe_mlp_dim=200"),
     (["attention=cudnn_flash_te", "dtype=float32"], "got dtype=float32; set dtype=bfloat16 or attention=dot_product"),

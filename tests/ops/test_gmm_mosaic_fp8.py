@@ -222,7 +222,7 @@ def test_wgrad_tile_orders_lower_for_cuda_at_a_qwen3_shape():
     ("xla", False, "default"), ("pallas", False, "default"), ("pallas", True, "default"),
     ("auto", False, "default"), ("auto", True, "default"), ("mosaic", False, "default"),
     ("mosaic", True, "default"), ("auto", True, "halves_unfenced"), ("auto", True, "p96_32_unfenced"),
-    ("auto", True, "xhalves_unfenced")])
+    ("auto", True, "xhalves_unfenced"), ("auto", True, "wide_o192_n160")])
 def test_kernel_impl_value_and_gradients_lower_for_cuda(monkeypatch, quant_impl, aligned, schedule):
     """The whole custom_vjp (quantizers, layouts, three kernels) at a DeepSeek-V3 shape,
     with XLA's quantization and with the Pallas quantizers (Triton calls; with aligned

@@ -137,6 +137,15 @@ QUANT_IMPLS = ("auto", "xla", "pallas", "mosaic")
 # 1.004x, (96, 32) 0.998x, across steps 0.967x over ``default``, each in one process
 # (``step-fp8-schedules-20261205-015359``, ``step-fp8-xhalves-20261205-015824``);
 # every schedule gave the default's bits on the hardware. ``default`` stays.
+#   wide_o192        the forward and dgrad with 64x192 warpgroup tiles (``block_o=192``:
+#                    128x192 CTA tiles, DeepGEMM's widest for 128x128 weight scales);
+#                    the wgrad as ``default``. Untimed: opt-in.
+#   wide_n160        the wgrad's plain step with 128x160 CTA tiles (``block_n=160``;
+#                    DeepGEMM's SM90 wgrad uses 128x152); the forward and dgrad as
+#                    ``default``. Untimed: opt-in.
+#   wide_n192        the same with 128x192 wgrad tiles. Untimed: opt-in.
+#   wide_o192_n160   ``wide_o192``'s forward and dgrad with ``wide_n160``'s wgrad.
+#   wide_o192_n192   ``wide_o192``'s forward and dgrad with ``wide_n192``'s wgrad.
 KERNEL_SCHEDULES = {
     "default": ((), ()),
     "halves_unfenced": ((("parts", 2), ("scale_fence", "none")),
@@ -145,6 +154,11 @@ KERNEL_SCHEDULES = {
                         (("overlap", False), ("parts", (96, 32)))),
     "xhalves_unfenced": ((("overlap", True), ("parts", 2), ("scale_fence", "none")),
                          (("overlap", False), ("parts", 2))),
+    "wide_o192": ((("block_o", 192),), ()),
+    "wide_n160": ((), (("overlap", False), ("block_n", 160))),
+    "wide_n192": ((), (("overlap", False), ("block_n", 192))),
+    "wide_o192_n160": ((("block_o", 192),), (("overlap", False), ("block_n", 160))),
+    "wide_o192_n192": ((("block_o", 192),), (("overlap", False), ("block_n", 192))),
 }
 _KERNEL_DIM = 256  # K and N: the kernels' CTA tiles are 256 wide along O, 128 along C
 _ALIGNMENT = {"te_no_quant": 1, "te_fp8_blockwise": quant.BLOCKWISE_TILE, "te_mxfp8": quant.MX_BLOCK}
