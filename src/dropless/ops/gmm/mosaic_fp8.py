@@ -164,6 +164,7 @@ _SCALE_WINDOW = 32  # weight-scale columns per step's TMA row with weight_scales
 # 192-column tile starts at a multiple of 64, so it holds three 64-column chunks each
 # inside one weight block: the first block's or the next one's, by the tile's offset.
 BLOCK_OS = (BLOCK, 192)
+_WIDE_CHUNK = 64  # a wide tile's columns under one weight block's scale
 _MEMORY_REGISTERS = 40
 
 
@@ -628,8 +629,8 @@ def gmm_fp8_blockwise(aq_MC, sa, bq_GOC, sb, group_sizes_G, *, out_dtype=jnp.bfl
                     offset = col0 % BLOCK
                     return jnp.concatenate(
                         [lax.broadcast_in_dim(
-                            row_scale * jnp.where(offset + i * 64 >= BLOCK, second, first),
-                            (bm, 64), (0,)) for i in range(bo // 64)], axis=1)
+                            row_scale * jnp.where(offset + i * _WIDE_CHUNK >= BLOCK, second, first),
+                            (bm, _WIDE_CHUNK), (0,)) for i in range(bo // _WIDE_CHUNK)], axis=1)
 
                 def mma_body(idx, a_smem, b_smem, sa_smem, *rest):
                     # rest: the weight scales' slot ("smem"), the consumed barriers
