@@ -141,10 +141,11 @@ def _bits(a):
     return jax.lax.bitcast_convert_type(a, {1: jnp.uint8, 4: jnp.uint32}[a.dtype.itemsize])
 
 
-def products(x, w, gs, dy):
+def products(x, w, gs, dy, schedules=()):
     """name -> (fn, args): the kernel path with each quantizer (``auto``, the default the
     model runs: Mosaic GPU for bfloat16 operands; ``pallas``; ``xla``), the FP8 kernels
-    alone, the bf16 kernel."""
+    alone, the bf16 kernel; and the default path's fwd+bwd with each kernel schedule of
+    ``schedules`` (``quantized.KERNEL_SCHEDULES``)."""
     kpath_a = lambda x, w: quantized.gmm(x, w, gs, recipe="te_fp8_blockwise", impl="kernel",  # noqa: E731
                                          groups_aligned=True, quant_impl="auto")
     kpath = lambda x, w: quantized.gmm(x, w, gs, recipe="te_fp8_blockwise", impl="kernel",  # noqa: E731
@@ -174,6 +175,10 @@ def products(x, w, gs, dy):
                                  (fwd_ops,)),
         "fwd bf16 kernel": (jax.jit(bf16), (x, w)),
         "fwd+bwd kernel path, auto q": (fwd_bwd(kpath_a), (x, w, dy)),
+        **{f"fwd+bwd kernel path, auto q, {s}": (fwd_bwd(functools.partial(
+            quantized.gmm, group_sizes=gs, recipe="te_fp8_blockwise", impl="kernel",
+            groups_aligned=True, quant_impl="auto", kernel_schedule=s)), (x, w, dy))
+           for s in schedules},
         "fwd+bwd kernel path": (fwd_bwd(kpath), (x, w, dy)),
         "fwd+bwd kernel path, pallas q": (fwd_bwd(kpath_p), (x, w, dy)),
         "fwd+bwd FP8 kernels alone": (kernels, (fwd_ops, dgrad_ops, wgrad_ops)),
@@ -334,6 +339,9 @@ def main(argv=None):
     p.add_argument("--smoke", action="store_true", help="tiny shape, passes only (CPU check)")
     p.add_argument("--no-breakdown", action="store_true", help="skip the profiler breakdown")
     p.add_argument("--quick", action="store_true", help="5 iterations, no breakdown")
+    p.add_argument("--schedules", default="",
+                   help="comma list of kernel schedules (quantized.KERNEL_SCHEDULES) to time "
+                        "the default path's fwd+bwd with too, beside the default schedule")
     p.add_argument("--columns-variants", action="store_true",
                    help="only the sweep of the activation quantizers (Pallas warp counts, "
                         "Mosaic GPU tile walks and depths)")
@@ -346,6 +354,11 @@ def main(argv=None):
     a = p.parse_args(argv)
     if a.quick:
         a.iters, a.no_breakdown = min(a.iters, 5), True
+    schedules = [s_ for s_ in a.schedules.split(",") if s_]
+    if unknown := [s_ for s_ in schedules if s_ not in quantized.KERNEL_SCHEDULES]:
+        print(f"error: --schedules {','.join(unknown)}: not in {tuple(quantized.KERNEL_SCHEDULES)}",
+              file=sys.stderr)
+        return 2
     for flag, kind, dims, variants_of, section, text, smoke_shape in (
             (a.columns_variants, "fp8_quant_columns", ("M", "C"), column_variants,
              "columns_variant", a.variant_shapes, (256, 384)),
@@ -375,7 +388,8 @@ def main(argv=None):
     dy = jnp.asarray(rng.standard_normal((m, n)), jnp.bfloat16)
     gs = jnp.full((g,), m // g, jnp.int32)
     record = measure.new_record("fp8_quant", {"M": m, "G": g, "K": k, "N": n, "iters": a.iters,
-                                              "dtype": "bfloat16", "layout": "balanced"})
+                                              "dtype": "bfloat16", "layout": "balanced",
+                                              "schedules": schedules})
     inputs = {"x": x, "w": w}
     print(f"{'pass':<10} {'kernel ms':>10} {'wall ms':>9} {'GB':>7} {'GB/s kern':>10} "
           f"{'GB/s wall':>10}")
@@ -409,7 +423,7 @@ def main(argv=None):
     if mosaic.is_available():
         flops = 2 * m * k * n
         print(f"\n{"product":<30} {'kernel ms':>10} {'wall ms':>9} {'TF/s kern':>10} {'TF/s wall':>10}")
-        for name, (fn, args) in products(x, w, gs, dy).items():
+        for name, (fn, args) in products(x, w, gs, dy, schedules).items():
             fl = flops * (3 if "bwd" in name else 1)
             try:
                 kms = cupti_ms(fn, args, a.iters)
