@@ -223,14 +223,35 @@ def _row_blocks(x):
     return scale, _codes(x, lax.broadcast_in_dim(inv, x.shape, (0,)))
 
 
-def _activation_kernel(name, a_MC, rows, columns, m_tiles, max_concurrent_steps, out_slots):
+def swiglu(gu_MC2):
+    """h [M, C] bf16 = silu(gate) * up of gu [M, 2C] = [gate | up], computed in float32
+    and rounded once: what ``swiglu_quantize_rows`` and ``swiglu_quantize_columns``
+    quantize (the same expression, so off the GPU the same bits)."""
+    g, u = (t.astype(jnp.float32) for t in jnp.split(gu_MC2, 2, axis=-1))
+    return _swiglu_f32(g, u).astype(jnp.bfloat16)
+
+
+def _swiglu_f32(g, u):
+    # silu(g) = g * sigmoid(g), spelled out: Mosaic GPU's lane semantics lower exp, not
+    # the logistic. exp(-g) = inf for g <= -89 gives g / inf = -0 (silu's limit).
+    return g / (1 + jnp.exp(-g)) * u
+
+
+def _activation_kernel(name, a_MC, rows, columns, m_tiles, max_concurrent_steps, out_slots,
+                       prologue=None):
     """The rows outputs (codes [M, C], scales [Cb, M]) if ``rows``, then the columns
-    outputs (codes [C, M], scales [Mb, C]) if ``columns``, from one read of a [M, C]."""
+    outputs (codes [C, M], scales [Mb, C]) if ``columns``, from one read of a [M, C];
+    with ``prologue="swiglu"``, of ``swiglu(a)`` from one read of a [M, 2C]."""
     _check_activation(name, a_MC.shape, a_MC.dtype)
     if min(m_tiles, max_concurrent_steps, out_slots) < 1:
         raise ValueError(f"fp8_quant_mgpu.{name}: {m_tiles=}, {max_concurrent_steps=} "
                          f"and {out_slots=} must be >= 1")
     m, c = a_MC.shape
+    if prologue == "swiglu":
+        if c % (2 * BLOCK):
+            raise ValueError(f"fp8_quant_mgpu.{name}: gu must be [M, 2C] with C a multiple of "
+                             f"{BLOCK}, got {tuple(a_MC.shape)}")
+        c //= 2
     mb, cb = m // BLOCK, c // BLOCK
     steps = _divisor_at_most(mb, m_tiles)
     out_type = []
@@ -243,22 +264,33 @@ def _activation_kernel(name, a_MC, rows, columns, m_tiles, max_concurrent_steps,
         j, chunk = lax.axis_index("c"), lax.axis_index("m")
 
         def scoped(*codes_smem):
-            def tile(idx, a_smem):
+            def tile(idx, *in_smem):
                 (k,) = idx
                 i, slot = chunk * steps + k, k % out_slots
                 tile_i, tile_j = pl.ds(i * BLOCK, BLOCK), pl.ds(j * BLOCK, BLOCK)
+
+                def load(transposed):
+                    """The tile to quantize, as it lies or transposed: a's, or swiglu's
+                    of the gate and up tiles (elementwise, so either read works)."""
+                    t = [plgpu.load(r.T if transposed else r, layout=plgpu.Layout.WGMMA)
+                         for r in in_smem]
+                    if prologue is None:
+                        return t[0]
+                    g, u = (v.astype(jnp.float32) for v in t)
+                    return _swiglu_f32(g, u).astype(jnp.bfloat16)
+
                 # The stores issued from these slots out_slots tiles ago must have read them.
                 plgpu.wait_smem_to_gmem(out_slots - 1, wait_read_only=True)
                 outs, smem, dst = iter(out_gmem), iter(codes_smem), []
                 if rows:  # the plain read: a 1x128 block is a row's 128 values
                     codes_gmem, s_gmem = next(outs), next(outs)
-                    scale, q = _row_blocks(plgpu.load(a_smem, layout=plgpu.Layout.WGMMA))
+                    scale, q = _row_blocks(load(False))
                     s_gmem[j, tile_i] = scale
                     next(smem)[slot] = q
                     dst.append(codes_gmem.at[tile_i, tile_j])
                 if columns:  # the transposed read, [C, M]: a 128x1 block is a row
                     codes_gmem, s_gmem = next(outs), next(outs)
-                    scale, q = _row_blocks(plgpu.load(a_smem.T, layout=plgpu.Layout.WGMMA))
+                    scale, q = _row_blocks(load(True))
                     s_gmem[i, tile_j] = scale
                     next(smem)[slot] = q
                     dst.append(codes_gmem.at[tile_j, tile_i])
@@ -268,10 +300,13 @@ def _activation_kernel(name, a_MC, rows, columns, m_tiles, max_concurrent_steps,
                 for n, (src, d) in enumerate(zip(codes_smem, dst, strict=True)):  # one group per tile
                     plgpu.copy_smem_to_gmem(src.at[slot], d, commit_group=n == len(dst) - 1)
 
-            a_spec = plgpu.BlockSpec((BLOCK, BLOCK), lambda k: (chunk * steps + k, j),
+            # The gate tile, and with the prologue the up tile Cb column blocks further on.
+            specs = [plgpu.BlockSpec((BLOCK, BLOCK), lambda k, o=o: (chunk * steps + k, j + o),
                                      transforms=_swizzle_transforms(a_MC.dtype))
-            plgpu.emit_pipeline(tile, grid=(steps,), in_specs=[a_spec],
-                                max_concurrent_steps=max_concurrent_steps)(a_gmem)
+                     for o in ((0,) if prologue is None else (0, cb))]
+            plgpu.emit_pipeline(tile, grid=(steps,), in_specs=specs,
+                                max_concurrent_steps=max_concurrent_steps)(
+                                    *[a_gmem] * len(specs))
             plgpu.wait_smem_to_gmem(0)
 
         codes_smem = plgpu.SMEM((out_slots, BLOCK, BLOCK), E4M3, transforms=_swizzle_transforms(E4M3))
@@ -307,6 +342,40 @@ def quantize_rows(a_MC, m_tiles=8, max_concurrent_steps=2, out_slots=1):
     """
     return _activation_kernel("quantize_rows", a_MC, True, False, m_tiles, max_concurrent_steps,
                               out_slots)
+
+
+@functools.partial(jax.jit, static_argnames=_TILE_KWARGS)
+def swiglu_quantize_rows(gu_MC2, m_tiles=8, max_concurrent_steps=2, out_slots=1):
+    """``quantize_rows(swiglu(gu))`` from one read of gu [M, 2C] = [gate | up] bf16, h
+    never written: (hq [M, C] E4M3, sh [Cb, M] float32), the down projection's operand
+    quantized where it is produced.
+
+    Each CTA pipelines the gate tile and the up tile Cb column blocks further on; the
+    rest as ``quantize_rows``.
+
+    Off a GPU it runs only inside ``plgpu.force_gpu_interpret_mode``.
+
+    Raises:
+      ValueError: gu not [M, 2C] bfloat16 with M and C positive multiples of 128;
+        m_tiles, max_concurrent_steps or out_slots < 1.
+    """
+    return _activation_kernel("swiglu_quantize_rows", gu_MC2, True, False, m_tiles,
+                              max_concurrent_steps, out_slots, prologue="swiglu")
+
+
+@functools.partial(jax.jit, static_argnames=_TILE_KWARGS)
+def swiglu_quantize_columns(gu_MC2, m_tiles=8, max_concurrent_steps=2, out_slots=1):
+    """``quantize_columns(swiglu(gu))`` from one read of gu [M, 2C] = [gate | up] bf16:
+    (hq [C, M] E4M3, sh [Mb, C] float32), the down projection's wgrad operand (the
+    backward recomputes h here instead of reading it).
+
+    Off a GPU it runs only inside ``plgpu.force_gpu_interpret_mode``.
+
+    Raises:
+      ValueError: as ``swiglu_quantize_rows``.
+    """
+    return _activation_kernel("swiglu_quantize_columns", gu_MC2, False, True, m_tiles,
+                              max_concurrent_steps, out_slots, prologue="swiglu")
 
 
 @functools.partial(jax.jit, static_argnames=_TILE_KWARGS)

@@ -97,6 +97,7 @@ from dropless.ops.gmm import api
 RECIPES = ("te_no_quant", "te_fp8_blockwise", "te_mxfp8")
 IMPLS = ("auto", "emulate", "kernel")  # how te_fp8_blockwise runs (module docstring)
 KERNEL_RECIPE = "te_fp8_blockwise"
+PROLOGUES = (None, "swiglu")  # what ``gmm(prologue=...)`` computes x from (its docstring)
 # How impl="kernel" quantizes its operands: "xla", ``ops.quant`` fused by XLA;
 # "pallas", the single-pass kernels of ``fp8_quant_kernels`` (Pallas on Triton);
 # "mosaic", every operand by the kernels of ``fp8_quant_mgpu`` (Mosaic GPU,
@@ -578,6 +579,67 @@ def _kgmm_codes_bwd(out_dtype, aligned, q, schedule, res, dy):
 _kgmm_codes.defvjp(_kgmm_codes_fwd, _kgmm_codes_bwd)
 
 
+def _swiglu_codes(q: Quantizer, gu, layout):
+    """(codes, scales) of ``fp8_quant_mgpu.swiglu(gu)`` in ``layout`` (``"rows"``, 1x128,
+    or ``"columns"``, 128x1, as ``q.rows`` / ``q.columns``): where q quantizes bf16 with
+    Mosaic GPU (``auto``, ``mosaic``), one kernel reads gu and never writes h; else h
+    (XLA, which fuses it into XLA's own quantization) and q's pass over it."""
+    from dropless.ops.gmm import fp8_quant_mgpu
+
+    gu = pad_kernel_rows(gu)
+    if q.name in ("auto", "mosaic") and jnp.dtype(gu.dtype) == jnp.bfloat16:
+        return getattr(fp8_quant_mgpu, f"swiglu_quantize_{layout}")(gu)
+    return getattr(q, layout)(fp8_quant_mgpu.swiglu(gu))
+
+
+def _swiglu_vjp(gu, dh):
+    """d gu [M, 2C] of ``fp8_quant_mgpu.swiglu`` at gu for dh [M, C] (float32 inside)."""
+    from dropless.ops.gmm import fp8_quant_mgpu
+
+    f32 = lambda gu: fp8_quant_mgpu._swiglu_f32(*jnp.split(gu, 2, axis=-1))  # noqa: E731
+    _, vjp = jax.vjp(f32, gu.astype(jnp.float32))
+    return vjp(dh.astype(jnp.float32))[0].astype(gu.dtype)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6))
+def _kgmm_swiglu(gu, w, codes, group_sizes, out_dtype, q: Quantizer, schedule):
+    return _kgmm_swiglu_fwd(gu, w, codes, group_sizes, out_dtype, q, schedule)[0]
+
+
+def _kgmm_swiglu_fwd(gu, w, codes, group_sizes, out_dtype, q: Quantizer, schedule):
+    # As _kgmm_fwd (or _kgmm_codes_fwd with ``codes``), but the operand is swiglu(gu),
+    # quantized where it is computed; the residual is gu (the gate/up GEMM's output,
+    # which the remat policies name ``moe_mlpwi``), not h.
+    from dropless.ops.gmm import mosaic_fp8
+
+    if codes is None:
+        wq, wq_t, sw = q.weight_both(w)
+        wq, sw = checkpoint_name(wq, "moe_fp8_weights"), checkpoint_name(sw, "moe_fp8_weights")
+    else:
+        wq, wq_t, sw = codes
+    hq, sh = _swiglu_codes(q, gu, "rows")
+    y = mosaic_fp8.gmm_fp8_blockwise(hq, sh, wq_t, sw, group_sizes, out_dtype=out_dtype,
+                                     **_schedule(schedule, "gmm"))
+    return y[:gu.shape[0]], (gu, wq, sw, group_sizes, jnp.zeros((0,), w.dtype), codes)
+
+
+def _kgmm_swiglu_bwd(out_dtype, q: Quantizer, schedule, res, dy):
+    from dropless.ops.gmm import mosaic_fp8_tgmm
+
+    gu, wq, sw, group_sizes, w_dtype, codes = res
+    dyq, sdy, dyq_c, sdy_c = q.rows_and_columns(pad_kernel_rows(dy))
+    dh = _dgrad_from_codes(dy, wq, sw, group_sizes, gu.dtype, q, (dyq, sdy), schedule)
+    dw = mosaic_fp8_tgmm.tgmm_fp8_blockwise(*_swiglu_codes(q, gu, "columns"), dyq_c, sdy_c,
+                                            group_sizes, out_dtype=w_dtype.dtype,
+                                            **_schedule(schedule, "tgmm"))
+    # The codes are constants of the step: zero cotangents (dead code under jit).
+    dcodes = None if codes is None else tuple(jnp.zeros_like(c) for c in codes)
+    return (_swiglu_vjp(gu, dh), dw, dcodes, jnp.zeros(group_sizes.shape, jax.dtypes.float0))
+
+
+_kgmm_swiglu.defvjp(_kgmm_swiglu_fwd, _kgmm_swiglu_bwd)
+
+
 def _interpreting():
     """True inside ``plgpu.force_gpu_interpret_mode`` (Pallas keeps it in this private flag)."""
     from jax._src import config as jax_config
@@ -588,7 +650,7 @@ def _interpreting():
 
 def gmm(x, w, group_sizes, *, recipe="te_no_quant", backend="auto", out_dtype=None,
         impl="auto", groups_aligned=False, quant_impl="auto", kernel_schedule="default",
-        w_codes=None):
+        w_codes=None, prologue=None):
     """Grouped matmul with the FP8 numerics of ``recipe`` in all three products.
 
     Args:
@@ -612,13 +674,22 @@ def gmm(x, w, group_sizes, *, recipe="te_no_quant", backend="auto", out_dtype=No
         instead of quantizing w (the same codes, so the same bits). They must be this
         w's, by this ``quant_impl``: nothing under ``jit`` can check that. Unused
         where the emulation runs (and then dead code under ``jit``).
+      prologue: ``None``, or ``"swiglu"`` (``PROLOGUES``): x is then gu [M, 2K] =
+        [gate | up] and the operand is SwiGLU's output silu(gate) * up [M, K]. Where the
+        FP8 kernels run with ``groups_aligned``, it is quantized where it is computed:
+        one Mosaic GPU pass reads gu and writes h's codes (h is never written), the
+        backward recomputes h in its 128x1 quantizer the same way, and the residual is
+        gu, not h; h is computed in float32 and rounded to x's dtype once
+        (``fp8_quant_mgpu.swiglu``). Elsewhere exactly ``gmm(jax.nn.silu(gate) * up,
+        ...)`` (XLA's SwiGLU, which rounds after each operation); the gradient is gu's.
 
     Returns:
       [M, N]; rows past ``sum(group_sizes)`` are zeros. Differentiable in x
       and w (dgrad and wgrad quantized as in the module docstring).
 
     Raises:
-      ValueError: unknown recipe, impl, quant_impl or kernel_schedule;
+      ValueError: unknown recipe, impl, quant_impl, kernel_schedule or prologue; x of
+        odd width with ``prologue="swiglu"``;
         ``impl="kernel"`` with another recipe than ``te_fp8_blockwise``, off a
         Hopper GPU outside interpret mode, or with K or N not a multiple of 256;
         what ``api.gmm`` raises for the shapes.
@@ -629,6 +700,15 @@ def gmm(x, w, group_sizes, *, recipe="te_no_quant", backend="auto", out_dtype=No
     if quant_impl not in QUANT_IMPLS:
         raise ValueError(f"gmm: quant_impl {quant_impl!r} is not one of {QUANT_IMPLS}")
     _schedule(kernel_schedule, "gmm")  # checked on every path, where it runs or not
+    if prologue not in PROLOGUES:
+        raise ValueError(f"gmm: prologue {prologue!r} is not one of {PROLOGUES}")
+    gu = None
+    if prologue == "swiglu":
+        if x.ndim != 2 or x.shape[1] % 2:
+            raise ValueError(f"gmm: prologue='swiglu' takes x = [gate | up] of shape [M, 2K], "
+                             f"got {x.shape}")
+        gate, up = jnp.split(x, 2, axis=-1)
+        gu, x = x, jax.nn.silu(gate) * up  # XLA's SwiGLU; dead code where gu is fused
     if recipe == "te_no_quant":
         return api.gmm(x, w, group_sizes, backend=backend, out_dtype=out_dtype)
     api._check_gmm_args(x, w, group_sizes, transpose_rhs=False)
@@ -646,6 +726,10 @@ def gmm(x, w, group_sizes, *, recipe="te_no_quant", backend="auto", out_dtype=No
             if (wq.shape, wq_t.shape, sw.shape) != want:
                 raise ValueError(f"gmm: w_codes have shapes {wq.shape}, {wq_t.shape}, {sw.shape}; "
                                  f"w {tuple(w.shape)} needs {want} (weight_codes(w))")
+        if gu is not None and groups_aligned:
+            return _kgmm_swiglu(gu, w, None if w_codes is None else tuple(w_codes), group_sizes,
+                                out_dtype, quantizer(quant_impl), kernel_schedule)
+        if w_codes is not None:
             return _kgmm_codes(x, w, wq, wq_t, sw, group_sizes, out_dtype, bool(groups_aligned),
                                quantizer(quant_impl), kernel_schedule)
         return _kgmm(x, w, group_sizes, out_dtype, bool(groups_aligned), quantizer(quant_impl),
