@@ -169,6 +169,10 @@ BAD = [
      "gmm_fp8_weights_once_per_step=True (from command line): shares the FP8 kernels' weight codes across microbatches"),
     (["te_gmm_quantization=te_fp8_blockwise", "gmm_fp8_impl=emulate", "gmm_fp8_weights_once_per_step=true"],
      "allowed here: false"),
+    (["gmm_fp8_fused_swiglu=true"],
+     "gmm_fp8_fused_swiglu=True (from command line): fuses SwiGLU into the FP8 kernels' quantizer"),
+    (["te_gmm_quantization=te_fp8_blockwise", "prefuse_moe_weights=false", "gmm_fp8_fused_swiglu=true"],
+     "needs prefuse_moe_weights=true; allowed here: false"),
     (["gmm_fp8_kernel_schedule=quarters"],
      "'default', 'halves_unfenced', 'p96_32_unfenced', 'xhalves_unfenced', 'wide_o192', 'wide_n160', "
      "'wide_n192', 'wide_o192_n160' or 'wide_o192_n192'"),

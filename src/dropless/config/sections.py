@@ -47,6 +47,7 @@ class MoEConfig:
     gmm_fp8_quantizer: str = _d("gmm_fp8_quantizer")  # the kernels' operand quantization: auto | xla | pallas | mosaic
     gmm_fp8_kernel_schedule: str = _d("gmm_fp8_kernel_schedule")  # the kernels' step schedule: quantized.KERNEL_SCHEDULES
     gmm_fp8_weights_once_per_step: bool = _d("gmm_fp8_weights_once_per_step")  # GA > 1: expert weights quantized before the microbatch loop
+    gmm_fp8_fused_swiglu: bool = _d("gmm_fp8_fused_swiglu")  # SwiGLU's output quantized in the pass that computes it
 
 
 @dataclasses.dataclass(frozen=True)

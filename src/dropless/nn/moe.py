@@ -137,7 +137,8 @@ def combine(y_PD, weights_TK, plan):
 
 
 def grouped_swiglu(x_PD, group_sizes_G, weights, *, backend, quantization="te_no_quant",
-                   fp8_impl="auto", fp8_quantizer="auto", fp8_kernel_schedule="default"):
+                   fp8_impl="auto", fp8_quantizer="auto", fp8_kernel_schedule="default",
+                   fp8_fused_swiglu=False):
     """SwiGLU experts over an expert-sorted buffer: [P, D] -> [P, D].
 
     Args:
@@ -154,14 +155,17 @@ def grouped_swiglu(x_PD, group_sizes_G, weights, *, backend, quantization="te_no
       fp8_quantizer: ``quantized.QUANT_IMPLS``: how the FP8 kernels' operands are quantized.
       fp8_kernel_schedule: ``quantized.KERNEL_SCHEDULES``: how the FP8 kernels schedule
         their steps (the same bits with each).
+      fp8_fused_swiglu: with the fused gate|up weight, hand the down projection gate|up
+        itself (``quantized.gmm(prologue="swiglu")``): where the FP8 kernels run, SwiGLU's
+        output is quantized in the pass that computes it; elsewhere the same as without.
     """
 
-    def grouped(x, w, name):
+    def grouped(x, w, name, prologue=None):
         w, codes = w if isinstance(w, WeightWithCodes) else (w, None)
         y = quantized.gmm(x, w, group_sizes_G, recipe=quantization, backend=backend,
                           impl=fp8_impl, groups_aligned=True,  # the contract above
                           quant_impl=fp8_quantizer, kernel_schedule=fp8_kernel_schedule,
-                          w_codes=codes)
+                          w_codes=codes, prologue=prologue)
         # The barrier gives the kernel's output one user. In a scan that saves it
         # (remat ``minimal``) it would also feed the dynamic-update-slice into the
         # stacked residual, and XLA's GPU dynamic-slice fusion then runs a second
@@ -171,6 +175,8 @@ def grouped_swiglu(x_PD, group_sizes_G, weights, *, backend, quantization="te_no
         return checkpoint_name(jax.lax.optimization_barrier(y), name)
 
     *gate_up, w_out = weights
+    if fp8_fused_swiglu and len(gate_up) == 1:
+        return grouped(grouped(x_PD, gate_up[0], "moe_mlpwi"), w_out, "moe_mlpwo", "swiglu")
     if len(gate_up) == 1:
         gate_PF, up_PF = jnp.split(grouped(x_PD, gate_up[0], "moe_mlpwi"), 2, axis=-1)
     else:
@@ -431,7 +437,8 @@ class MoEBlock(nnx.Module):
                               quantization=self.cfg.gmm_quantization,
                               fp8_impl=self.cfg.gmm_fp8_impl,
                               fp8_quantizer=self.cfg.gmm_fp8_quantizer,
-                              fp8_kernel_schedule=self.cfg.gmm_fp8_kernel_schedule)
+                              fp8_kernel_schedule=self.cfg.gmm_fp8_kernel_schedule,
+                              fp8_fused_swiglu=self.cfg.gmm_fp8_fused_swiglu)
 
     def _experts_dense(self, x_ECD):
         """Batched SwiGLU over per-expert capacity buffers: [E, C, D] -> [E, C, D]."""
@@ -457,7 +464,8 @@ class MoEBlock(nnx.Module):
                               quantization=self.cfg.gmm_quantization,
                               fp8_impl=self.cfg.gmm_fp8_impl,
                               fp8_quantizer=self.cfg.gmm_fp8_quantizer,
-                              fp8_kernel_schedule=self.cfg.gmm_fp8_kernel_schedule),
+                              fp8_kernel_schedule=self.cfg.gmm_fp8_kernel_schedule,
+                              fp8_fused_swiglu=self.cfg.gmm_fp8_fused_swiglu),
             num_experts=e, alignment=group_alignment(self.cfg), ep=self.ep,
         )
         tokens_E = routing.tokens_per_expert(decision.experts_TK, e)

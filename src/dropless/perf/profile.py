@@ -42,7 +42,7 @@ from pathlib import Path
 EXIT_UNAVAILABLE = 1
 # The config facts a profile record keeps (what distinguishes one profile from another).
 RECORD_KEYS = ("model_name", "quantization", "te_gmm_quantization", "gmm_fp8_impl",
-               "gmm_fp8_quantizer", "gmm_fp8_kernel_schedule", "gmm_backend", "attention",
+               "gmm_fp8_quantizer", "gmm_fp8_kernel_schedule", "gmm_fp8_fused_swiglu", "gmm_backend", "attention",
                "remat_policy", "dtype", "per_device_batch_size", "max_target_length", "gradient_accumulation_steps")
 
 
