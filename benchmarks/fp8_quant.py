@@ -51,7 +51,10 @@ pipeline depth (``WEIGHT_DEPTHS``), both layouts and the natural one alone,
 against a bf16 copy of w, each Mosaic output checked bit for bit against the
 Triton one's; record kind ``fp8_quant_weight``. The passes table above has the
 Mosaic kernels' rows too (``weight_mosaic``, ``weight2_mosaic``, ``rows_mosaic``,
-``columns_mosaic``) on a Hopper GPU.
+``columns_mosaic``) on a Hopper GPU, and SwiGLU's output quantized from x read as
+gu = [gate | up]: XLA's SwiGLU then the Mosaic pass (``swiglu_then_rows``,
+``swiglu_then_columns``) against the one-pass kernels (``swiglu_rows_mosaic``,
+``swiglu_columns_mosaic``), checked bit for bit against them.
 """
 
 import argparse
@@ -125,7 +128,19 @@ def passes(m, g, k, n):
             "weight2_mosaic": (fp8_quant_mgpu.quantize_weight, "w",
                                2 * wn + 2 * wn + 4 * wn // 128**2),
             "rows_mosaic": (fp8_quant_mgpu.quantize_rows, "x", 2 * e + e + 4 * e // 128),
-            "columns_mosaic": (fp8_quant_mgpu.quantize_columns, "x", 2 * e + e + 4 * e // 128)}
+            "columns_mosaic": (fp8_quant_mgpu.quantize_columns, "x", 2 * e + e + 4 * e // 128),
+            # SwiGLU's output quantized, x read as gu = [gate | up] (h [M, K / 2]): XLA's
+            # SwiGLU then the Mosaic pass, against one Mosaic pass that never writes h
+            # (gmm_fp8_fused_swiglu). Bytes: gu read, h's codes and scales written,
+            # so the GB/s of the two compare the same useful work.
+            "swiglu_then_rows": (lambda gu: fp8_quant_mgpu.quantize_rows(fp8_quant_mgpu.swiglu(gu)),
+                                 "x", 2 * e + e // 2 + 2 * e // 128),
+            "swiglu_rows_mosaic": (fp8_quant_mgpu.swiglu_quantize_rows, "x",
+                                   2 * e + e // 2 + 2 * e // 128),
+            "swiglu_then_columns": (lambda gu: fp8_quant_mgpu.quantize_columns(
+                fp8_quant_mgpu.swiglu(gu)), "x", 2 * e + e // 2 + 2 * e // 128),
+            "swiglu_columns_mosaic": (fp8_quant_mgpu.swiglu_quantize_columns, "x",
+                                      2 * e + e // 2 + 2 * e // 128)}
            if mosaic.is_available() else {}),
     }
 
@@ -133,7 +148,8 @@ def passes(m, g, k, n):
 # pass -> the XLA pass whose outputs it must equal bit for bit
 SAME_AS = {"rows_pallas": "rows", "columns_pallas": "columns", "weight_pallas": "weight",
            "weight2_pallas": "weight2", "weight_mosaic": "weight", "weight2_mosaic": "weight2",
-           "rows_mosaic": "rows", "columns_mosaic": "columns"}
+           "rows_mosaic": "rows", "columns_mosaic": "columns",
+           "swiglu_rows_mosaic": "swiglu_then_rows", "swiglu_columns_mosaic": "swiglu_then_columns"}
 
 
 def _bits(a):
