@@ -55,6 +55,7 @@ CASES = [
     # the Mosaic GPU quantizers by their kernel_name (fp8_quant_mgpu), not as grouped GEMMs
     ("fp8_quantize_weight_mosaic_gpu_kernel", "custom-call.5", QUANTIZATION),
     ("fp8_quantize_rows_and_columns_mosaic_gpu_kernel", "", QUANTIZATION),
+    ("fp8_swiglu_quantize_rows_mosaic_gpu_kernel", "custom-call.7", QUANTIZATION),
     # grouped GEMM: our kernels by name, XLA's ragged_dot by op
     ("gmm_mosaic_gpu_kernel", "custom-call.4", GROUPED_GEMM),
     ("body_mosaic_gpu_kernel", "command_buffer_25", GROUPED_GEMM),  # bf16 and FP8 Mosaic kernels
