@@ -554,13 +554,12 @@ def gmm_fp8_blockwise(aq_MC, sa, bq_GOC, sb, group_sizes_G, *, out_dtype=jnp.bfl
                                         batched=epilogue == "batched")
 
                 # The warpgroup's weight block (a wide tile's first one).
-                col_block = col0 // BLOCK if wide else col0 // bo
+                col_block = col0 // BLOCK
                 # The window of weight-scale columns this CTA's tile reads (``"smem"``);
-                # both warpgroups' column blocks lie in it (cta_o // bo divides it).
-                # From the CTA's first column, not the warpgroup's: the memory warpgroup
-                # loads it (a wide tile's first block and the next lie in it too).
-                window = ((band * cta_o // BLOCK) if wide else band * (cta_o // bo)
-                          ) // _SCALE_WINDOW * _SCALE_WINDOW
+                # both warpgroups' column blocks lie in it. From the CTA's first column,
+                # not the warpgroup's: the memory warpgroup loads it (a wide tile's first
+                # block and the next lie in it too).
+                window = band * cta_o // BLOCK // _SCALE_WINDOW * _SCALE_WINDOW
                 zeros = lambda: plgpu.layout_cast(jnp.zeros((bm, bo), jnp.float32),
                                                   plgpu.Layout.WGMMA)
                 no_scale = lambda: plgpu.layout_cast(jnp.zeros((bm,), jnp.float32),
