@@ -326,9 +326,13 @@ def main(argv=None):
     # wgrad with float32 output (the probe's earlier records) and with bf16, what
     # training writes for bf16 weights (half the output bytes).
     jobs += [(f"{v}{dt}", "wgrad") for v in wgrad_names for dt in ("", "_bf16")]
+    # The record is rewritten (atomically, under one name) after every job and marked
+    # "complete" only at the end: a run cut by its time limit keeps the rows it timed.
+    record["complete"] = False
     with ClockSampler() as clocks:
         for v, prod in jobs:
             time_job(v, prod, ops, gs, flops, a.iters, clocks, record, a.sustain)
+            measure.write_record(record, a.out)
     # Every variant computes each output element from the same wgmma steps in the
     # same order, so the results must agree bit for bit with the first variant.
     run = {"fwd": lambda v: mosaic_fp8.gmm_fp8_blockwise(*ops["fwd"], gs, **VARIANTS[v]),
@@ -348,6 +352,7 @@ def main(argv=None):
             record["rows"].append({"variant": v, "product": prod,
                                    "bitwise_equal_to": prod_names[0], "equal": same})
             print(f"{prod} {v} == {prod_names[0]}: {same}")
+    record["complete"] = True
     print(f"record: {measure.write_record(record, a.out)}")
     return 0
 

@@ -63,3 +63,29 @@ def test_time_job_writes_the_timings_and_the_windows_clocks(monkeypatch):
         probe.time_job("rows_gtw8", "fwd", ops, None, 4e9, 2, clocks, record)
     (row,) = record["rows"]  # without: one timing, no "sustained" key (earlier records' layout)
     assert "sustained" not in row and row["kernel_ms"] == 2.0
+
+
+def test_a_run_cut_after_its_first_job_leaves_a_record_of_that_row(monkeypatch, tmp_path):
+    # The kernels and their operands are stood in for: what is checked is that the record
+    # is on disk after each job, marked incomplete, before the run ends.
+    import json
+
+    monkeypatch.setattr(probe, "operands", lambda m, g, k, n, sizes: ({}, None))
+    calls = []
+
+    def job(v, prod, ops, gs, flops, iters, clocks, record, sustain=0.0):
+        if calls:
+            raise KeyboardInterrupt  # the time limit's kill, after the first job
+        calls.append((v, prod))
+        record["rows"].append({"variant": v, "product": prod, "tflops_kernel": 1.0})
+
+    monkeypatch.setattr(probe, "time_job", job)
+    try:
+        probe.main(["--shape", "1024,8,256,256", "--variants", "rows_gtw8",
+                    "--wgrad-variants", "", "--out", str(tmp_path)])
+    except KeyboardInterrupt:
+        pass
+    (path,) = tmp_path.glob("fp8_kernels-*.json")
+    record = json.loads(path.read_text())
+    assert record["complete"] is False
+    assert record["rows"] == [{"variant": "rows_gtw8", "product": "fwd", "tflops_kernel": 1.0}]

@@ -864,3 +864,12 @@ def test_fp8_kernels_wgrad_sweep_at_an_issue_shape_is_quoted_against_the_target(
     assert report.headlines("fp8_kernels", sweep) == [
         "FP8 wgrad variant sweep M=65536 G=256 K=7168 N=4096 balanced (CUPTI): default "
         "wgrad_rows_overlap_sorted_chain 479 TF/s (target 1100)"]
+
+
+def test_a_record_cut_short_says_so_in_its_source_line(tmp_path):
+    from dropless.perf.report_md import _source_line
+
+    record = {"kind": "fp8_kernels", "created": "2026-12-05T00:00:00+00:00", "rows": []}
+    assert "Cut short" not in _source_line(record, tmp_path / "a.json")
+    assert "Cut short" not in _source_line({**record, "complete": True}, tmp_path / "a.json")
+    assert "Cut short" in _source_line({**record, "complete": False}, tmp_path / "a.json")

@@ -62,8 +62,11 @@ def md_table(headers: list[str], rows: list[list], labels: int = 1) -> str:
 def _source_line(record: dict, path: Path) -> str:
     prov = provenance(record)
     created = _get(record, *CREATED, default="?")
+    # A benchmark that rewrites its record as it goes marks it "complete": false until
+    # the end; a run cut by its time limit leaves that mark, and the rows it timed.
+    cut = " **Cut short: only the rows it timed.**" if record.get("complete") is False else ""
     return (f"Source: `{path.name}` ({prov['gpu']}, jax {prov['jax']}, commit "
-            f"`{_short_commit(prov['commit'])}`, {created}).")
+            f"`{_short_commit(prov['commit'])}`, {created}).{cut}")
 
 
 def _short_commit(commit) -> str:
