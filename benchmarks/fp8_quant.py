@@ -43,6 +43,12 @@ they run in Pallas GPU interpret mode, to check the script. Its record is of kin
 ``fp8_quant_columns`` (the report's FP8 section keeps reading the passes
 record).
 
+``--swiglu-variants`` likewise sweeps the one-pass SwiGLU quantizers
+(``swiglu_quantize_rows`` and ``_columns``) at each tile walk and pipeline depth of
+``SWIGLU_DEPTHS``, for each gu = [gate | up] of ``--swiglu-shapes``, against XLA's
+SwiGLU then the Mosaic pass of the same layout (bit for bit) and a bf16 copy of gu;
+record kind ``fp8_quant_swiglu``; ``--smoke`` runs it in interpret mode on CPU.
+
 ``--weight-variants`` (Hopper GPU) likewise sweeps the weight quantizers at each
 w [G, K, N] of ``--weight-shapes`` (default DeepSeek-V3's 32 x 7168 x 4096 and
 Qwen3-30B-A3B's 128 x 2048 x 1536, 128 x 768 x 2048): the Triton kernel
@@ -233,6 +239,33 @@ def column_variants(m, c):
     return out
 
 
+def swiglu_variants(m, c):
+    """name -> (fn of gu [M, C] = [gate | up], bytes moved, the name whose outputs it must
+    equal or None): a bf16 copy of gu, XLA's SwiGLU then the Mosaic rows (columns) pass,
+    and the one-pass ``swiglu_quantize_rows`` (``_columns``) at each of ``SWIGLU_DEPTHS``.
+    Bytes as the passes table counts them: gu read, h's codes and scales written."""
+    mg = fp8_quant_mgpu
+    e = m * c
+    nbytes = 2 * e + e // 2 + 2 * e // 128
+    out = {"copy": (lambda a: a * 2, 4 * e, None)}
+    for layout, plain, fused in (("rows", mg.quantize_rows, mg.swiglu_quantize_rows),
+                                 ("columns", mg.quantize_columns, mg.swiglu_quantize_columns)):
+        ref = f"swiglu then {layout}"
+        out[ref] = (_mosaic_gpu(lambda a, plain=plain: plain(mg.swiglu(a))), nbytes, None)
+        out.update({f"swiglu_{layout} t{tiles} s{steps} o{slots}": (
+            _mosaic_gpu(functools.partial(fused, m_tiles=tiles, max_concurrent_steps=steps,
+                                          out_slots=slots)), nbytes, ref)
+            for tiles, steps, slots in SWIGLU_DEPTHS})
+    return out
+
+
+# (m_tiles, max_concurrent_steps, out_slots) of the one-pass SwiGLU quantizers, their
+# default first. Each step loads a gate and an up tile (64 KiB of smem), so the default
+# (two steps in flight, 144 KiB) leaves one CTA, one warpgroup, per SM to compute silu;
+# one step in flight (80 KiB, 96 with two codes slots) lets two CTAs share an SM.
+SWIGLU_DEPTHS = ((8, 2, 1), (8, 1, 1), (4, 1, 1), (16, 1, 1), (32, 1, 1), (8, 1, 2))
+
+
 # (m_tiles, max_concurrent_steps, out_slots) of the Mosaic GPU activation quantizers
 # (rows, columns, both) to time, their default first: tile walks of 2 to 64 row tiles
 # per CTA (at M = 65536, C = 2048: 4096 to 128 CTAs), smem 48 KiB (s1 o1, one layout)
@@ -363,6 +396,11 @@ def main(argv=None):
                         "Mosaic GPU tile walks and depths)")
     p.add_argument("--variant-shapes", default="65536x7168,65536x4096,65536x2048",
                    help="the sweep's activation shapes, MxC,... (multiples of 128)")
+    p.add_argument("--swiglu-variants", action="store_true",
+                   help="only the sweep of the one-pass SwiGLU quantizers (tile walks and "
+                        "depths) against XLA's SwiGLU then the Mosaic pass, at --swiglu-shapes")
+    p.add_argument("--swiglu-shapes", default="65536x4096",
+                   help="that sweep's gu shapes, Mx2F,... (default DeepSeek-V3's F = 2048)")
     p.add_argument("--weight-variants", action="store_true",
                    help="only the sweep of the Triton and Mosaic GPU weight quantizers (GPU)")
     p.add_argument("--weight-shapes", default="32x7168x4096,128x2048x1536,128x768x2048",
@@ -378,6 +416,8 @@ def main(argv=None):
     for flag, kind, dims, variants_of, section, text, smoke_shape in (
             (a.columns_variants, "fp8_quant_columns", ("M", "C"), column_variants,
              "columns_variant", a.variant_shapes, (256, 384)),
+            (a.swiglu_variants, "fp8_quant_swiglu", ("M", "C"), swiglu_variants,
+             "swiglu_variant", a.swiglu_shapes, (256, 256)),
             (a.weight_variants, "fp8_quant_weight", ("G", "K", "N"), weight_variants,
              "weight_variant", a.weight_shapes, (2, 256, 384))):
         if not flag:
@@ -387,6 +427,10 @@ def main(argv=None):
         except ValueError:
             print(f"error: shapes {text!r}: want {'x'.join(dims)},... with the last two dims "
                   "positive multiples of 128", file=sys.stderr)
+            return 2
+        if kind == "fp8_quant_swiglu" and any(s_[-1] % 256 for s_ in shapes):
+            print(f"error: --swiglu-shapes {text!r}: gu's columns are [gate | up], 2F with F "
+                  "a multiple of 128, so a multiple of 256", file=sys.stderr)
             return 2
         if kind == "fp8_quant_weight" and not mosaic.is_available():
             print("error: --weight-variants needs a Hopper GPU (the Mosaic GPU kernel does not "
