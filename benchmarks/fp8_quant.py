@@ -160,7 +160,31 @@ SAME_AS = {"rows_pallas": "rows", "columns_pallas": "columns", "weight_pallas": 
 
 def _bits(a):
     """a's bytes as unsigned integers (NaNs compare equal bit for bit)."""
-    return jax.lax.bitcast_convert_type(a, {1: jnp.uint8, 4: jnp.uint32}[a.dtype.itemsize])
+    return jax.lax.bitcast_convert_type(a, {1: jnp.uint8, 2: jnp.uint16, 4: jnp.uint32}[a.dtype.itemsize])
+
+
+def x_quantized_twice(gs, quant_impl="auto", schedule="default"):
+    """The kernel path's fwd+bwd as it ran until 2026-12-05, the baseline of x's codes
+    kept from the forward (``quantized._fwd_keeping_x``): the forward quantizes x in 1x128
+    blocks and keeps x itself; the backward quantizes x again in 128x1 blocks for wgrad.
+    The same kernels and quantizers otherwise, so the same bits."""
+    q = quantized.quantizer(quant_impl)
+
+    def fwd(x, w):
+        wq, wq_t, sw = q.weight_both(w)
+        y = quantized._fwd_from_codes(x, wq_t, sw, gs, x.dtype, q, schedule)
+        return y, (x, wq, sw, jnp.zeros((0,), w.dtype))
+
+    def bwd(res, dy):
+        x, wq, sw, w_dtype = res
+        dyq, sdy, dyq_c, sdy_c = q.rows_and_columns(quantized.pad_kernel_rows(dy))
+        dx = quantized._dgrad_from_codes(dy, wq, sw, gs, x.dtype, q, (dyq, sdy), schedule)
+        dw = quantized._wgrad(x, dy, gs, w_dtype.dtype, True, q, (dyq_c, sdy_c), schedule)
+        return dx, dw
+
+    f = jax.custom_vjp(lambda x, w: fwd(x, w)[0])
+    f.defvjp(fwd, bwd)
+    return f
 
 
 def products(x, w, gs, dy, schedules=()):
@@ -197,6 +221,8 @@ def products(x, w, gs, dy, schedules=()):
                                  (fwd_ops,)),
         "fwd bf16 kernel": (jax.jit(bf16), (x, w)),
         "fwd+bwd kernel path, auto q": (fwd_bwd(kpath_a), (x, w, dy)),
+        "fwd+bwd kernel path, auto q, x quantized twice": (fwd_bwd(x_quantized_twice(gs)),
+                                                           (x, w, dy)),
         **{f"fwd+bwd kernel path, auto q, {s}": (fwd_bwd(functools.partial(
             quantized.gmm, group_sizes=gs, recipe="te_fp8_blockwise", impl="kernel",
             groups_aligned=True, quant_impl="auto", kernel_schedule=s)), (x, w, dy))
@@ -483,7 +509,8 @@ def main(argv=None):
     if mosaic.is_available():
         flops = 2 * m * k * n
         print(f"\n{"product":<30} {'kernel ms':>10} {'wall ms':>9} {'TF/s kern':>10} {'TF/s wall':>10}")
-        for name, (fn, args) in products(x, w, gs, dy, schedules).items():
+        prods = products(x, w, gs, dy, schedules)
+        for name, (fn, args) in prods.items():
             fl = flops * (3 if "bwd" in name else 1)
             try:
                 kms = cupti_ms(fn, args, a.iters)
@@ -497,6 +524,14 @@ def main(argv=None):
                                    "tflops_wall": fl / wms / 1e9})
             print(f"{name:<30} {kms or float('nan'):>10.3f} {wms:>9.3f} "
                   f"{(kms and fl / kms / 1e9) or float('nan'):>10.0f} {fl / wms / 1e9:>10.0f}")
+        # x's codes kept from the forward against x quantized again in the backward:
+        # y, dx and dw bit for bit.
+        name, base = "fwd+bwd kernel path, auto q, x quantized twice", "fwd+bwd kernel path, auto q"
+        got, want = ((jax.block_until_ready(prods[n_][0](*prods[n_][1]))) for n_ in (name, base))
+        same = all(bool(jnp.array_equal(_bits(u), _bits(v))) for u, v in zip(got, want))
+        record["rows"].append({"section": "check", "name": name, "bitwise_equal_to": base,
+                               "equal": same})
+        print(f"{name} == {base}: {same}")
         path = measure.write_record(record, a.out)  # kept if the breakdown fails
     if mosaic.is_available() and not a.no_breakdown:
         fn, args = products(x, w, gs, dy)["fwd+bwd kernel path, auto q"]

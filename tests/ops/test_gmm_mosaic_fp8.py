@@ -226,7 +226,9 @@ def test_wgrad_tile_orders_lower_for_cuda_at_a_qwen3_shape():
 def test_kernel_impl_value_and_gradients_lower_for_cuda(monkeypatch, quant_impl, aligned, schedule):
     """The whole custom_vjp (quantizers, layouts, three kernels) at a DeepSeek-V3 shape,
     with XLA's quantization and with the Pallas quantizers (Triton calls; with aligned
-    groups the backward quantizes dy in one fused call: 4 Triton calls, else 5), where
+    groups the forward quantizes x and the backward dy each in one call writing both
+    layouts: 3 Triton calls (weight, x, dy), else 5 (weight, x rows, dy rows, x columns
+    and dy columns of the regrouped copies)), where
     and with ``mosaic`` and the default ``auto`` (bf16 operands), which quantize every
     operand in Mosaic GPU calls (no Triton call); and the default path with each
     other kernel schedule."""
@@ -249,7 +251,7 @@ def test_kernel_impl_value_and_gradients_lower_for_cuda(monkeypatch, quant_impl,
         exported = jax.export.export(fn, platforms=["cuda"], disabled_checks=checks)(
             S((m, k), jnp.bfloat16), S((g, k, n), jnp.bfloat16), gs)
     text = exported.mlir_module()
-    quantizers = 0 if quant_impl == "xla" else 4 if aligned else 5
+    quantizers = 0 if quant_impl == "xla" else 3 if aligned else 5
     in_mosaic = {"xla": 0, "pallas": 0, "auto": quantizers, "mosaic": quantizers}[quant_impl]
     assert text.count("stablehlo.custom_call @mosaic_gpu") == 3 + in_mosaic  # + fwd, dgrad, wgrad
     assert text.count("stablehlo.custom_call @__gpu$xla.gpu.triton") == quantizers - in_mosaic
@@ -274,7 +276,9 @@ def test_weight_codes_path_lowers_for_cuda(monkeypatch):
             S((m, k), jnp.bfloat16), S((g, k, n), jnp.bfloat16), S((g,), jnp.int32)).mlir_module()
         return text.count("stablehlo.custom_call @mosaic_gpu")
 
-    assert mosaic_calls(True) == mosaic_calls(False) == 3 + 4  # 3 GEMMs, 4 quantizers
+    # 3 GEMMs and 3 quantizers: the weight's (in weight_codes where given), x's both
+    # layouts, dy's both layouts
+    assert mosaic_calls(True) == mosaic_calls(False) == 3 + 3
 
 
 def test_shape_checks():

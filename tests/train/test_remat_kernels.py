@@ -106,3 +106,39 @@ def test_minimal_keeps_the_fp8_dense_codes():
 
     assert amaxes(remat_lib.checkpoint_policy("minimal")) == 3
     assert amaxes(jax.checkpoint_policies.checkpoint_dots_with_no_batch_dims) == 5
+
+
+def test_minimal_keeps_the_fp8_expert_inputs_codes(monkeypatch):
+    """The FP8 expert kernels under ``minimal``: each GEMM's forward quantizes its input
+    into both layouts in one kernel (1x128 for itself, 128x1 for wgrad), and the kept
+    128x1 codes (``moe_fp8_input_codes``) are what wgrad reads. Per GEMM: the weight's
+    both-layouts pass, x's rows-and-columns pass and the forward kernel; in the backward
+    dy's rows-and-columns pass, dgrad and wgrad: 6 Mosaic GPU kernels, 12 for the layer,
+    and the layer input's ``sin`` runs once. Without the name the backward pass
+    recomputes the input (a second ``sin``, a second SwiGLU) and quantizes both inputs
+    again (14 kernels); without remat it keeps the codes too (12)."""
+    from dropless.ops.gmm import mosaic
+
+    monkeypatch.setattr(mosaic, "is_available", lambda: True)
+    p, d, f, g = 256, 256, 256, 2
+    x = jnp.ones((p, d), jnp.bfloat16)
+    sizes = jnp.full((g,), p // g, jnp.int32)
+    wi, wo = jnp.ones((g, d, 2 * f), jnp.bfloat16), jnp.ones((g, f, d), jnp.bfloat16)
+
+    def layer(x, wi, wo):
+        y = grouped_swiglu(jnp.sin(x), sizes, (wi, wo), backend="mosaic",
+                           quantization="te_fp8_blockwise", fp8_impl="kernel",
+                           fp8_quantizer="mosaic")
+        return y.astype(jnp.float32).sum()
+
+    def counts(policy):
+        fn = layer if policy is None else jax.checkpoint(layer, policy=policy)
+        jaxpr = jax.make_jaxpr(jax.grad(fn, argnums=(0, 1, 2)))(x, wi, wo).jaxpr
+        c = _primitives(jaxpr, Counter())
+        return c["mpmd_map"], c["sin"]
+
+    without_input_codes = jax.checkpoint_policies.save_only_these_names(
+        "moe_mlpwi", "moe_mlpwo", "moe_fp8_weights")
+    assert counts(None) == (12, 1)
+    assert counts(remat_lib.checkpoint_policy("minimal")) == (12, 1)
+    assert counts(without_input_codes) == (14, 2)

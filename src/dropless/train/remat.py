@@ -14,7 +14,10 @@ backward pass), or recomputed from the layer input.
   attention scores. The experts' grouped matmuls are kernels (or
   ``ragged_dot``), not ``dot_general``, which that policy cannot see, so their
   outputs (``moe_mlpwi``, ``moe_mlpwo``), the FP8 kernels' weight codes
-  (``moe_fp8_weights``, one byte per weight) and the FP8 dense products' codes
+  (``moe_fp8_weights``, one byte per weight), their inputs' 128x1 codes for wgrad
+  (``moe_fp8_input_codes``, one byte per element: the backward pass then neither
+  recomputes the dispatched tokens or SwiGLU's output nor quantizes them) and the
+  FP8 dense products' codes
   and scales (``fp8_dot_codes``: their backward's operands, so the backward
   pass neither recomputes a product's inputs nor quantizes them again) are
   kept by name as well. Without
@@ -69,15 +72,18 @@ ACTIVATION_NAMES = (
     "moe_mlpwi",
     "moe_mlpwo",
     "moe_fp8_weights",
+    "moe_fp8_input_codes",
     "fp8_dot_codes",
     "mlpwi",
     "qkv_proj",
 )
 
 # What ``minimal`` keeps beyond the dots: the outputs of the expert matmuls,
-# which run as kernels, the FP8 weight codes those kernels' backward reads, and the
+# which run as kernels, the FP8 weight codes and input codes (128x1, for wgrad) those
+# kernels' backward reads, and the
 # FP8 dense products' codes and scales (``ops.fp8_dot``), their backward's operands.
-_KERNEL_MATMUL_NAMES = ("moe_mlpwi", "moe_mlpwo", "moe_fp8_weights", "fp8_dot_codes")
+_KERNEL_MATMUL_NAMES = ("moe_mlpwi", "moe_mlpwo", "moe_fp8_weights", "moe_fp8_input_codes",
+                        "fp8_dot_codes")
 _ATTENTION_NAMES = ("mla_q", "mla_kv", "query_proj", "key_proj", "value_proj", "out_proj")
 
 

@@ -69,7 +69,8 @@ kernel reads:
 because FP8 wgmma reads both operands K-major; dgrad reuses the forward's
 codes, kept as the backward's residual at one byte per weight; with
 ``groups_aligned`` dgrad and wgrad read the same dy rows, so dy is quantized
-into both of its layouts by one call, ``Quantizer.rows_and_columns``). The
+into both of its layouts by one call, ``Quantizer.rows_and_columns``, and so is x,
+in the forward: its 128x1 codes, not x, are the backward's residual). The
 numerics are the emulation's up to float32 accumulation order and Hopper's
 FP8 accumulation (tested on an H200): the same codes, the same scales.
 Measured on an H200 (``benchmarks/notes/fp8.md``): fwd+dgrad+wgrad at
@@ -440,13 +441,30 @@ def _schedule(name: str, product: str) -> dict:
     return dict(KERNEL_SCHEDULES[name][product == "tgmm"])
 
 
-def _fwd_from_codes(x, wq_t, sw, group_sizes, out_dtype, q: Quantizer, schedule="default"):
+def _fwd_from_codes(x, wq_t, sw, group_sizes, out_dtype, q: Quantizer, schedule="default",
+                    x_rows=None):
+    """y [M, N]; ``x_rows``: x's 1x128 codes and scales when already quantized."""
     from dropless.ops.gmm import mosaic_fp8
 
-    xq, sx = q.rows(pad_kernel_rows(x))
+    xq, sx = x_rows or q.rows(pad_kernel_rows(x))
     y = mosaic_fp8.gmm_fp8_blockwise(xq, sx, wq_t, sw, group_sizes, out_dtype=out_dtype,
                                      **_schedule(schedule, "gmm"))
     return y[:x.shape[0]]
+
+
+def _fwd_keeping_x(x, wq_t, sw, group_sizes, out_dtype, aligned, q: Quantizer, schedule):
+    """(y, x's residual) of the custom_vjp's forward. Where ``aligned``, wgrad reads x's
+    rows as they lie, so x is quantized into both layouts in one read (1x128 codes for
+    this product, 128x1 codes for wgrad; the same bits as two passes) and the residual
+    is the 128x1 codes and scales, named ``moe_fp8_input_codes`` so that a remat policy
+    keeps them (``minimal`` does): the backward pass then neither recomputes x nor
+    quantizes it again, and the residual takes 1 byte per element of x instead of 2.
+    Otherwise (wgrad regroups x first) the residual is x."""
+    if not aligned:
+        return _fwd_from_codes(x, wq_t, sw, group_sizes, out_dtype, q, schedule), x
+    xq, sx, xq_c, sx_c = q.rows_and_columns(pad_kernel_rows(x))
+    y = _fwd_from_codes(x, wq_t, sw, group_sizes, out_dtype, q, schedule, (xq, sx))
+    return y, tuple(checkpoint_name(a, "moe_fp8_input_codes") for a in (xq_c, sx_c))
 
 
 def _dgrad_from_codes(dy, wq, sw, group_sizes, out_dtype, q: Quantizer, dy_rows=None,
@@ -466,14 +484,17 @@ def _fwd(x, w, group_sizes, out_dtype, q: Quantizer, schedule="default"):
 
 
 def _wgrad(x, dy, group_sizes, out_dtype, aligned, q: Quantizer, dy_columns=None,
-           schedule="default"):
-    """dw [G, K, N]; ``dy_columns``: dy's 128x1 codes and scales when already quantized
-    (only where ``aligned``: otherwise wgrad's dy is a regrouped copy)."""
+           schedule="default", x_columns=None):
+    """dw [G, K, N]; ``dy_columns`` / ``x_columns``: dy's / x's 128x1 codes and scales
+    when already quantized (only where ``aligned``: otherwise wgrad's operands are
+    regrouped copies; x may then be None)."""
     from dropless.ops.gmm import mosaic_fp8_tgmm
 
-    x, dy, group_sizes = _wgrad_rows(x, dy, group_sizes, quant.BLOCKWISE_TILE, aligned)
+    if x_columns is None:
+        x, dy, group_sizes = _wgrad_rows(x, dy, group_sizes, quant.BLOCKWISE_TILE, aligned)
+        x_columns = q.columns(pad_kernel_rows(x))
     dy_columns = dy_columns or q.columns(pad_kernel_rows(dy))
-    return mosaic_fp8_tgmm.tgmm_fp8_blockwise(*q.columns(pad_kernel_rows(x)), *dy_columns,
+    return mosaic_fp8_tgmm.tgmm_fp8_blockwise(*x_columns, *dy_columns,
                                                group_sizes, out_dtype=out_dtype,
                                                **_schedule(schedule, "tgmm"))
 
@@ -515,21 +536,23 @@ def _kgmm_fwd(x, w, group_sizes, out_dtype, aligned, q: Quantizer, schedule):
     # Named so a remat policy can keep them (``minimal`` does) instead of quantizing
     # the weight again when the backward pass recomputes the layer.
     wq, wq_t, sw = q.weight_both(w)
-    y = _fwd_from_codes(x, wq_t, sw, group_sizes, out_dtype, q, schedule)
+    y, x_res = _fwd_keeping_x(x, wq_t, sw, group_sizes, out_dtype, aligned, q, schedule)
     wq, sw = checkpoint_name(wq, "moe_fp8_weights"), checkpoint_name(sw, "moe_fp8_weights")
-    return y, (x, wq, sw, group_sizes, jnp.zeros((0,), w.dtype))
+    return y, (x_res, wq, sw, group_sizes, jnp.zeros((0,), w.dtype), jnp.zeros((0,), x.dtype))
 
 
 def _kgmm_bwd(out_dtype, aligned, q: Quantizer, schedule, res, dy):
-    x, wq, sw, group_sizes, w_dtype = res
+    x_res, wq, sw, group_sizes, w_dtype, x_dtype = res
     dy_rows = dy_columns = None
     if aligned:
         # wgrad reads the same dy rows as dgrad (no regrouping): both copies of dy
-        # (1x128 and 128x1) from one read of it, the same bits as two passes.
+        # (1x128 and 128x1) from one read of it, the same bits as two passes; x's
+        # 128x1 codes came from the forward (``_fwd_keeping_x``).
         dyq, sdy, dyq_c, sdy_c = q.rows_and_columns(pad_kernel_rows(dy))
         dy_rows, dy_columns = (dyq, sdy), (dyq_c, sdy_c)
-    dx = _dgrad_from_codes(dy, wq, sw, group_sizes, x.dtype, q, dy_rows, schedule)
-    dw = _wgrad(x, dy, group_sizes, w_dtype.dtype, aligned, q, dy_columns, schedule)
+    x, x_columns = (None, x_res) if aligned else (x_res, None)
+    dx = _dgrad_from_codes(dy, wq, sw, group_sizes, x_dtype.dtype, q, dy_rows, schedule)
+    dw = _wgrad(x, dy, group_sizes, w_dtype.dtype, aligned, q, dy_columns, schedule, x_columns)
     return dx, dw, jnp.zeros(group_sizes.shape, jax.dtypes.float0)
 
 
@@ -564,12 +587,12 @@ def _kgmm_codes_fwd(x, w, wq, wq_t, sw, group_sizes, out_dtype, aligned, q, sche
     # w itself is not read: its codes come in (weight_codes of this very w), and it
     # stays an argument so that dw is its gradient. The codes are inputs, so keeping
     # wq for dgrad costs no memory of its own.
-    y = _fwd_from_codes(x, wq_t, sw, group_sizes, out_dtype, q, schedule)
-    return y, (x, wq, sw, group_sizes, jnp.zeros((0,), w.dtype))
+    y, x_res = _fwd_keeping_x(x, wq_t, sw, group_sizes, out_dtype, aligned, q, schedule)
+    return y, (x_res, wq, sw, group_sizes, jnp.zeros((0,), w.dtype), jnp.zeros((0,), x.dtype))
 
 
 def _kgmm_codes_bwd(out_dtype, aligned, q, schedule, res, dy):
-    _, wq, sw, _, _ = res
+    _, wq, sw, _, _, _ = res
     dx, dw, dgs = _kgmm_bwd(out_dtype, aligned, q, schedule, res, dy)
     # The codes are constants of the step: zero cotangents (dead code under jit).
     g, k, n = wq.shape

@@ -1,0 +1,40 @@
+"""fp8_quant.py's ``x_quantized_twice``, the baseline its product rows time x's kept
+codes against: the kernel path as it was (x quantized 1x128 in the forward, 128x1 again
+in the backward) gives ``quantized.gmm``'s value, dx and dw bit for bit. The FP8 kernels
+are their float32 references here, with XLA's quantizers (the GPU run checks the same
+with the hardware's kernels and prints it as a ``check`` row)."""
+
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from dropless.ops.gmm import mosaic, mosaic_fp8, mosaic_fp8_tgmm, quantized
+from dropless.perf.bench import load_module
+
+REPO = Path(__file__).parents[2]
+
+
+def test_x_quantized_twice_gives_the_kept_codes_bits(monkeypatch):
+    monkeypatch.setattr(mosaic, "is_available", lambda: True)
+    monkeypatch.setattr(mosaic_fp8, "gmm_fp8_blockwise",
+                        lambda *ops, out_dtype, **kw: mosaic_fp8.reference(*ops, out_dtype=out_dtype))
+    monkeypatch.setattr(mosaic_fp8_tgmm, "tgmm_fp8_blockwise",
+                        lambda *ops, out_dtype, **kw: mosaic_fp8_tgmm.reference(*ops, out_dtype=out_dtype))
+    fq = load_module("fp8_quant", REPO / "benchmarks")
+    rng = np.random.default_rng(7)
+    gs = jnp.asarray([128, 0, 256], jnp.int32)
+    x, w, dy = (jnp.asarray(rng.standard_normal(s), jnp.bfloat16)
+                for s in ((384, 256), (3, 256, 256), (384, 256)))
+
+    def fwd_bwd(f):
+        y, vjp = jax.vjp(f, x, w)
+        return [np.asarray(v).view(np.uint16) for v in (y, *vjp(dy))]
+
+    kept = fwd_bwd(lambda x, w: quantized.gmm(x, w, gs, recipe="te_fp8_blockwise", impl="kernel",
+                                              groups_aligned=True, quant_impl="xla"))
+    twice = fwd_bwd(fq.x_quantized_twice(gs, quant_impl="xla"))
+    for a, b in zip(kept, twice):
+        np.testing.assert_array_equal(a, b)
+    assert len(kept) == 3 and np.any(kept[2])
