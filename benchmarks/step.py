@@ -42,6 +42,8 @@ only that attempt):
             ``gmm_fp8_kernel_schedule=p96_32_unfenced`` (a 96- and a 32-column wgmma)
   ours_fp8_xhalves  ``ours_fp8_blockwise`` with
             ``gmm_fp8_kernel_schedule=xhalves_unfenced`` (the halves across steps)
+  ours_fp8_narrow  ``ours_fp8_blockwise`` with ``gmm_fp8_kernel_schedule=narrow``: the
+            kernels' 128x128 CTA tiles by name, whatever the default
   ours_fp8_o192, ours_fp8_n160, ours_fp8_n192, ours_fp8_o192_n160, ours_fp8_o192_n192
             ``ours_fp8_blockwise`` with ``gmm_fp8_kernel_schedule=wide_...``: the
             forward and dgrad with 128x192 CTA tiles (o192), the wgrad with 128x160 or
@@ -115,7 +117,7 @@ import time
 CASES = ("xla", "capacity", "ours", "ours_fp8", "ours_fp8_blockwise")
 QWEN3_CASE = "qwen3-moe-proxy"  # ``ours`` on the Qwen3-MoE proxy instead of the DeepSeek one
 MIXTRAL_CASE = "mixtral-proxy"  # ``ours`` on the Mixtral proxy
-EXTRA_CASES = ("ours_fp8_all", "ours_fp8_halves", "ours_fp8_p96_32", "ours_fp8_xhalves",
+EXTRA_CASES = ("ours_fp8_all", "ours_fp8_narrow", "ours_fp8_halves", "ours_fp8_p96_32", "ours_fp8_xhalves",
                "ours_fp8_o192", "ours_fp8_n160", "ours_fp8_n192", "ours_fp8_o192_n160",
                "ours_fp8_o192_n192", "ours_fp8_swiglu", "ours_fp8_wq_once", "ours_fp8e", "ours_fp8k", "ours_fp8kp",
                "ours_fp8km", "ours_fp8kp_head", "ours_gfp8kp", "ours_mla_unpadded",
@@ -144,6 +146,7 @@ CASE_OVERRIDES = {
     "ours_fp8_halves": [*FP8_BLOCKWISE, "gmm_fp8_kernel_schedule=halves_unfenced"],
     "ours_fp8_p96_32": [*FP8_BLOCKWISE, "gmm_fp8_kernel_schedule=p96_32_unfenced"],
     "ours_fp8_xhalves": [*FP8_BLOCKWISE, "gmm_fp8_kernel_schedule=xhalves_unfenced"],
+    "ours_fp8_narrow": [*FP8_BLOCKWISE, "gmm_fp8_kernel_schedule=narrow"],
     "ours_fp8_o192": [*FP8_BLOCKWISE, "gmm_fp8_kernel_schedule=wide_o192"],
     "ours_fp8_n160": [*FP8_BLOCKWISE, "gmm_fp8_kernel_schedule=wide_n160"],
     "ours_fp8_n192": [*FP8_BLOCKWISE, "gmm_fp8_kernel_schedule=wide_n192"],

@@ -787,7 +787,8 @@ def test_kernel_impl_matches_emulation_in_value_and_gradients(rng):
 def test_kernel_schedules_reach_the_kernels(rng, monkeypatch, aligned):
     """``quantized.gmm(kernel_schedule=...)`` hands each kernel its schedule's keyword
     arguments (``KERNEL_SCHEDULES``: the forward and dgrad one set, the wgrad the other)
-    and nothing under ``default``, through the custom_vjp's forward and backward. The
+    and nothing under ``narrow`` (today's ``default``), through the custom_vjp's forward
+    and backward. The
     kernels are replaced by their float32 references, which ignore schedules, so the
     values must be equal too; an unknown schedule is refused on every path."""
     monkeypatch.setattr(mosaic, "is_available", lambda: True)
@@ -813,8 +814,11 @@ def test_kernel_schedules_reach_the_kernels(rng, monkeypatch, aligned):
         y, vjp = jax.vjp(f, x, w)
         return [np.asarray(v, np.float32) for v in (y, *vjp(dy))]
 
-    want = run("default")
+    want = run("narrow")
     assert seen == [("gmm", {}), ("gmm", {}), ("tgmm", {})]
+    assert quantized.KERNEL_SCHEDULES["default"] == quantized.KERNEL_SCHEDULES["narrow"]
+    assert [dict(kw) for kw in quantized.KERNEL_SCHEDULES["wide_o192_n160"]] == [
+        {"block_o": 192}, {"overlap": False, "block_n": 160}]
     seen.clear()
     for got, ref in zip(run("halves_unfenced"), want):
         np.testing.assert_array_equal(got, ref)
