@@ -77,6 +77,22 @@ def rng():
 
 
 @pytest.fixture
+def fp8_kernels_as_references(monkeypatch):
+    """The FP8 grouped-GEMM kernels (``mosaic_fp8.gmm_fp8_blockwise``,
+    ``mosaic_fp8_tgmm.tgmm_fp8_blockwise``) replaced by their float32 references, the
+    products of the same codes and scales, whatever the schedule's keyword arguments, and
+    ``mosaic.is_available`` true: on a CPU host the kernel path then runs everything
+    around the kernels (the quantizers, the custom VJPs, the model) for real."""
+    from dropless.ops.gmm import mosaic, mosaic_fp8, mosaic_fp8_tgmm
+
+    monkeypatch.setattr(mosaic, "is_available", lambda: True)
+    monkeypatch.setattr(mosaic_fp8, "gmm_fp8_blockwise",
+                        lambda *ops, out_dtype, **kw: mosaic_fp8.reference(*ops, out_dtype=out_dtype))
+    monkeypatch.setattr(mosaic_fp8_tgmm, "tgmm_fp8_blockwise",
+                        lambda *ops, out_dtype, **kw: mosaic_fp8_tgmm.reference(*ops, out_dtype=out_dtype))
+
+
+@pytest.fixture
 def fake_nvml():
     """The class of a fake ``perf.clocks`` reader (``read``, ``rated``, ``close``,
     ``reason_bits``): each reading moves the SM clock by ``step`` MHz, then returns it

@@ -837,18 +837,14 @@ def test_kernel_schedules_reach_the_kernels(rng, monkeypatch, aligned):
 
 
 @pytest.mark.parametrize("aligned", [True, False])
-def test_weight_codes_given_equal_the_weight_quantized_inside(rng, monkeypatch, aligned):
+def test_weight_codes_given_equal_the_weight_quantized_inside(rng, monkeypatch,
+                                                               fp8_kernels_as_references, aligned):
     """``quantized.gmm(w_codes=weight_codes(w))`` (the codes made once per optimizer
     step under gradient accumulation) gives the value, dx and dw of ``gmm`` quantizing w
     itself, bit for bit, and quantizes no weight inside; the kernels are their float32
     references here (the hardware's bits: ``test_gpu_weight_codes_give_the_same_bits``).
     A stack [L, G, K, N] quantized at once gives each layer's own codes; codes of the
     wrong shapes are refused."""
-    monkeypatch.setattr(mosaic, "is_available", lambda: True)
-    monkeypatch.setattr(mosaic_fp8, "gmm_fp8_blockwise",
-                        lambda *ops, out_dtype, **kw: mosaic_fp8.reference(*ops, out_dtype=out_dtype))
-    monkeypatch.setattr(mosaic_fp8_tgmm, "tgmm_fp8_blockwise",
-                        lambda *ops, out_dtype, **kw: mosaic_fp8_tgmm.reference(*ops, out_dtype=out_dtype))
     gs = jnp.asarray([128, 0, 256] if aligned else [100, 0, 284], jnp.int32)
     x, dy = (jnp.asarray(rng.standard_normal(s), jnp.bfloat16) for s in ((384, 256), (384, 512)))
     stack = jnp.asarray(rng.standard_normal((2, 3, 256, 512)), jnp.bfloat16)

@@ -21,7 +21,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from dropless.ops.gmm import fp8_quant_mgpu, mosaic, mosaic_fp8, mosaic_fp8_tgmm, quantized
+from dropless.ops.gmm import fp8_quant_mgpu, mosaic, quantized
 from mgpu_testing import interpret as _interpret, races_found as _races_found
 from mgpu_testing import same_bits as _same_bits
 
@@ -86,16 +86,6 @@ def test_swiglu_quantizers_lower_for_cuda(shape, layout):
         jax.eval_shape(fused, S((256, 384), jnp.bfloat16))
 
 
-def _fake_kernels(monkeypatch):
-    """The FP8 GEMM kernels replaced by their float32 references (interpret mode runs
-    the real ones far too slowly at these shapes); the quantizers stay real."""
-    monkeypatch.setattr(mosaic, "is_available", lambda: True)
-    monkeypatch.setattr(mosaic_fp8, "gmm_fp8_blockwise",
-                        lambda *ops, out_dtype, **kw: mosaic_fp8.reference(*ops, out_dtype=out_dtype))
-    monkeypatch.setattr(mosaic_fp8_tgmm, "tgmm_fp8_blockwise",
-                        lambda *ops, out_dtype, **kw: mosaic_fp8_tgmm.reference(*ops, out_dtype=out_dtype))
-
-
 def _value_and_grads(gu, w, dy, gs, **kw):
     y, vjp = jax.vjp(lambda gu, w: quantized.gmm(gu, w, gs, recipe="te_fp8_blockwise",
                                                  groups_aligned=True, **kw), gu, w)
@@ -111,13 +101,15 @@ def _unfused(gu, w, dy, gs, **kw):
 
 @pytest.mark.parametrize("quant_impl", ["xla", "mosaic", "auto"])
 @pytest.mark.parametrize("codes", [False, True])
-def test_fused_path_equals_the_unfused_kernel_path(rng, monkeypatch, quant_impl, codes):
+def test_fused_path_equals_the_unfused_kernel_path(rng, monkeypatch, fp8_kernels_as_references,
+                                                   quant_impl, codes):
     """``gmm(gu, w, prologue="swiglu", impl="kernel")`` with aligned groups (an empty
     one) and M not a multiple of 128: value, d gu and dw equal the unfused kernel path
     on ``swiglu(gu)`` bit for bit, with each quantizer (Mosaic GPU's fused passes
     interpreted) and with the weight's codes given; the fused path reads gu in the
-    Mosaic GPU swiglu kernels (rows forward, columns backward), not h."""
-    _fake_kernels(monkeypatch)
+    Mosaic GPU swiglu kernels (rows forward, columns backward), not h. (The FP8 GEMM
+    kernels are their float32 references: interpret mode runs the real ones far too
+    slowly at these shapes; the quantizers stay real.)"""
     gs = jnp.asarray([128, 0, 256], jnp.int32)
     m, c, n = 400, 256, 256
     gu = _gate_up(rng, m, c)
@@ -149,12 +141,12 @@ def test_fused_path_equals_the_unfused_kernel_path(rng, monkeypatch, quant_impl,
 
 @pytest.mark.parametrize("recipe,impl", [("te_no_quant", "auto"), ("te_fp8_blockwise", "emulate"),
                                          ("te_fp8_blockwise", "kernel")])
-def test_unfused_paths_are_xla_swiglu_exactly(rng, monkeypatch, recipe, impl):
+def test_unfused_paths_are_xla_swiglu_exactly(rng, request, recipe, impl):
     """Where the kernels do not run (bf16, the emulation) or the groups are not aligned
     (the kernel path regroups its rows), ``prologue="swiglu"`` is exactly ``gmm`` of
     ``jax.nn.silu(gate) * up``: value and gradients, bit for bit."""
     if impl == "kernel":  # elsewhere the bf16 path must not think Mosaic GPU is here
-        _fake_kernels(monkeypatch)
+        request.getfixturevalue("fp8_kernels_as_references")
     gs = jnp.asarray([100, 0, 156], jnp.int32)
     gu = jnp.asarray(rng.standard_normal((256, 512)), jnp.bfloat16)
     w = jnp.asarray(rng.standard_normal((3, 256, 256)) / 16, jnp.bfloat16)

@@ -10,18 +10,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from dropless.ops.gmm import mosaic, mosaic_fp8, mosaic_fp8_tgmm, quantized
+from dropless.ops.gmm import quantized
 from dropless.perf.bench import load_module
 
 REPO = Path(__file__).parents[2]
 
 
-def test_x_quantized_twice_gives_the_kept_codes_bits(monkeypatch):
-    monkeypatch.setattr(mosaic, "is_available", lambda: True)
-    monkeypatch.setattr(mosaic_fp8, "gmm_fp8_blockwise",
-                        lambda *ops, out_dtype, **kw: mosaic_fp8.reference(*ops, out_dtype=out_dtype))
-    monkeypatch.setattr(mosaic_fp8_tgmm, "tgmm_fp8_blockwise",
-                        lambda *ops, out_dtype, **kw: mosaic_fp8_tgmm.reference(*ops, out_dtype=out_dtype))
+def test_x_quantized_twice_gives_the_kept_codes_bits(fp8_kernels_as_references):
     fq = load_module("fp8_quant", REPO / "benchmarks")
     rng = np.random.default_rng(7)
     gs = jnp.asarray([128, 0, 256], jnp.int32)

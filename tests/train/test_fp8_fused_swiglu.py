@@ -16,18 +16,14 @@ import optax
 import pytest
 
 from dropless.config.sections import DataConfig
-from dropless.ops.gmm import mosaic, mosaic_fp8, mosaic_fp8_tgmm, quantized
+from dropless.ops.gmm import quantized
 from dropless.train import data as data_lib
 from dropless.train import step as step_lib
 
 
 @pytest.mark.parametrize("fused,once", [(False, False), (True, False), (True, True)])
-def test_fused_swiglu_reaches_each_moe_layer(small_model, monkeypatch, fused, once):
-    monkeypatch.setattr(mosaic, "is_available", lambda: True)
-    monkeypatch.setattr(mosaic_fp8, "gmm_fp8_blockwise",
-                        lambda *ops, out_dtype, **kw: mosaic_fp8.reference(*ops, out_dtype=out_dtype))
-    monkeypatch.setattr(mosaic_fp8_tgmm, "tgmm_fp8_blockwise",
-                        lambda *ops, out_dtype, **kw: mosaic_fp8_tgmm.reference(*ops, out_dtype=out_dtype))
+def test_fused_swiglu_reaches_each_moe_layer(small_model, monkeypatch, fp8_kernels_as_references,
+                                             fused, once):
     layouts = []
     real = quantized._swiglu_codes
     monkeypatch.setattr(quantized, "_swiglu_codes",

@@ -24,19 +24,14 @@ import optax
 import pytest
 
 from dropless.config.sections import DataConfig
-from dropless.ops.gmm import mosaic, mosaic_fp8, mosaic_fp8_tgmm, quantized
+from dropless.ops.gmm import quantized
 from dropless.train import data as data_lib
 from dropless.train import step as step_lib
 
 
 @pytest.fixture
-def kernels_as_references(monkeypatch):
+def kernels_as_references(monkeypatch, fp8_kernels_as_references):
     """The FP8 kernels as their float32 references, and a count of weight quantizations."""
-    monkeypatch.setattr(mosaic, "is_available", lambda: True)
-    monkeypatch.setattr(mosaic_fp8, "gmm_fp8_blockwise",
-                        lambda *ops, out_dtype, **kw: mosaic_fp8.reference(*ops, out_dtype=out_dtype))
-    monkeypatch.setattr(mosaic_fp8_tgmm, "tgmm_fp8_blockwise",
-                        lambda *ops, out_dtype, **kw: mosaic_fp8_tgmm.reference(*ops, out_dtype=out_dtype))
     calls = []
     real = quantized.quantizer("xla")
 
