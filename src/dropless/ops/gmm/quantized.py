@@ -158,6 +158,7 @@ QUANT_IMPLS = ("auto", "xla", "pallas", "mosaic")
 #   wide_o192_n192   ``wide_o192``'s forward and dgrad with ``wide_n192``'s wgrad.
 _WIDE_O192 = (("block_o", 192),)
 _WIDE_N160 = (("overlap", False), ("block_n", 160))
+_WIDE_N192 = (("overlap", False), ("block_n", 192))
 KERNEL_SCHEDULES = {
     "default": ((), ()),
     "narrow": ((), ()),
@@ -169,9 +170,9 @@ KERNEL_SCHEDULES = {
                          (("overlap", False), ("parts", 2))),
     "wide_o192": (_WIDE_O192, ()),
     "wide_n160": ((), _WIDE_N160),
-    "wide_n192": ((), (("overlap", False), ("block_n", 192))),
+    "wide_n192": ((), _WIDE_N192),
     "wide_o192_n160": (_WIDE_O192, _WIDE_N160),
-    "wide_o192_n192": (_WIDE_O192, (("overlap", False), ("block_n", 192))),
+    "wide_o192_n192": (_WIDE_O192, _WIDE_N192),
 }
 _KERNEL_DIM = 256  # K and N: the kernels' CTA tiles are 256 wide along O, 128 along C
 _ALIGNMENT = {"te_no_quant": 1, "te_fp8_blockwise": quant.BLOCKWISE_TILE, "te_mxfp8": quant.MX_BLOCK}
