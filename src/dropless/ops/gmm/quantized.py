@@ -495,20 +495,24 @@ def _fwd(x, w, group_sizes, out_dtype, q: Quantizer, schedule="default"):
     return _fwd_from_codes(x, wq_t, sw, group_sizes, out_dtype, q, schedule)
 
 
-def _wgrad(x, dy, group_sizes, out_dtype, aligned, q: Quantizer, dy_columns=None,
-           schedule="default", x_columns=None):
-    """dw [G, K, N]; ``dy_columns`` / ``x_columns``: dy's / x's 128x1 codes and scales
-    when already quantized (only where ``aligned``: otherwise wgrad's operands are
-    regrouped copies; x may then be None)."""
+def _wgrad_from_codes(x_columns, dy_columns, group_sizes, out_dtype, schedule="default"):
+    """dw [G, K, N] from x's and dy's 128x1 codes and scales (rows grouped as
+    ``group_sizes`` says, every group a multiple of 128 rows)."""
     from dropless.ops.gmm import mosaic_fp8_tgmm
 
-    if x_columns is None:
-        x, dy, group_sizes = _wgrad_rows(x, dy, group_sizes, quant.BLOCKWISE_TILE, aligned)
-        x_columns = q.columns(pad_kernel_rows(x))
+    return mosaic_fp8_tgmm.tgmm_fp8_blockwise(*x_columns, *dy_columns, group_sizes,
+                                               out_dtype=out_dtype, **_schedule(schedule, "tgmm"))
+
+
+def _wgrad(x, dy, group_sizes, out_dtype, aligned, q: Quantizer, dy_columns=None,
+           schedule="default"):
+    """dw [G, K, N] from x and dy, regrouped first unless ``aligned``; ``dy_columns``:
+    dy's 128x1 codes and scales when already quantized (only where ``aligned``:
+    otherwise wgrad's dy is a regrouped copy)."""
+    x, dy, group_sizes = _wgrad_rows(x, dy, group_sizes, quant.BLOCKWISE_TILE, aligned)
+    x_columns = q.columns(pad_kernel_rows(x))
     dy_columns = dy_columns or q.columns(pad_kernel_rows(dy))
-    return mosaic_fp8_tgmm.tgmm_fp8_blockwise(*x_columns, *dy_columns,
-                                               group_sizes, out_dtype=out_dtype,
-                                               **_schedule(schedule, "tgmm"))
+    return _wgrad_from_codes(x_columns, dy_columns, group_sizes, out_dtype, schedule)
 
 
 def kernel_fwd(x, w, group_sizes, out_dtype, quant_impl="xla"):
@@ -562,9 +566,11 @@ def _kgmm_bwd(out_dtype, aligned, q: Quantizer, schedule, res, dy):
         # 128x1 codes came from the forward (``_fwd_keeping_x``).
         dyq, sdy, dyq_c, sdy_c = q.rows_and_columns(pad_kernel_rows(dy))
         dy_rows, dy_columns = (dyq, sdy), (dyq_c, sdy_c)
-    x, x_columns = (None, x_res) if aligned else (x_res, None)
     dx = _dgrad_from_codes(dy, wq, sw, group_sizes, x_dtype.dtype, q, dy_rows, schedule)
-    dw = _wgrad(x, dy, group_sizes, w_dtype.dtype, aligned, q, dy_columns, schedule, x_columns)
+    if aligned:  # x_res: x's 128x1 codes and scales
+        dw = _wgrad_from_codes(x_res, dy_columns, group_sizes, w_dtype.dtype, schedule)
+    else:  # x_res: x
+        dw = _wgrad(x_res, dy, group_sizes, w_dtype.dtype, aligned, q, schedule=schedule)
     return dx, dw, jnp.zeros(group_sizes.shape, jax.dtypes.float0)
 
 
@@ -659,14 +665,11 @@ def _kgmm_swiglu_fwd(gu, w, codes, group_sizes, out_dtype, q: Quantizer, schedul
 
 
 def _kgmm_swiglu_bwd(out_dtype, q: Quantizer, schedule, res, dy):
-    from dropless.ops.gmm import mosaic_fp8_tgmm
-
     gu, wq, sw, group_sizes, w_dtype, codes = res
     dyq, sdy, dyq_c, sdy_c = q.rows_and_columns(pad_kernel_rows(dy))
     dh = _dgrad_from_codes(dy, wq, sw, group_sizes, gu.dtype, q, (dyq, sdy), schedule)
-    dw = mosaic_fp8_tgmm.tgmm_fp8_blockwise(*_swiglu_codes(q, gu, "columns"), dyq_c, sdy_c,
-                                            group_sizes, out_dtype=w_dtype.dtype,
-                                            **_schedule(schedule, "tgmm"))
+    dw = _wgrad_from_codes(_swiglu_codes(q, gu, "columns"), (dyq_c, sdy_c), group_sizes,
+                           w_dtype.dtype, schedule)
     # The codes are constants of the step: zero cotangents (dead code under jit).
     dcodes = None if codes is None else tuple(jnp.zeros_like(c) for c in codes)
     return (_swiglu_vjp(gu, dh), dw, dcodes, jnp.zeros(group_sizes.shape, jax.dtypes.float0))
