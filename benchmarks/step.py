@@ -43,7 +43,7 @@ only that attempt):
   ours_fp8_xhalves  ``ours_fp8_blockwise`` with
             ``gmm_fp8_kernel_schedule=xhalves_unfenced`` (the halves across steps)
   ours_fp8_narrow  ``ours_fp8_blockwise`` with ``gmm_fp8_kernel_schedule=narrow``: the
-            kernels' 128x128 CTA tiles by name, whatever the default
+            kernels' 128x128 CTA tiles (the default is ``wide_o192_n160``)
   ours_fp8_o192, ours_fp8_n160, ours_fp8_n192, ours_fp8_o192_n160, ours_fp8_o192_n192
             ``ours_fp8_blockwise`` with ``gmm_fp8_kernel_schedule=wide_...``: the
             forward and dgrad with 128x192 CTA tiles (o192), the wgrad with 128x160 or

@@ -787,8 +787,8 @@ def test_kernel_impl_matches_emulation_in_value_and_gradients(rng):
 def test_kernel_schedules_reach_the_kernels(rng, monkeypatch, aligned):
     """``quantized.gmm(kernel_schedule=...)`` hands each kernel its schedule's keyword
     arguments (``KERNEL_SCHEDULES``: the forward and dgrad one set, the wgrad the other)
-    and nothing under ``narrow`` (today's ``default``), through the custom_vjp's forward
-    and backward. The
+    and nothing under ``narrow``; ``default`` is ``wide_o192_n160``; through the
+    custom_vjp's forward and backward. The
     kernels are replaced by their float32 references, which ignore schedules, so the
     values must be equal too; an unknown schedule is refused on every path."""
     monkeypatch.setattr(mosaic, "is_available", lambda: True)
@@ -816,7 +816,9 @@ def test_kernel_schedules_reach_the_kernels(rng, monkeypatch, aligned):
 
     want = run("narrow")
     assert seen == [("gmm", {}), ("gmm", {}), ("tgmm", {})]
-    assert quantized.KERNEL_SCHEDULES["default"] == quantized.KERNEL_SCHEDULES["narrow"]
+    assert quantized.DEFAULT_KERNEL_SCHEDULE == "wide_o192_n160"
+    assert (quantized.KERNEL_SCHEDULES["default"]
+            == quantized.KERNEL_SCHEDULES[quantized.DEFAULT_KERNEL_SCHEDULE])
     assert [dict(kw) for kw in quantized.KERNEL_SCHEDULES["wide_o192_n160"]] == [
         {"block_o": 192}, {"overlap": False, "block_n": 160}]
     seen.clear()
@@ -884,14 +886,15 @@ def test_weight_codes_given_equal_the_weight_quantized_inside(rng, monkeypatch,
 
 
 def test_kernel_schedule_is_named_where_it_runs_and_where_it_cannot(caplog):
-    """A schedule other than ``default`` is named in the kernels' log line, and where
-    the emulation runs instead, a warning says it has no effect (no silent downgrade)."""
+    """The kernels' log line names the schedule they run (``default`` by the one it
+    stands for), and where the emulation runs instead, a warning says a schedule asked
+    for has no effect (no silent downgrade)."""
     x, w = jnp.ones((256, 256), jnp.bfloat16), jnp.ones((2, 256, 256), jnp.bfloat16)
     gs = jnp.array([128, 128], jnp.int32)
     quantized._say_once.cache_clear()
-    def trace(impl):
+    def trace(impl, schedule="halves_unfenced"):
         jax.eval_shape(lambda x, w: quantized.gmm(x, w, gs, recipe="te_fp8_blockwise", impl=impl,
-                                                  kernel_schedule="halves_unfenced"), x, w)
+                                                  kernel_schedule=schedule), x, w)
 
     with caplog.at_level("WARNING", logger=quantized._log.name):
         trace("emulate")
@@ -902,6 +905,11 @@ def test_kernel_schedule_is_named_where_it_runs_and_where_it_cannot(caplog):
     assert ("gmm_fp8_kernel_schedule=halves_unfenced has no effect: the FP8 kernels do not "
             "run here") in text
     assert "impl=kernel: fwd, dgrad and wgrad" in text and "kernel schedule halves_unfenced" in text
+    with caplog.at_level("WARNING", logger=quantized._log.name):
+        with _interpret():
+            trace("kernel", "default")
+    quantized._say_once.cache_clear()
+    assert "kernel schedule wide_o192_n160, the default" in caplog.text
 
 
 def test_kernel_impl_errors():

@@ -137,12 +137,12 @@ def test_fp8_sections(tmp_path):
     d.mkdir()
     kernels = {"kind": "fp8_kernels", "created": "2026-12-01T19:49:27+00:00", **PROV,
                "config": {"M": 65536, "G": 32, "K": 7168, "N": 4096, "layout": "balanced"},
-               "rows": [{"variant": "rows_gtw8", "product": "fwd", "kernel_ms": 3.0, "wall_ms": 3.2,
+               "rows": [{"variant": "rows_gtw8_o192", "product": "fwd", "kernel_ms": 3.0, "wall_ms": 3.2,
                          "tflops_kernel": 1300.0, "tflops_wall": 1200.0},
-                        {"variant": "wgrad_rows_overlap_sorted_chain", "product": "wgrad", "kernel_ms": 5.4,
+                        {"variant": "wgrad_rows_n160_sorted_chain", "product": "wgrad", "kernel_ms": 5.4,
                          "wall_ms": 5.7, "tflops_kernel": 711.0, "tflops_wall": 674.0},
                         {"variant": "wgrad_rows", "product": "wgrad",
-                         "bitwise_equal_to": "wgrad_rows_overlap_sorted_chain", "equal": True}]}
+                         "bitwise_equal_to": "wgrad_rows_n160_sorted_chain", "equal": True}]}
     quant = {"kind": "fp8_quant", "created": "2026-12-01T19:50:00+00:00", **PROV,
              "rows": [{"section": "pass", "name": "copy", "kernel_ms": 0.5, "wall_ms": 0.6,
                        "gbps_kernel": 3000.0},
@@ -157,15 +157,15 @@ def test_fp8_sections(tmp_path):
     (d / "k.json").write_text(json.dumps(kernels))
     (d / "q.json").write_text(json.dumps(quant))
     text = report.render(d, tmp_path / "R.md", log=lambda _: None).read_text()
-    assert "| rows_gtw8 | fwd | 3.000 | 3.200 | 1300 | 1200 | 1250: met |" in text
-    assert "| wgrad_rows_overlap_sorted_chain | wgrad | 5.400 | 5.700 | 711 | 674 | 1100: **not met** |" in text
-    assert "wgrad wgrad_rows == wgrad_rows_overlap_sorted_chain: True" in text
+    assert "| rows_gtw8_o192 | fwd | 3.000 | 3.200 | 1300 | 1200 | 1250: met |" in text
+    assert "| wgrad_rows_n160_sorted_chain | wgrad | 5.400 | 5.700 | 711 | 674 | 1100: **not met** |" in text
+    assert "wgrad wgrad_rows == wgrad_rows_n160_sorted_chain: True" in text
     assert "| rows | 1.000 | 1.100 | 1,500 | 0.50x |" in text
     assert "| fwd+bwd kernel path | 20.000 | 21.000 | 600 | 0.80x |" in text
     assert ("- FP8 fwd+dgrad+wgrad with quantization 20.0 ms = 0.80x bf16's 16.0 ms "
             "(kernels alone 10.0 ms = 1.60x)") in text
-    assert ("- FP8 kernels alone (CUPTI, default variants): fwd rows_gtw8 1300 TF/s (target 1250), "
-            "wgrad wgrad_rows_overlap_sorted_chain 711 TF/s (target 1100)") in text
+    assert ("- FP8 kernels alone (CUPTI, default variants): fwd rows_gtw8_o192 1300 TF/s (target 1250), "
+            "wgrad wgrad_rows_n160_sorted_chain 711 TF/s (target 1100)") in text
     # With the Pallas quantizers' row, the headline leads with it (the default path).
     quant["rows"].append({"section": "product", "name": "fwd+bwd kernel path, pallas q",
                           "kernel_ms": 12.8, "wall_ms": 13.5, "tflops_kernel": 900.0})
@@ -197,14 +197,14 @@ def test_fp8_kernels_wgrad_sweep_keeps_the_products_record(tmp_path):
     d = tmp_path / "r"
     d.mkdir()
     products = fp8_kernels_record("2026-12-01T19:49:27+00:00", [
-        ("rows_gtw8", "fwd", 1136.0), ("rows_gtw8", "dgrad", 1104.0),
+        ("rows_gtw8_o192", "fwd", 1136.0), ("rows_gtw8_o192", "dgrad", 1104.0),
         ("cols_gtw1", "fwd", 1200.0), ("cols_gtw1", "dgrad", 796.0),
         ("wgrad_columns", "wgrad", 711.0), ("wgrad_rows", "wgrad", 702.0)])
     sweep = fp8_kernels_record("2026-12-02T10:45:20+00:00", [
         ("wgrad_columns", "wgrad", 712.0), ("wgrad_columns_bf16", "wgrad", 753.0),
-        ("wgrad_rows_overlap_sorted_chain", "wgrad", 732.0), ("wgrad_rows_overlap_sorted_chain_bf16", "wgrad", 791.0),
+        ("wgrad_rows_n160_sorted_chain", "wgrad", 732.0), ("wgrad_rows_n160_sorted_chain_bf16", "wgrad", 791.0),
         ("wgrad_rows_bf16", "wgrad", 745.0)])
-    sweep["rows"].append({"variant": "wgrad_rows_overlap_sorted_chain", "product": "wgrad",
+    sweep["rows"].append({"variant": "wgrad_rows_n160_sorted_chain", "product": "wgrad",
                           "bitwise_equal_to": "wgrad_columns", "equal": True})
     (d / "fp8_kernels-products.json").write_text(json.dumps(products))
     (d / "fp8_kernels-sweep.json").write_text(json.dumps(sweep))
@@ -213,17 +213,17 @@ def test_fp8_kernels_wgrad_sweep_keeps_the_products_record(tmp_path):
         "fp8_kernels:products": "fp8_kernels-products.json",
         "fp8_kernels:wgrad sweep": "fp8_kernels-sweep.json"}
     text = report.render(d, tmp_path / "R.md", log=lambda _: None).read_text()
-    assert ("- FP8 kernels alone (CUPTI, default variants): fwd rows_gtw8 1136 TF/s (target 1250), "
-            "dgrad rows_gtw8 1104 TF/s (target 1250), wgrad wgrad_columns 711 TF/s (target 1100; "
-            "the best timed, the default wgrad_rows_overlap_sorted_chain was not)") in text
-    assert ("- FP8 wgrad variant sweep (CUPTI): default wgrad_rows_overlap_sorted_chain 732 TF/s, bf16 output, "
-            "as trained wgrad_rows_overlap_sorted_chain_bf16 791 TF/s (target 1100)") in text
+    assert ("- FP8 kernels alone (CUPTI, default variants): fwd rows_gtw8_o192 1136 TF/s (target 1250), "
+            "dgrad rows_gtw8_o192 1104 TF/s (target 1250), wgrad wgrad_columns 711 TF/s (target 1100; "
+            "the best timed, the default wgrad_rows_n160_sorted_chain was not)") in text
+    assert ("- FP8 wgrad variant sweep (CUPTI): default wgrad_rows_n160_sorted_chain 732 TF/s, bf16 output, "
+            "as trained wgrad_rows_n160_sorted_chain_bf16 791 TF/s (target 1100)") in text
     section = text[text.index("## FP8 grouped GEMM kernels"):]
     sweep_at = section.index("### wgrad variant sweep")
     assert "| cols_gtw1 | fwd | 1.000 | 1.100 | 1200 | 1150 | 1250: **not met** |" in section[:sweep_at]
     assert "`fp8_kernels-products.json`" in section[:sweep_at]
-    assert "| wgrad_rows_overlap_sorted_chain_bf16 | wgrad | 1.000 | 1.100 | 791 | 741 |" in section[sweep_at:]
-    assert "wgrad wgrad_rows_overlap_sorted_chain == wgrad_columns: True" in section[sweep_at:]
+    assert "| wgrad_rows_n160_sorted_chain_bf16 | wgrad | 1.000 | 1.100 | 791 | 741 |" in section[sweep_at:]
+    assert "wgrad wgrad_rows_n160_sorted_chain == wgrad_columns: True" in section[sweep_at:]
     assert "`fp8_kernels-sweep.json`" in section[sweep_at:]
     # dropless bench passes the bare kind: the variant comes from the record.
     assert report.headlines("fp8_kernels", sweep)[0].startswith("FP8 wgrad variant sweep")
@@ -236,7 +236,7 @@ def test_fp8_kernels_headline_without_the_default_variant():
         ("cols_gtw1", "fwd", 850.0), ("rows_gtw4", "fwd", 1000.0)])
     assert report.headlines("fp8_kernels", record) == [
         "FP8 kernels alone (CUPTI, default variants): fwd rows_gtw4 1000 TF/s (target 1250; the "
-        "best timed, the default rows_gtw8 was not)"]
+        "best timed, the default rows_gtw8_o192 was not)"]
 
 
 def test_commit_prefers_dropless_commit(monkeypatch):
@@ -670,9 +670,9 @@ def test_fp8_kernels_sweeps_at_other_shapes_are_their_own_variant(tmp_path):
     d = tmp_path / "r"
     d.mkdir()
     deepseek = fp8_kernels_record("2026-12-02T10:45:20+00:00", [
-        ("wgrad_rows_overlap_sorted_chain", "wgrad", 732.0)])
+        ("wgrad_rows_n160_sorted_chain", "wgrad", 732.0)])
     qwen = fp8_kernels_record("2026-12-03T10:00:00+00:00", [
-        ("wgrad_rows_overlap_sorted_chain", "wgrad", 500.0), ("wgrad_rows_overlap", "wgrad", 600.0)])
+        ("wgrad_rows_n160_sorted_chain", "wgrad", 500.0), ("wgrad_rows_overlap", "wgrad", 600.0)])
     qwen["config"].update(G=128, K=768, N=2048, layout="dirichlet0.3")
     (d / "fp8_kernels-deepseek.json").write_text(json.dumps(deepseek))
     (d / "fp8_kernels-qwen.json").write_text(json.dumps(qwen))
@@ -681,13 +681,13 @@ def test_fp8_kernels_sweeps_at_other_shapes_are_their_own_variant(tmp_path):
     assert {k: p.name for k, (_, p) in newest.items()} == {
         "fp8_kernels:wgrad sweep": "fp8_kernels-deepseek.json", name: "fp8_kernels-qwen.json"}
     text = report.render(d, tmp_path / "R.md", log=lambda _: None).read_text()
-    assert ("- FP8 wgrad variant sweep (CUPTI): default wgrad_rows_overlap_sorted_chain 732 TF/s "
+    assert ("- FP8 wgrad variant sweep (CUPTI): default wgrad_rows_n160_sorted_chain 732 TF/s "
             "(target 1100)") in text
     assert ("- FP8 wgrad variant sweep M=65536 G=128 K=768 N=2048 dirichlet0.3 (CUPTI): "
-            "default wgrad_rows_overlap_sorted_chain 500 TF/s, best wgrad_rows_overlap 600 TF/s\n") in text
+            "default wgrad_rows_n160_sorted_chain 500 TF/s, best wgrad_rows_overlap 600 TF/s\n") in text
     qwen_at = text.index("### wgrad variant sweep M=65536 G=128 K=768 N=2048 dirichlet0.3")
     assert "| wgrad_rows_overlap | wgrad | 1.000 | 1.100 | 600 | 550 | - |" in text[qwen_at:]
-    assert "| wgrad_rows_overlap_sorted_chain | wgrad | 1.000 | 1.100 | 732 | 682 | 1100: **not met** |" \
+    assert "| wgrad_rows_n160_sorted_chain | wgrad | 1.000 | 1.100 | 732 | 682 | 1100: **not met** |" \
         in text[:qwen_at]
 
 
@@ -787,13 +787,43 @@ def test_gmm_tile_probe_record_missing_optional_fields(tmp_path):
             "tiling 300 TF/s") in text
 
 
+def test_fp8_kernels_records_older_than_the_default_schedule_quote_narrow():
+    """Records made before the default schedule became ``wide_o192_n160`` timed only the
+    ``narrow`` schedule's variants: the headlines quote those and say so (products,
+    sustained, wgrad sweep). Where a record timed both, the default's are quoted, even
+    where narrow's are faster."""
+    old = fp8_kernels_record("2026-12-04T13:30:00+00:00", [
+        ("rows_gtw8", "fwd", 1200.0), ("rows_gtw4", "fwd", 1250.0),
+        ("wgrad_rows_overlap_sorted_chain", "wgrad", 850.0)])
+    assert report.headlines("fp8_kernels", old) == [
+        "FP8 kernels alone (CUPTI, default variants): fwd rows_gtw8 1200 TF/s (target 1250; the "
+        "narrow schedule, the default rows_gtw8_o192 was not timed), wgrad "
+        "wgrad_rows_overlap_sorted_chain 850 TF/s (target 1100; the narrow schedule, the default "
+        "wgrad_rows_n160_sorted_chain was not timed)"]
+    old["rows"] += [{"variant": "rows_gtw8", "product": "fwd", "kernel_ms": 1.3, "wall_ms": 1.4,
+                     "tflops_kernel": 950.0, "tflops_wall": 900.0, "sustained": True}]
+    assert report.headlines("fp8_kernels", old) == [
+        "FP8 kernels under load (CUPTI, the narrow schedule's variants, run back to back): "
+        "fwd 950 TF/s, 0.79x its short run's 1200"]
+    sweep = fp8_kernels_record("2026-12-04T13:40:00+00:00", [
+        ("wgrad_rows_overlap_sorted_chain", "wgrad", 850.0),
+        ("wgrad_rows_overlap_sorted_chain_bf16", "wgrad", 880.0)])
+    assert report.headlines("fp8_kernels", sweep) == [
+        "FP8 wgrad variant sweep (CUPTI): narrow wgrad_rows_overlap_sorted_chain 850 TF/s, "
+        "bf16 output, as trained wgrad_rows_overlap_sorted_chain_bf16 880 TF/s (target 1100)"]
+    both = fp8_kernels_record("2026-12-06T03:00:00+00:00", [
+        ("rows_gtw8", "fwd", 1300.0), ("rows_gtw8_o192", "fwd", 1290.0)])
+    assert report.headlines("fp8_kernels", both) == [
+        "FP8 kernels alone (CUPTI, default variants): fwd rows_gtw8_o192 1290 TF/s (target 1250)"]
+
+
 def test_fp8_kernels_sustained_record_is_never_quoted_against_the_targets():
     """A ``--sustain`` probe run times each job twice; its headline pairs each default
     variant's loaded timing with its short run's, and quotes no target (the targets are
     short-run figures, as DeepSeek's published ones)."""
     rec = fp8_kernels_record("2026-12-04T13:30:00+00:00", [
-        ("rows_gtw8", "fwd", 1200.0), ("rows_gtw8", "dgrad", 1180.0)])
-    rec["rows"] += [{"variant": "rows_gtw8", "product": p, "kernel_ms": 1.3, "wall_ms": 1.4,
+        ("rows_gtw8_o192", "fwd", 1200.0), ("rows_gtw8_o192", "dgrad", 1180.0)])
+    rec["rows"] += [{"variant": "rows_gtw8_o192", "product": p, "kernel_ms": 1.3, "wall_ms": 1.4,
                      "tflops_kernel": tf, "tflops_wall": tf - 50, "sustained": True}
                     for p, tf in (("fwd", 950.0), ("dgrad", 940.0))]
     assert report.headlines("fp8_kernels", rec) == [
@@ -810,18 +840,18 @@ def test_fp8_kernels_sustained_and_other_shapes_render_beside_the_default(tmp_pa
     d = tmp_path / "r"
     d.mkdir()
     default = fp8_kernels_record("2026-12-04T16:00:00+00:00", [
-        ("rows_gtw8", "fwd", 1205.0), ("rows_gtw8", "dgrad", 1182.0)])
-    g256 = fp8_kernels_record("2026-12-04T16:10:00+00:00", [("rows_gtw8", "fwd", 1079.0)])
+        ("rows_gtw8_o192", "fwd", 1205.0), ("rows_gtw8_o192", "dgrad", 1182.0)])
+    g256 = fp8_kernels_record("2026-12-04T16:10:00+00:00", [("rows_gtw8_o192", "fwd", 1079.0)])
     g256["config"]["G"] = 256
-    qwen = fp8_kernels_record("2026-12-04T16:20:00+00:00", [("rows_gtw8", "fwd", 700.0)])
+    qwen = fp8_kernels_record("2026-12-04T16:20:00+00:00", [("rows_gtw8_o192", "fwd", 700.0)])
     qwen["config"].update(G=128, K=2048, N=768)
     clocks = lambda mhz: {"gpu_clocks": {"sm_mhz_median": mhz}}  # noqa: E731
     loaded = fp8_kernels_record("2026-12-04T15:41:02+00:00", [
-        ("rows_gtw8", "fwd", 1176.0), ("rows_gtw4", "fwd", 1100.0)])
+        ("rows_gtw8_o192", "fwd", 1176.0), ("rows_gtw4", "fwd", 1100.0)])
     loaded["config"]["sustain_s"] = 8.0
     loaded["rows"][0].update(clocks(1980.0))
     loaded["rows"] += [
-        {"variant": "rows_gtw8", "product": "fwd", "kernel_ms": 1.2, "wall_ms": 1.3,
+        {"variant": "rows_gtw8_o192", "product": "fwd", "kernel_ms": 1.2, "wall_ms": 1.3,
          "tflops_kernel": 1020.0, "tflops_wall": 980.0, "sustained": True, **clocks(1470.0)},
         {"variant": "rows_gtw4", "product": "fwd", "kernel_ms": 1.2, "wall_ms": 1.3,
          "tflops_kernel": 990.0, "tflops_wall": 950.0, "sustained": True}]
@@ -834,23 +864,23 @@ def test_fp8_kernels_sustained_and_other_shapes_render_beside_the_default(tmp_pa
         "fp8_kernels:products M=65536 G=128 K=2048 N=768 balanced": "fp8_kernels-c.json",
         "fp8_kernels:sustained": "fp8_kernels-d.json"}
     text = report.render(d, tmp_path / "R.md", log=lambda _: None).read_text()
-    assert ("- FP8 kernels alone (CUPTI, default variants): fwd rows_gtw8 1205 TF/s (target "
-            "1250), dgrad rows_gtw8 1182 TF/s (target 1250)") in text
+    assert ("- FP8 kernels alone (CUPTI, default variants): fwd rows_gtw8_o192 1205 TF/s (target "
+            "1250), dgrad rows_gtw8_o192 1182 TF/s (target 1250)") in text
     assert ("- FP8 kernels alone M=65536 G=256 K=7168 N=4096 balanced (CUPTI, default variants): "
-            "fwd rows_gtw8 1079 TF/s (target 1250)") in text
+            "fwd rows_gtw8_o192 1079 TF/s (target 1250)") in text
     assert ("- FP8 kernels alone M=65536 G=128 K=2048 N=768 balanced (CUPTI, default variants): "
-            "fwd rows_gtw8 700 TF/s\n") in text
+            "fwd rows_gtw8_o192 700 TF/s\n") in text
     assert ("- FP8 kernels under load (CUPTI, default variants, after 8 s back to back): fwd 1020 "
             "TF/s at 1470 MHz, 0.87x its short run's 1176 at 1980 MHz\n") in text
     section = text[text.index("## FP8 grouped GEMM kernels"):]
     loaded_at = section.index("### Under load")
-    assert "| rows_gtw8 | fwd | 1176 | 1980 | 1020 | 1470 | 0.87x |" in section[loaded_at:]
+    assert "| rows_gtw8_o192 | fwd | 1176 | 1980 | 1020 | 1470 | 0.87x |" in section[loaded_at:]
     assert "| rows_gtw4 | fwd | 1100 | - | 990 | - | 0.90x |" in section[loaded_at:]
     qwen_at = section.index("### Products M=65536 G=128 K=2048 N=768 balanced")
-    assert "| rows_gtw8 | fwd | 1.000 | 1.100 | 700 | 650 | - |" in section[qwen_at:loaded_at]
+    assert "| rows_gtw8_o192 | fwd | 1.000 | 1.100 | 700 | 650 | - |" in section[qwen_at:loaded_at]
     g256_at = section.index("### Products M=65536 G=256 K=7168 N=4096 balanced")
-    assert "| rows_gtw8 | fwd | 1.000 | 1.100 | 1079 | 1029 | 1250: **not met** |" in section[g256_at:]
-    assert "| rows_gtw8 | fwd | 1.000 | 1.100 | 1205 | 1155 | 1250: **not met** |" in section[:qwen_at]
+    assert "| rows_gtw8_o192 | fwd | 1.000 | 1.100 | 1079 | 1029 | 1250: **not met** |" in section[g256_at:]
+    assert "| rows_gtw8_o192 | fwd | 1.000 | 1.100 | 1205 | 1155 | 1250: **not met** |" in section[:qwen_at]
 
 
 
@@ -859,11 +889,11 @@ def test_fp8_kernels_wgrad_sweep_at_an_issue_shape_is_quoted_against_the_target(
     sweep at G=256 is quoted against them, as the default shape's is (a Qwen3 one is not:
     ``test_fp8_kernels_sweeps_at_other_shapes_are_their_own_variant``)."""
     sweep = fp8_kernels_record("2026-12-04T15:44:43+00:00", [
-        ("wgrad_rows_overlap_sorted_chain", "wgrad", 479.0)])
+        ("wgrad_rows_n160_sorted_chain", "wgrad", 479.0)])
     sweep["config"].update(G=256)
     assert report.headlines("fp8_kernels", sweep) == [
         "FP8 wgrad variant sweep M=65536 G=256 K=7168 N=4096 balanced (CUPTI): default "
-        "wgrad_rows_overlap_sorted_chain 479 TF/s (target 1100)"]
+        "wgrad_rows_n160_sorted_chain 479 TF/s (target 1100)"]
 
 
 def test_a_record_cut_short_says_so_in_its_source_line(tmp_path):

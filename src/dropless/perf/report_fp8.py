@@ -11,15 +11,34 @@ from pathlib import Path
 from dropless.perf.report_md import TITLES, _num, _ratio, _source_line, md_table
 
 FP8_TARGETS = {"fwd": 1250.0, "dgrad": 1250.0, "wgrad": 1100.0}  # TF/s, kernels alone (issue 12)
-# The probe's names for the kernels' default arguments, the ones training calls them with:
-# gmm_fp8_blockwise split rows, grid tile width 8, 4 stages; tgmm_fp8_blockwise split
-# rows with overlap since ba9c7f3 (split columns, no overlap before), in the sorted_snake
-# tile order since 2026-12-02 (the probe's ``wgrad_rows_overlap`` is now the flat round
-# robin), its tiles chained since 2026-12-03 (``wgrad_rows_overlap_sorted`` before, now
-# the per-tile pipelines); the probe's float32 output; training writes the layer's dtype,
-# the ``_bf16`` rows.
-DEFAULT_VARIANTS = {"fwd": "rows_gtw8", "dgrad": "rows_gtw8",
-                    "wgrad": "wgrad_rows_overlap_sorted_chain"}
+# The probe's names for what training runs by default, ``quantized.KERNEL_SCHEDULES``'s
+# ``default`` (``wide_o192_n160`` since 2026-12-06): gmm_fp8_blockwise split rows, grid
+# tile width 8, 4 stages, 128x192 CTA tiles (``block_o=192``); tgmm_fp8_blockwise split
+# rows, the plain step on 128x160 CTA tiles (``overlap=False, block_n=160``), in the
+# sorted_snake tile order, its tiles chained; the probe's float32 output; training writes
+# the layer's dtype, the ``_bf16`` rows.
+DEFAULT_VARIANTS = {"fwd": "rows_gtw8_o192", "dgrad": "rows_gtw8_o192",
+                    "wgrad": "wgrad_rows_n160_sorted_chain"}
+# The ``narrow`` schedule's (the kernels' own default arguments; training's default
+# until 2026-12-06): 128x128 CTA tiles, the wgrad's step overlapped with the next
+# wgmma. Quoted, and said so, where a record did not time the default (older records).
+NARROW_VARIANTS = {"fwd": "rows_gtw8", "dgrad": "rows_gtw8",
+                   "wgrad": "wgrad_rows_overlap_sorted_chain"}
+
+
+def _default_row(timed: list[dict], product: str, suffix: str = ""):
+    """(row, note) of ``product``'s default variant among ``timed`` (``suffix``: "_bf16"
+    for the bf16-output rows), else of its ``narrow`` one with a note saying so; (None,
+    "") where neither was timed."""
+    for names, note in ((DEFAULT_VARIANTS, ""),
+                        (NARROW_VARIANTS, f"the narrow schedule, the default "
+                                          f"{DEFAULT_VARIANTS[product]} was not timed")):
+        row = next((r for r in timed if r["variant"] == names[product] + suffix), None)
+        if row:
+            return row, note
+    return None, ""
+
+
 # The probe's default shape: a sweep at another shape or layout is its own variant, so a
 # Qwen3 or skewed sweep does not replace the DeepSeek one.
 DEEPSEEK_SWEEP_SHAPE = (65536, 32, 7168, 4096)
@@ -98,14 +117,18 @@ def fp8_kernels_headline(variant: str, record: dict) -> list[str]:
     """
     rows = fp8_kernel_rows(record)
     if variant.startswith("sustained"):
-        pairs = [(a, b) for a, b in sustained_pairs(record)
-                 if a["variant"] == DEFAULT_VARIANTS.get(a["product"])]
+        pairs = sustained_pairs(record)
+        chosen = {p: _default_row([a for a, _ in pairs if a["product"] == p], p)
+                  for p in DEFAULT_VARIANTS}
+        pairs = [(a, b) for a, b in pairs if a is chosen[a["product"]][0]]
         if not pairs:
             return []
+        which = ("the narrow schedule's variants" if any(chosen[a["product"]][1] for a, _ in pairs)
+                 else "default variants")
         seconds = (record.get("config") or {}).get("sustain_s")
         after = f"after {seconds:g} s back to back" if seconds else "run back to back"
-        return [f"FP8 kernels under load{variant.removeprefix('sustained')} (CUPTI, default "
-                f"variants, {after}): " + ", ".join(
+        return [f"FP8 kernels under load{variant.removeprefix('sustained')} (CUPTI, {which}, "
+                f"{after}): " + ", ".join(
                     f"{a['product']} {b['tflops_kernel']:.0f} TF/s"
                     + (f" at {_mhz(b):.0f} MHz" if _mhz(b) else "")
                     + f", {_ratio(b['tflops_kernel'], a['tflops_kernel'])} its short run's "
@@ -116,12 +139,12 @@ def fp8_kernels_headline(variant: str, record: dict) -> list[str]:
         if not timed:
             return []
         best = max(timed, key=lambda r: r["tflops_kernel"])
-        default = next((r for r in timed if r["variant"] == DEFAULT_VARIANTS["wgrad"]), None)
-        trained = next((r for r in timed if r["variant"] == DEFAULT_VARIANTS["wgrad"] + "_bf16"),
-                       None)
+        default, narrow = _default_row(timed, "wgrad")
+        trained, _ = _default_row(timed, "wgrad", "_bf16")
         best = None if best in (default, trained) else best  # named once
-        quoted = [(which, r) for which, r in (("default", default), ("bf16 output, as trained",
-                                                                       trained), ("best", best))
+        first = "narrow" if narrow else "default"  # a record older than the default
+        quoted = [(which, r) for which, r in ((first, default), ("bf16 output, as trained",
+                                                                   trained), ("best", best))
                   if r]
         # The target is the issue's, at its shapes (``_at_target_shape``): others quoted bare.
         at = variant.removeprefix("wgrad sweep")
@@ -134,8 +157,8 @@ def fp8_kernels_headline(variant: str, record: dict) -> list[str]:
         timed = [r for r in rows if r["product"] == product]
         if not timed:
             continue
-        row = next((r for r in timed if r["variant"] == name), None)
-        why = "" if row else f"the best timed, the default {name} was not"
+        row, why = _default_row(timed, product)
+        why = why if row else f"the best timed, the default {name} was not"
         row = row or max(timed, key=lambda r: r["tflops_kernel"])
         notes = [f"target {FP8_TARGETS[product]:.0f}"] if targets else []
         notes += [why] if why else []
@@ -158,8 +181,11 @@ def fp8_kernels_section(variants: dict, fig_dir: Path, md_dir: Path) -> str:
     parts = [f"## {TITLES['fp8_kernels']}"]
     if "products" in variants:
         parts += [_source_line(*variants["products"]), ""]
-    parts += ["Default variants (the kernels' default arguments, which training uses): "
+    parts += ["Default variants (training's default kernel schedule, `wide_o192_n160`): "
               + ", ".join(f"{p} `{v}`" for p, v in DEFAULT_VARIANTS.items())
+              + "; the `narrow` schedule's (the default before 2026-12-06, quoted where a "
+              "record lacks the default's): "
+              + ", ".join(f"{p} `{v}`" for p, v in NARROW_VARIANTS.items())
               + "; training writes wgrad in the layer's dtype, so in bf16 it runs "
               f"`{DEFAULT_VARIANTS['wgrad']}_bf16`. Targets (issue 12) are set at M=65536, "
               "G=32 and 256, K=7168 N=4096 and K=2048 N=7168."]
@@ -192,7 +218,8 @@ def fp8_kernels_section(variants: dict, fig_dir: Path, md_dir: Path) -> str:
         parts += ["", f"### {title}", _source_line(*variants[name]), "",
                   "`benchmarks/fp8_kernel_probe.py --variants=`: the wgrad kernel's variants "
                   "alone, each with float32 output and with bf16 (`_bf16`); "
-                  f"`{DEFAULT_VARIANTS['wgrad']}` is the default.", "",
+                  f"`{DEFAULT_VARIANTS['wgrad']}` is the default, "
+                  f"`{NARROW_VARIANTS['wgrad']}` the `narrow` schedule's.", "",
                   _fp8_kernel_table(variants[name][0],
                                     targets=_at_target_shape(variants[name][0]))]
     return "\n".join(parts)
