@@ -198,15 +198,12 @@ def test_inside_shard_map_equal_outside(rng):
         _same(got, want)
 
 
-def test_kernel_impl_with_pallas_quantizers_equals_xla_quantizers(rng, monkeypatch):
+def test_kernel_impl_with_pallas_quantizers_equals_xla_quantizers(rng, fp8_kernels_as_references):
     """``quantized.gmm(impl="kernel", quant_impl="pallas")``'s value and gradients equal
     ``quant_impl="xla"``'s bit for bit: the same codes and scales into the same
     products. The GEMM kernels are replaced by their float32 references here (the
     Mosaic GPU interpreter cannot run the Triton quantizers inside it); the kernels
     themselves are tested in test_gmm_mosaic_fp8."""
-    monkeypatch.setattr(mosaic, "is_available", lambda: True)
-    monkeypatch.setattr(mosaic_fp8, "gmm_fp8_blockwise", mosaic_fp8.reference)
-    monkeypatch.setattr(mosaic_fp8_tgmm, "tgmm_fp8_blockwise", mosaic_fp8_tgmm.reference)
     m, k, n, sizes = 256, 256, 256, np.array([128, 0, 128], np.int32)
     gs = jnp.asarray(sizes)
     x = jnp.asarray(_data(rng, (m, k)), jnp.float32)
@@ -221,16 +218,13 @@ def test_kernel_impl_with_pallas_quantizers_equals_xla_quantizers(rng, monkeypat
 
 
 @pytest.mark.parametrize("aligned", [True, False])
-def test_backward_reads_dy_once_where_groups_are_aligned(monkeypatch, aligned):
+def test_backward_reads_dy_once_where_groups_are_aligned(fp8_kernels_as_references, aligned):
     """With ``groups_aligned`` the forward quantizes x once into both layouts and the
     backward dy (``rows_and_columns``), and the backward quantizes nothing else (wgrad
     reads x's 128x1 codes from the forward); without it wgrad's x and dy are regrouped
     copies, so their 128x1 copies come from passes of their own in the backward. (That
     the fused path gives the same bits:
     ``test_kernel_impl_with_pallas_quantizers_equals_xla_quantizers``.)"""
-    monkeypatch.setattr(mosaic, "is_available", lambda: True)
-    monkeypatch.setattr(mosaic_fp8, "gmm_fp8_blockwise", mosaic_fp8.reference)
-    monkeypatch.setattr(mosaic_fp8_tgmm, "tgmm_fp8_blockwise", mosaic_fp8_tgmm.reference)
     calls = []
 
     def spy(name, fn):

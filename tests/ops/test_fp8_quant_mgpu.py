@@ -150,18 +150,14 @@ def test_mosaic_quant_impl_uses_the_mosaic_kernels_for_every_operand():
 
 
 @pytest.mark.parametrize("aligned", [True, False])
-def test_kernel_impl_with_mosaic_quantizers_equals_xla_quantizers(rng, monkeypatch, aligned):
+def test_kernel_impl_with_mosaic_quantizers_equals_xla_quantizers(rng, fp8_kernels_as_references,
+                                                                   aligned):
     """``quantized.gmm(impl="kernel", quant_impl="mosaic")``'s value and gradients equal
     ``quant_impl="xla"``'s bit for bit (the same codes and scales into the same
     products), with aligned groups (dy quantized into both layouts by one call) and
     without (wgrad's dy regrouped), on data whose magnitudes vary by e^+-6 per row and
     per column (so every block gets its own scale) with a zero group. The GEMM kernels
     are replaced by their float32 references; the quantizers run in interpret mode."""
-    monkeypatch.setattr(mosaic, "is_available", lambda: True)
-    monkeypatch.setattr(mosaic_fp8, "gmm_fp8_blockwise", mosaic_fp8.reference)
-    from dropless.ops.gmm import mosaic_fp8_tgmm
-
-    monkeypatch.setattr(mosaic_fp8_tgmm, "tgmm_fp8_blockwise", mosaic_fp8_tgmm.reference)
     m, k, n = 384, 512, 256
     gs = jnp.asarray([128, 0, 256] if aligned else [100, 0, 284], jnp.int32)
 
