@@ -31,8 +31,7 @@ def _default_row(timed: list[dict], product: str, suffix: str = ""):
     for the bf16-output rows), else of its ``narrow`` one with a note saying so; (None,
     "") where neither was timed."""
     for names, note in ((DEFAULT_VARIANTS, ""),
-                        (NARROW_VARIANTS, f"the narrow schedule, the default "
-                                          f"{DEFAULT_VARIANTS[product]} was not timed")):
+                        (NARROW_VARIANTS, "narrow schedule")):
         row = next((r for r in timed if r["variant"] == names[product] + suffix), None)
         if row:
             return row, note
