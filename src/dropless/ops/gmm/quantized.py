@@ -112,8 +112,9 @@ QUANT_IMPLS = ("auto", "xla", "pallas", "mosaic")
 # kernel, ``mosaic_fp8.gmm_fp8_blockwise``; of the wgrad kernel,
 # ``mosaic_fp8_tgmm.tgmm_fp8_blockwise``). Every schedule gives the same bits.
 #   default          ``wide_o192_n160``, below: the same bits, its kernels 1.07-1.09x
-#                    ``narrow``'s in one process, the proxy's training step 1.013x
-#                    (one run, ``step-20261205-152704``).
+#                    ``narrow``'s in one process, the proxy's training step 1.013x and
+#                    1.014x (``step-20261205-152704``; ``step-20261206-035133``, 1.127x
+#                    bf16 in the same process).
 #   narrow           the kernels' own defaults, 128x128 CTA tiles (forward and dgrad:
 #                    the plain step with the scale reads fenced; wgrad: each step's
 #                    promotion during the next step's wgmma); the default until
