@@ -162,8 +162,7 @@ _WIDE_O192 = (("block_o", 192),)
 _WIDE_N160 = (("overlap", False), ("block_n", 160))
 _WIDE_N192 = (("overlap", False), ("block_n", 192))
 DEFAULT_KERNEL_SCHEDULE = "wide_o192_n160"  # the schedule ``default`` runs, named in the log
-KERNEL_SCHEDULES = {
-    "default": (_WIDE_O192, _WIDE_N160),
+_SCHEDULES = {
     "narrow": ((), ()),
     "halves_unfenced": ((("parts", 2), ("scale_fence", "none")),
                         (("overlap", False), ("parts", 2))),
@@ -177,6 +176,7 @@ KERNEL_SCHEDULES = {
     "wide_o192_n160": (_WIDE_O192, _WIDE_N160),
     "wide_o192_n192": (_WIDE_O192, _WIDE_N192),
 }
+KERNEL_SCHEDULES = {"default": _SCHEDULES[DEFAULT_KERNEL_SCHEDULE], **_SCHEDULES}
 _KERNEL_DIM = 256  # K and N: the kernels' CTA tiles are 256 wide along O, 128 along C
 _ALIGNMENT = {"te_no_quant": 1, "te_fp8_blockwise": quant.BLOCKWISE_TILE, "te_mxfp8": quant.MX_BLOCK}
 _log = logging.getLogger(__name__)
