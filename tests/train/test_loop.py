@@ -267,3 +267,19 @@ def test_fp8_run_says_once_which_dense_matmuls_stay_bf16(reference, small_model,
     assert "fp8_min_dim=4096: " in lines[0] and "mlp/wi_0 16x32" in lines[0]
     assert lines[0].endswith("fp8_min_dim=0 quantizes them all")
     assert "fp8_min_dim" not in reference[2]
+
+
+def test_custom_remat_run_says_once_which_fp8_codes_it_recomputes(small_model, make_train,
+                                                                  tmp_path):
+    """remat_policy=custom under FP8 dense products without ``fp8_dot_codes`` listed: the
+    start of the run says so in one line (``remat.fp8_codes_recomputed_line``)."""
+    one_layer = dataclasses.replace(small_model, num_decoder_layers=1, first_num_dense_layers=1,
+                                    quantization="te_fp8_currentscaling", fp8_min_dim=0,
+                                    remat_policy="custom",
+                                    remat_custom=(("decoder_layer_input", "device"),))
+    console = _quiet()
+    run_training(one_layer, make_train(tmp_path, steps=1, enable_checkpointing=False,
+                                       enable_tensorboard=False), MeshConfig(), console=console)
+    lines = [ln for ln in console.file.getvalue().splitlines() if "remat_policy=custom" in ln]
+    assert len(lines) == 1, lines
+    assert "does not keep fp8_dot_codes (the FP8 dense products)" in lines[0]

@@ -106,6 +106,9 @@ def test_minimal_keeps_the_fp8_dense_codes():
 
     assert amaxes(remat_lib.checkpoint_policy("minimal")) == 3
     assert amaxes(jax.checkpoint_policies.checkpoint_dots_with_no_batch_dims) == 5
+    # remat_policy=custom keeps them when its config key says so, and only then.
+    assert amaxes(remat_lib.checkpoint_policy("custom", (("fp8_dot_codes", "device"),))) == 3
+    assert amaxes(remat_lib.checkpoint_policy("custom", (("fp8_dot_codes", "remat"),))) == 5
 
 
 def test_minimal_keeps_the_fp8_expert_inputs_codes(monkeypatch):
@@ -142,3 +145,12 @@ def test_minimal_keeps_the_fp8_expert_inputs_codes(monkeypatch):
     assert counts(None) == (12, 1)
     assert counts(remat_lib.checkpoint_policy("minimal")) == (12, 1)
     assert counts(without_input_codes) == (14, 2)
+    # remat_policy=custom with the config keys of the codes: as minimal; without them
+    # (a MaxText recipe's custom policy) the backward pass quantizes everything again.
+    # Each weight's both-layouts pass runs again without moe_fp8_weights (16).
+    outputs = (("moe_mlpwi", "device"), ("moe_mlpwo", "device"))
+    weights = (("moe_fp8_weights", "device"),)
+    inputs = (("moe_fp8_input_codes", "device"),)
+    assert counts(remat_lib.checkpoint_policy("custom", outputs + weights + inputs)) == (12, 1)
+    assert counts(remat_lib.checkpoint_policy("custom", outputs + weights)) == (14, 2)
+    assert counts(remat_lib.checkpoint_policy("custom", outputs)) == (16, 2)

@@ -19,11 +19,13 @@ if TYPE_CHECKING:  # sections.py reads its defaults from Config: imported lazily
 
 DType = Literal["float32", "bfloat16", "float16"]
 RematChoice = Literal["remat", "device", "offload"]
-# Tensor names a `remat_policy: custom` config can place (MaxText's names).
+# Tensor names a `remat_policy: custom` config can place: MaxText's names, then the
+# FP8 codes only dropless makes (``train.remat``; ``minimal`` keeps them).
 REMAT_TENSORS = (
     "decoder_layer_input", "context", "mlpwi", "mlpwi_0", "mlpwi_1", "mlpwo",
     "query_proj", "key_proj", "value_proj", "qkv_proj", "out_proj",
     "mla_q", "mla_kv", "moe_mlpwi", "moe_mlpwo",
+    "moe_fp8_weights", "moe_fp8_input_codes", "fp8_dot_codes",
 )
 
 
@@ -154,6 +156,9 @@ class Config(BaseModel):
     mla_kv: RematChoice | None = _f(None, "remat_policy=custom: where 'mla_kv' is kept (remat | device | offload).")
     moe_mlpwi: RematChoice | None = _f(None, "remat_policy=custom: where 'moe_mlpwi' is kept (remat | device | offload).")
     moe_mlpwo: RematChoice | None = _f(None, "remat_policy=custom: where 'moe_mlpwo' is kept (remat | device | offload).")
+    moe_fp8_weights: RematChoice | None = _f(None, "remat_policy=custom: where the FP8 expert kernels' weight codes (both byte layouts and scales) are kept (remat | device | offload); remat quantizes each expert weight again in the backward pass.")
+    moe_fp8_input_codes: RematChoice | None = _f(None, "remat_policy=custom: where the FP8 expert kernels' 128x1 input codes for wgrad are kept (remat | device | offload); remat recomputes the expert inputs and their quantization in the backward pass.")
+    fp8_dot_codes: RematChoice | None = _f(None, "remat_policy=custom: where the FP8 dense products' operand codes and scales are kept (remat | device | offload); remat recomputes their inputs and quantization in the backward pass.")
 
     # --- Optimizer -------------------------------------------------------------
     learning_rate: float = _f(3e-4, "Peak learning rate.", gt=0)

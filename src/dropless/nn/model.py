@@ -88,15 +88,34 @@ def bf16_dense_matmuls(cfg: ModelConfig) -> list[tuple[str, int, int]]:
     """
     if cfg.quantization != "te_fp8_currentscaling" or not cfg.fp8_min_dim:
         return []
+    return [row for row, plain in _fp8_dense_products(cfg) if plain]
+
+
+def has_fp8_dense_matmuls(cfg: ModelConfig) -> bool:
+    """Whether any dense projection runs in FP8 (``te_fp8_currentscaling`` and at least
+    one product that ``fp8_min_dim`` lets through)."""
+    if cfg.quantization != "te_fp8_currentscaling":
+        return False
+    return any(not plain for _, plain in _fp8_dense_products(cfg))
+
+
+def _fp8_dense_products(cfg: ModelConfig) -> list[tuple[tuple[str, int, int], bool]]:
+    """``((name, K, N), stays_plain)`` of each distinct projection built with
+    ``fp8_dot_general``, read from the model built abstractly (no arrays)."""
     model = nnx.eval_shape(lambda: Transformer(cfg, rngs=nnx.Rngs(0)))
     out = []
     for path, node in nnx.iter_graph(model):
         f = getattr(node, "dot_general", None) if isinstance(node, nnx.Linear) else None
-        if not (isinstance(f, functools.partial) and f.func is fp8_dot_general):
+        if f is fp8_dot_general:
+            min_dim = 0
+        elif isinstance(f, functools.partial) and f.func is fp8_dot_general:
+            min_dim = f.keywords.get("min_dim", 0)
+        else:
             continue
         row = ("/".join(map(str, path[-2:])), node.in_features, node.out_features)
-        if stays_plain(*row[1:], f.keywords.get("min_dim", 0)) and row not in out:
-            out.append(row)
+        entry = (row, stays_plain(*row[1:], min_dim))
+        if entry not in out:
+            out.append(entry)
     return out
 
 

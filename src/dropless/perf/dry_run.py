@@ -162,6 +162,7 @@ def print_report(console, cfg, target, est, source, batch, global_batch, compile
 
     from dropless.nn import moe
     from dropless.nn.model import bf16_dense_matmuls_line
+    from dropless.train import remat
 
     mesh = " x ".join(f"{a} {n}" for a, n in est.mesh.items() if n > 1) or "1 device"
     table = Table("part", "GiB / device", title=f"{cfg.model_name} on {target.name}: {mesh}")
@@ -192,6 +193,8 @@ def print_report(console, cfg, target, est, source, batch, global_batch, compile
                                      est.mesh.get("expert", 1))
     if few_rows := moe.fp8_rows_line(model.moe, rows):
         console.print(few_rows, style="yellow", markup=False, soft_wrap=True)
+    if recomputed := remat.fp8_codes_recomputed_line(model):
+        console.print(recomputed, style="yellow", markup=False, soft_wrap=True)
     console.print(table)
     keep = getattr(cfg, "max_num_checkpoints_to_keep", 0)
     console.print(f"checkpoint: {est.checkpoint_bytes / GiB:.2f} GiB per save (all devices), every "

@@ -40,7 +40,10 @@ backward pass), or recomputed from the layer input.
   the MLA latents, the output projection); recompute the MLP/expert matmuls.
 * ``custom``: per-tensor choice from ``remat_custom``, pairs ``(name, action)``
   with action ``remat`` | ``device`` | ``offload``; names not listed are
-  recomputed. Built on ``save_and_offload_only_these_names`` with
+  recomputed. The config keys are MaxText's names plus the FP8 codes above
+  (``moe_fp8_weights``, ``moe_fp8_input_codes``, ``fp8_dot_codes``), which
+  MaxText's custom recipes cannot list: ``fp8_codes_recomputed_line`` names the
+  ones a run makes and does not keep, at start and in ``--dry-run``. Built on ``save_and_offload_only_these_names`` with
   ``offload_dst="pinned_host"``.
 """
 
@@ -112,6 +115,34 @@ def custom_policy(remat_custom) -> Callable:
         offload_src="device",
         offload_dst="pinned_host",
     )
+
+
+def fp8_codes_recomputed_line(cfg: ModelConfig) -> str | None:
+    """Under ``remat_policy=custom``, one line naming the FP8 codes this model makes
+    that ``remat_custom`` does not mention (the backward pass then quantizes those
+    operands again, and recomputes what they were made from) and the keys that keep
+    them; None otherwise. A name set to ``remat`` is the user's choice and not named.
+    MaxText's custom policies predate these names, so a recipe carried over
+    verbatim (the seed's ``remat_policy: custom`` with FP8) would pay this silently."""
+    if cfg.remat_policy != "custom":
+        return None
+    from dropless.nn.model import has_fp8_dense_matmuls
+
+    listed = {name for name, _ in cfg.remat_custom}
+    moe = cfg.moe
+    kernels = [n for n in ("moe_fp8_weights", "moe_fp8_input_codes") if n not in listed] \
+        if moe.gmm_quantization == "te_fp8_blockwise" and moe.gmm_fp8_impl != "emulate" else []
+    dense = ["fp8_dot_codes"] if "fp8_dot_codes" not in listed and has_fp8_dense_matmuls(cfg) else []
+    if not kernels and not dense:
+        return None
+    parts = []
+    if kernels:
+        parts.append(f"{', '.join(kernels)} (where the FP8 expert kernels run)")
+    if dense:
+        parts.append("fp8_dot_codes (the FP8 dense products)")
+    keys = " ".join(f"{n}=device" for n in kernels + dense)
+    return (f"remat_policy=custom does not keep {'; '.join(parts)}: the backward pass "
+            f"quantizes those operands again; {keys} keeps them (remat_policy=minimal does)")
 
 
 def checkpoint_policy(remat_policy: str, remat_custom=()) -> Callable | None:
