@@ -35,6 +35,11 @@ def test_custom_policy_names_each_fp8_code_it_does_not_keep():
     assert " moe_fp8_input_codes (where" in only and "moe_fp8_weights" not in only
     assert _line("remat_policy=custom", "moe_fp8_weights=device", "moe_fp8_input_codes=device",
                  "fp8_dot_codes=device", *FP8) is None
+    # The weights quantized once per step by the trainer: their codes are not the layer's.
+    cfg = load_config(overrides=["model_name=deepseek3-tiny", "remat_policy=custom", *FP8,
+                                 "fp8_dot_codes=device"]).config.model()
+    assert "moe_fp8_weights" not in remat.fp8_codes_recomputed_line(cfg, weight_codes_given=True)
+    assert "moe_fp8_weights" in remat.fp8_codes_recomputed_line(cfg)
 
 
 @pytest.mark.parametrize("keys", [

@@ -193,7 +193,7 @@ def print_report(console, cfg, target, est, source, batch, global_batch, compile
                                      est.mesh.get("expert", 1))
     if few_rows := moe.fp8_rows_line(model.moe, rows):
         console.print(few_rows, style="yellow", markup=False, soft_wrap=True)
-    if recomputed := remat.fp8_codes_recomputed_line(model):
+    if recomputed := remat.fp8_codes_recomputed_line(model, est.fp8_weight_codes > 0):
         console.print(recomputed, style="yellow", markup=False, soft_wrap=True)
     console.print(table)
     keep = getattr(cfg, "max_num_checkpoints_to_keep", 0)

@@ -311,7 +311,9 @@ def _describe(console, model: ModelConfig, train: TrainConfig, s: _Setup, run_di
                                          / s.mesh.size, dict(s.mesh.shape).get("expert", 1))
     if few_rows := moe_lib.fp8_rows_line(model.moe, rows):  # FP8 that cannot pay here: say so
         console.print(f"  {few_rows}", style="yellow", markup=False, soft_wrap=True)
-    if recomputed := remat_lib.fp8_codes_recomputed_line(model):  # custom remat re-quantizing
+    given = (train.gradient_accumulation_steps > 1 and model.moe.gmm_fp8_weights_once_per_step
+             and s.mesh.size == 1)  # the step's weight codes made once (train.step)
+    if recomputed := remat_lib.fp8_codes_recomputed_line(model, given):  # custom remat re-quantizing
         console.print(f"  {recomputed}", style="yellow", markup=False, soft_wrap=True)
     return num_params, tokens
 

@@ -117,20 +117,25 @@ def custom_policy(remat_custom) -> Callable:
     )
 
 
-def fp8_codes_recomputed_line(cfg: ModelConfig) -> str | None:
+def fp8_codes_recomputed_line(cfg: ModelConfig, weight_codes_given: bool = False) -> str | None:
     """Under ``remat_policy=custom``, one line naming the FP8 codes this model makes
     that ``remat_custom`` does not mention (the backward pass then quantizes those
     operands again, and recomputes what they were made from) and the keys that keep
     them; None otherwise. A name set to ``remat`` is the user's choice and not named.
     MaxText's custom policies predate these names, so a recipe carried over
-    verbatim (the seed's ``remat_policy: custom`` with FP8) would pay this silently."""
+    verbatim (the seed's ``remat_policy: custom`` with FP8) would pay this silently.
+    ``weight_codes_given``: the trainer quantizes the expert weights once per step
+    (``gmm_fp8_weights_once_per_step`` at work), so the kernels read those codes and
+    ``moe_fp8_weights`` names nothing to recompute."""
     if cfg.remat_policy != "custom":
         return None
     from dropless.nn.model import has_fp8_dense_matmuls
 
     listed = {name for name, _ in cfg.remat_custom}
     moe = cfg.moe
-    kernels = [n for n in ("moe_fp8_weights", "moe_fp8_input_codes") if n not in listed] \
+    made = ("moe_fp8_input_codes",) if weight_codes_given else (
+        "moe_fp8_weights", "moe_fp8_input_codes")
+    kernels = [n for n in made if n not in listed] \
         if moe.gmm_quantization == "te_fp8_blockwise" and moe.gmm_fp8_impl != "emulate" else []
     dense = ["fp8_dot_codes"] if "fp8_dot_codes" not in listed and has_fp8_dense_matmuls(cfg) else []
     if not kernels and not dense:
