@@ -1,6 +1,6 @@
 """``remat_policy=custom`` and the FP8 codes only dropless makes.
 
-A MaxText recipe's custom policy (the seed's ``remat_policy: custom`` with FP8) cannot
+A MaxText recipe's custom policy (``tests/config/seed_recipe.yml``, with FP8) cannot
 list ``moe_fp8_weights``, ``moe_fp8_input_codes`` or ``fp8_dot_codes``, so its backward
 pass quantizes those operands again (``test_remat_kernels.py`` counts the kernels). The
 config keys exist, reach the policy, and the start of a run and ``--dry-run`` say in one

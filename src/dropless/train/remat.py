@@ -43,8 +43,8 @@ backward pass), or recomputed from the layer input.
   recomputed. The config keys are MaxText's names plus the FP8 codes above
   (``moe_fp8_weights``, ``moe_fp8_input_codes``, ``fp8_dot_codes``), which
   MaxText's custom recipes cannot list: ``fp8_codes_recomputed_line`` names the
-  ones a run makes and does not keep, at start and in ``--dry-run``. Built on ``save_and_offload_only_these_names`` with
-  ``offload_dst="pinned_host"``.
+  ones a run makes and does not keep, at start and in ``--dry-run``. Built on
+  ``save_and_offload_only_these_names`` with ``offload_dst="pinned_host"``.
 """
 
 from typing import Callable
@@ -123,7 +123,8 @@ def fp8_codes_recomputed_line(cfg: ModelConfig, weight_codes_given: bool = False
     operands again, and recomputes what they were made from) and the keys that keep
     them; None otherwise. A name set to ``remat`` is the user's choice and not named.
     MaxText's custom policies predate these names, so a recipe carried over
-    verbatim (the seed's ``remat_policy: custom`` with FP8) would pay this silently.
+    verbatim (the MaxText DeepSeek-V3 recipe's ``remat_policy: custom`` with FP8)
+    would pay this silently.
     ``weight_codes_given``: the trainer quantizes the expert weights once per step
     (``gmm_fp8_weights_once_per_step`` at work), so the kernels read those codes and
     ``moe_fp8_weights`` names nothing to recompute."""
