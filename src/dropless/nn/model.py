@@ -99,9 +99,11 @@ def has_fp8_dense_matmuls(cfg: ModelConfig) -> bool:
     return any(not plain for _, plain in _fp8_dense_products(cfg))
 
 
-def _fp8_dense_products(cfg: ModelConfig) -> list[tuple[tuple[str, int, int], bool]]:
+@functools.lru_cache(maxsize=8)
+def _fp8_dense_products(cfg: ModelConfig) -> tuple[tuple[tuple[str, int, int], bool], ...]:
     """``((name, K, N), stays_plain)`` of each distinct projection built with
-    ``fp8_dot_general``, read from the model built abstractly (no arrays)."""
+    ``fp8_dot_general``, read from the model built abstractly (no arrays); cached, since
+    the start of a run asks twice (``bf16_dense_matmuls_line``, ``train.remat``)."""
     model = nnx.eval_shape(lambda: Transformer(cfg, rngs=nnx.Rngs(0)))
     out = []
     for path, node in nnx.iter_graph(model):
@@ -116,7 +118,7 @@ def _fp8_dense_products(cfg: ModelConfig) -> list[tuple[tuple[str, int, int], bo
         entry = (row, stays_plain(*row[1:], min_dim))
         if entry not in out:
             out.append(entry)
-    return out
+    return tuple(out)
 
 
 def bf16_dense_matmuls_line(cfg: ModelConfig) -> str | None:

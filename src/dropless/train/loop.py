@@ -82,6 +82,7 @@ from dropless.parallel import ep as ep_lib
 from dropless.parallel import mesh as mesh_lib
 from dropless.parallel import overflow as overflow_lib
 from dropless.perf import clocks as clocks_lib
+from dropless.perf import memory as memory_lib
 from dropless.train import checkpoint as ckpt_lib
 from dropless.train import data as data_lib
 from dropless.train import flops as flops_lib
@@ -311,8 +312,10 @@ def _describe(console, model: ModelConfig, train: TrainConfig, s: _Setup, run_di
                                          / s.mesh.size, dict(s.mesh.shape).get("expert", 1))
     if few_rows := moe_lib.fp8_rows_line(model.moe, rows):  # FP8 that cannot pay here: say so
         console.print(f"  {few_rows}", style="yellow", markup=False, soft_wrap=True)
-    given = (train.gradient_accumulation_steps > 1 and model.moe.gmm_fp8_weights_once_per_step
-             and s.mesh.size == 1)  # the step's weight codes made once (train.step)
+    # The expert weights' codes made once per step by the trainer (as --dry-run counts them).
+    given = memory_lib.fp8_weight_codes_bytes(model, s.abstract["params"],
+                                              train.gradient_accumulation_steps,
+                                              dict(s.mesh.shape)) > 0
     if recomputed := remat_lib.fp8_codes_recomputed_line(model, given):  # custom remat re-quantizing
         console.print(f"  {recomputed}", style="yellow", markup=False, soft_wrap=True)
     return num_params, tokens
