@@ -53,6 +53,13 @@ FP8 rounding happened), and ``f8_dot_out``: the output dtypes of the FP8
 dots/GEMMs, counted (``{"f32": 3}`` on the GPU, where a separate fusion
 converts to bf16).
 
+The FP8 variant follows the config's ``fp8_dot_bf16_output`` (power-of-two scales,
+the GEMMs writing bf16; ``ops.fp8_dot``). ``--compare-bf16-output`` also times the
+FP8 form with the other setting, in the same process, as the variant
+``fp8_other_output`` (its ``f8_dot_out`` says which: ``{"bf16": 3}`` for bf16 GEMM
+outputs), and records per row ``other_output_speedup_fwd_bwd`` (``fp8`` time over
+its time) and the per-step totals of both forms.
+
 Writes ``<out>/fp8_dense-<time>-<gpu>.json`` (kind ``fp8_dense``) and prints the table.
 """
 
@@ -132,9 +139,9 @@ def matmuls(cfg) -> list[dict]:
     return rows
 
 
-def linear_fns(k: int, n: int, quantization: str, dtype, param_dtype):
+def linear_fns(k: int, n: int, quantization: str, dtype, param_dtype, bf16_output=False):
     """(fwd(w, x) -> y, fwd_bwd(w, x, dy) -> (y, dx, dw)) of the model's ``nnx.Linear``."""
-    dot = dense_dot_general(quantization) or jax.lax.dot_general
+    dot = dense_dot_general(quantization, bf16_output=bf16_output) or jax.lax.dot_general
     layer = nnx.Linear(k, n, use_bias=False, dtype=dtype, param_dtype=param_dtype,
                        dot_general=dot, rngs=nnx.Rngs(0))
     graphdef, _ = nnx.split(layer)
@@ -203,16 +210,25 @@ def rel_err(a, b) -> float:
     return float(np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-30))
 
 
-VARIANTS = (("bf16", ""), ("fp8", FP8))  # (name, quantization) of each timed variant
+OTHER = "fp8_other_output"  # --compare-bf16-output's variant
 
 
-def time_shape(b, s, k, n, cfg, iters, warmup, reps=None):
+def variants(cfg, compare_bf16_output=False):
+    """(name, quantization, bf16_output) of each timed variant: bf16, FP8 as the config
+    says, and with ``compare_bf16_output`` FP8 with the other ``fp8_dot_bf16_output``."""
+    out = [("bf16", "", False), ("fp8", FP8, cfg.fp8_dot_bf16_output)]
+    if compare_bf16_output:
+        out.append((OTHER, FP8, not cfg.fp8_dot_bf16_output))
+    return out
+
+
+def time_shape(b, s, k, n, cfg, iters, warmup, reps=None, compare_bf16_output=False):
     """bf16 and FP8 timings, HLO checks and FP8-vs-bf16 errors of one [B*S, K] x [K, N] shape."""
     dtype, param_dtype = jnp.dtype(cfg.dtype), jnp.dtype(cfg.weight_dtype)
     w, x, dy = inputs(b, s, k, n, dtype, param_dtype)
     out, results = {}, {}
-    for variant, quant in VARIANTS:
-        fwd, fwd_bwd = linear_fns(k, n, quant, dtype, param_dtype)
+    for variant, quant, bf16_output in variants(cfg, compare_bf16_output):
+        fwd, fwd_bwd = linear_fns(k, n, quant, dtype, param_dtype, bf16_output)
         r = {}
         for key, fn, args in (("fwd", fwd, (w, x)), ("fwd_bwd", fwd_bwd, (w, x, dy))):
             compiled = jax.jit(fn).lower(*args).compile()
@@ -233,7 +249,7 @@ def time_shape(b, s, k, n, cfg, iters, warmup, reps=None):
 
 
 def run(tiny=False, overrides=(), iters=10, warmup=2, out_dir=measure.DEFAULT_RESULTS_DIR,
-        reps=None):
+        reps=None, compare_bf16_output=False):
     """Time every dense matmul, write the record and return it.
 
     ``reps``: calls per timing sample (None: ``time_fn`` picks about 20 ms worth).
@@ -256,6 +272,7 @@ def run(tiny=False, overrides=(), iters=10, warmup=2, out_dir=measure.DEFAULT_RE
         "overrides": used, "tiny": tiny, "tokens": t, "batch": b, "seq": s,
         "dtype": cfg.dtype, "weight_dtype": cfg.weight_dtype, "iters": iters, "reps": reps,
         "quantize_output_head": cfg.quantize_output_head, "fp8_min_dim": cfg.fp8_min_dim, "fp8": FP8,
+        "fp8_dot_bf16_output": cfg.fp8_dot_bf16_output, "compare_bf16_output": compare_bf16_output,
         "layers": {"decoder": cfg.num_decoder_layers, "dense": cfg.first_num_dense_layers,
                    "moe": cfg.num_decoder_layers - cfg.first_num_dense_layers,
                    "mtp": cfg.mtp_num_layers}})
@@ -264,7 +281,8 @@ def run(tiny=False, overrides=(), iters=10, warmup=2, out_dir=measure.DEFAULT_RE
         k, n = row["K"], row["N"]
         if (k, n) not in cache:
             try:
-                cache[(k, n)] = time_shape(b, s, k, n, cfg, iters, warmup, reps)
+                cache[(k, n)] = time_shape(b, s, k, n, cfg, iters, warmup, reps,
+                                           compare_bf16_output)
             except Exception as e:  # noqa: BLE001 - one shape failing (memory) keeps the others
                 cache[(k, n)] = {"error": f"{type(e).__name__}: {str(e).splitlines()[0][:300]}"}
         res = cache[(k, n)]
@@ -283,6 +301,8 @@ def run(tiny=False, overrides=(), iters=10, warmup=2, out_dir=measure.DEFAULT_RE
             r["step_ms"] = row["count"] * r["fwd_bwd_ms"]
         row["speedup_fwd"] = row["bf16"]["fwd_ms"] / row["fp8"]["fwd_ms"]
         row["speedup_fwd_bwd"] = row["bf16"]["fwd_bwd_ms"] / row["fp8"]["fwd_bwd_ms"]
+        if OTHER in row:
+            row["other_output_speedup_fwd_bwd"] = row["fp8"]["fwd_bwd_ms"] / row[OTHER]["fwd_bwd_ms"]
         record["rows"].append(row)
     record["totals"] = totals(record["rows"])
     record["path"] = str(measure.write_record(record, out_dir))
@@ -299,8 +319,14 @@ def totals(rows) -> dict:
     for r in ok:
         r["share_bf16_pct"] = 100 * r["bf16"]["step_ms"] / bf16 if bf16 else None
         r["share_fp8_pct"] = 100 * r["fp8"]["step_ms"] / fp8_all if fp8_all else None
+    other = {}
+    if ok and OTHER in ok[0]:
+        other_model = sum(r[OTHER if r["fp8_in_model"] else "bf16"]["step_ms"] for r in ok)
+        other = {"step_ms_other_output_as_configured": other_model,
+                 "step_ms_other_output_all": sum(r[OTHER]["step_ms"] for r in ok),
+                 "speedup_other_output_as_configured": bf16 / other_model if other_model else None}
     return {"step_ms_bf16": bf16, "step_ms_fp8_as_configured": fp8_model,
-            "step_ms_fp8_all": fp8_all,
+            "step_ms_fp8_all": fp8_all, **other,
             "speedup_as_configured": bf16 / fp8_model if fp8_model else None,
             "speedup_all": bf16 / fp8_all if fp8_all else None,
             "failed": [r["name"] for r in rows if "error" in r],
@@ -345,8 +371,18 @@ def print_table(record, console=None):
                      f"{c['quantize_output_head']}), K or N below fp8_min_dim (now "
                      f"{c.get('fp8_min_dim', 0)}); all matmuls in FP8: "
                      f"{_f(tot['step_ms_fp8_all'])} ms/step, {_f(tot['speedup_all'])}x. "
-                     f"f8 dots: dots with FP8 operands / all dots in the fwd+bwd HLO.")
+                     f"f8 dots: dots with FP8 operands / all dots in the fwd+bwd HLO; FP8 GEMM "
+                     f"outputs {'bf16' if c.get('fp8_dot_bf16_output') else 'float32'} "
+                     f"(fp8_dot_bf16_output={bool(c.get('fp8_dot_bf16_output'))}).")
     console.print(table)
+    if "step_ms_other_output_as_configured" in tot:
+        other = "float32" if c.get("fp8_dot_bf16_output") else "bf16"
+        console.print(
+            f"FP8 with {other} GEMM outputs ({OTHER}): {_f(tot['step_ms_other_output_as_configured'])} "
+            f"ms/step as configured ({_f(tot['speedup_other_output_as_configured'])}x bf16), "
+            f"{_f(tot['step_ms_other_output_all'])} all in FP8; per matmul, fp8 fwd+bwd time over "
+            f"its: " + ", ".join(f"{r['name']} {r['other_output_speedup_fwd_bwd']:.2f}x"
+                                 for r in record["rows"] if "other_output_speedup_fwd_bwd" in r))
 
 
 def main(argv=None) -> int:
@@ -361,6 +397,8 @@ def main(argv=None) -> int:
                    help="calls per timing sample (default: about 20 ms worth)")
     p.add_argument("--out", type=Path, default=measure.DEFAULT_RESULTS_DIR)
     p.add_argument("--quick", action="store_true", help="5 timed iterations")
+    p.add_argument("--compare-bf16-output", action="store_true",
+                   help="also time FP8 with the other fp8_dot_bf16_output (same process)")
     a = p.parse_args(argv)
     if a.quick:
         a.iters = min(a.iters, 5)
@@ -369,7 +407,7 @@ def main(argv=None) -> int:
               file=sys.stderr)
         return 2
     try:
-        record = run(a.tiny, a.overrides, a.iters, a.warmup, a.out, a.reps)
+        record = run(a.tiny, a.overrides, a.iters, a.warmup, a.out, a.reps, a.compare_bf16_output)
     except (ConfigError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -35,6 +35,9 @@ only that attempt):
             experts stay bf16)
   ours_fp8_all  ``ours_fp8_blockwise`` with ``fp8_min_dim=0``: every dense
             projection in FP8
+  ours_fp8_bf16out, ours_fp8_all_bf16out  ``ours_fp8_blockwise`` and ``ours_fp8_all``
+            with ``fp8_dot_bf16_output=true``: the FP8 dense GEMMs write bf16
+            (power-of-two scales) instead of float32 then a convert pass
   ours_fp8_halves  ``ours_fp8_blockwise`` with
             ``gmm_fp8_kernel_schedule=halves_unfenced``: each FP8 kernel step as two
             wgmmas over column halves, the forward's and dgrad's scale reads unfenced
@@ -143,6 +146,8 @@ CASE_OVERRIDES = {
     "ours_fp8": ["gmm_backend=auto", "te_gmm_quantization=te_mxfp8", f"quantization={FP8_DENSE}"],
     "ours_fp8_blockwise": [*FP8_BLOCKWISE],
     "ours_fp8_all": [*FP8_BLOCKWISE, "fp8_min_dim=0"],
+    "ours_fp8_bf16out": [*FP8_BLOCKWISE, "fp8_dot_bf16_output=true"],
+    "ours_fp8_all_bf16out": [*FP8_BLOCKWISE, "fp8_min_dim=0", "fp8_dot_bf16_output=true"],
     "ours_fp8_halves": [*FP8_BLOCKWISE, "gmm_fp8_kernel_schedule=halves_unfenced"],
     "ours_fp8_p96_32": [*FP8_BLOCKWISE, "gmm_fp8_kernel_schedule=p96_32_unfenced"],
     "ours_fp8_xhalves": [*FP8_BLOCKWISE, "gmm_fp8_kernel_schedule=xhalves_unfenced"],

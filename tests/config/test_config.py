@@ -151,6 +151,7 @@ BAD = [
     (["fp8_min_dim=4096"], "fp8_min_dim=4096 (from command line): is set but quantization is ''"),
     (["fp8_min_dim=0"], "fp8_min_dim=0 (from command line): is set but quantization is ''"),
     (["quantization=te_fp8_currentscaling", "fp8_min_dim=-1"], "fp8_min_dim=-1 (from command line): is negative"),
+    (["fp8_dot_bf16_output=true"], "fp8_dot_bf16_output=True (from command line): is true but quantization is ''"),
     (["gmm_fp8_impl=kernel"], "gmm_fp8_impl='kernel' (from command line): has FP8 kernels for te_gmm_quantization=te_fp8_blockwise only"),
     (["te_gmm_quantization=te_mxfp8", "gmm_fp8_impl=kernel"], "got te_gmm_quantization=te_mxfp8; allowed with it: auto or emulate"),
     (["te_gmm_quantization=te_fp8_blockwise", "gmm_fp8_impl=kernel", "hardware=cpu"], "with hardware=cpu only auto or emulate is allowed"),
@@ -276,6 +277,9 @@ def test_fp8_min_dim_default_is_inert_without_fp8_and_checked_when_set(tmp_path)
     fp8 = resolve("quantization=te_fp8_currentscaling").config
     assert fp8.fp8_min_dim == fp8.model().fp8_min_dim == 4096
     assert resolve("quantization=te_fp8_currentscaling", "fp8_min_dim=0").config.model().fp8_min_dim == 0
+    assert not resolve("quantization=te_fp8_currentscaling").config.model().fp8_dot_bf16_output
+    assert resolve("quantization=te_fp8_currentscaling",
+                   "fp8_dot_bf16_output=true").config.model().fp8_dot_bf16_output
     with pytest.raises(ConfigError, match="fp8_min_dim=4096 \\(from environment\\): is set but"):
         resolve(environ={"DROPLESS_FP8_MIN_DIM": "4096"})
     recipe = tmp_path / "recipe.yml"

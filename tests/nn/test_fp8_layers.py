@@ -170,6 +170,18 @@ def test_transformer_min_dim_wiring():
     assert bf16_dense_matmuls(SMALL) == [] and bf16_dense_matmuls_line(SMALL) is None
 
 
+@pytest.mark.parametrize("min_dim", [0, 4096])
+def test_transformer_bf16_output_wiring(min_dim):
+    """fp8_dot_bf16_output reaches every FP8 projection's dot_general, beside fp8_min_dim."""
+    cfg = dataclasses.replace(SMALL, quantization="te_fp8_currentscaling", fp8_min_dim=min_dim,
+                              fp8_dot_bf16_output=True)
+    fns = _dot_generals(nnx.eval_shape(lambda: Transformer(cfg, rngs=nnx.Rngs(0))))
+    want = {"bf16_output": True, **({"min_dim": min_dim} if min_dim else {})}
+    gated = {p for p, f in fns.items() if isinstance(f, functools.partial)
+             and f.func is fp8_dot.fp8_dot_general and f.keywords == want}
+    assert gated == {p for p in fns if "router" not in p and p != "head"}
+
+
 def _preset(name, *overrides):
     return load_config(None, [f"model_name={name}", *overrides], environ={}).config.model()
 

@@ -9,9 +9,18 @@ the derived bound (E4M3 forward operands, E5M2 output gradient)::
     |y^ - y| <= |ex|.|w| + |x|.|ew| + |ex|.|ew| + accumulation,
     e = 2^-(m+1) |v| + 2^-(p+1) s   per element (fp8_reference.element_error_bound)
 
+With ``bf16_output`` (power-of-two scales, 16-bit GEMM outputs): the same bound
+with the model's power-of-two quantization; bfloat16 results equal the float32
+form with those scales bit for bit (round(round(acc) s) == round(acc s) for a
+power-of-two s and normal results), integer-exact data gives the exact product,
+and the program lowered for CUDA asks each FP8 dot for bfloat16.
+
 GPU (marker ``gpu``): the compiled forward and gradient contain cuBLASLt's
-FP8 GEMM custom call.
+FP8 GEMM custom call, writing bfloat16 with ``bf16_output``.
 """
+
+import re
+
 
 import fp8_reference as ref
 import jax
@@ -116,21 +125,31 @@ def _bound(product, a, ea, b, eb, n):
             + _acc(product, abs_a + ea, abs_b + eb, n))
 
 
+def _quantize_pow2(v, fmt):
+    """The NumPy model's power-of-two per-tensor scaling: one block over the whole tensor."""
+    q, s = ref.quantize_blocks(v, v.shape, fmt)
+    return q, np.float32(s.reshape(()))
+
+
+@pytest.mark.parametrize("bf16_output", [False, True])
 @pytest.mark.parametrize("case", sorted(DIMS))
-def test_forward_and_gradients_within_fp8_bound(rng, case):
+def test_forward_and_gradients_within_fp8_bound(rng, case, bf16_output):
+    """With float32 operands ``bf16_output`` changes only the scales (powers of two); the
+    GEMMs still write float32."""
     lshape, rshape, dims = DIMS[case]
     x, w = _operands(rng, lshape, rshape)
     y_shape = jax.eval_shape(lambda a, b: lax.dot_general(a, b, dims), x, w).shape
     g = (rng.standard_normal(y_shape) * np.exp(rng.uniform(-4, 4, y_shape))).astype(np.float32)
 
-    f = jax.jit(lambda a, b: fp8_dot.fp8_dot_general(a, b, dims))
+    f = jax.jit(lambda a, b: fp8_dot.fp8_dot_general(a, b, dims, bf16_output=bf16_output))
     y, vjp = jax.vjp(f, x, w)
     dx, dw = vjp(jnp.asarray(g))
     assert y.dtype == dx.dtype == dw.dtype == jnp.float32
 
-    qx, sx = ref.quantize_tensor(x, ref.E4M3)
-    qw, sw = ref.quantize_tensor(w, ref.E4M3)
-    qg, sg = ref.quantize_tensor(g, ref.E5M2)
+    quantize = _quantize_pow2 if bf16_output else ref.quantize_tensor
+    qx, sx = quantize(x, ref.E4M3)
+    qw, sw = quantize(w, ref.E4M3)
+    qg, sg = quantize(g, ref.E5M2)
     fx, fw, fg = (np.asarray(q, np.float64) * float(s) for q, s in ((qx, sx), (qw, sw), (qg, sg)))
     ex, ew, eg = (ref.element_error_bound(v, np.full((1,) * v.ndim, float(s)), v.shape, fmt)
                   for v, s, fmt in ((x, sx, ref.E4M3), (w, sw, ref.E4M3), (g, sg, ref.E5M2)))
@@ -240,6 +259,164 @@ def test_nonfinite_input_gives_nan_output():
     x = jnp.ones((4, 16)).at[1, 2].set(jnp.inf)
     y = fp8_dot.fp8_dot_general(x, jnp.ones((16, 8)), (((1,), (0,)), ((), ())))
     assert np.isnan(np.asarray(y)).all()
+
+
+LINEAR = (((2,), (0,)), ((), ()))
+
+
+def _bf16_linear_operands(rng, b=4, s=6, k=16, n=8):
+    x, w = (jnp.asarray(v, jnp.bfloat16) for v in _operands(rng, (b, s, k), (k, n)))
+    g = jnp.asarray(rng.standard_normal((b, s, n)) * np.exp(rng.uniform(-4, 4, (b, s, n))),
+                    jnp.bfloat16)
+    return x, w, g
+
+
+def _pow2_float32_form(x, w, g):
+    """The float32-output form written out with power-of-two per-tensor scales (one block
+    over each whole tensor, ``quant.quantize_blocks``): float32 products at HIGHEST, times
+    the scales, cast to bfloat16; the gradients of a [B, S, K] x [K, N] linear."""
+    def dot(a, b, d):
+        return lax.dot_general(a, b, d, precision=lax.Precision.HIGHEST,
+                               preferred_element_type=jnp.float32)
+
+    def q(v, fmt):
+        codes, scales = quant.quantize_blocks(v, v.shape, fmt)
+        return codes, scales.reshape(())
+
+    (qx, sx), (qw, sw), (qg, sg) = q(x, quant.E4M3), q(w, quant.E4M3), q(g, quant.E5M2)
+    y = (dot(qx, qw, LINEAR) * (sx * sw)).astype(jnp.bfloat16)
+    dx = (dot(qg, qw, (((2,), (1,)), ((), ()))) * (sg * sw)).astype(jnp.bfloat16)
+    dw = (dot(qg, qx, (((0, 1), (0, 1)), ((), ()))).T * (sg * sx)).astype(jnp.bfloat16)
+    return y, dx, dw
+
+
+def test_bf16_output_is_the_float32_form_with_pow2_scales_bit_for_bit(rng):
+    """bfloat16 operands and results: ``bf16_output``'s products (a bfloat16 product scaled
+    in bfloat16) equal the float32 form with the same power-of-two scales, forward and both
+    gradients. That holds only if every operand's scale is a power of two (the float32
+    form rounds once after an exact scaling; the bfloat16 one scales an already rounded
+    value) and the codes are those of ``quantize_blocks`` over the whole tensor."""
+    x, w, g = _bf16_linear_operands(rng, k=64, n=32)
+    got = _vjp_outputs(lambda a, b: fp8_dot.fp8_dot_general(a, b, LINEAR, bf16_output=True),
+                       x, w, g)
+    for name, a, b in zip(("y", "dx", "dw"), got, jax.jit(_pow2_float32_form)(x, w, g)):
+        assert a.dtype == b.dtype == jnp.bfloat16, name
+        np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32), name)
+    # Not the default form: its scales are amax / fmax, not powers of two.
+    default = _vjp_outputs(lambda a, b: fp8_dot.fp8_dot_general(a, b, LINEAR), x, w, g)
+    assert not np.array_equal(np.asarray(got[0], np.float32), np.asarray(default[0], np.float32))
+
+
+def _ints(rng, shape):
+    """Integers in [-8, 8] (at most 3 significant bits), the first 8 (so amax is 8)."""
+    v = rng.integers(-8, 9, shape).astype(np.float32)
+    v.flat[0] = 8.0
+    return v
+
+
+def _rounded_bf16(v):
+    return np.asarray(jnp.asarray(v, jnp.float32).astype(jnp.bfloat16), np.float64)
+
+
+def _integer_case(rng, b, s, k, n):
+    """bfloat16 operands x [b, s, k], w [k, n], dy [b, s, n] of ``_ints`` and the exact
+    products (float64) rounded once to bfloat16: y, dx, dw."""
+    x, w, g = _ints(rng, (b, s, k)), _ints(rng, (k, n)), _ints(rng, (b, s, n))
+    want = (np.einsum("bsk,kn->bsn", x.astype(np.float64), w),
+            np.einsum("bsn,kn->bsk", g.astype(np.float64), w),
+            np.einsum("bsk,bsn->kn", x.astype(np.float64), g))
+    return [jnp.asarray(v, jnp.bfloat16) for v in (x, w, g)], [_rounded_bf16(v) for v in want]
+
+
+def test_bf16_output_exact_on_integer_data(rng):
+    """Integer data in [-8, 8] with amax 8: the power-of-two scales are 2^-5 (E4M3:
+    8 <= 448 / 32, 8 > 448 / 64) and 2^-12 (E5M2: 8 <= 57344 / 4096), so every code is the
+    integer times 32 or 4096, exact (3 significant bits fit either format); every sum is an
+    integer below 2^24, exact in float32. So each product is the exact one rounded once to
+    bfloat16 (sums above 256 need not be bfloat16 values)."""
+    operands, want = _integer_case(rng, 4, 2, 4, 6)
+    f = lambda a, b: fp8_dot.fp8_dot_general(a, b, LINEAR, bf16_output=True)  # noqa: E731
+    for name, got, exact in zip(("y", "dx", "dw"), _vjp_outputs(f, *operands), want):
+        np.testing.assert_array_equal(np.asarray(got, np.float64), exact, name)
+
+
+_DOT = re.compile(r"stablehlo\.dot_general .*?: \((tensor<[^>]*>), (tensor<[^>]*>)\) -> (tensor<[^>]*>)")
+
+
+def _cuda_dots(monkeypatch, bf16_output):
+    """(lhs, rhs, result) tensor types of every dot_general in the value and gradient of a
+    bfloat16 linear's sum, traced as on a GPU and lowered for CUDA (no GPU needed)."""
+    monkeypatch.setattr(fp8_dot, "_on_gpu", lambda: True)
+    x, w = jnp.ones((4, 256, 512), jnp.bfloat16), jnp.ones((512, 384), jnp.bfloat16)
+
+    def loss(x, w):
+        y = fp8_dot.fp8_dot_general(x, w, LINEAR, bf16_output=bf16_output)
+        return jnp.sum(y.astype(jnp.float32))
+
+    f = jax.jit(jax.value_and_grad(loss, argnums=(0, 1)))
+    text = jax.export.export(f, platforms=["cuda"])(x, w).mlir_module()
+    return _DOT.findall(text)
+
+
+@pytest.mark.parametrize("bf16_output", [False, True])
+def test_cuda_program_asks_the_fp8_dots_for_bf16_with_bf16_output(monkeypatch, bf16_output):
+    """What the GPU compiles: three FP8 x FP8 dots (forward, dgrad, wgrad) and no other
+    dot; with ``bf16_output`` each writes bfloat16 (cuBLASLt's D), without it float32."""
+    dots = _cuda_dots(monkeypatch, bf16_output)
+    assert len(dots) == 3, dots
+    want = "bf16" if bf16_output else "f32"
+    for lhs, rhs, out in dots:
+        assert "f8E" in lhs and "f8E" in rhs, (lhs, rhs)
+        assert out.endswith(f"x{want}>"), out
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(jax.default_backend() != "gpu", reason="needs a CUDA GPU with FP8 (sm_89+)")
+def test_bf16_output_compiles_to_cublaslt_fp8_gemm_writing_bf16(rng):
+    """``bf16_output`` on the GPU: every FP8 GEMM of the value and gradient is a
+    ``__cublas$lt$matmul$f8`` call whose result is bfloat16.
+
+    Values against the float32 form with the same power-of-two scales
+    (``_pow2_float32_form``), both on the GPU. On integer data (``_integer_case``, every
+    sum exact in float32) both are the exact product rounded once: equal bit for bit. On
+    random data the same codes and scales give the same products; the two differ in
+    cuBLASLt's float32 accumulation order (each sum of n terms within (n - 1) 2^-24
+    sum |a b| of the exact one) and then in rounding to bfloat16 (each within 2^-9 of its
+    float32 value, relative). So, with P = (|qa| . |qb|) s the scaled sum of magnitudes,
+    |a - b| <= 2^-9 (|a| + |b|) + 2 (n - 1) 2^-24 P (1 + 2^-9).
+    """
+    x, w, g = _bf16_linear_operands(rng, b=2, s=256, k=512, n=384)
+    fn = lambda a, b: fp8_dot.fp8_dot_general(a, b, LINEAR, bf16_output=True)  # noqa: E731
+
+    def loss(x, w):
+        return jnp.sum(fn(x, w).astype(jnp.float32))
+
+    text = jax.jit(jax.value_and_grad(loss, argnums=(0, 1))).lower(x, w).compile().as_text()
+    calls = [line for line in text.splitlines()
+             if "__cublas$lt$matmul$f8" in line and "custom-call(" in line]
+    assert len(calls) >= 3, text[:4000]
+    assert all(re.search(r"= \(bf16\[", line) for line in calls), calls
+
+    def dequantized(v, fmt):
+        codes, scales = quant.quantize_blocks(v, v.shape, fmt)
+        return np.abs(np.asarray(codes, np.float64)) * float(scales.reshape(()))
+
+    ax, aw, ag = dequantized(x, quant.E4M3), dequantized(w, quant.E4M3), dequantized(g, quant.E5M2)
+    magnitudes = {"y": (np.einsum("bsk,kn->bsn", ax, aw), 512),
+                  "dx": (np.einsum("bsn,kn->bsk", ag, aw), 384),
+                  "dw": (np.einsum("bsk,bsn->kn", ax, ag), 512)}
+    got, want = _vjp_outputs(fn, x, w, g), jax.jit(_pow2_float32_form)(x, w, g)
+    for name, a, b in zip(("y", "dx", "dw"), got, want):
+        a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+        p, n = magnitudes[name]
+        bound = 2.0**-9 * (np.abs(a) + np.abs(b)) + 2 * (n - 1) * 2.0**-24 * p * (1 + 2.0**-9)
+        assert np.all(np.abs(a - b) <= bound), name
+
+    operands, exact = _integer_case(rng, 2, 256, 16, 384)
+    for name, a, b, e in zip(("y", "dx", "dw"), _vjp_outputs(fn, *operands),
+                             jax.jit(_pow2_float32_form)(*operands), exact):
+        np.testing.assert_array_equal(np.asarray(a, np.float64), np.asarray(b, np.float64), name)
+        np.testing.assert_array_equal(np.asarray(a, np.float64), e, name)
 
 
 @pytest.mark.gpu

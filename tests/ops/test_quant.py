@@ -146,6 +146,29 @@ def test_quantize_tensor_zero_tiny_and_nonfinite():
         assert np.all(np.isnan(np.asarray(dequantize_tensor(q, s))))
 
 
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+@pytest.mark.parametrize("fmt", [ref.E4M3, ref.E5M2])
+def test_quantize_tensor_pow2_is_one_block_over_the_whole_tensor(rng, fmt, dtype):
+    """``pow2=True`` (``fp8_dot_bf16_output``'s scaling): the NumPy model's blockwise
+    power-of-two scaling with one block of the tensor's shape, bit for bit, codes and
+    scale; the zero tensor, float32 subnormals (read as zero), a NaN and an infinity too.
+    The scale is a power of two at most twice the exact amax / fmax."""
+    x = _wide_random(rng, (64, 48)).astype(dtype)
+    x[0, :3] = np.array([1e-40, -3e-39, 0.0], np.float32).astype(dtype)
+    for v in (x, np.zeros((3, 5), dtype), np.array([1.0, np.nan, 2.0], dtype),
+              np.array([1.0, -np.inf], dtype)):
+        q, s = jax.jit(quant.quantize_tensor, static_argnames=("dtype", "pow2"))(
+            v, jnp.dtype(fmt), pow2=True)
+        want_q, want_s = ref.quantize_blocks(np.asarray(v, np.float32), v.shape, fmt)
+        assert s.shape == () and s.dtype == jnp.float32
+        np.testing.assert_array_equal(np.asarray(s), want_s.reshape(()))
+        np.testing.assert_array_equal(ref.codes(np.asarray(q)), ref.codes(want_q))
+    _, s = quant.quantize_tensor(x, jnp.dtype(fmt), pow2=True)
+    amax = np.max(np.abs(np.asarray(x, np.float64)))
+    assert float(s) == 2.0 ** np.round(np.log2(float(s)))
+    assert amax / ref.FMAX[fmt] <= float(s) < 2 * amax / ref.FMAX[fmt]
+
+
 # ----------------------------------------------------------------------------
 # Blockwise (power-of-two float32 scales).
 

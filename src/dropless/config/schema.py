@@ -137,6 +137,7 @@ class Config(BaseModel):
     quantization: Literal["", "te_fp8_currentscaling"] = _f("", "Dense-matmul quantization ('' = bf16/fp32 as dtype; te_fp8_currentscaling: attention projections, dense MLP and shared experts in FP8 with per-tensor current scaling).")
     quantize_output_head: bool = _f(False, "With quantization=te_fp8_currentscaling, compute the output head in FP8 too.")
     fp8_min_dim: int = _f(4096, "With quantization=te_fp8_currentscaling: dense matmuls whose contraction size K or output width N is below this stay bf16, and the run says which at start (0: all in FP8, as MaxText and Transformer Engine do). 4096 keeps the proxy's narrow projections in bf16 (MLA's wq_a/wq_b/wkv_a/wkv_b, N or K 512-1536, and the shared experts at 2048, whose FP8 forms ran at 0.57-0.97x bf16 on an H200, fp8_dense-20261202-001951). Proxy step on one H200: scan layers 471.4 TFLOPS/device against 463.3 for all-FP8 and 436.4 for bf16 (1.080x against 1.062x bf16, step-20261202-045852); unrolled 503.8 against 484.5 bf16 (1.040x, step-20261202-050929). Setting it without quantization=te_fp8_currentscaling is an error; the default is then inert.")
+    fp8_dot_bf16_output: bool = _f(False, "With quantization=te_fp8_currentscaling: the FP8 dense GEMMs write their bfloat16 results directly (cuBLASLt's output in bfloat16, scaled there) instead of float32 and then a scale-and-convert pass, and every operand of them gets a power-of-two per-tensor scale (Transformer Engine's force_pow_2_scales), which makes the bfloat16 scaling exact: the same bits as float32 outputs with those scales, the accumulator rounded once. Saves 8 of every 10 bytes of output traffic per FP8 dense product (about 12.6 GB per deepseek3-proxy step). Off until timed on the GPU (benchmarks/notes/fp8.md). Setting it without quantization=te_fp8_currentscaling is an error.")
 
     # --- Remat / offload -------------------------------------------------------
     remat_policy: Literal["full", "minimal", "save_dot_except_mlp", "custom", "none"] = _f("full", "Activation rematerialisation policy.")
@@ -388,6 +389,8 @@ def _check_contradictions(c: Config):
     # Only a value the user gave: the default (4096) is inert without FP8.
     if "fp8_min_dim" in c.model_fields_set and c.quantization != "te_fp8_currentscaling":
         bad("fp8_min_dim", "is set but quantization is '' (set quantization=te_fp8_currentscaling, or leave fp8_min_dim out)")
+    if c.fp8_dot_bf16_output and c.quantization != "te_fp8_currentscaling":
+        bad("fp8_dot_bf16_output", f"is true but quantization is {c.quantization!r} (set quantization=te_fp8_currentscaling, or leave fp8_dot_bf16_output out)")
     for axis in ("data", "fsdp", "expert", "tensor"):
         for kind in ("ici", "dcn"):
             key = f"{kind}_{axis}_parallelism"

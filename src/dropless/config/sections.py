@@ -108,6 +108,7 @@ class ModelConfig:
     quantization: str = _d("quantization")  # "" (bf16) | te_fp8_currentscaling
     quantize_output_head: bool = _d("quantize_output_head")  # the output head in FP8 too (with te_fp8_currentscaling)
     fp8_min_dim: int = _d("fp8_min_dim")  # dense matmuls with K or N below it stay bf16 under FP8 (inert without)
+    fp8_dot_bf16_output: bool = _d("fp8_dot_bf16_output")  # FP8 dense GEMMs write bf16, power-of-two scales
     attention_type: str = _d("attention_type")  # mla (reads ``mla``) | gqa (reads ``gqa``)
     mla: MLAConfig = dataclasses.field(default_factory=MLAConfig)
     gqa: GQAConfig = dataclasses.field(default_factory=GQAConfig)

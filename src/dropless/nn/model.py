@@ -58,12 +58,13 @@ SUPPORTED_QUANTIZATION = ("", "te_fp8_currentscaling")
 ATTENTION_TYPES = ("mla", "gqa")
 
 
-def dense_dot_general(quantization: str, min_dim: int = 0):
+def dense_dot_general(quantization: str, min_dim: int = 0, bf16_output: bool = False):
     """The ``dot_general`` of the dense projections for ``quantization`` (None: plain).
 
-    ``min_dim``: ``fp8_dot_general``'s ``min_dim`` (products narrower than this
-    stay plain); unused without FP8 (the config refuses a ``fp8_min_dim`` set
-    without it, and its default is inert).
+    ``min_dim`` and ``bf16_output``: ``fp8_dot_general``'s (products narrower than
+    ``min_dim`` stay plain; ``bf16_output``: power-of-two scales and 16-bit GEMM
+    outputs, config key ``fp8_dot_bf16_output``); unused without FP8 (the config
+    refuses either set without it, and their defaults are inert).
 
     Raises:
       ValueError: an unknown quantization.
@@ -72,7 +73,8 @@ def dense_dot_general(quantization: str, min_dim: int = 0):
         raise ValueError(f"quantization={quantization!r} is not one of {SUPPORTED_QUANTIZATION}")
     if quantization != "te_fp8_currentscaling":
         return None
-    return functools.partial(fp8_dot_general, min_dim=min_dim) if min_dim else fp8_dot_general
+    keywords = {k: v for k, v in (("min_dim", min_dim), ("bf16_output", bf16_output)) if v}
+    return functools.partial(fp8_dot_general, **keywords) if keywords else fp8_dot_general
 
 
 def bf16_dense_matmuls(cfg: ModelConfig) -> list[tuple[str, int, int]]:
@@ -179,7 +181,7 @@ class DecoderLayer(nnx.Module):
     def __init__(self, cfg: ModelConfig, *, moe: bool, rngs: nnx.Rngs,
                  ep: ExpertParallel | None = None):
         dtype, param_dtype = jnp.dtype(cfg.dtype), jnp.dtype(cfg.weight_dtype)
-        dot_general = dense_dot_general(cfg.quantization, cfg.fp8_min_dim)
+        dot_general = dense_dot_general(cfg.quantization, cfg.fp8_min_dim, cfg.fp8_dot_bf16_output)
         self.is_moe = moe
         self.pre_attention_norm = _norm(cfg, rngs)
         self.attention = make_attention(cfg, rngs=rngs, dot_general=dot_general)
@@ -289,7 +291,7 @@ class Transformer(nnx.Module):
             )
         if cfg.mtp_num_layers < 0:
             raise ValueError(f"mtp_num_layers={cfg.mtp_num_layers} must be >= 0")
-        dot_general = dense_dot_general(cfg.quantization, cfg.fp8_min_dim)  # raises for an unknown value
+        dot_general = dense_dot_general(cfg.quantization, cfg.fp8_min_dim, cfg.fp8_dot_bf16_output)  # raises for an unknown value
         if cfg.quantize_output_head and dot_general is None:
             raise ValueError("quantize_output_head=True needs quantization='te_fp8_currentscaling'")
         head_dot_general = dot_general if cfg.quantize_output_head else None

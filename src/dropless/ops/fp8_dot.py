@@ -46,6 +46,23 @@ compiled a plain ``dot`` writing float32, no ``__cublas$lt$matmul$f8``
 against the direct form's 1.062x (step-20261202-045852). So the direct form
 is the only one.
 
+``bf16_output`` (config key ``fp8_dot_bf16_output``; opt-in until timed on the
+GPU) keeps the direct form and asks its dot for the 16-bit result dtype
+(``preferred_element_type``): XLA's rewriter then builds the cuBLASLt FP8 call
+with D in that dtype (its D types are bfloat16, float16, float32 and the FP8
+ones), and a multiply of that call by a broadcast scalar is what it folds into
+the call as a scale (``F8ScaleD``). That multiply is in bfloat16, exact only for
+a power-of-two scale, so with ``bf16_output`` every operand gets a power-of-two
+per-tensor scale (``quant.quantize_tensor(pow2=True)``, Transformer Engine's
+``force_pow_2_scales``; up to one binade of FP8 range unused). Then, for normal
+results, round(round(acc) s) == round(acc s): the same bits as the float32 form
+with those scales (the float32 accumulator rounded once, tested on CPU), where
+the float32 form writes 4 bytes per element and a pass reads them and writes 2.
+In the proxy's FP8 step those float32 outputs came to about 12.6 GB of traffic
+(``benchmarks/notes/fp8_hlo.md``, Q3). The scale multiply sits next to its GEMM
+in every product (before the gradients' transposes). Products with float32
+results keep float32 GEMM outputs.
+
 Numerics (checked in tests/ops/test_fp8_dot.py against float64): with u the
 unit roundoff of the operand formats (E4M3 2^-4, E5M2 2^-3), each product is
 the exact product of the quantized operands up to float32 accumulation, and
@@ -71,9 +88,14 @@ GRAD_DTYPE = quant.E5M2
 CODES_NAME = "fp8_dot_codes"
 
 
+def _on_gpu():
+    """Whether the products are traced for a GPU (the backend jax computes on)."""
+    return jax.default_backend() == "gpu"
+
+
 def _precision():
     """FP8 x FP8 -> float32 accumulation: the explicit algorithm on GPU, HIGHEST elsewhere."""
-    if jax.default_backend() == "gpu":
+    if _on_gpu():
         return lax.DotAlgorithmPreset.ANY_F8_ANY_F8_F32
     return lax.Precision.HIGHEST
 
@@ -83,37 +105,51 @@ def _remaining(ndim, *used):
     return [d for d in range(ndim) if d not in taken]
 
 
-def _dot(a, b, dims, out_sharding=None):
-    """The direct FP8 product: FP8 codes in, float32 out."""
-    return lax.dot_general(a, b, dims, precision=_precision(),
-                           preferred_element_type=jnp.float32, out_sharding=out_sharding)
+def _dot(a, b, dims, out_sharding=None, out_dtype=jnp.float32):
+    """The direct FP8 product: FP8 codes in, float32 accumulation, ``out_dtype`` out.
+
+    A 16-bit ``out_dtype`` is the GEMM's own output (cuBLASLt's D) on a GPU: the
+    float32 accumulator rounded once. Elsewhere the same is spelled as the float32
+    product cast (XLA:CPU runs a bfloat16-output dot of upcast codes with bfloat16
+    results, which differs).
+    """
+    out_dtype = jnp.dtype(out_dtype)
+    direct = out_dtype == jnp.float32 or _on_gpu()
+    out = lax.dot_general(a, b, dims, precision=_precision(),
+                          preferred_element_type=out_dtype if direct else jnp.float32,
+                          out_sharding=out_sharding)
+    return out if direct else out.astype(out_dtype)
 
 
-def transpose_lhs(g, rhs, dims, lhs_ndim):
+def transpose_lhs(g, rhs, dims, lhs_ndim, out_dtype=jnp.float32, scale=None):
     """Cotangent of the lhs of ``dot_general(lhs, rhs, dims)`` given the output cotangent g.
 
     g has the output layout [batch..., lhs kept..., rhs kept...]; the result
-    has lhs's layout, in float32.
+    has lhs's layout, in ``out_dtype`` (the product's, ``_dot``), times ``scale``
+    if given (applied before the transpose, next to the GEMM).
     """
     (lc, rc), (lb, rb) = dims
     l_kept = _remaining(lhs_ndim, lc, lb)
     r_kept = _remaining(rhs.ndim, rc, rb)
     nb = len(lb)
     g_rkept = list(range(nb + len(l_kept), g.ndim))
-    out = _dot(g, rhs, ((g_rkept, r_kept), (list(range(nb)), list(rb))))
+    out = _dot(g, rhs, ((g_rkept, r_kept), (list(range(nb)), list(rb))), out_dtype=out_dtype)
+    out = out if scale is None else out * scale
     # out: [batch..., lhs kept..., rhs contracting axes in rhs order] -> lhs axes.
     contract_in_rhs_order = [lc[list(rc).index(a)] for a in sorted(rc)]
     return lax.transpose(out, tuple(np.argsort(list(lb) + l_kept + contract_in_rhs_order)))
 
 
-def transpose_rhs(g, lhs, dims, rhs_ndim):
-    """Cotangent of the rhs of ``dot_general(lhs, rhs, dims)``; float32, rhs's layout."""
+def transpose_rhs(g, lhs, dims, rhs_ndim, out_dtype=jnp.float32, scale=None):
+    """Cotangent of the rhs of ``dot_general(lhs, rhs, dims)`` in rhs's layout; ``out_dtype``
+    and ``scale`` as for ``transpose_lhs``."""
     (lc, rc), (lb, rb) = dims
     l_kept = _remaining(lhs.ndim, lc, lb)
     r_kept = _remaining(rhs_ndim, rc, rb)
     nb = len(lb)
     g_lkept = list(range(nb, nb + len(l_kept)))
-    out = _dot(g, lhs, ((g_lkept, l_kept), (list(range(nb)), list(lb))))
+    out = _dot(g, lhs, ((g_lkept, l_kept), (list(range(nb)), list(lb))), out_dtype=out_dtype)
+    out = out if scale is None else out * scale
     # out: [batch..., rhs kept..., lhs contracting axes in lhs order] -> rhs axes.
     contract_in_lhs_order = [rc[list(lc).index(a)] for a in sorted(lc)]
     return lax.transpose(out, tuple(np.argsort(list(rb) + r_kept + contract_in_lhs_order)))
@@ -124,16 +160,35 @@ def _canonical(dims):
     return ((tuple(lc), tuple(rc)), (tuple(lb), tuple(rb)))
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3, 4))
-def _fp8_dot(lhs, rhs, dims, out_dtype, out_sharding):
-    y, _ = _fp8_dot_fwd(lhs, rhs, dims, out_dtype, out_sharding)
+def _writes_directly(dtype, bf16_output):
+    """Whether a product with result ``dtype`` is written by the GEMM itself, scaled in
+    ``dtype`` (``bf16_output`` and a 16-bit float result; the module docstring)."""
+    return bf16_output and jnp.dtype(dtype).itemsize == 2
+
+
+def _scaled(q_a, q_b, s, dtype, bf16_output, product):
+    """``product(q_a, q_b, out_dtype, scale)`` times the scale ``s``, in ``dtype``."""
+    if _writes_directly(dtype, bf16_output):
+        # s is a power of two: exact in dtype, and round(round(acc) * s) == round(acc * s).
+        return product(q_a, q_b, dtype, s.astype(dtype))
+    return (product(q_a, q_b, jnp.float32, None) * s).astype(dtype)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3, 4, 5))
+def _fp8_dot(lhs, rhs, dims, out_dtype, out_sharding, bf16_output):
+    y, _ = _fp8_dot_fwd(lhs, rhs, dims, out_dtype, out_sharding, bf16_output)
     return y
 
 
-def _fp8_dot_fwd(lhs, rhs, dims, out_dtype, out_sharding):
-    q_l, s_l = quant.quantize_tensor(lhs, FWD_DTYPE)
-    q_r, s_r = quant.quantize_tensor(rhs, FWD_DTYPE)
-    y = (_dot(q_l, q_r, dims, out_sharding) * (s_l * s_r)).astype(out_dtype)
+def _fp8_dot_fwd(lhs, rhs, dims, out_dtype, out_sharding, bf16_output):
+    q_l, s_l = quant.quantize_tensor(lhs, FWD_DTYPE, pow2=bf16_output)
+    q_r, s_r = quant.quantize_tensor(rhs, FWD_DTYPE, pow2=bf16_output)
+
+    def forward(a, b, dtype, scale):
+        y = _dot(a, b, dims, out_sharding, dtype)
+        return y if scale is None else y * scale
+
+    y = _scaled(q_l, q_r, s_l * s_r, out_dtype, bf16_output, forward)
     # The backward's operands, named so a remat policy can keep them (``minimal`` does:
     # one byte per element) instead of recomputing both inputs and quantizing them again
     # (an amax and a cast pass over each) when the backward pass recomputes the layer.
@@ -143,12 +198,14 @@ def _fp8_dot_fwd(lhs, rhs, dims, out_dtype, out_sharding):
     return y, (q_l, s_l, q_r, s_r, dtypes)
 
 
-def _fp8_dot_bwd(dims, out_dtype, out_sharding, res, g):
+def _fp8_dot_bwd(dims, out_dtype, out_sharding, bf16_output, res, g):
     q_l, s_l, q_r, s_r, (lhs_like, rhs_like) = res
-    q_g, s_g = quant.quantize_tensor(g, GRAD_DTYPE)
-    d_lhs = transpose_lhs(q_g, q_r, dims, q_l.ndim) * (s_g * s_r)
-    d_rhs = transpose_rhs(q_g, q_l, dims, q_r.ndim) * (s_g * s_l)
-    return d_lhs.astype(lhs_like.dtype), d_rhs.astype(rhs_like.dtype)
+    q_g, s_g = quant.quantize_tensor(g, GRAD_DTYPE, pow2=bf16_output)
+    d_lhs = _scaled(q_g, q_r, s_g * s_r, lhs_like.dtype, bf16_output,
+                    lambda a, b, dt, sc: transpose_lhs(a, b, dims, q_l.ndim, dt, sc))
+    d_rhs = _scaled(q_g, q_l, s_g * s_l, rhs_like.dtype, bf16_output,
+                    lambda a, b, dt, sc: transpose_rhs(a, b, dims, q_r.ndim, dt, sc))
+    return d_lhs, d_rhs
 
 
 _fp8_dot.defvjp(_fp8_dot_fwd, _fp8_dot_bwd)
@@ -161,7 +218,7 @@ def stays_plain(k: int, n: int, min_dim: int) -> bool:
 
 
 def fp8_dot_general(lhs, rhs, dimension_numbers, precision=None, preferred_element_type=None,
-                    out_sharding=None, min_dim=0):
+                    out_sharding=None, min_dim=0, bf16_output=False):
     """``lax.dot_general`` computed in FP8 with per-tensor current scaling.
 
     Args:
@@ -179,6 +236,11 @@ def fp8_dot_general(lhs, rhs, dimension_numbers, precision=None, preferred_eleme
         and the shared experts were 0.57-0.97x their bf16 time
         (``fp8_dense-20261202-001951``: quantization passes cost more than the
         GEMM saves at these sizes). 0 quantizes every product.
+      bf16_output: power-of-two scales for every operand, and each product whose
+        result is a 16-bit float (bfloat16 activations, weights and gradients)
+        written by the FP8 GEMM in that dtype and scaled in it, instead of float32
+        then a scale-and-convert pass (config key ``fp8_dot_bf16_output``; module
+        docstring). Products with float32 results keep float32 GEMM outputs.
 
     Returns:
       The product in ``preferred_element_type``. Differentiable in lhs and rhs
@@ -201,4 +263,4 @@ def fp8_dot_general(lhs, rhs, dimension_numbers, precision=None, preferred_eleme
     out_dtype = jnp.dtype(preferred_element_type or jnp.promote_types(lhs.dtype, rhs.dtype))
     # Let lax check the shapes (and raise its usual errors) before quantizing.
     jax.eval_shape(functools.partial(lax.dot_general, dimension_numbers=dims), lhs, rhs)
-    return _fp8_dot(lhs, rhs, dims, out_dtype, out_sharding)
+    return _fp8_dot(lhs, rhs, dims, out_dtype, out_sharding, bool(bf16_output))

@@ -141,23 +141,32 @@ def _nan_max(v, axis=None):
 
 
 @jax.named_scope(QUANT_SCOPE)
-def quantize_tensor(x, dtype=E4M3):
+def quantize_tensor(x, dtype=E4M3, pow2=False):
     """Per-tensor current scaling: ``(q, scale)`` with ``x ~= q * scale``.
 
     Args:
       x: any shape, any float dtype.
       dtype: E4M3 (default) or E5M2.
+      pow2: round the scale up to a power of two (``pow2_scale_parts``, as
+        ``quantize_blocks`` with one block over the whole tensor; Transformer
+        Engine's ``force_pow_2_scales``): then multiplying by the scale is exact
+        in any float format, bfloat16 included, at the cost of up to one
+        binade of FP8 range left unused.
 
     Returns:
       q: x's shape in ``dtype``, ``sat(x * inv)`` with ``inv = min(fmax / amax,
-      2^126)`` in float32; scale: [] float32 ``1 / inv`` (1 when amax = 0, NaN
-      when x holds a NaN or infinity).
+      2^126)`` in float32 (with ``pow2``: ``2^-k``, k the smallest with amax <=
+      fmax 2^k); scale: [] float32 ``1 / inv`` (1 when amax = 0, NaN when x
+      holds a NaN or infinity).
 
     Raises:
       ValueError: ``dtype`` is not an FP8 dtype.
     """
     fmax = fp8_max(dtype)
     amax = _tensor_amax(x) if x.size else jnp.float32(0)
+    if pow2:
+        scale, inv = pow2_scale_parts(amax, dtype)
+        return _saturate(_read(x) * inv, dtype), scale
     # Multiply by the inverse, as Transformer Engine does: XLA rewrites a division
     # by a broadcast scalar into a multiplication anyway, so this is what runs.
     # The cap keeps 1 / inv a float32 normal (a subnormal scale would flush to 0).
