@@ -59,9 +59,11 @@ results, round(round(acc) s) == round(acc s): the same bits as the float32 form
 with those scales (the float32 accumulator rounded once, tested on CPU), where
 the float32 form writes 4 bytes per element and a pass reads them and writes 2.
 In the proxy's FP8 step those float32 outputs came to about 12.6 GB of traffic
-(``benchmarks/notes/fp8_hlo.md``, Q3). The scale multiply sits next to its GEMM
-in every product (before the gradients' transposes). Products with float32
-results keep float32 GEMM outputs.
+(``benchmarks/notes/fp8_hlo.md``, Q3). In the optimized HLO for an H200 (compiled
+without a GPU, ``tools/compile_for_gpu.py``) each of the three products is one
+``__cublas$lt$matmul$f8`` call writing bfloat16 with the scale as its operand and
+nothing after it, where the float32 form has a convert pass after each call.
+Products with float32 results keep float32 GEMM outputs.
 
 Numerics (checked in tests/ops/test_fp8_dot.py against float64): with u the
 unit roundoff of the operand formats (E4M3 2^-4, E5M2 2^-3), each product is
@@ -126,7 +128,9 @@ def transpose_lhs(g, rhs, dims, lhs_ndim, out_dtype=jnp.float32, scale=None):
 
     g has the output layout [batch..., lhs kept..., rhs kept...]; the result
     has lhs's layout, in ``out_dtype`` (the product's, ``_dot``), times ``scale``
-    if given (applied before the transpose, next to the GEMM).
+    if given (after the transpose, as the float32 form scales: the H200's compiled
+    HLO then has the multiply folded into the FP8 GEMM call; before the transpose
+    it stayed a pass of its own in the wgrad).
     """
     (lc, rc), (lb, rb) = dims
     l_kept = _remaining(lhs_ndim, lc, lb)
@@ -134,10 +138,10 @@ def transpose_lhs(g, rhs, dims, lhs_ndim, out_dtype=jnp.float32, scale=None):
     nb = len(lb)
     g_rkept = list(range(nb + len(l_kept), g.ndim))
     out = _dot(g, rhs, ((g_rkept, r_kept), (list(range(nb)), list(rb))), out_dtype=out_dtype)
-    out = out if scale is None else out * scale
     # out: [batch..., lhs kept..., rhs contracting axes in rhs order] -> lhs axes.
     contract_in_rhs_order = [lc[list(rc).index(a)] for a in sorted(rc)]
-    return lax.transpose(out, tuple(np.argsort(list(lb) + l_kept + contract_in_rhs_order)))
+    out = lax.transpose(out, tuple(np.argsort(list(lb) + l_kept + contract_in_rhs_order)))
+    return out if scale is None else out * scale
 
 
 def transpose_rhs(g, lhs, dims, rhs_ndim, out_dtype=jnp.float32, scale=None):
@@ -149,10 +153,10 @@ def transpose_rhs(g, lhs, dims, rhs_ndim, out_dtype=jnp.float32, scale=None):
     nb = len(lb)
     g_lkept = list(range(nb, nb + len(l_kept)))
     out = _dot(g, lhs, ((g_lkept, l_kept), (list(range(nb)), list(lb))), out_dtype=out_dtype)
-    out = out if scale is None else out * scale
     # out: [batch..., rhs kept..., lhs contracting axes in lhs order] -> rhs axes.
     contract_in_lhs_order = [rc[list(lc).index(a)] for a in sorted(lc)]
-    return lax.transpose(out, tuple(np.argsort(list(rb) + r_kept + contract_in_lhs_order)))
+    out = lax.transpose(out, tuple(np.argsort(list(rb) + r_kept + contract_in_lhs_order)))
+    return out if scale is None else out * scale
 
 
 def _canonical(dims):
