@@ -9,7 +9,7 @@ CUDA_STAMP = $(VENV)/.installed-cuda
 ARGS   ?=
 PYTEST_ARGS ?=
 
-.PHONY: train test venv clean wheels
+.PHONY: train test venv clean wheels gpu-compile-venv test-gpu-compile
 
 venv: $(STAMP)
 
@@ -44,9 +44,25 @@ PYTEST_WORKERS ?= 2
 test: $(STAMP)
 	JAX_PLATFORMS=cpu $(PY) -m pytest -q -n $(PYTEST_WORKERS) --dist worksteal $(PYTEST_ARGS)
 
+# A second venv with jax's CUDA plugin (no NVIDIA libraries): XLA:GPU's optimized HLO
+# for an H200 on a host without a GPU (dropless.perf.gpu_compile, tests marked
+# gpu_compile). Kept apart from .venv, whose jax must stay CPU-only here.
+GC_VENV = .venv-gpucompile
+gpu-compile-venv: $(GC_VENV)/.installed
+
+$(GC_VENV)/.installed: pyproject.toml
+	@set -e; \
+	if [ ! -x "$(GC_VENV)/bin/python" ]; then "$$(./tools/find_python.sh)" -m venv "$(GC_VENV)"; fi; \
+	"$(GC_VENV)/bin/python" -m pip install -q --upgrade pip; \
+	"$(GC_VENV)/bin/python" -m pip install -q -e ".[test,gpu-compile]"; \
+	touch "$@"
+
+test-gpu-compile: gpu-compile-venv
+	JAX_PLATFORMS=cpu $(GC_VENV)/bin/python -m pytest -q -m gpu_compile $(PYTEST_ARGS)
+
 # Wheels the GPU machine lacks (it has no internet); carried with device runs.
 wheels:
 	./tools/device_wheels.sh
 
 clean:
-	rm -rf $(VENV) build src/*.egg-info .pytest_cache
+	rm -rf $(VENV) $(GC_VENV) build src/*.egg-info .pytest_cache
