@@ -38,7 +38,10 @@ def plugin_installed() -> bool:
     """Whether jax's CUDA 13 plugin can be imported (the ``gpu-compile`` extra)."""
     import importlib.util
 
-    return importlib.util.find_spec("jax_plugins.xla_cuda13") is not None
+    try:
+        return importlib.util.find_spec("jax_plugins.xla_cuda13") is not None
+    except ModuleNotFoundError:  # no jax_plugins package at all
+        return False
 
 
 @contextlib.contextmanager

@@ -1,0 +1,99 @@
+"""perf.gpu_compile: XLA:GPU's optimized HLO for an H200, compiled without a GPU.
+
+Marker ``gpu_compile`` (``make test-gpu-compile``; skipped where jax's CUDA plugin
+is not installed): what the H200 compiles for the FP8 dense products, at the
+proxy's ``mla.wo`` shape (x [2, 4096, 16384] . w [16384, 7168], bf16):
+- ``fp8_dot_bf16_output``: the forward, dgrad and wgrad are three
+  ``__cublas$lt$matmul$f8`` calls writing bfloat16, each with its scale as an
+  operand (not the constant 1), and no fusion reads their results (they are the
+  outputs);
+- the float32 form: the same three calls writing float32, each followed by a
+  convert fusion (the 8 bytes per element ``fp8_dot_bf16_output`` saves).
+
+Without the plugin (CI): the command line refuses with exit code 2 and one line.
+"""
+
+import re
+
+import jax
+import jax.numpy as jnp
+import pytest
+
+from dropless.ops import fp8_dot
+from dropless.perf import gpu_compile
+
+needs_plugin = pytest.mark.skipif(not gpu_compile.plugin_installed(),
+                                  reason="needs jax's CUDA plugin (make gpu-compile-venv)")
+DIMS = (((2,), (0,)), ((), ()))
+ARGS = (jax.ShapeDtypeStruct((2, 4096, 16384), jnp.bfloat16),
+        jax.ShapeDtypeStruct((16384, 7168), jnp.bfloat16),
+        jax.ShapeDtypeStruct((2, 4096, 7168), jnp.bfloat16))
+_CALL = re.compile(r"%(\S+) = \((\w+)\[[^\]]*\]\{[^}]*\}, s8\[\d+\]\{0\}\) custom-call\(([^)]*)\), "
+                   r'custom_call_target="__cublas\$lt\$matmul\$f8"')
+
+
+def _linear_value_and_grads(bf16_output):
+    def fn(x, w, dy):
+        y, vjp = jax.vjp(lambda x, w: fp8_dot.fp8_dot_general(x, w, DIMS, bf16_output=bf16_output),
+                         x, w)
+        return (y, *vjp(dy))
+
+    return fn
+
+
+def _entry(text):
+    return text[text.index("\nENTRY "):]
+
+
+def _fp8_calls(text):
+    """(name, result dtype, operands) of each cuBLASLt FP8 GEMM call in the entry computation."""
+    return [(m.group(1), m.group(2), [o.strip() for o in m.group(3).split(",")])
+            for m in _CALL.finditer(_entry(text))]
+
+
+def _readers(text, name):
+    """Entry instructions that read the call ``name``'s result (its get-tuple-element)."""
+    entry = _entry(text)
+    gtes = re.findall(rf"%(\S+) = \S+ get-tuple-element\(%{re.escape(name)}\), index=0", entry)
+    return [line.strip() for g in gtes for line in entry.splitlines()
+            if re.search(rf"\(.*%{re.escape(g)}[,)]", line) and "bitcast(" not in line
+            and not line.strip().startswith("ROOT")]
+
+
+@needs_plugin
+@pytest.mark.gpu_compile
+def test_bf16_output_is_three_fp8_gemms_writing_bf16_with_the_scale_folded():
+    text = gpu_compile.compile_text(_linear_value_and_grads(True), *ARGS)
+    calls = _fp8_calls(text)
+    assert len(calls) == 3, text[-6000:]
+    for name, dtype, operands in calls:
+        assert dtype == "bf16", (name, dtype)
+        assert "constant" not in operands[2], (name, operands)  # the product's scale
+        assert _readers(text, name) == [], (name, _readers(text, name))
+
+
+@needs_plugin
+@pytest.mark.gpu_compile
+def test_float32_form_converts_after_each_fp8_gemm():
+    text = gpu_compile.compile_text(_linear_value_and_grads(False), *ARGS)
+    calls = _fp8_calls(text)
+    assert len(calls) == 3, text[-6000:]
+    for name, dtype, _ in calls:
+        assert dtype == "f32", (name, dtype)
+        readers = _readers(text, name)
+        assert len(readers) == 1 and "convert" in readers[0], (name, readers)
+
+
+def test_command_line_errors_are_one_line_with_exit_2(tmp_path, capsys):
+    prog = tmp_path / "prog.py"
+    prog.write_text("X = 1\n")
+    assert gpu_compile.main([str(tmp_path / "missing.py")]) == 2
+    assert "is not a file" in capsys.readouterr().err
+    assert gpu_compile.main([str(prog)]) == 2
+    assert "must define FN" in capsys.readouterr().err
+    if not gpu_compile.plugin_installed():
+        prog.write_text("import jax, jax.numpy as jnp\nFN = lambda x: x\n"
+                        "ARGS = (jax.ShapeDtypeStruct((2,), jnp.float32),)\n")
+        assert gpu_compile.main([str(prog)]) == 2
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and "make gpu-compile-venv" in err
