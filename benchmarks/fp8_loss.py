@@ -22,6 +22,9 @@ overrides>`` trains exactly the curve a case recorded. Cases:
                  of deepseek3-tiny in bf16
   fp8_blockwise  ``fp8_dense`` plus grouped GEMMs ``te_gmm_quantization=te_fp8_blockwise``
   mxfp8          ``fp8_dense`` plus grouped GEMMs ``te_gmm_quantization=te_mxfp8``
+  fp8_dense_bf16out  (not run unless named) ``fp8_dense`` with ``fp8_dot_bf16_output=true``:
+                 power-of-two per-tensor scales, and bf16 GEMM outputs where the model's
+                 dtype is bfloat16
   bf16_seed1     (not run unless named in ``--cases``) bf16 initialised from
                  ``seed=1``: how far the final loss moves with the
                  initialisation alone (its ``same_init`` is false by design)
@@ -68,10 +71,13 @@ CASE_OVERRIDES = {
     "fp8_blockwise": [*FP8_DENSE, "te_gmm_quantization=te_fp8_blockwise"],
     "mxfp8": [*FP8_DENSE, "te_gmm_quantization=te_mxfp8"],
     "bf16_seed1": ["seed=1"],
+    "fp8_dense_bf16out": [*FP8_DENSE, "fp8_dot_bf16_output=true"],
 }
 # Not in the default list: bf16 from another initialisation on the same data, a yardstick
 # for how far the final loss moves for reasons that have nothing to do with FP8.
-EXTRA_CASES = ("bf16_seed1",)
+# fp8_dense_bf16out: fp8_dense with fp8_dot_bf16_output (power-of-two scales; with
+# --set dtype=bfloat16 weight_dtype=bfloat16 the GEMMs write bf16).
+EXTRA_CASES = ("bf16_seed1", "fp8_dense_bf16out")
 BASE = ["model_name=deepseek3-tiny", "dataset_type=markov"]
 STEPS = 300
 QUICK_STEPS = 8  # --quick: a few steps of the same model
