@@ -10,10 +10,13 @@ proxy's ``mla.wo`` shape (x [2, 4096, 16384] . w [16384, 7168], bf16):
 - the float32 form: the same three calls writing float32, each followed by a
   convert fusion (the 8 bytes per element ``fp8_dot_bf16_output`` saves).
 
+And ``benchmarks/fp8_dense.py``'s HLO checks, run on the H200's program of its linear.
+
 Without the plugin (CI): the command line refuses with exit code 2 and one line.
 """
 
 import re
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -21,6 +24,9 @@ import pytest
 
 from dropless.ops import fp8_dot
 from dropless.perf import gpu_compile
+from dropless.perf.bench import load_module
+
+REPO = Path(__file__).resolve().parents[2]
 
 needs_plugin = pytest.mark.skipif(not gpu_compile.plugin_installed(),
                                   reason="needs jax's CUDA plugin (make gpu-compile-venv)")
@@ -82,6 +88,21 @@ def test_float32_form_converts_after_each_fp8_gemm():
         assert dtype == "f32", (name, dtype)
         readers = _readers(text, name)
         assert len(readers) == 1 and "convert" in readers[0], (name, readers)
+
+
+@needs_plugin
+@pytest.mark.gpu_compile
+@pytest.mark.parametrize("bf16_output", [False, True])
+def test_fp8_dense_benchmark_checks_read_the_h200_program(bf16_output):
+    """``benchmarks/fp8_dense.py``'s HLO checks on the H200's program of its own linear (the
+    model's ``nnx.Linear``): 3 dots, all FP8, writing float32 or, with ``bf16_output``, bf16."""
+    bench = load_module("fp8_dense", REPO / "benchmarks")
+    _, fwd_bwd = bench.linear_fns(16384, 7168, bench.FP8, jnp.bfloat16, jnp.bfloat16, bf16_output)
+    w, x, dy = ARGS[1], ARGS[0], ARGS[2]
+    checks = bench.hlo_checks(gpu_compile.compile_text(fwd_bwd, w, x, dy))
+    assert checks["f8e4m3"] and checks["f8e5m2"]
+    assert checks["dots"] == checks["f8_dots"] == 3
+    assert checks["f8_dot_out"] == {"bf16" if bf16_output else "f32": 3}
 
 
 def test_command_line_errors_are_one_line_with_exit_2(tmp_path, capsys):
