@@ -10,7 +10,9 @@ proxy's ``mla.wo`` shape (x [2, 4096, 16384] . w [16384, 7168], bf16):
 - the float32 form: the same three calls writing float32, each followed by a
   convert fusion (the 8 bytes per element ``fp8_dot_bf16_output`` saves).
 
-And ``benchmarks/fp8_dense.py``'s HLO checks, run on the H200's program of its linear.
+And ``benchmarks/fp8_dense.py``'s HLO checks, run on the H200's program of its linear, and
+the trainer's whole deepseek3-proxy FP8 step (``tools/compile_step_for_gpu.py``) with and
+without ``fp8_dot_bf16_output``.
 
 Without the plugin (CI): the command line refuses with exit code 2 and one line.
 """
@@ -118,3 +120,30 @@ def test_command_line_errors_are_one_line_with_exit_2(tmp_path, capsys):
         assert gpu_compile.main([str(prog)]) == 2
         err = capsys.readouterr().err
         assert err.count("\n") == 1 and "make gpu-compile-venv" in err
+
+
+PROXY_FP8 = ["model_name=deepseek3-proxy", "quantization=te_fp8_currentscaling",
+             "te_gmm_quantization=te_fp8_blockwise"]
+
+
+@needs_plugin
+@pytest.mark.gpu_compile
+@pytest.mark.parametrize("bf16_output", [False, True])
+def test_proxy_fp8_step_on_the_h200(bf16_output):
+    """The trainer's deepseek3-proxy FP8 step as the H200 compiles it
+    (``tools/compile_step_for_gpu.py``, about a minute each): the 21 FP8 GEMMs of the dense
+    products (``mla.wo`` x4 and the dense MLP's three, each fwd/dgrad/wgrad) write float32,
+    7 of them into passes that only convert to bf16; with ``fp8_dot_bf16_output`` all 21
+    write bf16 and no such pass is left. The grouped GEMMs run as the FP8 Mosaic GPU kernels
+    (36 calls with their quantizers) and attention as cuDNN's fused calls (12) in both."""
+    tool = load_module("compile_step_for_gpu", REPO / "tools")
+    text, _ = tool.compile_step([*PROXY_FP8, f"fp8_dot_bf16_output={str(bf16_output).lower()}"])
+    counts = tool.summarize(text)
+    assert counts["fp8_gemm_calls"] == 21
+    if bf16_output:
+        assert counts["fp8_gemm_output_dtypes"] == {"bf16": 21}
+        assert counts["convert_only_fusions"] == {}
+    else:
+        assert counts["fp8_gemm_output_dtypes"] == {"f32": 21}
+        assert counts["convert_only_fusions"] == {"after an FP8 GEMM": 7}
+    assert counts["mosaic_gpu_calls"] == 36 and counts["cudnn_calls"] == 12

@@ -10,13 +10,23 @@ without cuDNN under ``JAX_SKIP_CUDA_CONSTRAINTS_CHECK=1``, and
 sharding. Nothing runs and nothing is autotuned (each cuBLAS call keeps algorithm
 0), so the HLO is what the H200 compiles but for the GEMM algorithms.
 
-Code that picks a path by ``jax.default_backend()`` sees "cpu" on such a host;
-``as_gpu=True`` (the default) answers "gpu" to it while the function is traced,
-so the GPU's branches are the ones compiled.
+Code that picks a path by the device sees the CPU on such a host; ``gpu_view``
+makes the process see the compile-only GPU instead, so the GPU's branches are the
+ones traced:
+- ``jax.devices()`` returns the topology's device (platform "gpu", its device kind,
+  compute capability and SM count): meshes are built on it, and the probes that
+  read it (``ops.gmm.mosaic.is_available``, the SM count of the persistent grids,
+  the tuning table's GPU name) answer as on the H200;
+- ``jax.default_backend()`` answers "gpu" (``ops.fp8_dot``'s dot algorithm);
+- jax's cuDNN attention checks (``jax._src.cudnn.fused_attention_stablehlo``): the
+  cuDNN version is taken as ``CUDNN_VERSION`` (9.12, the least jax's CUDA 13 plugin
+  0.11.2 accepts; no cuDNN library is loaded) and the compute capability as the
+  device's. cuDNN's fused attention then lowers to its ``__cudnn$fmha`` calls.
 
     .venv-gpucompile/bin/python -m dropless.perf.gpu_compile PROG.py [--grep TEXT] [--dump DIR]
 
 ``PROG.py`` defines ``FN`` and ``ARGS`` (a tuple of ``jax.ShapeDtypeStruct``).
+``tools/compile_step_for_gpu.py`` compiles the trainer's own step this way.
 """
 
 import argparse
@@ -28,6 +38,7 @@ from pathlib import Path
 
 SPECS = Path(__file__).parent / "gpu_specs"
 DEFAULT_SPEC = SPECS / "h200.txtpb"
+CUDNN_VERSION = 91200
 
 
 class NoCudaPlugin(RuntimeError):
@@ -44,16 +55,49 @@ def plugin_installed() -> bool:
         return False
 
 
-@contextlib.contextmanager
-def _default_backend_gpu():
-    import jax
+def devices(spec: Path = DEFAULT_SPEC) -> list:
+    """The compile-only devices of a one-GPU topology of the GPU ``spec`` describes.
 
-    original = jax.default_backend
-    jax.default_backend = lambda: "gpu"
+    Raises:
+      NoCudaPlugin: the plugin is not installed.
+    """
+    if not plugin_installed():
+        raise NoCudaPlugin("jax's CUDA plugin is not installed here: run `make gpu-compile-venv` "
+                           "and use .venv-gpucompile/bin/python (the gpu-compile extra)")
+    os.environ.setdefault("JAX_SKIP_CUDA_CONSTRAINTS_CHECK", "1")  # no cuDNN on the host
+    from jax.experimental import topologies
+
+    topology = topologies.get_topology_desc("", "cuda", target_config=Path(spec).read_text(),
+                                            topology="1x1x1")
+    return list(topology.devices)
+
+
+@contextlib.contextmanager
+def gpu_view(gpu_devices):
+    """``jax.devices``, ``jax.default_backend`` and jax's cuDNN attention checks answering as
+    on ``gpu_devices`` (module docstring); restored on exit."""
+    import jax
+    from jax._src.cudnn import fused_attention_stablehlo as cudnn_attention
+
+    capability = tuple(int(x) for x in gpu_devices[0].compute_capability.split("."))
+
+    def version(text):
+        return tuple(int(x) for x in text.split("."))
+
+    patches = [(jax, "devices", lambda backend=None: list(gpu_devices)),
+               (jax, "default_backend", lambda: "gpu"),
+               (cudnn_attention, "check_cudnn_version", lambda: CUDNN_VERSION),
+               (cudnn_attention, "check_compute_capability", lambda c: capability >= version(c)),
+               (cudnn_attention, "is_cuda_compute_capability_equal",
+                lambda c: capability == version(c))]
+    saved = [(obj, name, getattr(obj, name)) for obj, name, _ in patches]
     try:
+        for obj, name, value in patches:
+            setattr(obj, name, value)
         yield
     finally:
-        jax.default_backend = original
+        for obj, name, value in saved:
+            setattr(obj, name, value)
 
 
 def compile_text(fn, *args, spec: Path = DEFAULT_SPEC, as_gpu: bool = True) -> str:
@@ -63,24 +107,18 @@ def compile_text(fn, *args, spec: Path = DEFAULT_SPEC, as_gpu: bool = True) -> s
       fn: the function (jitted here).
       args: arrays or ``jax.ShapeDtypeStruct``s (only shapes and dtypes are used).
       spec: a ``GpuTargetConfigProto`` text file.
-      as_gpu: trace with ``jax.default_backend()`` answering "gpu".
+      as_gpu: trace under ``gpu_view`` (module docstring).
 
     Raises:
       NoCudaPlugin: the plugin is not installed.
     """
-    if not plugin_installed():
-        raise NoCudaPlugin("jax's CUDA plugin is not installed here: run `make gpu-compile-venv` "
-                           "and use .venv-gpucompile/bin/python (the gpu-compile extra)")
-    os.environ.setdefault("JAX_SKIP_CUDA_CONSTRAINTS_CHECK", "1")  # no cuDNN on the host
     import jax
-    from jax.experimental import topologies
-    from jax.sharding import NamedSharding, PartitionSpec
+    from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-    topology = topologies.get_topology_desc("", "cuda", target_config=Path(spec).read_text(),
-                                            topology="1x1x1")
-    sharding = NamedSharding(topologies.make_mesh(topology, (1,), ("x",)), PartitionSpec())
+    gpus = devices(spec)
+    sharding = NamedSharding(Mesh(gpus[:1], ("x",)), PartitionSpec())
     structs = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sharding), args)
-    with _default_backend_gpu() if as_gpu else contextlib.nullcontext():
+    with gpu_view(gpus) if as_gpu else contextlib.nullcontext():
         lowered = jax.jit(fn).lower(*structs)
     return lowered.compile().as_text()
 
