@@ -10,7 +10,9 @@
   reading each result (``perf.stablehlo``): a result both stacked by a scan
   (``dynamic_update_index_in_dim``) and read by another op is one XLA's GPU
   dynamic-slice fusion runs twice (``benchmarks/notes/scan.md``).
-- ``compiled`` (GPU only): the ``mosaic_gpu`` custom-calls in XLA's optimized
+- ``compiled`` (on a GPU, or for an H200 on a host without one where jax's CUDA plugin
+  is installed, ``.venv-gpucompile``: then the whole count runs under
+  ``perf.gpu_compile.gpu_view``): the ``mosaic_gpu`` custom-calls in XLA's optimized
   HLO of the step, each with its jax op name and its executions per step
   through the call graph (while loops' known trip counts multiplied, nested
   ones too); ``--dump=F.gz`` also writes that HLO text,
@@ -25,6 +27,7 @@ import sys
 
 import jax
 
+from dropless.perf import gpu_compile
 from dropless.perf import hlo as hlo_lib
 from dropless.perf import stablehlo
 
@@ -95,6 +98,15 @@ def lowered_for_cuda(step, *args) -> str:
 
 
 def main(argv: list[str]) -> int:
+    if jax.default_backend() != "gpu" and gpu_compile.plugin_installed():
+        # The H200's view on a host without a GPU (perf.gpu_compile): every count is the GPU's.
+        with gpu_compile.gpu_view(gpu_compile.devices()):
+            print("compiling for an H200 without a GPU (perf.gpu_compile.gpu_view)")
+            return _count(argv, on_gpu=True)
+    return _count(argv, on_gpu=jax.default_backend() == "gpu")
+
+
+def _count(argv: list[str], on_gpu: bool) -> int:
     from dropless.config import loader
     from dropless.train import loop
 
@@ -115,7 +127,7 @@ def main(argv: list[str]) -> int:
     for call in stablehlo.kernel_calls(lowered_for_cuda(step, state, batch)):
         where = "/".join(f"while#{i}" for i in call.loops) or "outside loops"
         print(f"lowered: in {where}, read by {', '.join(call.users) or 'nothing'}")
-    if jax.default_backend() == "gpu":
+    if on_gpu:
         hlo = step.lower(state, batch).compile().as_text()
         if dump:
             with gzip.open(dump, "wt") as f:
