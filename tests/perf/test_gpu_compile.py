@@ -24,7 +24,7 @@ import jax
 import jax.numpy as jnp
 import pytest
 
-from dropless.ops import fp8_dot
+from dropless.ops import fp8_dot, quant
 from dropless.perf import gpu_compile
 from dropless.perf.bench import load_module
 
@@ -147,3 +147,34 @@ def test_proxy_fp8_step_on_the_h200(bf16_output):
         assert counts["fp8_gemm_output_dtypes"] == {"f32": 21}
         assert counts["convert_only_fusions"] == {"after an FP8 GEMM": 7}
     assert counts["mosaic_gpu_calls"] == 36 and counts["cudnn_calls"] == 12
+
+
+@needs_plugin
+@pytest.mark.gpu_compile
+@pytest.mark.parametrize("recipe", ["te_fp8_blockwise", "te_mxfp8"])
+def test_emulated_grouped_gemm_recipes_keep_their_fp8_codes_on_the_h200(recipe):
+    """The emulated recipes (quantize, dequantize, the bf16 kernel) under ``jit`` on the
+    H200: XLA:GPU folds an f32 -> f8 -> f32 round trip into the identity, which once made
+    the emulation plain bf16 while the log said FP8 (``quant.keep_codes`` prevents it).
+    The compiled value and gradient hold E4M3 codes and run on the bf16 Mosaic GPU kernel;
+    with ``keep_codes`` made the identity the codes are gone (the fold this guards against)."""
+    from dropless.ops.gmm import quantized
+
+    sizes = jnp.asarray([512, 0, 1024, 512], jnp.int32)
+
+    def fn(x, w):
+        def loss(x, w):
+            y = quantized.gmm(x, w, sizes, recipe=recipe, impl="emulate", out_dtype=jnp.float32)
+            return jnp.sum(y * y)
+
+        return jax.value_and_grad(loss, argnums=(0, 1))(x, w)
+
+    args = (jax.ShapeDtypeStruct((2048, 1024), jnp.bfloat16),
+            jax.ShapeDtypeStruct((4, 1024, 512), jnp.bfloat16))
+    text = gpu_compile.compile_text(fn, *args)
+    assert "f8e4m3fn[" in text
+    assert "mosaic_gpu" in text
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(quant, "keep_codes", lambda q, scales: (q, scales))
+        # A new function object: jit's trace cache would hand back the first trace.
+        assert "f8e4m3fn[" not in gpu_compile.compile_text(lambda x, w: fn(x, w), *args)
