@@ -178,3 +178,25 @@ def test_emulated_grouped_gemm_recipes_keep_their_fp8_codes_on_the_h200(recipe):
         patch.setattr(quant, "keep_codes", lambda q, scales: (q, scales))
         # A new function object: jit's trace cache would hand back the first trace.
         assert "f8e4m3fn[" not in gpu_compile.compile_text(lambda x, w: fn(x, w), *args)
+
+
+FIXTURES = Path(__file__).parent / "fixtures"
+
+
+@pytest.mark.parametrize("bf16_output", [False, True])
+def test_hlo_readers_on_a_recorded_h200_program(bf16_output):
+    """Everywhere (CI too): ``tools/compile_step_for_gpu.summarize`` and ``fp8_dense.py``'s
+    checks on the H200 programs of one FP8 linear's value and gradients, compiled by
+    ``perf.gpu_compile`` at 07cf80e and kept as fixtures (``fixtures/h200_fp8_linear_*``):
+    three FP8 GEMM calls, writing float32 into three convert-only passes, or bf16 with
+    none."""
+    import gzip
+
+    name = "bf16" if bf16_output else "f32"
+    text = gzip.open(FIXTURES / f"h200_fp8_linear_{name}_out.hlo.txt.gz", "rt").read()
+    counts = load_module("compile_step_for_gpu", REPO / "tools").summarize(text)
+    assert counts["fp8_gemm_calls"] == 3
+    assert counts["fp8_gemm_output_dtypes"] == {name: 3}
+    assert counts["convert_only_fusions"] == ({} if bf16_output else {"after an FP8 GEMM": 3})
+    checks = load_module("fp8_dense", REPO / "benchmarks").hlo_checks(text)
+    assert checks["dots"] == checks["f8_dots"] == 3 and checks["f8_dot_out"] == {name: 3}
