@@ -123,6 +123,38 @@ def test_bad_input_exits_2_in_one_line(args, words, capsys):
     assert words in _one_line_error(capsys)
 
 
+def test_compile_for_without_the_plugin_or_with_other_targets_exits_2(capsys):
+    """``--compile-for h200`` needs jax's CUDA plugin (``.venv-gpucompile``): without it one
+    line says how to get it; beside ``--compile`` or ``--device`` argparse refuses."""
+    from dropless.perf import gpu_compile
+
+    if not gpu_compile.plugin_installed():
+        assert cli.main(["train", "--dry-run", "--compile-for", "h200",
+                         "model_name=deepseek3-tiny"]) == 2
+        err = _one_line_error(capsys)
+        assert "make gpu-compile-venv" in err and "--compile-for h200" in err
+    for extra in (["--compile"], ["--device", "h100"]):
+        with pytest.raises(SystemExit) as e:
+            cli.main(["train", "--dry-run", "--compile-for", "h200", *extra, "model_name=deepseek3-tiny"])
+        assert e.value.code == 2
+        assert "--compile-for compiles for one GPU" in capsys.readouterr().err
+
+
+@pytest.mark.gpu_compile
+@pytest.mark.skipif(not __import__("dropless.perf.gpu_compile", fromlist=["x"]).plugin_installed(),
+                    reason="needs jax's CUDA plugin (make gpu-compile-venv)")
+def test_compile_for_h200_prints_xla_peak_and_checks_it(capsys):
+    """The trainer's step compiled for an H200 without one: XLA's compiled peak is printed and
+    is what the fit is judged on; a memory fraction too small for it exits 2 naming it."""
+    args = ["train", "--dry-run", "--compile-for", "h200", "model_name=deepseek3-tiny",
+            "dtype=bfloat16", "weight_dtype=bfloat16"]
+    assert cli.main(args) == 0
+    out = capsys.readouterr().out
+    assert "XLA compiled peak" in out and "on h200" in out and "fits:" in out
+    assert cli.main([*args, "XLA_PYTHON_CLIENT_MEM_FRACTION=0.00001"]) == 2
+    assert "exceeds" in _one_line_error(capsys)
+
+
 def _tiny(*overrides):
     cfg = load_config(None, ["model_name=deepseek3-tiny", *overrides]).config
     return cfg, cfg.model()

@@ -1,7 +1,7 @@
 """``dropless train --dry-run`` (and ``profile --dry-run``): check a job without running it.
 
-    python -m dropless train --dry-run [--device h200] [--devices N] [--memory-gib G] [--compile] \\
-        [config.yml] key=value ...
+    python -m dropless train --dry-run [--device h200] [--devices N] [--memory-gib G]
+        [--compile | --compile-for h200] [config.yml] key=value ...
 
 Resolves the config as ``train`` does, builds the data source and this
 device's part of the first batch, builds the model and train state
@@ -27,6 +27,12 @@ fills (default: the product of the fixed ``ici_*`` axes, at least 1). It runs
 on CPU whatever ``hardware`` says. ``--compile`` instead starts the real
 runtime, compiles the train step for the devices present and prints XLA's
 memory analysis next to the estimate (use it on the target GPU).
+``--compile-for h200`` does the same for one H200 on a machine without one: the
+trainer's step compiled by jax's CUDA plugin for the device its target config
+describes (``perf.gpu_compile``; run from ``.venv-gpucompile``, ``make
+gpu-compile-venv``), checked against the H200's usable memory. On
+deepseek3-proxy it gave 60.1 GiB (41.1 of state, 19.0 of XLA's temporaries)
+where the H200 measured a 60.3 GiB peak (``step-20261202-024308``).
 
 Exit codes: 0 fits; 2 a config, data or model problem, an estimate over
 the usable memory, or (for this machine) a checkpoint disk without room for
@@ -40,6 +46,7 @@ import sys
 
 EXIT_CONFIG = 2
 GiB = 2**30
+COMPILE_TARGETS = ("h200",)  # --compile-for: the GPUs perf.gpu_compile has a target config of
 PROFILE_FLAGS = {"--steps": int, "--warmup": int, "--top": int}
 
 
@@ -56,6 +63,9 @@ def parse_args(args: list[str], command: str):
     p.add_argument("--memory-gib", type=float, default=None, help="device memory, for a GPU not listed")
     p.add_argument("--compile", action="store_true", help="compile the step on the devices present "
                    "and print XLA's memory analysis too")
+    p.add_argument("--compile-for", choices=COMPILE_TARGETS, default=None,
+                   help="compile the step for one such GPU on a machine without one (jax's CUDA "
+                        "plugin: make gpu-compile-venv) and print XLA's memory analysis too")
     if command == "profile":
         for flag, kind in PROFILE_FLAGS.items():
             p.add_argument(flag, type=kind, default=None, help=argparse.SUPPRESS)
@@ -67,6 +77,9 @@ def parse_args(args: list[str], command: str):
         p.error(f"unrecognized arguments: {' '.join(unknown)}")
     if ns.devices is not None and ns.devices < 1:
         p.error(f"--devices must be >= 1, got {ns.devices}")
+    if ns.compile_for and (ns.compile or ns.device or ns.memory_gib or ns.devices not in (None, 1)):
+        p.error("--compile-for compiles for one GPU of its own kind: leave out --compile, --device, "
+                "--memory-gib and --devices")
     return ns, rest
 
 
@@ -118,6 +131,31 @@ def compile_step(cfg) -> tuple[dict, int | None]:
     compiled = loop._jit_step(s).lower(state, batch).compile()
     stats = jax.devices()[0].memory_stats() or {}
     return memory.compiled_bytes(compiled), stats.get("bytes_limit")
+
+
+def compile_step_for(cfg, name: str) -> dict:
+    """XLA's memory analysis of the real train step compiled for one ``name`` GPU without one
+    (``perf.gpu_compile``: the devices and probes answer as that GPU's while it is built).
+
+    Raises:
+      perf.gpu_compile.NoCudaPlugin: jax's CUDA plugin is not installed.
+    """
+    import jax
+
+    from dropless.config.xla_flags import apply_runtime_settings
+    from dropless.perf import gpu_compile, memory
+    from dropless.train import loop
+
+    gpus = gpu_compile.devices(gpu_compile.SPECS / f"{name}.txtpb")
+    apply_runtime_settings(cfg.xla_flags, cfg.env, on_gpu=True)  # as train does on the GPU
+    with gpu_compile.gpu_view(gpus):
+        s = loop._setup(cfg.model(), cfg.train(), cfg.mesh())
+        state = jax.tree.map(lambda a, sh: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sh),
+                             s.abstract, s.shardings)
+        batch = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s.feed.sharding),
+                             s.feed.local(0))
+        compiled = loop._jit_step(s).lower(state, batch).compile()
+    return memory.compiled_bytes(compiled)
 
 
 def check_paths(cfg) -> str | None:
@@ -213,6 +251,13 @@ def main(args: list[str], command: str = "train") -> int:
     ns, rest = parse_args(args, command)
     if not ns.compile:
         os.environ["JAX_PLATFORMS"] = "cpu"  # the estimate needs no accelerator
+    if ns.compile_for:
+        from dropless.perf import gpu_compile
+
+        if not gpu_compile.plugin_installed():
+            return _fail(f"--compile-for {ns.compile_for} needs jax's CUDA plugin, which this Python "
+                         "lacks: run `make gpu-compile-venv`, then .venv-gpucompile/bin/python -m "
+                         f"dropless {command} --dry-run --compile-for {ns.compile_for} ...")
     from dropless.cli import resolve_args, start_runtime
     from dropless.config.loader import ConfigError
     from dropless.config.schema import ContradictionError, resolve_mesh_shape
@@ -224,7 +269,7 @@ def main(args: list[str], command: str = "train") -> int:
 
         num_devices = jax.device_count()
     else:
-        num_devices = ns.devices or _default_devices(cfg)
+        num_devices = 1 if ns.compile_for else ns.devices or _default_devices(cfg)
         try:
             mesh_shape = resolve_mesh_shape(cfg, num_devices, 1)
         except ContradictionError as e:
@@ -234,7 +279,8 @@ def main(args: list[str], command: str = "train") -> int:
     from dropless.perf import memory
 
     try:
-        target = memory.target(ns.device or _default_device(cfg), cfg.env, ns.memory_gib)
+        target = memory.target(ns.compile_for or ns.device or _default_device(cfg), cfg.env,
+                               ns.memory_gib)
     except ValueError as e:
         return _fail(str(e))
     shards = math.prod(mesh_shape[a] for a in ("data", "fsdp", "expert"))
@@ -255,11 +301,14 @@ def main(args: list[str], command: str = "train") -> int:
         compiled, limit = compile_step(cfg)
         if limit:
             target = memory.Target(target.name, int(limit), 1.0)
+    elif ns.compile_for:
+        compiled = compile_step_for(cfg, ns.compile_for)
     console = Console() if sys.stdout.isatty() else Console(width=120)
     print_report(console, cfg, target, est, source, batch, global_batch, compiled)
     disk_error, disk_warning = check_checkpoint_disk(cfg, est.checkpoint_bytes)
     disk_error = check_paths(cfg) or disk_error
-    this_machine = ns.compile or (ns.device, ns.devices, ns.memory_gib) == (None, None, None)
+    this_machine = ns.compile or (ns.device, ns.devices, ns.memory_gib, ns.compile_for) == (
+        None, None, None, None)
     peak = compiled["peak"] + est.snapshot if compiled else est.total
     over = peak > target.usable_bytes  # the error then: a larger disk alone would not let it run
     if disk_error and this_machine and not over:
