@@ -31,8 +31,8 @@ memory analysis next to the estimate (use it on the target GPU).
 trainer's step compiled by jax's CUDA plugin for the device its target config
 describes (``perf.gpu_compile``; run from ``.venv-gpucompile``, ``make
 gpu-compile-venv``), checked against the H200's usable memory. On
-deepseek3-proxy it gave 60.1 GiB (41.1 of state, 19.0 of XLA's temporaries)
-where the H200 measured a 60.3 GiB peak (``step-20261202-024308``).
+deepseek3-proxy it gave 60.12 GiB (41.1 of state, 19.0 of XLA's temporaries)
+where the H200 measured a 60.10 GiB peak (``step-20261206-035133``, ``ours``).
 
 Exit codes: 0 fits; 2 a config, data or model problem, an estimate over
 the usable memory, or (for this machine) a checkpoint disk without room for
