@@ -79,30 +79,18 @@ def summarize(text: str) -> dict:
 
 
 def compile_step(overrides: list[str], dump: Path | None = None) -> tuple[str, dict]:
-    """(optimized HLO text, timings) of the trainer's step for ``overrides``."""
+    """(optimized HLO text, seconds taken) of the trainer's step for ``overrides``, compiled
+    for an H200 (``perf.dry_run.compile_for``, as ``train --dry-run --compile-for h200``)."""
     os.environ.setdefault("JAX_PLATFORMS", "cpu")
     from dropless.config import loader
-    from dropless.config.xla_flags import apply_runtime_settings
-    from dropless.perf import gpu_compile
+    from dropless.perf import dry_run
 
     cfg = loader.load_config(None, ["dataset_type=synthetic", *overrides]).config
-    apply_runtime_settings(cfg.xla_flags, cfg.env, on_gpu=True)  # as dropless train on a GPU
     if dump:
         os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} --xla_dump_to={dump}".strip()
-    import jax
-
-    from dropless.train import loop
-
-    gpus = gpu_compile.devices()
     start = time.perf_counter()
-    with gpu_compile.gpu_view(gpus):
-        s = loop._setup(cfg.model(), cfg.train(), cfg.mesh())
-        state = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), s.abstract)
-        batch = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), s.feed.local(0))
-        lowered = loop._jit_step(s).lower(state, batch)
-        lowered_at = time.perf_counter()
-        text = lowered.compile().as_text()
-    return text, {"lower_s": lowered_at - start, "compile_s": time.perf_counter() - lowered_at}
+    text = dry_run.compile_for(cfg, "h200").as_text()
+    return text, {"seconds": time.perf_counter() - start}
 
 
 def main(argv=None) -> int:

@@ -116,6 +116,19 @@ def check_data(cfg, num_devices: int, batch_shards: int):
     return source, batch, global_batch
 
 
+def _compiled(s):
+    """The trainer's jitted step of setup ``s`` (``loop._setup``) compiled for its mesh's devices."""
+    import jax
+
+    from dropless.train import loop
+
+    state = jax.tree.map(lambda a, sh: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sh),
+                         s.abstract, s.shardings)
+    batch = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s.feed.sharding),
+                         s.feed.local(0))
+    return loop._jit_step(s).lower(state, batch).compile()
+
+
 def compile_step(cfg) -> tuple[dict, int | None]:
     """XLA's memory analysis of the real train step on this machine's devices, and the usable bytes."""
     import jax
@@ -123,39 +136,27 @@ def compile_step(cfg) -> tuple[dict, int | None]:
     from dropless.perf import memory
     from dropless.train import loop
 
-    s = loop._setup(cfg.model(), cfg.train(), cfg.mesh())
-    state = jax.tree.map(lambda a, sh: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sh),
-                         s.abstract, s.shardings)
-    batch = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s.feed.sharding),
-                         s.feed.local(0))
-    compiled = loop._jit_step(s).lower(state, batch).compile()
+    compiled = _compiled(loop._setup(cfg.model(), cfg.train(), cfg.mesh()))
     stats = jax.devices()[0].memory_stats() or {}
     return memory.compiled_bytes(compiled), stats.get("bytes_limit")
 
 
-def compile_step_for(cfg, name: str) -> dict:
-    """XLA's memory analysis of the real train step compiled for one ``name`` GPU without one
-    (``perf.gpu_compile``: the devices and probes answer as that GPU's while it is built).
+def compile_for(cfg, name: str):
+    """The real train step compiled for one ``name`` GPU on a machine without one
+    (``perf.gpu_compile``: the devices and their probes answer as that GPU's while the step
+    is built; the config's XLA flags and environment applied as ``train`` does on a GPU).
 
     Raises:
       perf.gpu_compile.NoCudaPlugin: jax's CUDA plugin is not installed.
     """
-    import jax
-
     from dropless.config.xla_flags import apply_runtime_settings
-    from dropless.perf import gpu_compile, memory
+    from dropless.perf import gpu_compile
     from dropless.train import loop
 
     gpus = gpu_compile.devices(gpu_compile.SPECS / f"{name}.txtpb")
-    apply_runtime_settings(cfg.xla_flags, cfg.env, on_gpu=True)  # as train does on the GPU
+    apply_runtime_settings(cfg.xla_flags, cfg.env, on_gpu=True)
     with gpu_compile.gpu_view(gpus):
-        s = loop._setup(cfg.model(), cfg.train(), cfg.mesh())
-        state = jax.tree.map(lambda a, sh: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sh),
-                             s.abstract, s.shardings)
-        batch = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s.feed.sharding),
-                             s.feed.local(0))
-        compiled = loop._jit_step(s).lower(state, batch).compile()
-    return memory.compiled_bytes(compiled)
+        return _compiled(loop._setup(cfg.model(), cfg.train(), cfg.mesh()))
 
 
 def check_paths(cfg) -> str | None:
@@ -302,7 +303,7 @@ def main(args: list[str], command: str = "train") -> int:
         if limit:
             target = memory.Target(target.name, int(limit), 1.0)
     elif ns.compile_for:
-        compiled = compile_step_for(cfg, ns.compile_for)
+        compiled = memory.compiled_bytes(compile_for(cfg, ns.compile_for))
     console = Console() if sys.stdout.isatty() else Console(width=120)
     print_report(console, cfg, target, est, source, batch, global_batch, compiled)
     disk_error, disk_warning = check_checkpoint_disk(cfg, est.checkpoint_bytes)
