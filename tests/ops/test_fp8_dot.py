@@ -9,7 +9,7 @@ the derived bound (E4M3 forward operands, E5M2 output gradient)::
     |y^ - y| <= |ex|.|w| + |x|.|ew| + |ex|.|ew| + accumulation,
     e = 2^-(m+1) |v| + 2^-(p+1) s   per element (fp8_reference.element_error_bound)
 
-With ``bf16_output`` (power-of-two scales, 16-bit GEMM outputs): the same bound
+With ``bf16_output`` (power-of-two scales, bfloat16 GEMM outputs): the same bound
 with the model's power-of-two quantization; bfloat16 results equal the float32
 form with those scales bit for bit (round(round(acc) s) == round(acc s) for a
 power-of-two s and normal results), integer-exact data gives the exact product,
@@ -305,6 +305,22 @@ def test_bf16_output_is_the_float32_form_with_pow2_scales_bit_for_bit(rng):
     # Not the default form: its scales are amax / fmax, not powers of two.
     default = _vjp_outputs(lambda a, b: fp8_dot.fp8_dot_general(a, b, LINEAR), x, w, g)
     assert not np.array_equal(np.asarray(got[0], np.float32), np.asarray(default[0], np.float32))
+
+
+def test_bf16_output_leaves_float16_results_to_float32_gemm_outputs(rng):
+    """float16 results keep the float32 GEMM output (only the scales become powers of two):
+    float16 cannot hold every power-of-two scale (its smallest value is 2^-24), so scaling
+    in it would flush. Here the operands (magnitudes about 2^-9 and 2^-7) get scales of
+    about 2^-16 and 2^-13, whose product is 0 in float16 (scaled there, the result came
+    out NaN); the float32 form gives the product within E4M3's error."""
+    x = jnp.asarray(rng.standard_normal((8, 64)) * 2.0**-9, jnp.float16)
+    w = jnp.asarray(rng.standard_normal((64, 16)) * 2.0**-7, jnp.float16)
+    dims = (((1,), (0,)), ((), ()))
+    y = fp8_dot.fp8_dot_general(x, w, dims, bf16_output=True)
+    ref_y = np.asarray(x, np.float64) @ np.asarray(w, np.float64)
+    assert y.dtype == jnp.float16 and np.all(np.isfinite(np.asarray(y, np.float64)))
+    rel = np.linalg.norm(np.asarray(y, np.float64) - ref_y) / np.linalg.norm(ref_y)
+    assert rel < 0.1, rel
 
 
 def _ints(rng, shape):

@@ -47,7 +47,7 @@ against the direct form's 1.062x (step-20261202-045852). So the direct form
 is the only one.
 
 ``bf16_output`` (config key ``fp8_dot_bf16_output``; opt-in until timed on the
-GPU) keeps the direct form and asks its dot for the 16-bit result dtype
+GPU) keeps the direct form and asks its dot for a bfloat16 result
 (``preferred_element_type``): XLA's rewriter then builds the cuBLASLt FP8 call
 with D in that dtype (its D types are bfloat16, float16, float32 and the FP8
 ones), and a multiply of that call by a broadcast scalar is what it folds into
@@ -58,12 +58,12 @@ per-tensor scale (``quant.quantize_tensor(pow2=True)``, Transformer Engine's
 results, round(round(acc) s) == round(acc s): the same bits as the float32 form
 with those scales (the float32 accumulator rounded once, tested on CPU), where
 the float32 form writes 4 bytes per element and a pass reads them and writes 2.
-In the proxy's FP8 step those float32 outputs came to about 12.6 GB of traffic
-(``benchmarks/notes/fp8_hlo.md``, Q3). In the optimized HLO for an H200 (compiled
-without a GPU, ``tools/compile_for_gpu.py``) each of the three products is one
-``__cublas$lt$matmul$f8`` call writing bfloat16 with the scale as its operand and
-nothing after it, where the float32 form has a convert pass after each call.
-Products with float32 results keep float32 GEMM outputs.
+In the proxy's FP8 step those float32 outputs cost about 12.6 GB of traffic
+(measured in its compiled HLO, ``benchmarks/notes/fp8.md``). In the optimized HLO
+for an H200 (compiled without a GPU, ``perf.gpu_compile``) each of the three
+products is one ``__cublas$lt$matmul$f8`` call writing bfloat16 with the scale as
+its operand and nothing after it, where the float32 form has a convert pass after
+each call. Products with other result dtypes keep float32 GEMM outputs.
 
 Numerics (checked in tests/ops/test_fp8_dot.py against float64): with u the
 unit roundoff of the operand formats (E4M3 2^-4, E5M2 2^-3), each product is
@@ -110,7 +110,7 @@ def _remaining(ndim, *used):
 def _dot(a, b, dims, out_sharding=None, out_dtype=jnp.float32):
     """The direct FP8 product: FP8 codes in, float32 accumulation, ``out_dtype`` out.
 
-    A 16-bit ``out_dtype`` is the GEMM's own output (cuBLASLt's D) on a GPU: the
+    A bfloat16 ``out_dtype`` is the GEMM's own output (cuBLASLt's D) on a GPU: the
     float32 accumulator rounded once. Elsewhere the same is spelled as the float32
     product cast (XLA:CPU runs a bfloat16-output dot of upcast codes with bfloat16
     results, which differs).
@@ -166,8 +166,9 @@ def _canonical(dims):
 
 def _writes_directly(dtype, bf16_output):
     """Whether a product with result ``dtype`` is written by the GEMM itself, scaled in
-    ``dtype`` (``bf16_output`` and a 16-bit float result; the module docstring)."""
-    return bf16_output and jnp.dtype(dtype).itemsize == 2
+    ``dtype`` (``bf16_output`` and a bfloat16 result; the module docstring). Not float16:
+    its range does not hold every power-of-two scale (2^-30 is below its smallest value)."""
+    return bf16_output and jnp.dtype(dtype) == jnp.bfloat16
 
 
 def _scaled(q_a, q_b, s, dtype, bf16_output, product):
@@ -241,10 +242,10 @@ def fp8_dot_general(lhs, rhs, dimension_numbers, precision=None, preferred_eleme
         (``fp8_dense-20261202-001951``: quantization passes cost more than the
         GEMM saves at these sizes). 0 quantizes every product.
       bf16_output: power-of-two scales for every operand, and each product whose
-        result is a 16-bit float (bfloat16 activations, weights and gradients)
-        written by the FP8 GEMM in that dtype and scaled in it, instead of float32
-        then a scale-and-convert pass (config key ``fp8_dot_bf16_output``; module
-        docstring). Products with float32 results keep float32 GEMM outputs.
+        result is bfloat16 (bfloat16 activations, weights and gradients) written by
+        the FP8 GEMM in bfloat16 and scaled in it, instead of float32 then a
+        scale-and-convert pass (config key ``fp8_dot_bf16_output``; module
+        docstring). Products with other result dtypes keep float32 GEMM outputs.
 
     Returns:
       The product in ``preferred_element_type``. Differentiable in lhs and rhs
