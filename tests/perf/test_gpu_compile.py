@@ -6,7 +6,7 @@ proxy's ``mla.wo`` shape (x [2, 4096, 16384] . w [16384, 7168], bf16):
 - ``fp8_dot_bf16_output``: the forward, dgrad and wgrad are three
   ``__cublas$lt$matmul$f8`` calls writing bfloat16, each with its scale as an
   operand (not the constant 1), and no fusion reads their results (they are the
-  outputs); no full-size mask is written for the weight's flush;
+  outputs);
 - the float32 form: the same three calls writing float32, each followed by a
   convert fusion (the 8 bytes per element ``fp8_dot_bf16_output`` saves).
 
@@ -78,9 +78,6 @@ def test_bf16_output_is_three_fp8_gemms_writing_bf16_with_the_scale_folded():
         assert dtype == "bf16", (name, dtype)
         assert "constant" not in operands[2], (name, operands)  # the product's scale
         assert _readers(text, name) == [], (name, _readers(text, name))
-    # The weight's subnormal flush stays in its cast (quant._read on bf16 bits): no full-size
-    # mask written between two fusions (pred[7168, 16384] before).
-    assert not re.search(r"= pred\[\d+,\d+\]", _entry(text)), _entry(text)[:3000]
 
 
 @needs_plugin

@@ -91,24 +91,7 @@ def fp8_max(dtype) -> float:
 
 
 def _read(x):
-    """x as float32 with magnitudes below the smallest normal set to zero.
-
-    bfloat16 input is flushed on its bits (exponent field zero: a subnormal or a zero,
-    to +0), the same values as the float32 compare: for a transposed read (an FP8 dense
-    weight's codes, written K-major) XLA:GPU computed that compare in a fusion of its own
-    and wrote it out as a full-size mask (``pred[N, K]``, seen in the H200's compiled HLO);
-    on the bits it stays in the cast.
-    """
-    if x.dtype == jnp.bfloat16:
-        bits = lax.bitcast_convert_type(x, jnp.uint16)
-        keep = jnp.where((bits & 0x7F80) == 0, jnp.uint16(0), jnp.uint16(0xFFFF))
-        return lax.bitcast_convert_type(bits & keep, jnp.bfloat16).astype(jnp.float32)
-    return read_compare(x)
-
-
-def read_compare(x):
-    """``_read`` as a float32 compare for every dtype: what the Pallas quantizer kernels
-    flush with (the same values; their lowering was checked on the H200 with this form)."""
+    """x as float32 with magnitudes below the smallest normal set to zero."""
     x = x.astype(jnp.float32)
     return jnp.where(jnp.abs(x) < _F32_TINY, jnp.float32(0), x)
 

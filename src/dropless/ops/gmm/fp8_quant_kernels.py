@@ -135,7 +135,7 @@ def _check_num_warps(name, num_warps):
 
 
 def _rows_kernel(a_ref, q_ref, s_ref):
-    q, scale = _row_codes(quant.read_compare(a_ref[...]))
+    q, scale = _row_codes(quant._read(a_ref[...]))
     q_ref[...] = q
     s_ref[...] = scale[None, :]
 
@@ -149,7 +149,7 @@ def quantize_rows(a_MC, interpret=None):
 
 
 def _columns_kernel(a_ref, q_ref, s_ref):
-    q, scale = _column_codes(quant.read_compare(a_ref[...]))  # a tile [BLOCK rows (M), BLOCK cols (C)]
+    q, scale = _column_codes(quant._read(a_ref[...]))  # a tile [BLOCK rows (M), BLOCK cols (C)]
     q_ref[...] = q
     s_ref[...] = scale[None, :]
 
@@ -173,7 +173,7 @@ def quantize_columns(a_MC, interpret=None, num_warps=4):
 
 
 def _rows_and_columns_kernel(a_ref, qr_ref, sr_ref, qc_ref, sc_ref):
-    x = quant.read_compare(a_ref[...])
+    x = quant._read(a_ref[...])
     q, scale = _row_codes(x)
     qr_ref[...] = q
     sr_ref[...] = scale[None, :]
@@ -202,7 +202,7 @@ def quantize_rows_and_columns(a_MC, interpret=None, num_warps=4):
 
 
 def _weight_kernel(w_ref, *out_refs):
-    x = quant.read_compare(w_ref[0])  # [BLOCK (K), BLOCK (N)]
+    x = quant._read(w_ref[0])  # [BLOCK (K), BLOCK (N)]
     scale, inv = quant.pow2_scale_parts(_amax(_amax(x, 1), 0), E4M3)
     q = _codes(x, inv)
     out_refs[0][0] = q
