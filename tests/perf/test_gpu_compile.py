@@ -26,6 +26,7 @@ import pytest
 
 from dropless.ops import fp8_dot, quant
 from dropless.perf import gpu_compile
+from dropless.perf import hlo
 from dropless.perf.bench import load_module
 
 REPO = Path(__file__).resolve().parents[2]
@@ -36,9 +37,6 @@ DIMS = (((2,), (0,)), ((), ()))
 ARGS = (jax.ShapeDtypeStruct((2, 4096, 16384), jnp.bfloat16),
         jax.ShapeDtypeStruct((16384, 7168), jnp.bfloat16),
         jax.ShapeDtypeStruct((2, 4096, 7168), jnp.bfloat16))
-_CALL = re.compile(r"%(\S+) = \((\w+)\[[^\]]*\]\{[^}]*\}, s8\[\d+\]\{0\}\) custom-call\(([^)]*)\), "
-                   r'custom_call_target="__cublas\$lt\$matmul\$f8"')
-
 
 def _linear_value_and_grads(bf16_output):
     def fn(x, w, dy):
@@ -50,22 +48,24 @@ def _linear_value_and_grads(bf16_output):
 
 
 def _entry(text):
-    return text[text.index("\nENTRY "):]
+    """The entry computation's instructions (``perf.hlo.instructions``)."""
+    entry = re.search(r"^ENTRY %?([\w.\-]+)", text, re.M).group(1)
+    return [i for i in hlo.instructions(text) if i.computation == entry]
 
 
 def _fp8_calls(text):
-    """(name, result dtype, operands) of each cuBLASLt FP8 GEMM call in the entry computation."""
-    return [(m.group(1), m.group(2), [o.strip() for o in m.group(3).split(",")])
-            for m in _CALL.finditer(_entry(text))]
+    """(name, result dtype, operand names) of each cuBLASLt FP8 GEMM call in the entry."""
+    return [(i.name, i.result_types[0].split("[")[0], [name for _, name in i.operands])
+            for i in _entry(text) if i.custom_call_target == "__cublas$lt$matmul$f8"]
 
 
 def _readers(text, name):
-    """Entry instructions that read the call ``name``'s result (its get-tuple-element)."""
+    """Entry instructions (but bitcasts and the ROOT) that read the call ``name``'s result."""
     entry = _entry(text)
-    gtes = re.findall(rf"%(\S+) = \S+ get-tuple-element\(%{re.escape(name)}\), index=0", entry)
-    return [line.strip() for g in gtes for line in entry.splitlines()
-            if re.search(rf"\(.*%{re.escape(g)}[,)]", line) and "bitcast(" not in line
-            and not line.strip().startswith("ROOT")]
+    results = {i.name for i in entry if i.opcode == "get-tuple-element"
+               and i.operands[0][1] == name and "index=0" in i.attrs}
+    return [f"{i.name} {i.opcode}{i.attrs}" for i in entry
+            if i.opcode != "bitcast" and not i.root and results & {n for _, n in i.operands}]
 
 
 @needs_plugin
