@@ -111,6 +111,77 @@ def test_minimal_keeps_the_fp8_dense_codes():
     assert amaxes(remat_lib.checkpoint_policy("custom", (("fp8_dot_codes", "remat"),))) == 5
 
 
+def _reduce_max_scopes(jaxpr, counts):
+    """Counter of the name stacks of ``reduce_max`` equations in ``jaxpr`` and its sub-jaxprs."""
+    for eqn in jaxpr.eqns:
+        if eqn.primitive.name == "reduce_max":
+            counts[str(eqn.source_info.name_stack)] += 1
+        for value in eqn.params.values():
+            for sub in value if isinstance(value, (list, tuple)) else [value]:
+                if isinstance(sub, jax_core.ClosedJaxpr):
+                    _reduce_max_scopes(sub.jaxpr, counts)
+                elif isinstance(sub, jax_core.Jaxpr):
+                    _reduce_max_scopes(sub, counts)
+    return counts
+
+
+def test_minimal_keeps_the_fp8_dense_codes_when_the_output_is_recomputed():
+    """A product whose output a consumer's gradient needs (tanh here; SwiGLU, a norm or
+    the residual stream in a layer): the backward pass recomputes that output from the
+    kept GEMM output and the kept scales, and quantizes nothing of the forward again.
+    When the forward product read the scales before they were named, the recomputed
+    output depended on unnamed scales and both operands were quantized again in the
+    backward pass (5 amaxes, 2 of them under ``rematted_computation``)."""
+    from dropless.ops import fp8_dot
+
+    x = jnp.ones((64, 128), jnp.bfloat16)
+    w = jnp.ones((128, 256), jnp.bfloat16)
+
+    def layer(x, w):
+        y = fp8_dot.fp8_dot_general(jnp.sin(x), w, (((1,), (0,)), ((), ())))
+        return jnp.tanh(y).astype(jnp.float32).sum()
+
+    for policy in (remat_lib.checkpoint_policy("minimal"),
+                   remat_lib.checkpoint_policy("custom", (("fp8_dot_codes", "device"),))):
+        fn = jax.checkpoint(layer, policy=policy)
+        scopes = _reduce_max_scopes(jax.make_jaxpr(jax.grad(fn, argnums=(0, 1)))(x, w).jaxpr, Counter())
+        assert sum(scopes.values()) == 3, scopes
+        assert not [s for s in scopes if "rematted" in s], scopes
+    # Without the codes kept, the backward pass does quantize the recomputed operands again.
+    fn = jax.checkpoint(layer, policy=remat_lib.checkpoint_policy("custom", (("fp8_dot_codes", "remat"),)))
+    scopes = _reduce_max_scopes(jax.make_jaxpr(jax.grad(fn, argnums=(0, 1)))(x, w).jaxpr, Counter())
+    assert sum(n for s, n in scopes.items() if "rematted" in s) == 2, scopes
+
+
+def test_trainer_step_under_minimal_quantizes_no_dense_operand_twice():
+    """The trainer's gradient (deepseek3-tiny, every dense product in FP8, layers
+    unrolled, ``remat_policy: minimal``): no FP8 quantization runs under the backward
+    pass's recomputation, and the gradient has exactly the amaxes of the same model
+    without remat (each forward operand once, each incoming gradient once)."""
+    import optax
+
+    from dropless.config.loader import load_config
+    from dropless.train import step as step_lib
+
+    def scopes(remat_policy):
+        m = load_config(None, ["model_name=deepseek3-tiny", f"remat_policy={remat_policy}",
+                               "scan_layers=false", "quantization=te_fp8_currentscaling",
+                               "fp8_min_dim=0"], environ={}).config.model()
+        graphdef, init = step_lib.init_state_fn(m, optax.identity(), 0, remat_lib.layer_remat(m))
+        state = init()
+        tokens = jnp.zeros((2, 16), jnp.int32)
+        weights = jnp.ones((2, 16), jnp.float32)
+        grad = jax.grad(lambda p: step_lib.loss_fn(
+            p, state["router_bias"], graphdef, m, tokens, tokens, weights)[0])
+        counts = _reduce_max_scopes(jax.make_jaxpr(grad)(state["params"]).jaxpr, Counter())
+        return Counter({s: n for s, n in counts.items() if "fp8_quantize" in s})
+
+    minimal, none = scopes("minimal"), scopes("none")
+    assert not [s for s in minimal if "rematted" in s], minimal
+    assert sum(none.values()) > 0
+    assert sum(minimal.values()) == sum(none.values()), (minimal, none)
+
+
 def test_minimal_keeps_the_fp8_expert_inputs_codes(monkeypatch):
     """The FP8 expert kernels under ``minimal``: each GEMM's forward quantizes its input
     into both layouts in one kernel (1x128 for itself, 128x1 for wgrad), and the kept

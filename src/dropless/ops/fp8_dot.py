@@ -188,16 +188,21 @@ def _fp8_dot(lhs, rhs, dims, out_dtype, out_sharding, bf16_output):
 def _fp8_dot_fwd(lhs, rhs, dims, out_dtype, out_sharding, bf16_output):
     q_l, s_l = quant.quantize_tensor(lhs, FWD_DTYPE, pow2=bf16_output)
     q_r, s_r = quant.quantize_tensor(rhs, FWD_DTYPE, pow2=bf16_output)
+    # The backward's operands, named so a remat policy can keep them (``minimal`` does:
+    # one byte per element) instead of recomputing both inputs and quantizing them again
+    # (an amax and a cast pass over each) when the backward pass recomputes the layer.
+    # Named before the product reads them: a backward pass that recomputes the output
+    # (for a consumer's gradient: SwiGLU, a norm, an activation) then rescales the kept
+    # GEMM output (``minimal`` keeps dots) by the kept scales. Named after, the
+    # recomputed output depended on the unnamed scales, and every forward quantization
+    # ran again in the backward pass (``tests/train/test_remat_kernels.py``).
+    q_l, s_l, q_r, s_r = (checkpoint_name(a, CODES_NAME) for a in (q_l, s_l, q_r, s_r))
 
     def forward(a, b, dtype, scale):
         y = _dot(a, b, dims, out_sharding, dtype)
         return y if scale is None else y * scale
 
     y = _scaled(q_l, q_r, s_l * s_r, out_dtype, bf16_output, forward)
-    # The backward's operands, named so a remat policy can keep them (``minimal`` does:
-    # one byte per element) instead of recomputing both inputs and quantizing them again
-    # (an amax and a cast pass over each) when the backward pass recomputes the layer.
-    q_l, s_l, q_r, s_r = (checkpoint_name(a, CODES_NAME) for a in (q_l, s_l, q_r, s_r))
     # Zero-size arrays carry the input dtypes (the cotangents must have them).
     dtypes = (jnp.zeros((0,), lhs.dtype), jnp.zeros((0,), rhs.dtype))
     return y, (q_l, s_l, q_r, s_r, dtypes)
