@@ -38,6 +38,10 @@ only that attempt):
   ours_fp8_bf16out, ours_fp8_all_bf16out  ``ours_fp8_blockwise`` and ``ours_fp8_all``
             with ``fp8_dot_bf16_output=true``: the FP8 dense GEMMs write bf16
             (power-of-two scales) instead of float32 then a convert pass
+  ours_ctx, ours_fp8_ctx, ours_fp8_bf16out_ctx  ``ours``, ``ours_fp8_blockwise`` and
+            ``ours_fp8_bf16out`` under ``remat_policy=minimal_with_context``: the
+            attention output and cuDNN's softmax statistics kept, so the backward
+            pass runs no attention forward (the preset's ``minimal`` runs it again)
   ours_fp8_halves  ``ours_fp8_blockwise`` with
             ``gmm_fp8_kernel_schedule=halves_unfenced``: each FP8 kernel step as two
             wgmmas over column halves, the forward's and dgrad's scale reads unfenced
@@ -125,6 +129,7 @@ EXTRA_CASES = ("ours_fp8_all", "ours_fp8_narrow", "ours_fp8_halves", "ours_fp8_p
                "ours_fp8_o192_n192", "ours_fp8_swiglu", "ours_fp8_wq_once", "ours_fp8e", "ours_fp8k", "ours_fp8kp",
                "ours_fp8km", "ours_fp8kp_head", "ours_gfp8kp", "ours_mla_unpadded",
                "ours_mla_padded", "ours_scan", "ours_align64", "ours_align128",
+               "ours_fp8_bf16out", "ours_fp8_all_bf16out", "ours_ctx", "ours_fp8_ctx", "ours_fp8_bf16out_ctx",
                QWEN3_CASE, MIXTRAL_CASE)
 QUICK_CASES = ("xla", "capacity", "ours")
 FP8_DENSE = "te_fp8_currentscaling"
@@ -148,6 +153,11 @@ CASE_OVERRIDES = {
     "ours_fp8_all": [*FP8_BLOCKWISE, "fp8_min_dim=0"],
     "ours_fp8_bf16out": [*FP8_BLOCKWISE, "fp8_dot_bf16_output=true"],
     "ours_fp8_all_bf16out": [*FP8_BLOCKWISE, "fp8_min_dim=0", "fp8_dot_bf16_output=true"],
+    # The attention output and cuDNN's softmax statistics kept: no attention forward in
+    # the backward pass (remat.CUDNN_ATTENTION_FWD), for about 1 GiB on the proxy.
+    "ours_ctx": ["gmm_backend=auto", "remat_policy=minimal_with_context"],
+    "ours_fp8_ctx": [*FP8_BLOCKWISE, "remat_policy=minimal_with_context"],
+    "ours_fp8_bf16out_ctx": [*FP8_BLOCKWISE, "fp8_dot_bf16_output=true", "remat_policy=minimal_with_context"],
     "ours_fp8_halves": [*FP8_BLOCKWISE, "gmm_fp8_kernel_schedule=halves_unfenced"],
     "ours_fp8_p96_32": [*FP8_BLOCKWISE, "gmm_fp8_kernel_schedule=p96_32_unfenced"],
     "ours_fp8_xhalves": [*FP8_BLOCKWISE, "gmm_fp8_kernel_schedule=xhalves_unfenced"],
@@ -412,7 +422,8 @@ def print_table(rows, tiny: bool = False) -> None:
 
 def speedups(rows) -> dict:
     """TFLOP/s/device of ours over each baseline and over the better one; each variant of ours
-    over it; each FP8 variant over ``ours_fp8_blockwise`` (the FP8 defaults) of the same run."""
+    over it; each FP8 variant over ``ours_fp8_blockwise`` (the FP8 defaults) of the same run;
+    each FP8 case under ``minimal_with_context`` (``*_ctx``) over ``ours_ctx``, bf16 under it."""
     by = {r["case"]: r.get("tflops_per_device") for r in rows}
     ours = by.get("ours")
     out = {f"ours_over_{c}": ours / by[c] for c in ("xla", "capacity") if ours and by.get(c)}
@@ -426,6 +437,10 @@ def speedups(rows) -> dict:
     for c in by:
         if c.startswith("ours_fp8") and c != "ours_fp8_blockwise" and fp8 and by[c]:
             out[f"{c}_over_ours_fp8_blockwise"] = by[c] / fp8
+    ctx = by.get("ours_ctx")
+    for c in by:
+        if c.startswith("ours_fp8") and c.endswith("_ctx") and ctx and by[c]:
+            out[f"{c}_over_ours_ctx"] = by[c] / ctx
     return out
 
 

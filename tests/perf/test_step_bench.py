@@ -35,3 +35,17 @@ def test_speedups_of_fp8_variants_without_ours_and_with_a_failed_case(step):
     assert step.speedups(rows(ours_fp8_blockwise=550.0, ours_fp8_halves=None)) == {}
     assert "ours_fp8_halves" in step.EXTRA_CASES
     assert "gmm_fp8_kernel_schedule=halves_unfenced" in step.CASE_OVERRIDES["ours_fp8_halves"]
+
+
+def test_every_case_can_be_asked_for_and_has_its_overrides(step):
+    """``--cases`` accepts exactly the cases with overrides (a case missing from the lists
+    is refused by the command line before anything runs)."""
+    assert set(step.CASE_OVERRIDES) == set(step.CASES + step.EXTRA_CASES)
+    assert len(step.CASES + step.EXTRA_CASES) == len(set(step.CASES + step.EXTRA_CASES))
+
+
+def test_speedups_under_minimal_with_context(step):
+    got = step.speedups(rows(ours=500.0, ours_ctx=520.0, ours_fp8_blockwise=550.0, ours_fp8_ctx=598.0))
+    assert got["ours_ctx_over_ours"] == pytest.approx(1.04)
+    assert got["ours_fp8_ctx_over_ours_ctx"] == pytest.approx(1.15)
+    assert got["ours_fp8_ctx_over_ours_fp8_blockwise"] == pytest.approx(598.0 / 550.0)

@@ -269,8 +269,9 @@ def test_microbatch_stats_combine_by_sum_mean_or_max():
 POLICIES = [
     ("full", ()),
     ("minimal", ()),
+    ("minimal_with_context", ()),
     ("save_dot_except_mlp", ()),
-    ("custom", (("decoder_layer_input", "device"), ("query_proj", "offload"),
+    ("custom", (("decoder_layer_input", "device"), ("query_proj", "offload"), ("context", "offload"),
                 ("value_proj", "offload"), ("mla_kv", "device"), ("moe_mlpwi", "offload"),
                 ("out_proj", "remat"))),
 ]

@@ -140,10 +140,10 @@ class Config(BaseModel):
     fp8_dot_bf16_output: bool = _f(False, "With quantization=te_fp8_currentscaling: the FP8 dense GEMMs write their bfloat16 results directly (cuBLASLt's output in bfloat16, scaled there) instead of float32 and then a scale-and-convert pass, and every operand of them gets a power-of-two per-tensor scale (Transformer Engine's force_pow_2_scales), which makes the bfloat16 scaling exact: the same bits as float32 outputs with those scales, the accumulator rounded once. In deepseek3-proxy's step compiled for an H200 the 21 FP8 GEMMs then write bf16, and 7 convert passes and the float32 reads of the others go: about 12.6 GB of traffic per step. Off until timed on the GPU (benchmarks/notes/fp8.md). Setting it without quantization=te_fp8_currentscaling is an error.")
 
     # --- Remat / offload -------------------------------------------------------
-    remat_policy: Literal["full", "minimal", "save_dot_except_mlp", "custom", "none"] = _f("full", "Activation rematerialisation policy.")
+    remat_policy: Literal["full", "minimal", "minimal_with_context", "minimal_flash", "save_dot_except_mlp", "custom", "none"] = _f("full", "Activation rematerialisation policy (MaxText's names). minimal: keep the matmul outputs without batch dimensions, the expert kernels' outputs and the FP8 codes; minimal_with_context (minimal_flash is MaxText's older name for it): those and the attention output, with cuDNN attention its softmax statistics too, so the backward pass runs no attention forward again.")
     # Per-tensor placement for remat_policy=custom (MaxText's names).
     decoder_layer_input: RematChoice | None = _f(None, "remat_policy=custom: where 'decoder_layer_input' is kept (remat | device | offload).")
-    context: RematChoice | None = _f(None, "remat_policy=custom: where 'context' is kept (remat | device | offload).")
+    context: RematChoice | None = _f(None, "remat_policy=custom: where 'context' (the attention output; with cuDNN attention also its softmax statistics, so that device or offload leaves no attention forward to recompute) is kept (remat | device | offload).")
     mlpwi: RematChoice | None = _f(None, "remat_policy=custom: where 'mlpwi' is kept (remat | device | offload).")
     mlpwi_0: RematChoice | None = _f(None, "remat_policy=custom: where 'mlpwi_0' is kept (remat | device | offload).")
     mlpwi_1: RematChoice | None = _f(None, "remat_policy=custom: where 'mlpwi_1' is kept (remat | device | offload).")

@@ -102,7 +102,7 @@ class ModelConfig:
     mtp_num_layers: int = _d("mtp_num_layers")
     mtp_loss_scaling_factor: float = _d("mtp_loss_scaling_factor")
     scan_layers: bool = _d("scan_layers")
-    remat_policy: str = _d("remat_policy")  # full | minimal | save_dot_except_mlp | custom | none
+    remat_policy: str = _d("remat_policy")  # full | minimal | minimal_with_context | minimal_flash | save_dot_except_mlp | custom | none
     # For remat_policy=custom: tensor name -> "remat" | "device" | "offload".
     remat_custom: tuple[tuple[str, str], ...] = ()
     quantization: str = _d("quantization")  # "" (bf16) | te_fp8_currentscaling

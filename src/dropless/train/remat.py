@@ -36,25 +36,44 @@ backward pass), or recomputed from the layer input.
   a second time to write the stacked residual in place, not this policy's
   (``nn.moe.grouped_swiglu`` now gives it nothing to duplicate;
   ``benchmarks/notes/scan.md``).
+* ``minimal_with_context`` (MaxText's name; ``minimal_flash``, its older one, is
+  the same): ``minimal``, and the attention output (``context``) kept too. With
+  cuDNN attention ``context`` also covers the softmax statistics (log-sum-exp)
+  that cuDNN's backward reads, as MaxText's Transformer Engine attention tags
+  them: jax's cuDNN forward (``CUDNN_ATTENTION_FWD``) keeps both its outputs, so
+  the backward pass runs no attention forward again. Under ``minimal`` it does:
+  the proxy's step compiled for an H200 has three cuDNN calls per layer there
+  (forward, the forward again, backward) and two here, for one attention output
+  and its statistics kept per layer ([B, S, H, V] bf16 and [B, H, S] float32).
 * ``save_dot_except_mlp``: keep the attention projections (query/key/value,
   the MLA latents, the output projection); recompute the MLP/expert matmuls.
 * ``custom``: per-tensor choice from ``remat_custom``, pairs ``(name, action)``
   with action ``remat`` | ``device`` | ``offload``; names not listed are
-  recomputed. The config keys are MaxText's names plus the FP8 codes above
+  recomputed (``context`` kept or offloaded covers cuDNN's statistics as under
+  ``minimal_with_context``). The config keys are MaxText's names plus the FP8 codes above
   (``moe_fp8_weights``, ``moe_fp8_input_codes``, ``fp8_dot_codes``), which
   MaxText's custom recipes cannot list: ``fp8_codes_recomputed_line`` names the
   ones a run makes and does not keep, at start and in ``--dry-run``. Built on
   ``save_and_offload_only_these_names`` with ``offload_dst="pinned_host"``.
 """
 
+import dataclasses
 from typing import Callable
 
 import jax
+from jax import ad_checkpoint
 
 from dropless.config.sections import ModelConfig
 
-REMAT_POLICIES = ("none", "full", "minimal", "save_dot_except_mlp", "custom")
+REMAT_POLICIES = ("none", "full", "minimal", "minimal_with_context", "minimal_flash",
+                  "save_dot_except_mlp", "custom")
 CUSTOM_ACTIONS = ("remat", "device", "offload")
+
+# The primitive of jax's cuDNN flash attention forward under a gradient
+# (jax._src.cudnn.fused_attention_stablehlo; both ``jax.nn.dot_product_attention``
+# and the unpadded-v path reach it). Its outputs are the attention output and the
+# softmax statistics, which cuDNN's backward reads with q, k and v.
+CUDNN_ATTENTION_FWD = "dot_product_attention_fwd_wrapper"
 
 # Every checkpoint_name tagged in dropless.nn, plus MaxText's names for fused
 # tensors this model does not have ("mlpwi", "qkv_proj"), accepted so MaxText
@@ -90,6 +109,23 @@ _KERNEL_MATMUL_NAMES = ("moe_mlpwi", "moe_mlpwo", "moe_fp8_weights", "moe_fp8_in
 _ATTENTION_NAMES = ("mla_q", "mla_kv", "query_proj", "key_proj", "value_proj", "out_proj")
 
 
+@dataclasses.dataclass(frozen=True)
+class _KeepingAttention:
+    """``policy``, with jax's cuDNN attention forward's outputs (``CUDNN_ATTENTION_FWD``)
+    kept on the device (``offload`` false) or copied to pinned host memory: what
+    keeping ``context`` means where cuDNN computes attention."""
+
+    policy: Callable
+    offload: bool = False
+
+    def __call__(self, prim, *avals, **params):
+        if prim.name == CUDNN_ATTENTION_FWD:
+            if self.offload:
+                return ad_checkpoint.Offloadable(src="device", dst="pinned_host")
+            return ad_checkpoint.Saveable
+        return self.policy(prim, *avals, **params)
+
+
 def custom_policy(remat_custom) -> Callable:
     """The checkpoint policy of ``remat_custom`` (pairs ``(name, action)``).
 
@@ -109,12 +145,15 @@ def custom_policy(remat_custom) -> Callable:
             saved.append(name)
         elif action == "offload":
             offloaded.append(name)
-    return jax.checkpoint_policies.save_and_offload_only_these_names(
+    policy = jax.checkpoint_policies.save_and_offload_only_these_names(
         names_which_can_be_saved=saved,
         names_which_can_be_offloaded=offloaded,
         offload_src="device",
         offload_dst="pinned_host",
     )
+    if "context" in saved or "context" in offloaded:
+        return _KeepingAttention(policy, offload="context" in offloaded)
+    return policy
 
 
 def fp8_codes_recomputed_line(cfg: ModelConfig, weight_codes_given: bool = False) -> str | None:
@@ -164,6 +203,10 @@ def checkpoint_policy(remat_policy: str, remat_custom=()) -> Callable | None:
         return jax.checkpoint_policies.save_from_both_policies(
             jax.checkpoint_policies.checkpoint_dots_with_no_batch_dims,
             jax.checkpoint_policies.save_only_these_names(*_KERNEL_MATMUL_NAMES))
+    if remat_policy in ("minimal_with_context", "minimal_flash"):
+        return _KeepingAttention(jax.checkpoint_policies.save_from_both_policies(
+            jax.checkpoint_policies.checkpoint_dots_with_no_batch_dims,
+            jax.checkpoint_policies.save_only_these_names(*_KERNEL_MATMUL_NAMES, "context")))
     if remat_policy == "save_dot_except_mlp":
         return jax.checkpoint_policies.save_only_these_names(*_ATTENTION_NAMES)
     if remat_policy == "custom":
