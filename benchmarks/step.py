@@ -39,8 +39,8 @@ only that attempt):
             with ``fp8_dot_bf16_output=true``: the FP8 dense GEMMs write bf16
             (power-of-two scales) instead of float32 then a convert pass
   ours_ctx, ours_fp8_ctx, ours_fp8_bf16out_ctx  ``ours``, ``ours_fp8_blockwise`` and
-            ``ours_fp8_bf16out`` under ``remat_policy=minimal_with_context``: the
-            attention output and cuDNN's softmax statistics kept, so the backward
+            ``ours_fp8_bf16out`` under ``remat_policy=minimal_with_context``: q, k, v,
+            the attention output and cuDNN's softmax statistics kept, so the backward
             pass runs no attention forward (the preset's ``minimal`` runs it again)
   ours_fp8_halves  ``ours_fp8_blockwise`` with
             ``gmm_fp8_kernel_schedule=halves_unfenced``: each FP8 kernel step as two
@@ -153,8 +153,8 @@ CASE_OVERRIDES = {
     "ours_fp8_all": [*FP8_BLOCKWISE, "fp8_min_dim=0"],
     "ours_fp8_bf16out": [*FP8_BLOCKWISE, "fp8_dot_bf16_output=true"],
     "ours_fp8_all_bf16out": [*FP8_BLOCKWISE, "fp8_min_dim=0", "fp8_dot_bf16_output=true"],
-    # The attention output and cuDNN's softmax statistics kept: no attention forward in
-    # the backward pass (remat.CUDNN_ATTENTION_FWD), for about 1 GiB on the proxy.
+    # q, k, v, the attention output and cuDNN's softmax statistics kept: no attention
+    # forward in the backward pass (remat.CUDNN_ATTENTION_FWD), for 1.5 GiB on the proxy.
     "ours_ctx": ["gmm_backend=auto", "remat_policy=minimal_with_context"],
     "ours_fp8_ctx": [*FP8_BLOCKWISE, "remat_policy=minimal_with_context"],
     "ours_fp8_bf16out_ctx": [*FP8_BLOCKWISE, "fp8_dot_bf16_output=true", "remat_policy=minimal_with_context"],

@@ -53,16 +53,19 @@ def test_what_each_policy_does_with_cudnn_attention(policy, custom, expected):
     assert decide(_Prim("sin")) in (False, ad_checkpoint.Recompute)
 
 
-def test_minimal_with_context_is_minimal_and_the_context():
+def test_minimal_with_context_is_minimal_and_attentions_inputs_and_output():
+    """MaxText's ``minimal_with_context`` names: minimal's, q, k, v and the context."""
     from jax._src.ad_checkpoint import name_p
 
     minimal = remat_lib.checkpoint_policy("minimal")
     with_context = remat_lib.checkpoint_policy("minimal_with_context")
-    for name in ("moe_mlpwi", "moe_fp8_weights", "fp8_dot_codes", "query_proj", "context"):
-        assert bool(with_context(name_p, name=name)) == (bool(minimal(name_p, name=name)) or name == "context")
+    added = ("query_proj", "key_proj", "value_proj", "context")
+    for name in remat_lib.ACTIVATION_NAMES:
+        assert bool(with_context(name_p, name=name)) == (bool(minimal(name_p, name=name)) or name in added)
+    assert not any(minimal(name_p, name=name) for name in added)
     # MaxText's older name is the same policy.
     flash = remat_lib.checkpoint_policy("minimal_flash")
-    for name in ("moe_mlpwi", "fp8_dot_codes", "query_proj", "context"):
+    for name in remat_lib.ACTIVATION_NAMES:
         assert flash(name_p, name=name) == with_context(name_p, name=name)
 
 

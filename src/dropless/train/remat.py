@@ -37,14 +37,18 @@ backward pass), or recomputed from the layer input.
   (``nn.moe.grouped_swiglu`` now gives it nothing to duplicate;
   ``benchmarks/notes/scan.md``).
 * ``minimal_with_context`` (MaxText's name; ``minimal_flash``, its older one, is
-  the same): ``minimal``, and the attention output (``context``) kept too. With
-  cuDNN attention ``context`` also covers the softmax statistics (log-sum-exp)
-  that cuDNN's backward reads, as MaxText's Transformer Engine attention tags
-  them: jax's cuDNN forward (``CUDNN_ATTENTION_FWD``) keeps both its outputs, so
-  the backward pass runs no attention forward again. Under ``minimal`` it does:
-  the proxy's step compiled for an H200 has three cuDNN calls per layer there
-  (forward, the forward again, backward) and two here, for one attention output
-  and its statistics kept per layer ([B, S, H, V] bf16 and [B, H, S] float32).
+  the same): ``minimal``, and attention's inputs and output kept too: q, k and v as
+  attention reads them (``query_proj``, ``key_proj``, ``value_proj``: MLA's after
+  the rope and the concatenations) and its output (``context``), as MaxText's
+  ``minimal_with_context`` names them. With cuDNN attention ``context`` also covers
+  the softmax statistics (log-sum-exp) that cuDNN's backward reads, as MaxText's
+  Transformer Engine attention tags them: jax's cuDNN forward
+  (``CUDNN_ATTENTION_FWD``) keeps both its outputs, so the backward pass runs no
+  attention forward again, nor rebuilds q, k and v. Under ``minimal`` it does both:
+  the proxy's bf16 step compiled for an H200 has three cuDNN calls per layer there
+  (forward, the forward again, backward) and two here, and about 10 GB less
+  traffic in the recomputation besides the forwards, for 1.5 GiB more at XLA's
+  peak (61.63 against 60.12 GiB).
 * ``save_dot_except_mlp``: keep the attention projections (query/key/value,
   the MLA latents, the output projection); recompute the MLP/expert matmuls.
 * ``custom``: per-tensor choice from ``remat_custom``, pairs ``(name, action)``
@@ -107,6 +111,9 @@ ACTIVATION_NAMES = (
 _KERNEL_MATMUL_NAMES = ("moe_mlpwi", "moe_mlpwo", "moe_fp8_weights", "moe_fp8_input_codes",
                         "fp8_dot_codes")
 _ATTENTION_NAMES = ("mla_q", "mla_kv", "query_proj", "key_proj", "value_proj", "out_proj")
+# What ``minimal_with_context`` keeps beyond ``minimal``: attention's inputs as it reads
+# them and its output (with cuDNN, the softmax statistics too: ``_KeepingAttention``).
+_CONTEXT_NAMES = ("query_proj", "key_proj", "value_proj", "context")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -206,7 +213,7 @@ def checkpoint_policy(remat_policy: str, remat_custom=()) -> Callable | None:
     if remat_policy in ("minimal_with_context", "minimal_flash"):
         return _KeepingAttention(jax.checkpoint_policies.save_from_both_policies(
             jax.checkpoint_policies.checkpoint_dots_with_no_batch_dims,
-            jax.checkpoint_policies.save_only_these_names(*_KERNEL_MATMUL_NAMES, "context")))
+            jax.checkpoint_policies.save_only_these_names(*_KERNEL_MATMUL_NAMES, *_CONTEXT_NAMES)))
     if remat_policy == "save_dot_except_mlp":
         return jax.checkpoint_policies.save_only_these_names(*_ATTENTION_NAMES)
     if remat_policy == "custom":
