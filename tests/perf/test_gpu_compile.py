@@ -70,26 +70,24 @@ def _readers(text, name):
 
 @needs_plugin
 @pytest.mark.gpu_compile
-def test_bf16_output_is_three_fp8_gemms_writing_bf16_with_the_scale_folded():
-    text = gpu_compile.compile_text(_linear_value_and_grads(True), *ARGS)
+@pytest.mark.parametrize("bf16_output", [False, True])
+def test_each_fp8_gemm_writes_bf16_itself_or_float32_then_a_convert(bf16_output):
+    """The forward, dgrad and wgrad are three cuBLASLt FP8 calls. With ``bf16_output`` each
+    writes bf16 with the product's scale as its operand (not the constant 1) and nothing
+    reads its result in the entry; in the float32 form each writes float32 and one convert
+    fusion reads it."""
+    text = gpu_compile.compile_text(_linear_value_and_grads(bf16_output), *ARGS)
     calls = _fp8_calls(text)
     assert len(calls) == 3, text[-6000:]
     for name, dtype, operands in calls:
-        assert dtype == "bf16", (name, dtype)
-        assert "constant" not in operands[2], (name, operands)  # the product's scale
-        assert _readers(text, name) == [], (name, _readers(text, name))
-
-
-@needs_plugin
-@pytest.mark.gpu_compile
-def test_float32_form_converts_after_each_fp8_gemm():
-    text = gpu_compile.compile_text(_linear_value_and_grads(False), *ARGS)
-    calls = _fp8_calls(text)
-    assert len(calls) == 3, text[-6000:]
-    for name, dtype, _ in calls:
-        assert dtype == "f32", (name, dtype)
         readers = _readers(text, name)
-        assert len(readers) == 1 and "convert" in readers[0], (name, readers)
+        if bf16_output:
+            assert dtype == "bf16", (name, dtype)
+            assert "constant" not in operands[2], (name, operands)  # the product's scale
+            assert readers == [], (name, readers)
+        else:
+            assert dtype == "f32", (name, dtype)
+            assert len(readers) == 1 and "convert" in readers[0], (name, readers)
 
 
 @needs_plugin
