@@ -29,6 +29,7 @@ import jax
 
 from dropless.perf import gpu_compile
 from dropless.perf import hlo as hlo_lib
+from dropless.perf import jaxprs
 from dropless.perf import stablehlo
 
 
@@ -41,11 +42,8 @@ def _kernel_calls(jaxpr, mult=1, path=""):
             out.append((path or "/", mult))
             continue
         inner = mult * (eqn.params["length"] if name == "scan" else 1)
-        for value in eqn.params.values():
-            for sub in value if isinstance(value, (tuple, list)) else (value,):
-                sub = getattr(sub, "jaxpr", sub)
-                if hasattr(sub, "eqns"):
-                    out += _kernel_calls(sub, inner, f"{path}/{name}")
+        for sub in jaxprs.sub_jaxprs(eqn):
+            out += _kernel_calls(sub, inner, f"{path}/{name}")
     return out
 
 

@@ -22,6 +22,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from dropless.ops import permute as P
+from dropless.perf import jaxprs
 
 
 def numpy_buffer(x, experts, num_experts, alignment):
@@ -154,15 +155,7 @@ def test_custom_vjps_equal_autodiff_of_plain_gathers(case, rng):
 
 def _primitives(jaxpr):
     """Names of all primitives in a jaxpr, nested calls included."""
-    names = set()
-    for eqn in jaxpr.eqns:
-        names.add(eqn.primitive.name)
-        for param in eqn.params.values():
-            for sub in param if isinstance(param, (tuple, list)) else (param,):
-                sub = getattr(sub, "jaxpr", sub)  # ClosedJaxpr -> Jaxpr
-                if hasattr(sub, "eqns"):
-                    names |= _primitives(sub)
-    return names
+    return set(jaxprs.primitive_counts(jaxpr))
 
 
 @pytest.mark.parametrize("alignment", [1, 4])

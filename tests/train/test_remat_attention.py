@@ -12,15 +12,12 @@ gradient needs jax's CUDA plugin (marker ``gpu_compile``: the gradient is traced
 under ``perf.gpu_compile.gpu_view``, no compile).
 """
 
-from collections import Counter
-
 import jax
-import jax._src.core as jax_core
 import jax.numpy as jnp
 import pytest
 from jax import ad_checkpoint
 
-from dropless.perf import gpu_compile
+from dropless.perf import gpu_compile, jaxprs
 from dropless.train import remat as remat_lib
 
 
@@ -69,18 +66,6 @@ def test_minimal_with_context_is_minimal_and_attentions_inputs_and_output():
         assert flash(name_p, name=name) == with_context(name_p, name=name)
 
 
-def _primitive_counts(jaxpr, counts):
-    for eqn in jaxpr.eqns:
-        counts[eqn.primitive.name] += 1
-        for value in eqn.params.values():
-            for sub in value if isinstance(value, (list, tuple)) else [value]:
-                if isinstance(sub, jax_core.ClosedJaxpr):
-                    _primitive_counts(sub.jaxpr, counts)
-                elif isinstance(sub, jax_core.Jaxpr):
-                    _primitive_counts(sub, counts)
-    return counts
-
-
 @pytest.mark.skipif(not gpu_compile.plugin_installed(), reason="needs jax's CUDA plugin (make gpu-compile-venv)")
 @pytest.mark.gpu_compile
 def test_trainer_gradient_runs_one_cudnn_forward_per_layer_with_the_context_kept():
@@ -102,7 +87,7 @@ def test_trainer_gradient_runs_one_cudnn_forward_per_layer_with_the_context_kept
             tokens, weights = jnp.zeros((2, 64), jnp.int32), jnp.ones((2, 64), jnp.float32)
             grad = jax.grad(lambda p, bias: step_lib.loss_fn(p, bias, graphdef, m, tokens, tokens, weights)[0])
             jaxpr = jax.make_jaxpr(grad)(state["params"], state["router_bias"]).jaxpr
-        c = _primitive_counts(jaxpr, Counter())
+        c = jaxprs.primitive_counts(jaxpr)
         return m.num_decoder_layers, c[remat_lib.CUDNN_ATTENTION_FWD], c["dot_product_attention_bwd_wrapper"]
 
     layers, fwd, bwd = counts("remat_policy=minimal")

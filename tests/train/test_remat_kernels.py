@@ -8,22 +8,15 @@ kernels are counted in the jaxpr of the gradient, before any compiler runs.
 from collections import Counter
 
 import jax
-import jax._src.core as jax_core
 import jax.numpy as jnp
 
 from dropless.nn.moe import grouped_swiglu
+from dropless.perf import jaxprs
 from dropless.train import remat as remat_lib
 
 
 def _primitives(jaxpr, counts):
-    for eqn in jaxpr.eqns:
-        counts[eqn.primitive.name] += 1
-        for value in eqn.params.values():
-            for sub in value if isinstance(value, (list, tuple)) else [value]:
-                if isinstance(sub, jax_core.ClosedJaxpr):
-                    _primitives(sub.jaxpr, counts)
-                elif isinstance(sub, jax_core.Jaxpr):
-                    _primitives(sub, counts)
+    counts.update(jaxprs.primitive_counts(jaxpr))
     return counts
 
 
@@ -113,15 +106,8 @@ def test_minimal_keeps_the_fp8_dense_codes():
 
 def _reduce_max_scopes(jaxpr, counts):
     """Counter of the name stacks of ``reduce_max`` equations in ``jaxpr`` and its sub-jaxprs."""
-    for eqn in jaxpr.eqns:
-        if eqn.primitive.name == "reduce_max":
-            counts[str(eqn.source_info.name_stack)] += 1
-        for value in eqn.params.values():
-            for sub in value if isinstance(value, (list, tuple)) else [value]:
-                if isinstance(sub, jax_core.ClosedJaxpr):
-                    _reduce_max_scopes(sub.jaxpr, counts)
-                elif isinstance(sub, jax_core.Jaxpr):
-                    _reduce_max_scopes(sub, counts)
+    counts.update(str(eqn.source_info.name_stack) for eqn in jaxprs.equations(jaxpr)
+                  if eqn.primitive.name == "reduce_max")
     return counts
 
 
