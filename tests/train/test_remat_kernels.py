@@ -15,11 +15,6 @@ from dropless.perf import jaxprs
 from dropless.train import remat as remat_lib
 
 
-def _primitives(jaxpr, counts):
-    counts.update(jaxprs.primitive_counts(jaxpr))
-    return counts
-
-
 def _kernels_in_grad(policy):
     p, d, f, g = 256, 128, 128, 2
     x = jnp.ones((p, d), jnp.bfloat16)
@@ -31,7 +26,7 @@ def _kernels_in_grad(policy):
 
     fn = layer if policy is None else jax.checkpoint(layer, policy=policy)
     jaxpr = jax.make_jaxpr(jax.grad(fn, argnums=(0, 1, 2)))(x, wi, wo).jaxpr
-    return _primitives(jaxpr, Counter())["mpmd_map"]
+    return jaxprs.primitive_counts(jaxpr)["mpmd_map"]
 
 
 def test_minimal_runs_each_expert_kernel_once():
@@ -95,7 +90,7 @@ def test_minimal_keeps_the_fp8_dense_codes():
     def amaxes(policy):
         fn = jax.checkpoint(layer, policy=policy)
         jaxpr = jax.make_jaxpr(jax.grad(fn, argnums=(0, 1)))(x, w).jaxpr
-        return _primitives(jaxpr, Counter())["reduce_max"]
+        return jaxprs.primitive_counts(jaxpr)["reduce_max"]
 
     assert amaxes(remat_lib.checkpoint_policy("minimal")) == 3
     assert amaxes(jax.checkpoint_policies.checkpoint_dots_with_no_batch_dims) == 5
@@ -104,11 +99,10 @@ def test_minimal_keeps_the_fp8_dense_codes():
     assert amaxes(remat_lib.checkpoint_policy("custom", (("fp8_dot_codes", "remat"),))) == 5
 
 
-def _reduce_max_scopes(jaxpr, counts):
+def _reduce_max_scopes(jaxpr):
     """Counter of the name stacks of ``reduce_max`` equations in ``jaxpr`` and its sub-jaxprs."""
-    counts.update(str(eqn.source_info.name_stack) for eqn in jaxprs.equations(jaxpr)
-                  if eqn.primitive.name == "reduce_max")
-    return counts
+    return Counter(str(eqn.source_info.name_stack) for eqn in jaxprs.equations(jaxpr)
+                   if eqn.primitive.name == "reduce_max")
 
 
 def test_minimal_keeps_the_fp8_dense_codes_when_the_output_is_recomputed():
@@ -130,12 +124,12 @@ def test_minimal_keeps_the_fp8_dense_codes_when_the_output_is_recomputed():
     for policy in (remat_lib.checkpoint_policy("minimal"),
                    remat_lib.checkpoint_policy("custom", (("fp8_dot_codes", "device"),))):
         fn = jax.checkpoint(layer, policy=policy)
-        scopes = _reduce_max_scopes(jax.make_jaxpr(jax.grad(fn, argnums=(0, 1)))(x, w).jaxpr, Counter())
+        scopes = _reduce_max_scopes(jax.make_jaxpr(jax.grad(fn, argnums=(0, 1)))(x, w).jaxpr)
         assert sum(scopes.values()) == 3, scopes
         assert not [s for s in scopes if "rematted" in s], scopes
     # Without the codes kept, the backward pass does quantize the recomputed operands again.
     fn = jax.checkpoint(layer, policy=remat_lib.checkpoint_policy("custom", (("fp8_dot_codes", "remat"),)))
-    scopes = _reduce_max_scopes(jax.make_jaxpr(jax.grad(fn, argnums=(0, 1)))(x, w).jaxpr, Counter())
+    scopes = _reduce_max_scopes(jax.make_jaxpr(jax.grad(fn, argnums=(0, 1)))(x, w).jaxpr)
     assert sum(n for s, n in scopes.items() if "rematted" in s) == 2, scopes
 
 
@@ -159,7 +153,7 @@ def test_trainer_step_under_minimal_quantizes_no_dense_operand_twice():
         weights = jnp.ones((2, 16), jnp.float32)
         grad = jax.grad(lambda p: step_lib.loss_fn(
             p, state["router_bias"], graphdef, m, tokens, tokens, weights)[0])
-        counts = _reduce_max_scopes(jax.make_jaxpr(grad)(state["params"]).jaxpr, Counter())
+        counts = _reduce_max_scopes(jax.make_jaxpr(grad)(state["params"]).jaxpr)
         return Counter({s: n for s, n in counts.items() if "fp8_quantize" in s})
 
     minimal, none = scopes("minimal"), scopes("none")
@@ -194,7 +188,7 @@ def test_minimal_keeps_the_fp8_expert_inputs_codes(monkeypatch):
     def counts(policy):
         fn = layer if policy is None else jax.checkpoint(layer, policy=policy)
         jaxpr = jax.make_jaxpr(jax.grad(fn, argnums=(0, 1, 2)))(x, wi, wo).jaxpr
-        c = _primitives(jaxpr, Counter())
+        c = jaxprs.primitive_counts(jaxpr)
         return c["mpmd_map"], c["sin"]
 
     without_input_codes = jax.checkpoint_policies.save_only_these_names(
