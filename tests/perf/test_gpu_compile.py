@@ -17,7 +17,6 @@ without ``fp8_dot_bf16_output``.
 Without the plugin (CI): the command line refuses with exit code 2 and one line.
 """
 
-import re
 from pathlib import Path
 
 import jax
@@ -49,7 +48,7 @@ def _linear_value_and_grads(bf16_output):
 
 def _entry(text):
     """The entry computation's instructions (``perf.hlo.instructions``)."""
-    entry = re.search(r"^ENTRY %?([\w.\-]+)", text, re.M).group(1)
+    entry = hlo.entry_name(text)
     return [i for i in hlo.instructions(text) if i.computation == entry]
 
 

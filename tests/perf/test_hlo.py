@@ -29,6 +29,8 @@ ENTRY %main.3 (p: bf16[8,8]) -> (f8e4m3fn[8,8], f32[]) {
 def test_parse_sample():
     ops = hlo.parse(SAMPLE, F8_RESULT_TAG)
     assert hlo.module_name(SAMPLE) == "jit_step"
+    assert hlo.entry_name(SAMPLE) == "main.3" and hlo.entry_name("HloModule m") == ""
+    assert {i.computation for i in hlo.instructions(SAMPLE)} == {hlo.entry_name(SAMPLE)}
     quant_text = "jit(step)/fp8_quantize/convert_element_type " + F8_RESULT_TAG
     assert ops["loop_convert_fusion.1"] == ops["loop_convert_fusion_1"] == quant_text
     assert ops["cast_2"] == "jit(step)/convert_element_type"  # f32 result: not tagged

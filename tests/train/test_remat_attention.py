@@ -73,20 +73,13 @@ def test_trainer_gradient_runs_one_cudnn_forward_per_layer_with_the_context_kept
     forwards per layer under ``minimal`` (the forward and the backward's recomputation),
     one under ``minimal_with_context`` and ``custom`` keeping or offloading ``context``,
     as without remat; one cuDNN backward per layer in all."""
-    import optax
-
-    from dropless.config.loader import load_config
-    from dropless.train import step as step_lib
+    from trainer_grad import loss_gradient, preset_model
 
     def counts(*keys):
         with gpu_compile.gpu_view(gpu_compile.devices()):
-            m = load_config(None, ["model_name=deepseek3-tiny", "scan_layers=false", "dtype=bfloat16",
-                                   "attention=cudnn_flash_te", *keys], environ={}).config.model()
-            graphdef, init = step_lib.init_state_fn(m, optax.identity(), 0, remat_lib.layer_remat(m))
-            state = jax.eval_shape(init)
-            tokens, weights = jnp.zeros((2, 64), jnp.int32), jnp.ones((2, 64), jnp.float32)
-            grad = jax.grad(lambda p, bias: step_lib.loss_fn(p, bias, graphdef, m, tokens, tokens, weights)[0])
-            jaxpr = jax.make_jaxpr(grad)(state["params"], state["router_bias"]).jaxpr
+            m = preset_model("scan_layers=false", "dtype=bfloat16", "attention=cudnn_flash_te", *keys)
+            grad, params, bias = loss_gradient(m, jnp.zeros((2, 64), jnp.int32), abstract=True)
+            jaxpr = jax.make_jaxpr(grad)(params, bias).jaxpr
         c = jaxprs.primitive_counts(jaxpr)
         return m.num_decoder_layers, c[remat_lib.CUDNN_ATTENTION_FWD], c["dot_product_attention_bwd_wrapper"]
 

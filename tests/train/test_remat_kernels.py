@@ -46,13 +46,11 @@ def test_unrolled_layers_keep_what_the_scan_keeps():
     import dataclasses
 
     import numpy as np
-    import optax
+    from trainer_grad import loss_gradient, preset_model
 
-    from dropless.config.loader import load_config
     from dropless.perf import memory
-    from dropless.train import step as step_lib
 
-    cfg = load_config(None, ["model_name=deepseek3-tiny", "remat_policy=minimal"], environ={}).config.model()
+    cfg = preset_model("remat_policy=minimal")
     unrolled = dataclasses.replace(cfg, scan_layers=False)
 
     def kept(m):
@@ -61,14 +59,11 @@ def test_unrolled_layers_keep_what_the_scan_keeps():
     assert kept(unrolled) == kept(cfg)
     grads = []
     for m in (cfg, unrolled):
-        graphdef, init = step_lib.init_state_fn(m, optax.identity(), 0, remat_lib.layer_remat(m))
-        state = init()
         tokens = jax.random.randint(jax.random.key(1), (2, 16), 0, m.vocab_size)
-        weights = jnp.ones((2, 16), jnp.float32)
+        grad, params, bias = loss_gradient(m, tokens)
         # Jitted: one compile each, where op by op the backward pass dispatched (and
         # compiled) its primitives one at a time.
-        grads.append(jax.jit(jax.grad(lambda p: step_lib.loss_fn(
-            p, state["router_bias"], graphdef, m, tokens, tokens, weights)[0]))(state["params"]))
+        grads.append(jax.jit(grad)(params, bias))
     for a, b in zip(jax.tree.leaves(grads[0]), jax.tree.leaves(grads[1])):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-6)
 
@@ -138,22 +133,13 @@ def test_trainer_step_under_minimal_quantizes_no_dense_operand_twice():
     unrolled, ``remat_policy: minimal``): no FP8 quantization runs under the backward
     pass's recomputation, and the gradient has exactly the amaxes of the same model
     without remat (each forward operand once, each incoming gradient once)."""
-    import optax
-
-    from dropless.config.loader import load_config
-    from dropless.train import step as step_lib
+    from trainer_grad import loss_gradient, preset_model
 
     def scopes(remat_policy):
-        m = load_config(None, ["model_name=deepseek3-tiny", f"remat_policy={remat_policy}",
-                               "scan_layers=false", "quantization=te_fp8_currentscaling",
-                               "fp8_min_dim=0"], environ={}).config.model()
-        graphdef, init = step_lib.init_state_fn(m, optax.identity(), 0, remat_lib.layer_remat(m))
-        state = init()
-        tokens = jnp.zeros((2, 16), jnp.int32)
-        weights = jnp.ones((2, 16), jnp.float32)
-        grad = jax.grad(lambda p: step_lib.loss_fn(
-            p, state["router_bias"], graphdef, m, tokens, tokens, weights)[0])
-        counts = _reduce_max_scopes(jax.make_jaxpr(grad)(state["params"]).jaxpr)
+        grad, params, bias = loss_gradient(preset_model(
+            f"remat_policy={remat_policy}", "scan_layers=false", "quantization=te_fp8_currentscaling",
+            "fp8_min_dim=0"))
+        counts = _reduce_max_scopes(jax.make_jaxpr(grad)(params, bias).jaxpr)
         return Counter({s: n for s, n in counts.items() if "fp8_quantize" in s})
 
     minimal, none = scopes("minimal"), scopes("none")

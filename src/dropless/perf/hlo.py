@@ -169,6 +169,13 @@ def module_name(text: str) -> str:
     return m.group(1) if m else ""
 
 
+def entry_name(text: str) -> str:
+    """The ``ENTRY`` computation's name, without ``%`` ("" if none): ``Instruction.computation``
+    of the entry's instructions."""
+    m = re.search(r"^ENTRY\s+%?([\w.\-]+)", text, re.MULTILINE)
+    return m.group(1) if m else ""
+
+
 def kernel_ops(dump_dir: str | os.PathLike, f8_tag: str = "f8_result") -> dict[str, dict]:
     """HLO module name -> ``parse`` of it, for every ``*after_optimizations.txt`` under an
     ``--xla_dump_to`` dir (the trace's kernels name their module: ``KernelEvent.module``).
