@@ -18,9 +18,10 @@ sorts take XLA's fallback (no CUB scratch sizes without a device), and cuDNN's c
 no workspace. The FP8 GEMM calls, the fusions around them and the Mosaic GPU calls are the
 GPU's.
 
-Prints counts read off the optimized HLO (``summarize``): the cuBLASLt FP8 GEMM calls by
+Prints counts read off the optimized HLO (``summarize``), per run of the step (a while loop's
+body once per iteration, so a scan's layers count each): the cuBLASLt FP8 GEMM calls by
 output dtype, the fusions that only convert a cuBLAS GEMM's result to bf16, the Mosaic GPU
-and cuDNN calls, the copies.
+and cuDNN calls, the copies, the kernels (instructions that launch work), the while loops.
 """
 
 import argparse
@@ -42,19 +43,36 @@ def _computations(insts):
     return by_comp
 
 
+# Instructions that launch nothing themselves: bookkeeping, control flow (what they call is
+# counted where it runs) and the second halves of async pairs.
+_NO_LAUNCH = frozenset({"parameter", "get-tuple-element", "tuple", "bitcast", "constant", "while",
+                        "call", "conditional", "after-all", "partition-id", "replica-id"})
+
+
 def summarize(text: str) -> dict:
-    """Counts of optimized HLO text (module docstring). A convert-only fusion: a ``kLoop``
-    fusion reading a cuBLAS call's result (its get-tuple-element) whose fused computation
-    holds only parameters, converts and bitcasts."""
+    """Counts of optimized HLO text (module docstring), per run of the step: an instruction
+    in a while loop's body counts once per iteration (``perf.hlo.executions``), so a scanned
+    model's counts are its layers' too. A convert-only fusion: a ``kLoop`` fusion reading a
+    cuBLAS call's result (its get-tuple-element) whose fused computation holds only
+    parameters, converts and bitcasts. ``kernels``: the instructions outside fusions that
+    launch work (fusions, custom calls, copies, ...; not bookkeeping, control flow or the
+    loops' conditions)."""
     from dropless.perf import hlo
 
     insts = list(hlo.instructions(text))
+    runs = hlo.executions(insts)
+    inner = hlo.inner_computations(insts)
     by_comp = _computations(insts)
-    targets = collections.Counter(i.custom_call_target for i in insts if i.opcode == "custom-call")
+    targets = collections.Counter()
+    for i in insts:
+        if i.opcode == "custom-call":
+            targets[i.custom_call_target] += runs[i.computation]
     gemms = {(i.computation, i.name): i for i in insts
              if (i.custom_call_target or "").startswith("__cublas$")}
     fp8 = [i for i in gemms.values() if i.custom_call_target == "__cublas$lt$matmul$f8"]
-    out_dtypes = collections.Counter(i.result_types[0].split("[")[0] for i in fp8)
+    out_dtypes = collections.Counter()
+    for i in fp8:
+        out_dtypes[i.result_types[0].split("[")[0]] += runs[i.computation]
     results = {(i.computation, i.name): gemms[(i.computation, i.operands[0][1])] for i in insts
                if i.opcode == "get-tuple-element" and (i.computation, i.operands[0][1]) in gemms}
     convert_only = collections.Counter()
@@ -66,15 +84,21 @@ def summarize(text: str) -> dict:
         called = _CALLS.search(i.attrs)
         ops = {j.opcode for j in by_comp.get(called.group(1), [])} if called else set()
         if read and ops and ops <= {"parameter", "convert", "bitcast"}:
-            convert_only["after an FP8 GEMM" if any(g in fp8 for g in read) else "after a bf16 GEMM"] += 1
-    opcodes = collections.Counter(i.opcode for i in insts)
+            kind = "after an FP8 GEMM" if any(g in fp8 for g in read) else "after a bf16 GEMM"
+            convert_only[kind] += runs[i.computation]
+    conditions = {m.group(1) for i in insts if i.opcode == "while"
+                  for m in [re.search(r"\bcondition=%?([\w.\-]+)", i.attrs)] if m}
+    launches = [i for i in insts if i.computation not in inner | conditions
+                and i.opcode not in _NO_LAUNCH and not i.opcode.endswith("-done")]
     return {
-        "fp8_gemm_calls": len(fp8),
+        "fp8_gemm_calls": sum(runs[i.computation] for i in fp8),
         "fp8_gemm_output_dtypes": dict(out_dtypes),
         "convert_only_fusions": dict(convert_only),
         "mosaic_gpu_calls": sum(n for t, n in targets.items() if t and "mosaic_gpu" in t),
         "cudnn_calls": sum(n for t, n in targets.items() if t and "cudnn" in t),
-        "copies": opcodes["copy"] + opcodes["copy-start"],
+        "copies": sum(runs[i.computation] for i in insts if i.opcode in ("copy", "copy-start")),
+        "kernels": sum(runs[i.computation] for i in launches),
+        "while_loops": sum(1 for i in insts if i.opcode == "while"),
     }
 
 

@@ -22,7 +22,6 @@
 """
 
 import gzip
-import re
 import sys
 
 import jax
@@ -51,37 +50,16 @@ def _compiled_calls(hlo: str) -> list[tuple[str, str, int]]:
     """(computation, op_name, executions per step) of each ``mosaic_gpu`` custom-call
     in an optimized HLO module's text.
 
-    Executions follow the call graph from the entry: a computation runs as often
-    as all its call sites' computations together, times the known trip count
-    where it is a while body (1 where XLA knows none), so a kernel in a fusion
-    inside a loop inside a loop is multiplied by both loops.
+    Executions follow the call graph from the entry (``perf.hlo.executions``): a kernel
+    in a fusion inside a loop inside a loop is multiplied by both loops.
     """
     insts = list(hlo_lib.instructions(hlo))
-    callers: dict[str, list[tuple[str, int]]] = {}
-    for inst in insts:
-        trips = 1
-        if inst.opcode == "while":
-            n = re.search(r"known_trip_count[^0-9]*(\d+)", inst.attrs)
-            trips = int(n.group(1)) if n else 1
-        for key, names in re.findall(
-                r"\b(calls|to_apply|body|condition|called_computations|branch_computations)="
-                r"(\{[^}]*\}|%?[\w.\-]+)", inst.attrs):
-            for callee in re.findall(r"%?([\w.\-]+)", names):
-                callers.setdefault(callee, []).append((inst.computation, trips if key == "body" else 1))
-    runs: dict[str, int] = {}
-
-    def executions(comp: str, depth: int = 0) -> int:
-        if comp not in runs:
-            sites = callers.get(comp)
-            runs[comp] = 1 if not sites or depth > 64 else sum(
-                executions(c, depth + 1) * t for c, t in sites)
-        return runs[comp]
-
+    runs = hlo_lib.executions(insts)
     out = []
     for inst in insts:
         if "mosaic_gpu" in (inst.custom_call_target or ""):
             m = hlo_lib.OP_NAME.search(inst.attrs)
-            out.append((inst.computation, m.group(1) if m else "?", executions(inst.computation)))
+            out.append((inst.computation, m.group(1) if m else "?", runs[inst.computation]))
     return out
 
 

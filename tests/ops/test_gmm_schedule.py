@@ -15,7 +15,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from dropless.ops.gmm import mosaic, schedule, tuning
+from dropless.ops.gmm import mosaic, quantized, schedule, tuning
 
 
 @st.composite
@@ -126,6 +126,17 @@ def test_schedule_size_does_not_depend_on_group_sizes():
         for s in ([1000, 0, 0, 0], [250] * 4, [1, 1, 1, 997])
     }
     assert shapes == {(schedule.max_row_tiles(1000, 4, 128),)}
+
+
+def test_schedules_and_alignment_lower_without_a_loop():
+    """The tile schedule and the group alignment run in every MoE layer: their group
+    lookups are binary searches written out, which XLA fuses, not a while loop (jnp's
+    default), which on the GPU launches each of its steps' kernels on their own."""
+    sizes = jnp.asarray([300, 0, 57, 667], jnp.int32)
+    for fn in (lambda g: schedule.row_tile_schedule(g, 1024, 128),
+               lambda g: quantized.align_groups(jnp.zeros((1024, 8)), g, 128)):
+        text = jax.jit(fn).lower(sizes).as_text()
+        assert "stablehlo.gather" in text and "stablehlo.while" not in text
 
 
 @pytest.mark.parametrize("kind", tuning.KINDS)

@@ -2,8 +2,11 @@
 
 The quantizer's fusions must come out tagged (its name scope, and an f8
 result for the convert), a bf16 -> f32 cast must not, and the categoriser
-then counts the quantizer as quantization through ``breakdown.compute``.
+then counts the quantizer as quantization through ``breakdown.compute``. And the call
+graph: how often each computation runs per step, loops and fusions included.
 """
+
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -111,3 +114,68 @@ def test_result_types_of_tuple_and_plain_results():
     g, d = hlo.instructions(text)
     assert g.result_types == ["bf16[256,384]{1,0}", "s8[4194304]{0}"]
     assert d.result_types == ["f32[8,16]{1,0}"]
+
+
+LOOPS = """HloModule jit_step, is_scheduled=true
+
+%add (a: f32[], b: f32[]) -> f32[] {
+  ROOT %s = f32[] add(%a, %b)
+}
+
+%fused_sum (p.0: f32[64,64]) -> f32[64] {
+  %z = f32[] constant(0)
+  ROOT %r = f32[64]{0} reduce(%p.0, %z), dimensions={1}, to_apply=%add
+}
+
+%fused_slice (p.1: bf16[3,64,64]) -> bf16[1,64,64] {
+  ROOT %d = bf16[1,64,64]{2,1,0} dynamic-slice(%p.1, %i, %j, %k), dynamic_slice_sizes={1,64,64}
+}
+
+%inner (p: (s32[], f32[64,64])) -> (s32[], f32[64,64]) {
+  %f = f32[64]{0} fusion(%x), kind=kInput, calls=%fused_sum
+  %k = bf16[64,64]{1,0} custom-call(%y), custom_call_target="mosaic_gpu_v2"
+  ROOT %t2 = (s32[], f32[64,64]{1,0}) tuple(%i, %x)
+}
+
+%cond2 (p: (s32[], f32[64,64])) -> pred[] {
+  ROOT %lt = pred[] compare(%i, %n), direction=LT
+}
+
+%body.1 (p: (s32[], f32[64,64])) -> (s32[], f32[64,64]) {
+  %fs = ((bf16[3,64,64]{2,1,0}), bf16[1,64,64]{2,1,0}, u32[]) fusion-start(%w), kind=kLoop, calls=%fused_slice
+  %fd = bf16[1,64,64]{2,1,0} fusion-done(%fs)
+  %w2 = (s32[], f32[64,64]{1,0}) while(%init2), condition=%cond2, body=%inner, backend_config={"known_trip_count":{"n":"2"}}
+  ROOT %t = (s32[], f32[64,64]{1,0}) tuple(%i, %x)
+}
+
+ENTRY %main.9 (x.1: f32[64,64]) -> f32[64,64] {
+  %c = f32[64,64]{1,0} copy(%x.1)
+  %w = (s32[], f32[64,64]{1,0}) while(%init), condition=%cond, body=%body.1, backend_config={"known_trip_count":{"n":"3"}}
+  ROOT %g = f32[64,64]{1,0} get-tuple-element(%w), index=1
+}
+"""
+
+
+def test_executions_multiply_the_known_trip_counts_of_nested_loops():
+    """The entry runs once, the outer loop's body 3 times, the inner loop's 2 x 3 times, and
+    what runs inside a kernel (a fusion's computation, a reduction's ``to_apply``, an async
+    fusion's) as often as the instruction that calls it."""
+    insts = list(hlo.instructions(LOOPS))
+    runs = hlo.executions(insts)
+    assert (runs["main.9"], runs["body.1"], runs["inner"], runs["cond2"]) == (1, 3, 6, 3)
+    assert (runs["fused_slice"], runs["fused_sum"], runs["add"]) == (3, 6, 6)
+    assert hlo.inner_computations(insts) == {"fused_sum", "add", "fused_slice"}
+
+
+def test_step_summary_counts_per_run_of_the_step():
+    """``tools/compile_step_for_gpu.summarize``: the Mosaic call in the inner loop runs 6
+    times; the kernels are the entry's copy, the async slice (its start) 3 times and the
+    inner loop's fusion and custom call 6 times each; not the inner loop's condition, the
+    reduction's ``add`` or the bookkeeping."""
+    from dropless.perf.bench import load_module
+
+    tool = load_module("compile_step_for_gpu", Path(__file__).resolve().parents[2] / "tools")
+    counts = tool.summarize(LOOPS)
+    assert counts["mosaic_gpu_calls"] == 6 and counts["while_loops"] == 2
+    assert counts["copies"] == 1
+    assert counts["kernels"] == 1 + 3 + 6 + 6

@@ -176,6 +176,62 @@ def entry_name(text: str) -> str:
     return m.group(1) if m else ""
 
 
+_CALLEES = re.compile(r"\b(calls|to_apply|body|condition|called_computations|branch_computations)="
+                      r"(\{[^}]*\}|%?[\w.\-]+)")
+_TRIP_COUNT = re.compile(r"known_trip_count[^0-9]*(\d+)")
+
+
+def executions(insts: list[Instruction]) -> dict[str, int]:
+    """Computation name -> how often it runs per run of the module, from the call graph.
+
+    A computation runs as often as all its call sites' computations together, times the
+    known trip count where it is a while loop's body (1 where XLA knows none), so a kernel
+    in a fusion inside a loop inside a loop counts both loops. The entry (and anything
+    nothing calls) runs once.
+    """
+    callers: dict[str, list[tuple[str, int]]] = {}
+    for inst in insts:
+        trips = 1
+        if inst.opcode == "while" and (n := _TRIP_COUNT.search(inst.attrs)):
+            trips = int(n.group(1))
+        for key, names in _CALLEES.findall(inst.attrs):
+            for callee in re.findall(r"%?([\w.\-]+)", names):
+                callers.setdefault(callee, []).append((inst.computation, trips if key == "body" else 1))
+    runs: dict[str, int] = {}
+
+    def count(comp: str, depth: int = 0) -> int:
+        if comp not in runs:
+            sites = callers.get(comp)
+            runs[comp] = 1 if not sites or depth > 64 else sum(
+                count(c, depth + 1) * t for c, t in sites)
+        return runs[comp]
+
+    for comp in {inst.computation for inst in insts}:
+        count(comp)
+    return runs
+
+
+def inner_computations(insts: list[Instruction]) -> set[str]:
+    """Names of the computations that run inside another instruction's kernel, not as
+    kernels of their own: a fusion's fused computation (an async fusion's too), a
+    reduction's, scatter's or sort's ``to_apply``, and whatever those call in turn."""
+    calls: dict[str, list[str]] = {}
+    inner = set()
+    for inst in insts:
+        for key, names in _CALLEES.findall(inst.attrs):
+            callees = re.findall(r"%?([\w.\-]+)", names)
+            calls.setdefault(inst.computation, []).extend(callees)
+            if key == "to_apply" or (key == "calls" and inst.opcode in ("fusion", "fusion-start")):
+                inner.update(callees)
+    todo = list(inner)
+    while todo:
+        for callee in calls.get(todo.pop(), []):
+            if callee not in inner:
+                inner.add(callee)
+                todo.append(callee)
+    return inner
+
+
 def kernel_ops(dump_dir: str | os.PathLike, f8_tag: str = "f8_result") -> dict[str, dict]:
     """HLO module name -> ``parse`` of it, for every ``*after_optimizations.txt`` under an
     ``--xla_dump_to`` dir (the trace's kernels name their module: ``KernelEvent.module``).

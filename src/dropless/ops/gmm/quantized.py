@@ -214,7 +214,8 @@ def align_groups(a_MC, group_sizes_G, block):
     padded_end = jnp.cumsum(padded)
     start = jnp.cumsum(sizes) - sizes
     row = jnp.arange(p, dtype=jnp.int32)
-    group = jnp.searchsorted(padded_end, row, side="right").astype(jnp.int32)
+    # Unrolled: no while loop in the step (``schedule.row_tile_schedule``).
+    group = jnp.searchsorted(padded_end, row, side="right", method="scan_unrolled").astype(jnp.int32)
     inside = group < g
     group = jnp.minimum(group, g - 1)
     offset = row - (padded_end[group] - padded[group])

@@ -84,8 +84,11 @@ def row_tile_schedule(group_sizes_G, m, block_m):
 
     t_T = jnp.arange(num_slots, dtype=jnp.int32)
     # First segment whose inclusive tile count exceeds t: empty segments are skipped.
+    # "scan_unrolled": the same binary search as jnp's default "scan", written out
+    # (log2(G + 1) steps) so that XLA fuses it; the default is a while loop, which on the
+    # GPU runs each of its steps as kernels of their own, in every layer.
     seg_T = jnp.minimum(
-        jnp.searchsorted(seg_last_S, t_T, side="right"), num_groups
+        jnp.searchsorted(seg_last_S, t_T, side="right", method="scan_unrolled"), num_groups
     ).astype(jnp.int32)
     block_T = first_block_S[seg_T] + t_T - (seg_last_S[seg_T] - seg_tiles_S[seg_T])
     row_start_T = block_T * block_m
