@@ -137,15 +137,25 @@ def test_compile_for_without_the_plugin_or_with_other_targets_exits_2(capsys):
         with pytest.raises(SystemExit) as e:
             cli.main(["train", "--dry-run", "--compile-for", "h200", *extra, "model_name=deepseek3-tiny"])
         assert e.value.code == 2
-        assert "--compile-for compiles for one GPU" in capsys.readouterr().err
+        assert "--compile-for compiles for GPUs of its own kind" in capsys.readouterr().err
+    # One host: an H200 board holds 8.
+    with pytest.raises(SystemExit) as e:
+        cli.main(["train", "--dry-run", "--compile-for", "h200", "--devices", "9",
+                  "model_name=deepseek3-tiny"])
+    assert e.value.code == 2
+    assert "at most 8 GPUs, got --devices 9" in capsys.readouterr().err
 
 
 @pytest.mark.gpu_compile
 @pytest.mark.skipif(not __import__("dropless.perf.gpu_compile", fromlist=["x"]).plugin_installed(),
                     reason="needs jax's CUDA plugin (make gpu-compile-venv)")
-def test_compile_for_h200_prints_xla_peak_and_checks_it(capsys):
+def test_compile_for_h200_prints_xla_peak_and_checks_it(capsys, monkeypatch):
     """The trainer's step compiled for an H200 without one: XLA's compiled peak is printed and
     is what the fit is judged on; a memory fraction too small for it exits 2 naming it."""
+    # The CLI sets the config's environment in this process: recorded here (set, then
+    # removed) so that monkeypatch takes the fraction out again afterwards.
+    monkeypatch.setenv("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.75")
+    monkeypatch.delenv("XLA_PYTHON_CLIENT_MEM_FRACTION")
     args = ["train", "--dry-run", "--compile-for", "h200", "model_name=deepseek3-tiny",
             "dtype=bfloat16", "weight_dtype=bfloat16"]
     assert cli.main(args) == 0
@@ -153,6 +163,25 @@ def test_compile_for_h200_prints_xla_peak_and_checks_it(capsys):
     assert "XLA compiled peak" in out and "on h200" in out and "fits:" in out
     assert cli.main([*args, "XLA_PYTHON_CLIENT_MEM_FRACTION=0.00001"]) == 2
     assert "exceeds" in _one_line_error(capsys)
+
+
+@pytest.mark.gpu_compile
+@pytest.mark.skipif(not __import__("dropless.perf.gpu_compile", fromlist=["x"]).plugin_installed(),
+                    reason="needs jax's CUDA plugin (make gpu-compile-venv)")
+def test_compile_for_eight_h200s_counts_the_expert_all_to_alls(capsys):
+    """Expert parallelism over one host of 8 H200s, compiled without them: the per-device peak
+    judges the fit and a line counts the step's collectives, the tokens' ragged all-to-alls
+    among them (dispatch and combine, forward and backward). A mesh wider than a host exits
+    2 in one line naming the axes."""
+    args = ["train", "--dry-run", "--compile-for", "h200", "model_name=deepseek3-tiny",
+            "dtype=bfloat16", "weight_dtype=bfloat16"]
+    assert cli.main([*args, "--devices", "8", "ici_expert_parallelism=8"]) == 0
+    out = capsys.readouterr().out
+    line = next(x for x in out.splitlines() if x.startswith("collectives per step"))
+    assert "for 8 h200" in line and "ragged-all-to-all" in line and "fits:" in out
+    assert cli.main([*args, "ici_fsdp_parallelism=16"]) == 2
+    err = _one_line_error(capsys)
+    assert "at most 8 GPUs" in err and "16" in err
 
 
 def _tiny(*overrides):

@@ -179,3 +179,34 @@ def test_step_summary_counts_per_run_of_the_step():
     assert counts["mosaic_gpu_calls"] == 6 and counts["while_loops"] == 2
     assert counts["copies"] == 1
     assert counts["kernels"] == 1 + 3 + 6 + 6
+
+
+COLLECTIVES = """HloModule jit_step, is_scheduled=true
+
+%wrapped (a: f32[64]) -> f32[64] {
+  ROOT %ar.1 = f32[64]{0} all-reduce(%a), replica_groups={{0,1}}, to_apply=%add
+}
+
+%body (p: (s32[], f32[64])) -> (s32[], f32[64]) {
+  %a2a-start = (f32[64]{0}, f32[64]{0}) ragged-all-to-all-start(%x, %y, %o, %s, %o2, %s2)
+  %a2a-done = f32[64]{0} ragged-all-to-all-done(%a2a-start)
+  %a2a = f32[64]{0} ragged-all-to-all(%x, %y, %o, %s, %o2, %s2)
+  ROOT %t = (s32[], f32[64]{0}) tuple(%i, %a2a)
+}
+
+ENTRY %main (x: f32[64]) -> f32[64] {
+  %ag = f32[128]{0} all-gather(%x), dimensions={0}
+  %as = ((f32[64]{0}), f32[64]{0}) async-start(%x), calls=%wrapped
+  %ad = f32[64]{0} async-done(%as)
+  %w = (s32[], f32[64]{0}) while(%init), condition=%cond, body=%body, backend_config={"known_trip_count":{"n":"4"}}
+  ROOT %r = f32[64]{0} get-tuple-element(%w), index=1
+}
+"""
+
+
+def test_collectives_count_runs_and_the_asynchronous_ones():
+    """Per run of the module: the loop's two ragged all-to-alls 4 times each, one of them a
+    start/done pair; the all-reduce wrapped in ``async-start`` is asynchronous; the entry's
+    all-gather runs once, synchronously."""
+    counts = hlo.collectives(list(hlo.instructions(COLLECTIVES)))
+    assert counts == {"ragged-all-to-all": (8, 4), "all-reduce": (1, 1), "all-gather": (1, 0)}

@@ -27,12 +27,16 @@ fills (default: the product of the fixed ``ici_*`` axes, at least 1). It runs
 on CPU whatever ``hardware`` says. ``--compile`` instead starts the real
 runtime, compiles the train step for the devices present and prints XLA's
 memory analysis next to the estimate (use it on the target GPU).
-``--compile-for h200`` does the same for one H200 on a machine without one: the
+``--compile-for h200`` does the same for H200s on a machine without one: the
 trainer's step compiled by jax's CUDA plugin for the device its target config
 describes (``perf.gpu_compile``; run from ``.venv-gpucompile``, ``make
 gpu-compile-venv``), checked against the H200's usable memory. On
 deepseek3-proxy it gave 60.12 GiB (41.1 of state, 19.0 of XLA's temporaries)
 where the H200 measured a 60.10 GiB peak (``step-20261206-035133``, ``ours``).
+With ``--devices N`` (one host: at most 8) the mesh spans N compile-only H200s, the
+peak is per device, and a line counts the step's collectives (expert parallelism's
+all-to-alls, the gradient reductions), each with how many of its runs are
+asynchronous, which XLA can overlap with compute.
 
 Exit codes: 0 fits; 2 a config, data or model problem, an estimate over
 the usable memory, or (for this machine) a checkpoint disk without room for
@@ -46,7 +50,9 @@ import sys
 
 EXIT_CONFIG = 2
 GiB = 2**30
-COMPILE_TARGETS = ("h200",)  # --compile-for: the GPUs perf.gpu_compile has a target config of
+# --compile-for: the GPUs perf.gpu_compile has a target config of -> the most of them one host
+# holds (an HGX H200 board: 8, one NVLink domain).
+COMPILE_TARGETS = {"h200": 8}
 PROFILE_FLAGS = {"--steps": int, "--warmup": int, "--top": int}
 
 
@@ -63,9 +69,10 @@ def parse_args(args: list[str], command: str):
     p.add_argument("--memory-gib", type=float, default=None, help="device memory, for a GPU not listed")
     p.add_argument("--compile", action="store_true", help="compile the step on the devices present "
                    "and print XLA's memory analysis too")
-    p.add_argument("--compile-for", choices=COMPILE_TARGETS, default=None,
-                   help="compile the step for one such GPU on a machine without one (jax's CUDA "
-                        "plugin: make gpu-compile-venv) and print XLA's memory analysis too")
+    p.add_argument("--compile-for", choices=tuple(COMPILE_TARGETS), default=None,
+                   help="compile the step for such GPUs on a machine without one (one host of "
+                        "--devices of them, default 1; jax's CUDA plugin: make gpu-compile-venv) "
+                        "and print XLA's memory analysis and collectives too")
     if command == "profile":
         for flag, kind in PROFILE_FLAGS.items():
             p.add_argument(flag, type=kind, default=None, help=argparse.SUPPRESS)
@@ -77,9 +84,13 @@ def parse_args(args: list[str], command: str):
         p.error(f"unrecognized arguments: {' '.join(unknown)}")
     if ns.devices is not None and ns.devices < 1:
         p.error(f"--devices must be >= 1, got {ns.devices}")
-    if ns.compile_for and (ns.compile or ns.device or ns.memory_gib or ns.devices not in (None, 1)):
-        p.error("--compile-for compiles for one GPU of its own kind: leave out --compile, --device, "
-                "--memory-gib and --devices")
+    if ns.compile_for and (ns.compile or ns.device or ns.memory_gib):
+        p.error("--compile-for compiles for GPUs of its own kind: leave out --compile, --device "
+                "and --memory-gib")
+    most = COMPILE_TARGETS.get(ns.compile_for, 0)
+    if ns.compile_for and (ns.devices or 1) > most:
+        p.error(f"--compile-for {ns.compile_for} compiles for one host of at most {most} GPUs, "
+                f"got --devices {ns.devices}")
     return ns, rest
 
 
@@ -141,10 +152,11 @@ def compile_step(cfg) -> tuple[dict, int | None]:
     return memory.compiled_bytes(compiled), stats.get("bytes_limit")
 
 
-def compile_for(cfg, name: str):
-    """The real train step compiled for one ``name`` GPU on a machine without one
-    (``perf.gpu_compile``: the devices and their probes answer as that GPU's while the step
-    is built; the config's XLA flags and environment applied as ``train`` does on a GPU).
+def compile_for(cfg, name: str, count: int = 1):
+    """The real train step compiled for ``count`` ``name`` GPUs of one host on a machine
+    without them (``perf.gpu_compile``: the devices and their probes answer as those GPUs'
+    while the step is built, the mesh spans them; the config's XLA flags and environment
+    applied as ``train`` does on a GPU).
 
     Raises:
       perf.gpu_compile.NoCudaPlugin: jax's CUDA plugin is not installed.
@@ -153,10 +165,23 @@ def compile_for(cfg, name: str):
     from dropless.perf import gpu_compile
     from dropless.train import loop
 
-    gpus = gpu_compile.devices(gpu_compile.SPECS / f"{name}.txtpb")
+    gpus = gpu_compile.devices(gpu_compile.SPECS / f"{name}.txtpb", count)
     apply_runtime_settings(cfg.xla_flags, cfg.env, on_gpu=True)
     with gpu_compile.gpu_view(gpus):
         return _compiled(loop._setup(cfg.model(), cfg.train(), cfg.mesh()))
+
+
+def collectives_line(text: str, num_devices: int, name: str) -> str | None:
+    """One line of the collectives in the optimized HLO ``text`` of a step over
+    ``num_devices`` ``name`` GPUs (``perf.hlo.collectives``), or None for one device."""
+    from dropless.perf import hlo
+
+    if num_devices < 2:
+        return None
+    counts = hlo.collectives(list(hlo.instructions(text)))
+    parts = [f"{kind} {n} ({asynchronous} async)" for kind, (n, asynchronous) in sorted(counts.items())]
+    return (f"collectives per step in XLA's program for {num_devices} {name}: "
+            + (", ".join(parts) or "none"))
 
 
 def check_paths(cfg) -> str | None:
@@ -270,7 +295,7 @@ def main(args: list[str], command: str = "train") -> int:
 
         num_devices = jax.device_count()
     else:
-        num_devices = 1 if ns.compile_for else ns.devices or _default_devices(cfg)
+        num_devices = ns.devices or _default_devices(cfg)
         try:
             mesh_shape = resolve_mesh_shape(cfg, num_devices, 1)
         except ContradictionError as e:
@@ -297,15 +322,23 @@ def main(args: list[str], command: str = "train") -> int:
                                                and cfg.checkpoint_device_snapshot))
     except ValueError as e:
         return _fail(f"model: {e}")
-    compiled = None
+    compiled = collectives = None
     if ns.compile:
         compiled, limit = compile_step(cfg)
         if limit:
             target = memory.Target(target.name, int(limit), 1.0)
     elif ns.compile_for:
-        compiled = memory.compiled_bytes(compile_for(cfg, ns.compile_for))
+        if num_devices > COMPILE_TARGETS[ns.compile_for]:
+            return _fail(f"--compile-for {ns.compile_for} compiles for one host of at most "
+                         f"{COMPILE_TARGETS[ns.compile_for]} GPUs; the mesh asks for {num_devices} "
+                         "(the fixed ici_*/dcn_* axes); give --devices or smaller axes")
+        program = compile_for(cfg, ns.compile_for, num_devices)
+        compiled = memory.compiled_bytes(program)
+        collectives = collectives_line(program.as_text(), num_devices, ns.compile_for)
     console = Console() if sys.stdout.isatty() else Console(width=120)
     print_report(console, cfg, target, est, source, batch, global_batch, compiled)
+    if collectives:
+        console.print(collectives, markup=False, soft_wrap=True)
     disk_error, disk_warning = check_checkpoint_disk(cfg, est.checkpoint_bytes)
     disk_error = check_paths(cfg) or disk_error
     this_machine = ns.compile or (ns.device, ns.devices, ns.memory_gib, ns.compile_for) == (

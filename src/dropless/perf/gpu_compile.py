@@ -55,8 +55,9 @@ def plugin_installed() -> bool:
         return False
 
 
-def devices(spec: Path = DEFAULT_SPEC) -> list:
-    """The compile-only devices of a one-GPU topology of the GPU ``spec`` describes.
+def devices(spec: Path = DEFAULT_SPEC, count: int = 1) -> list:
+    """The compile-only devices of one host holding ``count`` GPUs of the kind ``spec``
+    describes (XLA's topology ``1x1x<count>``).
 
     Raises:
       NoCudaPlugin: the plugin is not installed.
@@ -68,7 +69,7 @@ def devices(spec: Path = DEFAULT_SPEC) -> list:
     from jax.experimental import topologies
 
     topology = topologies.get_topology_desc("", "cuda", target_config=Path(spec).read_text(),
-                                            topology="1x1x1")
+                                            topology=f"1x1x{count}")
     return list(topology.devices)
 
 

@@ -232,6 +232,29 @@ def inner_computations(insts: list[Instruction]) -> set[str]:
     return inner
 
 
+COLLECTIVES = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "ragged-all-to-all",
+               "collective-permute", "collective-broadcast")
+
+
+def collectives(insts: list[Instruction]) -> dict[str, tuple[int, int]]:
+    """Collective kind (``COLLECTIVES``) -> (runs per run of the module, of them asynchronous:
+    a ``-start`` / ``-done`` pair or an ``async-start`` wrapping it, which XLA can overlap with
+    the work scheduled between the halves), counted through the call graph (``executions``)."""
+    runs = executions(insts)
+    wrapped = {callee for inst in insts if inst.opcode == "async-start"
+               for key, names in _CALLEES.findall(inst.attrs)
+               for callee in re.findall(r"%?([\w.\-]+)", names)}
+    out: dict[str, list[int]] = {}
+    for inst in insts:
+        kind = inst.opcode.removesuffix("-start")
+        if kind in COLLECTIVES:
+            n = out.setdefault(kind, [0, 0])
+            n[0] += runs[inst.computation]
+            if inst.opcode.endswith("-start") or inst.computation in wrapped:
+                n[1] += runs[inst.computation]
+    return {k: (n[0], n[1]) for k, n in out.items()}
+
+
 def kernel_ops(dump_dir: str | os.PathLike, f8_tag: str = "f8_result") -> dict[str, dict]:
     """HLO module name -> ``parse`` of it, for every ``*after_optimizations.txt`` under an
     ``--xla_dump_to`` dir (the trace's kernels name their module: ``KernelEvent.module``).
