@@ -86,8 +86,7 @@ def summarize(text: str) -> dict:
         if read and ops and ops <= {"parameter", "convert", "bitcast"}:
             kind = "after an FP8 GEMM" if any(g in fp8 for g in read) else "after a bf16 GEMM"
             convert_only[kind] += runs[i.computation]
-    conditions = {m.group(1) for i in insts if i.opcode == "while"
-                  for m in [re.search(r"\bcondition=%?([\w.\-]+)", i.attrs)] if m}
+    conditions = {c for i in insts for key, c in hlo.callees(i) if key == "condition"}
     launches = [i for i in insts if i.computation not in inner | conditions
                 and i.opcode not in _NO_LAUNCH and not i.opcode.endswith("-done")]
     return {

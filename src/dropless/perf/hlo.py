@@ -181,6 +181,14 @@ _CALLEES = re.compile(r"\b(calls|to_apply|body|condition|called_computations|bra
 _TRIP_COUNT = re.compile(r"known_trip_count[^0-9]*(\d+)")
 
 
+def callees(inst: Instruction) -> list[tuple[str, str]]:
+    """(attribute, computation name) of each computation ``inst`` calls: ``calls``,
+    ``to_apply``, a while loop's ``body`` and ``condition``, ``called_computations``,
+    ``branch_computations``."""
+    return [(key, name) for key, names in _CALLEES.findall(inst.attrs)
+            for name in re.findall(r"%?([\w.\-]+)", names)]
+
+
 def executions(insts: list[Instruction]) -> dict[str, int]:
     """Computation name -> how often it runs per run of the module, from the call graph.
 
@@ -194,9 +202,8 @@ def executions(insts: list[Instruction]) -> dict[str, int]:
         trips = 1
         if inst.opcode == "while" and (n := _TRIP_COUNT.search(inst.attrs)):
             trips = int(n.group(1))
-        for key, names in _CALLEES.findall(inst.attrs):
-            for callee in re.findall(r"%?([\w.\-]+)", names):
-                callers.setdefault(callee, []).append((inst.computation, trips if key == "body" else 1))
+        for key, callee in callees(inst):
+            callers.setdefault(callee, []).append((inst.computation, trips if key == "body" else 1))
     runs: dict[str, int] = {}
 
     def count(comp: str, depth: int = 0) -> int:
@@ -218,11 +225,10 @@ def inner_computations(insts: list[Instruction]) -> set[str]:
     calls: dict[str, list[str]] = {}
     inner = set()
     for inst in insts:
-        for key, names in _CALLEES.findall(inst.attrs):
-            callees = re.findall(r"%?([\w.\-]+)", names)
-            calls.setdefault(inst.computation, []).extend(callees)
+        for key, callee in callees(inst):
+            calls.setdefault(inst.computation, []).append(callee)
             if key == "to_apply" or (key == "calls" and inst.opcode in ("fusion", "fusion-start")):
-                inner.update(callees)
+                inner.add(callee)
     todo = list(inner)
     while todo:
         for callee in calls.get(todo.pop(), []):
@@ -241,9 +247,7 @@ def collectives(insts: list[Instruction]) -> dict[str, tuple[int, int]]:
     a ``-start`` / ``-done`` pair or an ``async-start`` wrapping it, which XLA can overlap with
     the work scheduled between the halves), counted through the call graph (``executions``)."""
     runs = executions(insts)
-    wrapped = {callee for inst in insts if inst.opcode == "async-start"
-               for key, names in _CALLEES.findall(inst.attrs)
-               for callee in re.findall(r"%?([\w.\-]+)", names)}
+    wrapped = {callee for inst in insts if inst.opcode == "async-start" for _, callee in callees(inst)}
     out: dict[str, list[int]] = {}
     for inst in insts:
         kind = inst.opcode.removesuffix("-start")
