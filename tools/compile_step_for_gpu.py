@@ -28,12 +28,9 @@ import argparse
 import collections
 import gzip
 import os
-import re
 import sys
 import time
 from pathlib import Path
-
-_CALLS = re.compile(r"calls=%?([\w.\-]+)")
 
 
 def _computations(insts):
@@ -41,12 +38,6 @@ def _computations(insts):
     for inst in insts:
         by_comp[inst.computation].append(inst)
     return by_comp
-
-
-# Instructions that launch nothing themselves: bookkeeping, control flow (what they call is
-# counted where it runs) and the second halves of async pairs.
-_NO_LAUNCH = frozenset({"parameter", "get-tuple-element", "tuple", "bitcast", "constant", "while",
-                        "call", "conditional", "after-all", "partition-id", "replica-id"})
 
 
 def summarize(text: str) -> dict:
@@ -61,7 +52,6 @@ def summarize(text: str) -> dict:
 
     insts = list(hlo.instructions(text))
     runs = hlo.executions(insts)
-    inner = hlo.inner_computations(insts)
     by_comp = _computations(insts)
     targets = collections.Counter()
     for i in insts:
@@ -81,14 +71,12 @@ def summarize(text: str) -> dict:
             continue
         read = [results[(i.computation, name)] for _, name in i.operands
                 if (i.computation, name) in results]
-        called = _CALLS.search(i.attrs)
-        ops = {j.opcode for j in by_comp.get(called.group(1), [])} if called else set()
+        called = [c for key, c in hlo.callees(i) if key == "calls"]
+        ops = {j.opcode for c in called for j in by_comp.get(c, [])}
         if read and ops and ops <= {"parameter", "convert", "bitcast"}:
             kind = "after an FP8 GEMM" if any(g in fp8 for g in read) else "after a bf16 GEMM"
             convert_only[kind] += runs[i.computation]
-    conditions = {c for i in insts for key, c in hlo.callees(i) if key == "condition"}
-    launches = [i for i in insts if i.computation not in inner | conditions
-                and i.opcode not in _NO_LAUNCH and not i.opcode.endswith("-done")]
+    launches = hlo.launches(insts)
     return {
         "fp8_gemm_calls": sum(runs[i.computation] for i in fp8),
         "fp8_gemm_output_dtypes": dict(out_dtypes),
@@ -102,8 +90,9 @@ def summarize(text: str) -> dict:
 
 
 def compile_step(overrides: list[str], dump: Path | None = None) -> tuple[str, dict]:
-    """(optimized HLO text, seconds taken) of the trainer's step for ``overrides``, compiled
-    for an H200 (``perf.dry_run.compile_for``, as ``train --dry-run --compile-for h200``)."""
+    """(optimized HLO text, {"seconds": taken, "xla_flags": those applied}) of the trainer's
+    step for ``overrides``, compiled for an H200 (``perf.dry_run.compile_for``, as
+    ``train --dry-run --compile-for h200``)."""
     os.environ.setdefault("JAX_PLATFORMS", "cpu")
     from dropless.config import loader
     from dropless.perf import dry_run
@@ -112,8 +101,8 @@ def compile_step(overrides: list[str], dump: Path | None = None) -> tuple[str, d
     if dump:
         os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} --xla_dump_to={dump}".strip()
     start = time.perf_counter()
-    text = dry_run.compile_for(cfg, "h200").as_text()
-    return text, {"seconds": time.perf_counter() - start}
+    program, applied = dry_run.compile_for(cfg, "h200")
+    return program.as_text(), {"seconds": time.perf_counter() - start, "xla_flags": " ".join(applied)}
 
 
 def main(argv=None) -> int:
@@ -144,7 +133,8 @@ def main(argv=None) -> int:
             with (gzip.open if a.out.suffix == ".gz" else open)(a.out, "wt") as f:
                 f.write(text)
             print(f"wrote {a.out}")
-    for key, value in {**summarize(text), **{k: round(v, 1) for k, v in timings.items()}}.items():
+    rounded = {k: round(v, 1) if isinstance(v, float) else v for k, v in timings.items()}
+    for key, value in {**summarize(text), **rounded}.items():
         print(f"{key}: {value}")
     return 0
 

@@ -10,7 +10,8 @@ import pytest
 
 from dropless.config.loader import ConfigError, available_models, load_config
 from dropless.config.schema import Config, resolve_mesh_shape
-from dropless.config.xla_flags import apply_runtime_settings, check_xla_flags, format_flag, known_xla_flags
+from dropless.config.xla_flags import (GPU_DEFAULTS, apply_runtime_settings, check_xla_flags, format_flag,
+                                      known_xla_flags)
 
 HERE = Path(__file__).parent
 SEED = HERE / "seed_recipe.yml"
@@ -92,8 +93,31 @@ def test_flags_applied_only_on_gpu(monkeypatch):
     assert os.environ["XLA_FLAGS"] == "--xla_dump_to=/tmp/x"
     assert os.environ.pop("DL_CONFIG_TEST_ENV") == "1"
     applied = apply_runtime_settings(flags, {}, on_gpu=True)
-    assert applied == ["--xla_gpu_experimental_max_unroll_factor=8"]
-    assert os.environ["XLA_FLAGS"].endswith("--xla_gpu_experimental_max_unroll_factor=8")
+    assert applied == ["--xla_gpu_enable_latency_hiding_scheduler=true",
+                       "--xla_gpu_experimental_max_unroll_factor=8"]
+    assert os.environ["XLA_FLAGS"] == " ".join(["--xla_dump_to=/tmp/x", *applied])
+
+
+def test_gpu_defaults_yield_to_the_config_and_to_xla_flags(monkeypatch):
+    """The latency-hiding scheduler is on by default on a GPU; a config that sets the flag
+    (here to false) decides, and so does an XLA_FLAGS that names it, from the shell or from
+    the config's environment, with or without a value. Not applied off the GPU."""
+    lhs = "xla_gpu_enable_latency_hiding_scheduler"
+    assert set(GPU_DEFAULTS) == {lhs}
+    monkeypatch.setenv("XLA_FLAGS", "")
+    assert apply_runtime_settings({}, {}, on_gpu=False) == []
+    assert apply_runtime_settings({}, {}, on_gpu=True) == [f"--{lhs}=true"]
+    monkeypatch.setenv("XLA_FLAGS", "")
+    assert apply_runtime_settings({lhs: False}, {}, on_gpu=True) == [f"--{lhs}=false"]
+    for given in (f"--{lhs}=false", f"--xla_dump_to=/tmp/x --{lhs}", f"--{lhs} --xla_dump_to=/tmp/x"):
+        monkeypatch.setenv("XLA_FLAGS", given)
+        assert apply_runtime_settings({}, {}, on_gpu=True) == []
+        assert os.environ["XLA_FLAGS"] == given
+        monkeypatch.setenv("XLA_FLAGS", "")
+        assert apply_runtime_settings({}, {"XLA_FLAGS": given}, on_gpu=True) == []
+    # A flag whose name only begins with the default's is not the default.
+    monkeypatch.setenv("XLA_FLAGS", f"--{lhs}_x=1")
+    assert apply_runtime_settings({}, {}, on_gpu=True) == [f"--{lhs}=true"]
 
 
 def test_sections_are_frozen():

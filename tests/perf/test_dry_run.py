@@ -8,6 +8,9 @@ and the residuals a remat policy keeps or offloads.
 
 import dataclasses
 import os
+import re
+import subprocess
+import sys
 from types import SimpleNamespace
 
 import jax
@@ -182,6 +185,40 @@ def test_compile_for_eight_h200s_counts_the_expert_all_to_alls(capsys):
     assert cli.main([*args, "ici_fsdp_parallelism=16"]) == 2
     err = _one_line_error(capsys)
     assert "at most 8 GPUs" in err and "16" in err
+
+
+def _collectives(out: str) -> dict[str, tuple[int, int]]:
+    """kind -> (count, asynchronous) from the dry run's "collectives per step" line."""
+    line = next(x for x in out.splitlines() if x.startswith("collectives per step"))
+    return {kind: (int(n), int(a)) for kind, n, a in re.findall(r"([a-z\-]+) (\d+) \((\d+) async", line)}
+
+
+@pytest.mark.gpu_compile
+@pytest.mark.skipif(not __import__("dropless.perf.gpu_compile", fromlist=["x"]).plugin_installed(),
+                    reason="needs jax's CUDA plugin (make gpu-compile-venv)")
+def test_latency_hiding_scheduler_is_on_by_default_and_reaches_the_compile():
+    """Expert parallelism over 8 H200s (the proxy's layer shapes, one dense and one MoE layer,
+    short sequences): by default the step compiles with XLA's latency-hiding scheduler, which
+    leaves more of the experts' all-to-alls and of the parameters' all-gathers asynchronous
+    than with it off. Each compile is a fresh process: XLA reads XLA_FLAGS once per process,
+    so the flag must be in place before the dry run's estimate first runs XLA (where it was
+    applied only at the compile, the line said "true" and XLA compiled as with "false")."""
+    args = [sys.executable, "-m", "dropless", "train", "--dry-run", "--compile-for", "h200",
+            "--devices", "8", "model_name=deepseek3-proxy", "num_decoder_layers=2",
+            "per_device_batch_size=1", "max_target_length=1024", "ici_expert_parallelism=8"]
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    env["JAX_PLATFORMS"] = "cpu"
+    runs = {}
+    for value in ("default", "false"):
+        extra = [] if value == "default" else [f"xla_gpu_enable_latency_hiding_scheduler={value}"]
+        done = subprocess.run([*args, *extra], env=env, capture_output=True, text=True, timeout=600)
+        assert done.returncode == 0, done.stderr[-2000:]
+        flag = "true" if value == "default" else value
+        assert f"XLA flags: --xla_gpu_enable_latency_hiding_scheduler={flag}" in done.stdout
+        runs[value] = _collectives(done.stdout)
+    on, off = runs["default"], runs["false"]
+    for kind in ("ragged-all-to-all", "all-gather"):
+        assert on[kind][0] == off[kind][0] and on[kind][1] > off[kind][1], (kind, on, off)
 
 
 def _tiny(*overrides):

@@ -210,3 +210,49 @@ def test_collectives_count_runs_and_the_asynchronous_ones():
     all-gather runs once, synchronously."""
     counts = hlo.collectives(list(hlo.instructions(COLLECTIVES)))
     assert counts == {"ragged-all-to-all": (8, 4), "all-reduce": (1, 1), "all-gather": (1, 0)}
+
+
+OVERLAP = """HloModule jit_step, is_scheduled=true
+
+%fused (a: f32[64]) -> f32[64] {
+  ROOT %n = f32[64]{0} negate(%a)
+}
+
+%wrapped (a: f32[64]) -> f32[64] {
+  ROOT %ar.1 = f32[64]{0} all-reduce(%a), replica_groups={{0,1}}, to_apply=%add
+}
+
+%body (p: (s32[], f32[64])) -> (s32[], f32[64]) {
+  %a2a-start = (f32[64]{0}, f32[64]{0}) ragged-all-to-all-start(%x, %y, %o, %s, %o2, %s2)
+  %f.1 = f32[64]{0} fusion(%x), kind=kLoop, calls=%fused
+  %gte = f32[64]{0} get-tuple-element(%p), index=1
+  %a2a-done = f32[64]{0} ragged-all-to-all-done(%a2a-start)
+  ROOT %t = (s32[], f32[64]{0}) tuple(%i, %a2a-done)
+}
+
+ENTRY %main (x: f32[64]) -> f32[64] {
+  %as = ((f32[64]{0}), f32[64]{0}) async-start(%x), calls=%wrapped
+  %ag-start = (f32[64]{0}, f32[128]{0}) all-gather-start(%x), dimensions={0}
+  %f.2 = f32[64]{0} fusion(%x), kind=kLoop, calls=%fused
+  %ag-done = f32[128]{0} all-gather-done(%ag-start)
+  %f.3 = f32[64]{0} fusion(%x), kind=kLoop, calls=%fused
+  %cc = f32[64]{0} custom-call(%x), custom_call_target="__cublas$gemm"
+  %ad = f32[64]{0} async-done(%as)
+  %ag = f32[128]{0} all-gather(%x), dimensions={0}
+  %w = (s32[], f32[64]{0}) while(%init), condition=%cond, body=%body, backend_config={"known_trip_count":{"n":"4"}}
+  ROOT %r = f32[64]{0} get-tuple-element(%w), index=1
+}
+"""
+
+
+def test_overlap_counts_the_kernels_between_each_start_and_done():
+    """The all-reduce (wrapped in ``async-start``) has three kernels scheduled beside it: two
+    fusions and a GEMM; the all-gather's own start is a collective, not compute, so the
+    all-gather beside it overlaps one fusion; the loop's all-to-all overlaps one fusion in each
+    of its 4 iterations (the get-tuple-element launches nothing); the synchronous all-gather
+    has no entry."""
+    insts = list(hlo.instructions(OVERLAP))
+    assert hlo.overlap(insts) == {"all-reduce": [3], "all-gather": [1], "ragged-all-to-all": [1] * 4}
+    launched = {i.name for i in hlo.launches(insts)}
+    # The all-reduce launches once: as itself, not again as the async-start wrapping it.
+    assert launched == {"ag-start", "f.2", "f.3", "cc", "ag", "a2a-start", "f.1", "ar.1"}

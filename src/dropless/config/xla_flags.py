@@ -93,15 +93,37 @@ def _module_exists(name: str) -> bool:
         return False
 
 
+# Flags dropless sets on a GPU unless the config or the XLA_FLAGS environment variable names
+# them. The latency-hiding scheduler is off by default in XLA:GPU (jaxlib 0.11.2), and without
+# it XLA leaves most collectives synchronous: compiled for one host of 8 H200s, the DeepSeek
+# proxy with ici_expert_parallelism=8 runs 2 of its 24 ragged all-to-alls (the experts' token
+# exchange) asynchronously, and 38 of 66 all-gathers; with it, 24 of 24 and 61 of 66, each with
+# compute scheduled beside it. The proxy's step on one H200 compiles to the same program
+# either way (`benchmarks/notes/gpu_plan.md`, "overlapped collectives").
+GPU_DEFAULTS = {"xla_gpu_enable_latency_hiding_scheduler": True}
+
+
+def _named_in(flag: str, xla_flags: str) -> bool:
+    return re.search(rf"--{re.escape(flag)}(?:=|\s|$)", xla_flags) is not None
+
+
 def apply_runtime_settings(flags: dict, env: dict, *, on_gpu: bool) -> list[str]:
-    """Set env vars, then append the flags to XLA_FLAGS (GPU only).
+    """Set env vars, then append the flags to XLA_FLAGS (GPU only), with ``GPU_DEFAULTS``
+    first for each default that neither ``flags`` nor XLA_FLAGS (as ``env`` leaves it) names.
 
     Must run before the first JAX computation. Returns the flags applied.
     """
     check_xla_flags(flags)
     for name, value in env.items():
         os.environ[name] = str(value)
-    if not on_gpu or not flags:
+    if not on_gpu:
+        return []
+    known = known_xla_flags()
+    given = os.environ.get("XLA_FLAGS", "")
+    defaults = {n: v for n, v in GPU_DEFAULTS.items()
+                if n not in flags and not _named_in(n, given) and (not known or n in known)}
+    flags = {**defaults, **flags}
+    if not flags:
         return []
     applied = [format_flag(n, v) for n, v in flags.items()]
     os.environ["XLA_FLAGS"] = " ".join(filter(None, [os.environ.get("XLA_FLAGS", ""), *applied]))

@@ -152,11 +152,17 @@ def compile_step(cfg) -> tuple[dict, int | None]:
     return memory.compiled_bytes(compiled), stats.get("bytes_limit")
 
 
-def compile_for(cfg, name: str, count: int = 1):
+def compile_for(cfg, name: str, count: int = 1, applied: list[str] | None = None):
     """The real train step compiled for ``count`` ``name`` GPUs of one host on a machine
     without them (``perf.gpu_compile``: the devices and their probes answer as those GPUs'
     while the step is built, the mesh spans them; the config's XLA flags and environment
-    applied as ``train`` does on a GPU).
+    applied as ``train`` does on a GPU), and the XLA flags applied (``apply_runtime_settings``).
+
+    XLA reads ``XLA_FLAGS`` once per process, at its first use, and ignores later changes:
+    the flags must be applied before anything else in the process runs XLA. ``applied``:
+    what ``apply_runtime_settings`` returned where the caller applied them that early
+    itself; None applies them here, which is early enough only as the process's first XLA
+    work.
 
     Raises:
       perf.gpu_compile.NoCudaPlugin: jax's CUDA plugin is not installed.
@@ -166,20 +172,32 @@ def compile_for(cfg, name: str, count: int = 1):
     from dropless.train import loop
 
     gpus = gpu_compile.devices(gpu_compile.SPECS / f"{name}.txtpb", count)
-    apply_runtime_settings(cfg.xla_flags, cfg.env, on_gpu=True)
+    if applied is None:
+        applied = apply_runtime_settings(cfg.xla_flags, cfg.env, on_gpu=True)
     with gpu_compile.gpu_view(gpus):
-        return _compiled(loop._setup(cfg.model(), cfg.train(), cfg.mesh()))
+        return _compiled(loop._setup(cfg.model(), cfg.train(), cfg.mesh())), applied
 
 
 def collectives_line(text: str, num_devices: int, name: str) -> str | None:
     """One line of the collectives in the optimized HLO ``text`` of a step over
-    ``num_devices`` ``name`` GPUs (``perf.hlo.collectives``), or None for one device."""
+    ``num_devices`` ``name`` GPUs (``perf.hlo.collectives``), or None for one device: each
+    kind's count, how many are asynchronous, and the fewest and the median compute kernels
+    XLA scheduled beside one of those (``perf.hlo.overlap``)."""
+    import statistics
+
     from dropless.perf import hlo
 
     if num_devices < 2:
         return None
-    counts = hlo.collectives(list(hlo.instructions(text)))
-    parts = [f"{kind} {n} ({asynchronous} async)" for kind, (n, asynchronous) in sorted(counts.items())]
+    insts = list(hlo.instructions(text))
+    counts, beside = hlo.collectives(insts), hlo.overlap(insts)
+
+    def part(kind, n, asynchronous):
+        k = beside.get(kind)
+        overlap = f"; kernels beside each: min {min(k)}, median {statistics.median(k):g}" if k else ""
+        return f"{kind} {n} ({asynchronous} async{overlap})"
+
+    parts = [part(kind, n, asynchronous) for kind, (n, asynchronous) in sorted(counts.items())]
     return (f"collectives per step in XLA's program for {num_devices} {name}: "
             + (", ".join(parts) or "none"))
 
@@ -289,6 +307,11 @@ def main(args: list[str], command: str = "train") -> int:
     from dropless.config.schema import ContradictionError, resolve_mesh_shape
 
     cfg = resolve_args(rest).config
+    applied = None
+    if ns.compile_for:  # before the estimate below starts XLA, which reads XLA_FLAGS only once
+        from dropless.config.xla_flags import apply_runtime_settings
+
+        applied = apply_runtime_settings(cfg.xla_flags, cfg.env, on_gpu=True)
     if ns.compile:
         _, mesh_shape = start_runtime(cfg)
         import jax
@@ -332,7 +355,9 @@ def main(args: list[str], command: str = "train") -> int:
             return _fail(f"--compile-for {ns.compile_for} compiles for one host of at most "
                          f"{COMPILE_TARGETS[ns.compile_for]} GPUs; the mesh asks for {num_devices} "
                          "(the fixed ici_*/dcn_* axes); give --devices or smaller axes")
-        program = compile_for(cfg, ns.compile_for, num_devices)
+        program, applied = compile_for(cfg, ns.compile_for, num_devices, applied)
+        if applied:
+            print(f"XLA flags: {' '.join(applied)}")
         compiled = memory.compiled_bytes(program)
         collectives = collectives_line(program.as_text(), num_devices, ns.compile_for)
     console = Console() if sys.stdout.isatty() else Console(width=120)

@@ -259,6 +259,61 @@ def collectives(insts: list[Instruction]) -> dict[str, tuple[int, int]]:
     return {k: (n[0], n[1]) for k, n in out.items()}
 
 
+# Instructions that launch nothing themselves (``launches``): bookkeeping, and control flow
+# and ``async-start`` wrappers (what they call is counted where it runs).
+NO_LAUNCH = frozenset({"parameter", "get-tuple-element", "tuple", "bitcast", "constant", "while",
+                       "call", "conditional", "async-start", "after-all", "partition-id",
+                       "replica-id"})
+
+
+def launches(insts: list[Instruction]) -> list[Instruction]:
+    """The instructions that launch work of their own (fusions, custom calls, copies,
+    collectives, ...): not those inside a fusion or reduction (``inner_computations``), not a
+    while loop's condition, not bookkeeping, control flow or an ``async-start`` wrapper
+    (``NO_LAUNCH``; the instruction it wraps counts), not the ``-done`` half of an async pair."""
+    skip = inner_computations(insts) | {c for i in insts for key, c in callees(i) if key == "condition"}
+    return [i for i in insts if i.computation not in skip
+            and i.opcode not in NO_LAUNCH and not i.opcode.endswith("-done")]
+
+
+def _collective_kind(inst: Instruction, wrapped_kinds: dict[str, str]) -> str | None:
+    kind = inst.opcode.removesuffix("-start")
+    if kind in COLLECTIVES:
+        return kind
+    if inst.opcode == "async-start":
+        return next((wrapped_kinds[c] for _, c in callees(inst) if c in wrapped_kinds), None)
+    return None
+
+
+def overlap(insts: list[Instruction]) -> dict[str, list[int]]:
+    """Asynchronous collective kind -> for each run of each of them, the compute kernels XLA
+    scheduled between its start and its done: the work it can overlap with.
+
+    Reads a scheduled module (``is_scheduled=true``, as XLA's optimized HLO is), whose text
+    lists each computation's instructions in schedule order. Kernels are ``launches`` that
+    are not collectives themselves; a pair inside a loop body counts once per iteration.
+    """
+    runs = executions(insts)
+    wrapped_kinds = {i.computation: i.opcode for i in insts if i.opcode in COLLECTIVES}
+    launched = {(i.computation, i.name) for i in launches(insts)}
+    out: dict[str, list[int]] = {}
+    open_: dict[tuple[str, str], tuple[str, int]] = {}  # (computation, start) -> (kind, kernels)
+    for inst in insts:
+        done = inst.opcode.endswith("-done")
+        if done:
+            for _, name in inst.operands:
+                if (key := (inst.computation, name)) in open_:
+                    kind, n = open_.pop(key)
+                    out.setdefault(kind, []).extend([n] * runs[inst.computation])
+        if (kind := _collective_kind(inst, wrapped_kinds)) and inst.opcode.endswith("-start"):
+            open_[(inst.computation, inst.name)] = (kind, 0)
+        elif not done and (inst.computation, inst.name) in launched:
+            for key, (kind, n) in open_.items():
+                if key[0] == inst.computation and _collective_kind(inst, wrapped_kinds) is None:
+                    open_[key] = (kind, n + 1)
+    return out
+
+
 def kernel_ops(dump_dir: str | os.PathLike, f8_tag: str = "f8_result") -> dict[str, dict]:
     """HLO module name -> ``parse`` of it, for every ``*after_optimizations.txt`` under an
     ``--xla_dump_to`` dir (the trace's kernels name their module: ``KernelEvent.module``).
