@@ -152,6 +152,8 @@ BAD = [
     (["n_routing_groups=4", "topk_routing_group=-1"], "both be set"),
     (["topk_routing_group=5"], "topk_routing_group=5"),
     (["ragged_buffer_factor=0.5"], "must be -1 (exact worst case) or >= 1.0"),
+    (["ep_pipeline_chunks=3", "max_target_length=128"], "ep_pipeline_chunks=3 (from command line): must divide max_target_length=128"),
+    (["ep_pipeline_chunks=0"], "greater than or equal to 1"),
     (["routed_score_func=relu"], "'softmax' or 'sigmoid'"),
     (["model_name=deepseek3-tinyy"], "did you mean 'deepseek3-tiny'"),
     (["steps=0"], "steps=0"),

@@ -185,6 +185,7 @@ class Config(BaseModel):
     te_ep_overflow_check_every_n_steps: int = _f(20, "Steps between host reads of the on-device overflow counters.", ge=1)
     ep_overflow_policy: Literal["error", "warn"] = _f("error", "On receive-buffer overflow: stop with a clear error, or warn and continue (overflowing steps are skipped either way).")
     ep_exchange: Literal["auto", "ragged", "padded"] = _f("auto", "Expert-parallel exchange: ragged_all_to_all (GPU) or padded all_to_all (any platform).")
+    ep_pipeline_chunks: int = _f(1, "Split each rank's tokens into this many chunks, each dispatched, computed and combined on its own, so XLA can overlap one chunk's token exchange with another's expert GEMMs (1: one exchange per direction; not yet timed on GPUs).", ge=1, le=8)
     ep_overflow_rounds: int = _f(0, "Extra expert-parallel exchange rounds that deliver the rows and expert copies a step's buffers could not hold, so nothing is dropped and the step is not skipped; they run only when some rank overflowed (0: overflow skips the step).", ge=0, le=8)
 
     # --- XLA flags and environment (collected from xla_* / ALL-CAPS keys) -------
@@ -343,6 +344,8 @@ def _check_contradictions(c: Config):
             bad("topk_routing_group", f"kept groups hold {c.topk_routing_group * per_group} experts, fewer than num_experts_per_tok={c.num_experts_per_tok}")
     if c.ragged_buffer_factor != -1 and c.ragged_buffer_factor < 1:
         bad("ragged_buffer_factor", "must be -1 (exact worst case) or >= 1.0")
+    if c.max_target_length % c.ep_pipeline_chunks:
+        bad("ep_pipeline_chunks", f"must divide max_target_length={c.max_target_length} (each rank's tokens split into equal chunks)")
     if c.first_num_dense_layers > c.num_decoder_layers:
         bad("first_num_dense_layers", f"must be <= num_decoder_layers={c.num_decoder_layers}")
     if c.routed_bias_update_rate > 0 and not c.routed_bias:

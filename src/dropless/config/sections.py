@@ -132,6 +132,7 @@ class MeshConfig:
     ep_overflow_policy: str = _d("ep_overflow_policy")  # error | warn
     ep_exchange: str = _d("ep_exchange")  # auto | ragged | padded
     ep_overflow_rounds: int = _d("ep_overflow_rounds")  # extra exchange rounds for what overflowed
+    ep_pipeline_chunks: int = _d("ep_pipeline_chunks")  # token chunks exchanged and computed apart
 
 
 @dataclasses.dataclass(frozen=True)

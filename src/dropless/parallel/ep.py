@@ -54,6 +54,15 @@ and a load up to (n+1) x the buffers is computed whole, exactly as with
 factor -1 (same outputs and gradients).
 Only what lies past n+1 windows still counts as overflow; ``extra_rounds``
 reports the passes run.
+
+Pipeline chunks (``ep_pipeline_chunks`` = c > 1): each rank splits its T
+tokens into c contiguous chunks of T/c and runs dispatch, experts and combine
+on each chunk alone, with buffers sized for T/c tokens (the factor applies per
+chunk). The chunks do not depend on each other, so XLA's scheduler may run
+one chunk's exchange while another's grouped matmuls run. A token's result
+does not depend on its chunk (the same rows, the same per-row products); the
+stats add up over chunks (``buffer_factor_needed`` is the largest chunk's,
+``extra_rounds`` the sum).
 """
 
 import dataclasses
@@ -84,10 +93,12 @@ class ExpertParallel:
     token_axes: mesh axes the tokens are split over (batch x expert).
     overflow_rounds: extra rounds for a load that overflows the buffers (see
       the module docstring); 0 leaves overflow to the trainer's skip.
+    pipeline_chunks: token chunks per rank, each exchanged and computed on its
+      own (module docstring); 1: the whole load at once.
 
     Raises:
-      ValueError: factor neither -1 nor >= 1; rounds < 0; unknown exchange;
-        axes not in the mesh.
+      ValueError: factor neither -1 nor >= 1; rounds < 0; chunks < 1; unknown
+        exchange; axes not in the mesh.
     """
 
     mesh: Mesh
@@ -96,12 +107,15 @@ class ExpertParallel:
     expert_axis: str = "expert"
     token_axes: tuple[str, ...] = ("data", "fsdp", "expert")
     overflow_rounds: int = 0
+    pipeline_chunks: int = 1
 
     def __post_init__(self):
         if self.buffer_factor != EXACT and self.buffer_factor < 1:
             raise ValueError(f"ragged_buffer_factor={self.buffer_factor} must be -1 or >= 1")
         if self.overflow_rounds < 0:
             raise ValueError(f"ep_overflow_rounds={self.overflow_rounds} must be >= 0")
+        if self.pipeline_chunks < 1:
+            raise ValueError(f"ep_pipeline_chunks={self.pipeline_chunks} must be >= 1")
         if self.exchange not in exchange_lib.IMPLS:
             raise ValueError(f"{self.exchange=} is not one of {exchange_lib.IMPLS}")
         for axis in (self.expert_axis, *self.token_axes):
@@ -132,6 +146,7 @@ def from_config(mesh: Mesh, cfg) -> ExpertParallel:
         mesh, buffer_factor=float(cfg.ragged_buffer_factor),
         exchange=exchange_lib.resolve_impl(cfg.ep_exchange, platform),
         overflow_rounds=int(cfg.ep_overflow_rounds),
+        pipeline_chunks=int(cfg.ep_pipeline_chunks),
     )
 
 
@@ -196,6 +211,19 @@ class EPStats(NamedTuple):
     def zeros() -> "EPStats":
         z = jnp.zeros((), jnp.int32)
         return EPStats(z, jnp.zeros((), jnp.float32), z, z, z)
+
+    @staticmethod
+    def of_chunks(chunks: "list[EPStats]") -> "EPStats":
+        """The stats of one call made of ``chunks`` (pipeline chunks): counts add up, the
+        factor needed is the largest chunk's."""
+        total = lambda field: sum(getattr(c, field) for c in chunks)  # noqa: E731
+        return EPStats(
+            overflow_tokens=total("overflow_tokens"),
+            buffer_factor_needed=functools.reduce(
+                jnp.maximum, [c.buffer_factor_needed for c in chunks]),
+            rows_sent=total("rows_sent"), rows_saved=total("rows_saved"),
+            extra_rounds=total("extra_rounds"),
+        )
 
 
 def compact_plan(keys_TK, groups, rows, alignment=1, first=0,
@@ -346,18 +374,36 @@ def _receive_and_compute(recv_x_QD, recv_meta_QM, recv_rows, expert_weights, exp
 
 def _per_rank(x_TD, experts_TK, weights_TK, expert_weights, *, expert_fn, num_experts,
               alignment, ep: ExpertParallel):
-    """The body run by every rank inside ``shard_map``."""
+    """The body run by every rank inside ``shard_map``: the whole load, or each of
+    ``ep.pipeline_chunks`` chunks of it on its own (module docstring)."""
     # The weights are replicated over the batch axes, the tokens are not; a
     # custom-VJP expert_fn must see both vary alike (the weight gradient's
     # transpose of this cast is the psum over the batch axes).
     batch_axes = ep.live(a for a in ep.token_axes if a != ep.expert_axis)
     if batch_axes:
         expert_weights = tuple(jax.lax.pcast(w, batch_axes, to="varying") for w in expert_weights)
-    ranks = ep.ranks
-    if ranks == 1:
+    if ep.ranks == 1:
         out_TD = local_experts(x_TD, experts_TK, weights_TK, expert_weights, expert_fn,
                                num_experts, alignment)
         return out_TD, EPStats.zeros()
+    n, t = ep.pipeline_chunks, x_TD.shape[0]
+    one = functools.partial(_exchange_and_compute, expert_weights=expert_weights,
+                            expert_fn=expert_fn, num_experts=num_experts, alignment=alignment,
+                            ep=ep)
+    if n == 1:
+        return one(x_TD, experts_TK, weights_TK)
+    if t % n:
+        raise ValueError(f"ep_pipeline_chunks={n} does not divide the {t} tokens of each rank")
+    c = t // n
+    outs, stats = zip(*(one(x_TD[i * c:(i + 1) * c], experts_TK[i * c:(i + 1) * c],
+                            weights_TK[i * c:(i + 1) * c]) for i in range(n)))
+    return jnp.concatenate(outs), EPStats.of_chunks(list(stats))
+
+
+def _exchange_and_compute(x_TD, experts_TK, weights_TK, *, expert_weights, expert_fn,
+                          num_experts, alignment, ep: ExpertParallel):
+    """Dispatch, experts and combine of one rank's ``x_TD`` over ``ep.ranks`` > 1 ranks."""
+    ranks = ep.ranks
     axis, (t, k) = ep.expert_axis, experts_TK.shape
     per_rank = num_experts // ranks
     cap = capacity(t, k, ranks, per_rank, ep.buffer_factor, alignment)

@@ -39,8 +39,9 @@ CASES = {
 }
 
 
-def _blocks(mesh, cfg, factor, seed=0):
-    ep = ep_lib.ExpertParallel(mesh, buffer_factor=factor, exchange="padded")
+def _blocks(mesh, cfg, factor, seed=0, chunks=1):
+    ep = ep_lib.ExpertParallel(mesh, buffer_factor=factor, exchange="padded",
+                               pipeline_chunks=chunks)
     cfg = cfg.__class__(**{**cfg.__dict__, "routed_bias": True})
     ref = MoEBlock(cfg, emb_dim=D, rngs=nnx.Rngs(seed))
     par = MoEBlock(cfg, emb_dim=D, rngs=nnx.Rngs(seed), ep=ep)
@@ -98,11 +99,14 @@ def _token_ranks(mesh, tokens):
     return [(t // (tokens // shards)) % mesh.shape["expert"] for t in range(tokens)]
 
 
+@pytest.mark.parametrize("chunks", [1, 2, 4])
 @pytest.mark.parametrize("case", list(CASES))
-def test_same_values_and_grads_as_single_device(case, rng):
+def test_same_values_and_grads_as_single_device(case, chunks, rng):
+    """Also with each rank's 4 tokens in 2 or 4 pipeline chunks (``ep_pipeline_chunks``):
+    the same values, gradients and counts."""
     mesh_shape, cfg = CASES[case]
     mesh = make_mesh(**mesh_shape)
-    ref, par = _blocks(mesh, cfg, factor=-1)
+    ref, par = _blocks(mesh, cfg, factor=-1, chunks=chunks)
     ranks = mesh.shape["expert"]
     ref_fn, ref_state = _grad_fn(ref)
     par_fn, par_state = _grad_fn(par, mesh)
@@ -138,12 +142,15 @@ def _decision_with_bias(block, x_TD, bias):
     return biased._route(x_TD)[1]
 
 
+@pytest.mark.parametrize("chunks", [1, 2])
 @pytest.mark.parametrize("k", [1, 2])
-def test_overflow_counted_by_hand(k):
+def test_overflow_counted_by_hand(k, chunks):
     # data=2 x expert=4, E=8 (L=2), T=4 tokens per rank, all tokens to rank 0's experts.
+    # In 2 pipeline chunks each chunk has half the tokens and half the buffers, so each
+    # cuts half the rows below: the totals and the factor needed are the same.
     mesh = make_mesh(data=2, expert=4)
     cfg = MoEConfig(num_experts=8, num_experts_per_tok=k, moe_mlp_dim=4, gmm_backend="xla")
-    _, par = _blocks(mesh, cfg, factor=1.0)
+    _, par = _blocks(mesh, cfg, factor=1.0, chunks=chunks)
     par.router_bias[...] = _rank0_bias(par, 4)
     x = jax.random.normal(jax.random.key(0), (8, 4, D))
     _, stats, _ = _loss_and_grads(par, x, jnp.ones_like(x), mesh)
@@ -197,6 +204,16 @@ def test_dedup_hand_example():
 def test_factor_must_be_exact_or_at_least_one():
     with pytest.raises(ValueError, match="must be -1 or >= 1"):
         ep_lib.ExpertParallel(make_mesh(expert=8), buffer_factor=0.5)
+    with pytest.raises(ValueError, match="ep_pipeline_chunks=0 must be >= 1"):
+        ep_lib.ExpertParallel(make_mesh(expert=8), pipeline_chunks=0)
+
+
+def test_pipeline_chunks_must_divide_the_tokens_of_a_rank():
+    mesh = make_mesh(expert=8)
+    _, par = _blocks(mesh, CASES["expert8"][1], factor=-1, chunks=3)
+    x = jnp.ones((8, 4, D))  # 4 tokens per rank
+    with pytest.raises(ValueError, match="ep_pipeline_chunks=3 does not divide the 4 tokens"):
+        _loss_and_grads(par, x, x, mesh)
     with pytest.raises(ValueError, match="not divisible"):
         MoEBlock(MoEConfig(num_experts=12), emb_dim=D, rngs=nnx.Rngs(0),
                  ep=ep_lib.ExpertParallel(make_mesh(expert=8)))
