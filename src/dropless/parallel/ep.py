@@ -62,7 +62,8 @@ chunk). The chunks do not depend on each other, so XLA's scheduler may run
 one chunk's exchange while another's grouped matmuls run. A token's result
 does not depend on its chunk (the same rows, the same per-row products); the
 stats add up over chunks (``buffer_factor_needed`` is the largest chunk's,
-``extra_rounds`` the sum).
+``extra_rounds`` the sum). With one expert rank there is no exchange to
+overlap, and the load runs whole.
 """
 
 import dataclasses
