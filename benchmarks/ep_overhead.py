@@ -27,7 +27,12 @@ Checks recorded next to the timings:
   where it runs.
 * with more than one GPU visible, ``multi_gpu``: an expert=N float32 block
   (exchange ragged and padded) against the single-device block, output and
-  input-gradient max errors, and the bf16 DeepSeek layer timed per exchange.
+  input-gradient max errors, and the bf16 DeepSeek layer timed per exchange,
+  with its tokens in 1 and in 2 pipeline chunks (``ep_pipeline_chunks``).
+
+XLA runs with the flags ``dropless train`` gives a GPU by default
+(``config.xla_flags.GPU_DEFAULTS``: the latency-hiding scheduler), plus
+whatever ``XLA_FLAGS`` names; the record keeps the flags applied.
 
 Writes ``<out>/ep_overhead-<time>-<gpu>.json`` (GPU, jax version, commit).
 """
@@ -166,18 +171,20 @@ def multi_gpu(shape, quick, impls):
     bcfg = moe_layer.moe_config(big, gmm_backend="auto")
     b, s, d = shape["batch"] * n, shape["seq"], shape["emb_dim"]
     for impl in impls:
-        mesh = mesh_of(devices, expert=n)
-        ep = ep_lib.ExpertParallel(mesh, buffer_factor=2.0, exchange=impl)
-        block = MoEBlock(bcfg, emb_dim=d, dtype=jnp.bfloat16, param_dtype=jnp.bfloat16,
-                         rngs=nnx.Rngs(0), ep=ep)
-        st, f, fb = make_fns(block)
-        xs = jax.device_put(jax.random.normal(jax.random.key(3), (b, s, d), jnp.bfloat16),
-                            NamedSharding(mesh, P(BATCH_AXES)))
-        iters = 5 if quick else 10
-        out["timing"].append({"impl": impl,
-                              "fwd_ms": measure.time_fn(f, st, xs, iters=iters)["median_ms"],
-                              "fwd_bwd_ms": measure.time_fn(fb, st, xs, xs,
-                                                            iters=iters)["median_ms"]})
+        for chunks in (1, 2):
+            mesh = mesh_of(devices, expert=n)
+            ep = ep_lib.ExpertParallel(mesh, buffer_factor=2.0, exchange=impl,
+                                       pipeline_chunks=chunks)
+            block = MoEBlock(bcfg, emb_dim=d, dtype=jnp.bfloat16, param_dtype=jnp.bfloat16,
+                             rngs=nnx.Rngs(0), ep=ep)
+            st, f, fb = make_fns(block)
+            xs = jax.device_put(jax.random.normal(jax.random.key(3), (b, s, d), jnp.bfloat16),
+                                NamedSharding(mesh, P(BATCH_AXES)))
+            iters = 5 if quick else 10
+            out["timing"].append({
+                "impl": impl, "pipeline_chunks": chunks,
+                "fwd_ms": measure.time_fn(f, st, xs, iters=iters)["median_ms"],
+                "fwd_bwd_ms": measure.time_fn(fb, st, xs, xs, iters=iters)["median_ms"]})
     return out
 
 
@@ -187,8 +194,13 @@ def main(argv=None):
     parser.add_argument("--quick", action="store_true", help="fewer timing rounds")
     parser.add_argument("--tiny", action="store_true", help="toy shapes (CPU smoke run)")
     args = parser.parse_args(argv)
+    from dropless.config.xla_flags import apply_runtime_settings, gpu_present
+
+    # Before anything runs XLA, which reads XLA_FLAGS once per process.
+    flags = apply_runtime_settings({}, {}, on_gpu=gpu_present())
     shape = moe_layer.TINY if args.tiny else moe_layer.FULL
-    record = measure.new_record("ep_overhead", {"shape": shape, "quick": args.quick})
+    record = measure.new_record("ep_overhead", {"shape": shape, "quick": args.quick,
+                                                "xla_flags_applied": flags})
     on_gpu = jax.devices()[0].platform == "gpu"
     impls = ("ragged", "padded") if on_gpu else ("padded",)  # XLA:CPU has no ragged all-to-all
     record["ragged_exchange"] = [ragged_exchange_check(impl) for impl in impls]

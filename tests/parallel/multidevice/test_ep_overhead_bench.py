@@ -24,3 +24,6 @@ def test_tiny_run_writes_a_record(tmp_path):
     assert all(e["max_abs_err_y"] < 1e-4 and e["max_abs_err_dx"] < 1e-4
                for e in multi["equivalence"])
     assert {r["pass"] for r in record["rows"]} == {"fwd", "fwd_bwd"}
+    assert {(t["impl"], t["pipeline_chunks"]) for t in multi["timing"]} == {
+        ("padded", 1), ("padded", 2)}
+    assert record["config"]["xla_flags_applied"] == []  # flags go to GPUs only
