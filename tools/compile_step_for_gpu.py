@@ -95,14 +95,16 @@ def compile_step(overrides: list[str], dump: Path | None = None) -> tuple[str, d
     ``train --dry-run --compile-for h200``)."""
     os.environ.setdefault("JAX_PLATFORMS", "cpu")
     from dropless.config import loader
+    from dropless.config.xla_flags import apply_runtime_settings
     from dropless.perf import dry_run
 
     cfg = loader.load_config(None, ["dataset_type=synthetic", *overrides]).config
     if dump:
         os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} --xla_dump_to={dump}".strip()
+    applied = apply_runtime_settings(cfg.xla_flags, cfg.env, on_gpu=True)  # before XLA starts
     start = time.perf_counter()
-    program, applied = dry_run.compile_for(cfg, "h200")
-    return program.as_text(), {"seconds": time.perf_counter() - start, "xla_flags": " ".join(applied)}
+    text = dry_run.compile_for(cfg, "h200").as_text()
+    return text, {"seconds": time.perf_counter() - start, "xla_flags": " ".join(applied)}
 
 
 def main(argv=None) -> int:

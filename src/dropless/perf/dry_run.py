@@ -152,30 +152,25 @@ def compile_step(cfg) -> tuple[dict, int | None]:
     return memory.compiled_bytes(compiled), stats.get("bytes_limit")
 
 
-def compile_for(cfg, name: str, count: int = 1, applied: list[str] | None = None):
+def compile_for(cfg, name: str, count: int = 1):
     """The real train step compiled for ``count`` ``name`` GPUs of one host on a machine
     without them (``perf.gpu_compile``: the devices and their probes answer as those GPUs'
-    while the step is built, the mesh spans them; the config's XLA flags and environment
-    applied as ``train`` does on a GPU), and the XLA flags applied (``apply_runtime_settings``).
+    while the step is built, the mesh spans them).
 
-    XLA reads ``XLA_FLAGS`` once per process, at its first use, and ignores later changes:
-    the flags must be applied before anything else in the process runs XLA. ``applied``:
-    what ``apply_runtime_settings`` returned where the caller applied them that early
-    itself; None applies them here, which is early enough only as the process's first XLA
-    work.
+    The caller applies the config's XLA flags and environment first, as ``train`` does on a
+    GPU (``apply_runtime_settings(cfg.xla_flags, cfg.env, on_gpu=True)``), before anything in
+    the process runs XLA: XLA reads ``XLA_FLAGS`` once per process, at its first use, and
+    ignores later changes.
 
     Raises:
       perf.gpu_compile.NoCudaPlugin: jax's CUDA plugin is not installed.
     """
-    from dropless.config.xla_flags import apply_runtime_settings
     from dropless.perf import gpu_compile
     from dropless.train import loop
 
     gpus = gpu_compile.devices(gpu_compile.SPECS / f"{name}.txtpb", count)
-    if applied is None:
-        applied = apply_runtime_settings(cfg.xla_flags, cfg.env, on_gpu=True)
     with gpu_compile.gpu_view(gpus):
-        return _compiled(loop._setup(cfg.model(), cfg.train(), cfg.mesh())), applied
+        return _compiled(loop._setup(cfg.model(), cfg.train(), cfg.mesh()))
 
 
 def collectives_line(text: str, num_devices: int, name: str) -> str | None:
@@ -355,7 +350,7 @@ def main(args: list[str], command: str = "train") -> int:
             return _fail(f"--compile-for {ns.compile_for} compiles for one host of at most "
                          f"{COMPILE_TARGETS[ns.compile_for]} GPUs; the mesh asks for {num_devices} "
                          "(the fixed ici_*/dcn_* axes); give --devices or smaller axes")
-        program, applied = compile_for(cfg, ns.compile_for, num_devices, applied)
+        program = compile_for(cfg, ns.compile_for, num_devices)
         if applied:
             print(f"XLA flags: {' '.join(applied)}")
         compiled = memory.compiled_bytes(program)

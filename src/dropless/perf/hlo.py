@@ -305,12 +305,13 @@ def overlap(insts: list[Instruction]) -> dict[str, list[int]]:
                 if (key := (inst.computation, name)) in open_:
                     kind, n = open_.pop(key)
                     out.setdefault(kind, []).extend([n] * runs[inst.computation])
-        if (kind := _collective_kind(inst, wrapped_kinds)) and inst.opcode.endswith("-start"):
+        kind = _collective_kind(inst, wrapped_kinds)
+        if kind and inst.opcode.endswith("-start"):
             open_[(inst.computation, inst.name)] = (kind, 0)
-        elif not done and (inst.computation, inst.name) in launched:
-            for key, (kind, n) in open_.items():
-                if key[0] == inst.computation and _collective_kind(inst, wrapped_kinds) is None:
-                    open_[key] = (kind, n + 1)
+        elif not done and kind is None and (inst.computation, inst.name) in launched:
+            for key, (open_kind, n) in open_.items():
+                if key[0] == inst.computation:
+                    open_[key] = (open_kind, n + 1)
     return out
 
 
