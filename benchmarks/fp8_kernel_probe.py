@@ -91,6 +91,10 @@ VARIANTS = {
     # 64 x 192 per warpgroup (128 x 192 CTA tiles, as DeepGEMM's widest with 128x128
     # weight scales): each 64-column chunk scaled by its weight block's scale
     "rows_gtw8_o192": dict(split="rows", grid_tile_width=8, block_o=192),
+    # the default's scale reads and their fence under the wgmma instead of before it
+    # (``mosaic_fp8.SCALE_READS``: "before" holds the wgmma's issue for the fence)
+    "rows_gtw8_o192_under": dict(split="rows", grid_tile_width=8, block_o=192,
+                                 scale_reads="under"),
     "rows_gtw8_o192_nofence": dict(split="rows", grid_tile_width=8, block_o=192,
                                    scale_fence="none"),
     "rows_gtw8_o192_batched": dict(split="rows", grid_tile_width=8, block_o=192,
@@ -142,6 +146,10 @@ WGRAD_VARIANTS = {
     # DeepGEMM's 128x152 CTA tiles); the last N band runs past N (4096 = 25.6 x 160)
     "wgrad_rows_n160_sorted_chain": dict(split="rows", overlap=False, tile_order="sorted_snake",
                                          chain=True, block_n=160),
+    # its scale reads (22 per thread) and their fence and barrier under the wgmma
+    "wgrad_rows_n160_sorted_chain_under": dict(split="rows", overlap=False,
+                                               tile_order="sorted_snake", chain=True,
+                                               block_n=160, scale_reads="under"),
     "wgrad_rows_n192_sorted_chain": dict(split="rows", overlap=False, tile_order="sorted_snake",
                                          chain=True, block_n=192),
     # the wide tiles in halves (80 + 80, 96 + 96 columns), as the 128-column halves above

@@ -55,6 +55,9 @@ only that attempt):
             ``ours_fp8_blockwise`` with ``gmm_fp8_kernel_schedule=wide_...``: the
             forward and dgrad with 128x192 CTA tiles (o192), the wgrad with 128x160 or
             128x192 (n160, n192), or both
+  ours_fp8_under  ``ours_fp8_blockwise`` with
+            ``gmm_fp8_kernel_schedule=wide_o192_n160_under``: the default's tiles, each
+            step's scale reads and their fence under its wgmma instead of before it
   ours_fp8_swiglu  ``ours_fp8_blockwise`` with ``gmm_fp8_fused_swiglu=true``: SwiGLU's
             output quantized in the pass that computes it
   ours_fp8e ``ours_fp8_blockwise`` emulated (``gmm_fp8_impl=emulate``:
@@ -126,7 +129,7 @@ QWEN3_CASE = "qwen3-moe-proxy"  # ``ours`` on the Qwen3-MoE proxy instead of the
 MIXTRAL_CASE = "mixtral-proxy"  # ``ours`` on the Mixtral proxy
 EXTRA_CASES = ("ours_fp8_all", "ours_fp8_narrow", "ours_fp8_halves", "ours_fp8_p96_32", "ours_fp8_xhalves",
                "ours_fp8_o192", "ours_fp8_n160", "ours_fp8_n192", "ours_fp8_o192_n160",
-               "ours_fp8_o192_n192", "ours_fp8_swiglu", "ours_fp8_wq_once", "ours_fp8e", "ours_fp8k", "ours_fp8kp",
+               "ours_fp8_o192_n192", "ours_fp8_under", "ours_fp8_swiglu", "ours_fp8_wq_once", "ours_fp8e", "ours_fp8k", "ours_fp8kp",
                "ours_fp8km", "ours_fp8kp_head", "ours_gfp8kp", "ours_mla_unpadded",
                "ours_mla_padded", "ours_scan", "ours_align64", "ours_align128",
                "ours_fp8_bf16out", "ours_fp8_all_bf16out", "ours_ctx", "ours_fp8_ctx", "ours_fp8_bf16out_ctx",
@@ -167,6 +170,7 @@ CASE_OVERRIDES = {
     "ours_fp8_n192": [*FP8_BLOCKWISE, "gmm_fp8_kernel_schedule=wide_n192"],
     "ours_fp8_o192_n160": [*FP8_BLOCKWISE, "gmm_fp8_kernel_schedule=wide_o192_n160"],
     "ours_fp8_o192_n192": [*FP8_BLOCKWISE, "gmm_fp8_kernel_schedule=wide_o192_n192"],
+    "ours_fp8_under": [*FP8_BLOCKWISE, "gmm_fp8_kernel_schedule=wide_o192_n160_under"],
     "ours_fp8_swiglu": [*FP8_BLOCKWISE, "gmm_fp8_fused_swiglu=true"],
     # Under gradient accumulation (--set gradient_accumulation_steps=2): the expert
     # weights quantized once per step, against in every microbatch (the default).

@@ -202,7 +202,7 @@ BAD = [
      "needs prefuse_moe_weights=true; allowed here: false"),
     (["gmm_fp8_kernel_schedule=quarters"],
      "'default', 'narrow', 'halves_unfenced', 'p96_32_unfenced', 'xhalves_unfenced', 'wide_o192', 'wide_n160', "
-     "'wide_n192', 'wide_o192_n160' or 'wide_o192_n192'"),
+     "'wide_n192', 'wide_o192_n160', 'wide_o192_n192' or 'wide_o192_n160_under'"),
     (["te_gmm_quantization=te_fp8_blockwise", "gmm_fp8_impl=kernel", "emb_dim=256", "moe_mlp_dim=200"],
      "kernels need emb_dim and moe_mlp_dim multiples of 256, got moe_mlp_dim=200"),
     (["attention=cudnn_flash_te", "dtype=float32"], "got dtype=float32; set dtype=bfloat16 or attention=dot_product"),

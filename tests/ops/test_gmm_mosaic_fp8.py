@@ -701,6 +701,45 @@ def test_interpret_wgrad_wide_tiles_equal_the_plain_step_bit_for_bit(rng, block_
             assert "mosaic_gpu" in exported.mlir_module()
 
 
+def test_interpret_scale_reads_under_the_wgmma_give_the_same_bits(rng):
+    """``scale_reads="under"`` (``mosaic_fp8.SCALE_READS``): the plain step reads and
+    fences its scales between its wgmma's issue and its wait instead of before the issue:
+    the same values in the same expression, so the default's bits, and no race (the
+    reads and their fence still come before the slot goes back to TMA; race detector
+    on). The forward with the wide tiles of the default schedule (``block_o=192``, N =
+    512: bands that end past N, scales from shared memory) and the 128-column tile with
+    ``early_release`` (the slot handed back after the wait, still after the reads); the
+    wgrad's plain step at ``block_n=160`` against the 128-column plain step (3 CTAs over
+    7 groups, empty groups, a NaN tail). Refused with the overlap or parts; lowers for CUDA at a DeepSeek-V3
+    shape, forward and wgrad."""
+    ops, gs, total = _awkward_fwd_operands(rng, n=512)
+    run = functools.partial(mosaic_fp8.gmm_fp8_blockwise, *ops, gs, out_dtype=jnp.float32,
+                            sms=3)
+    y = _same_bits_without_races(lambda: run(block_o=192, scale_reads="under"),
+                                 lambda: run(block_o=192))
+    np.testing.assert_array_equal(np.asarray(y)[total:], 0.0)
+    _same_bits_without_races(lambda: run(early_release=True, scale_reads="under"), run)
+    wops, wgs = _schedule_wgrad_case(rng)
+    wrun = functools.partial(mosaic_fp8_tgmm.tgmm_fp8_blockwise, *wops, wgs, sms=3,
+                             num_stages=3, out_dtype=jnp.float32, overlap=False)
+    got = _same_bits_without_races(lambda: wrun(block_n=160, scale_reads="under"), wrun)
+    assert not np.isnan(np.asarray(got)).any()
+    for bad in (dict(overlap=True), dict(parts=2)):
+        with pytest.raises(ValueError, match="scale_reads='under' takes the plain step"):
+            mosaic_fp8.gmm_fp8_blockwise(*ops, gs, scale_reads="under", **bad)
+        with pytest.raises(ValueError, match="scale_reads='under' takes the plain step"):
+            mosaic_fp8_tgmm.tgmm_fp8_blockwise(*wops, wgs, scale_reads="under",
+                                               **{"overlap": False, **bad})
+    with pytest.raises(ValueError, match=re.escape("scale_reads='after' must be one of")):
+        mosaic_fp8.gmm_fp8_blockwise(*ops, gs, scale_reads="after")
+    for kind, kw in (("fwd", dict(block_o=192)), ("wgrad", dict(overlap=False, block_n=160))):
+        fn, args = _lowering_args(kind, 65536, 7168, 4096, 32)
+        exported = jax.export.export(
+            jax.jit(lambda *a, kw=kw: fn(*a, sms=132, scale_reads="under", **kw)),
+            platforms=["cuda"])(*args)
+        assert "mosaic_gpu" in exported.mlir_module()
+
+
 @pytest.mark.parametrize("order", ["sorted_snake", pytest.param("groups", marks=slow)])
 def test_interpret_wgrad_prefetch_equals_the_plain_walk_bit_for_bit(rng, order):
     """``prefetch=True``: each tile's group index and step count read rounds ahead of
@@ -1292,6 +1331,35 @@ def test_gpu_wgrad_wide_tiles_equal_the_plain_step_bit_for_bit(rng, block_n):
             np.testing.assert_array_equal(run(block_n=block_n, parts=2), want)
     for parts in (1, 2):
         _assert_wgrad_exact_on_integer_data(rng, overlap=False, block_n=block_n, parts=parts)
+
+
+@gpu_test
+def test_gpu_scale_reads_under_the_wgmma_give_the_same_bits(rng):
+    """``scale_reads="under"`` on the hardware, where the wgmma runs while the scales
+    are read: the default's bits on random data with a NaN tail (the forward and dgrad
+    with the default schedule's 192-column tiles and with 128 columns and
+    ``early_release``; the wgrad's plain step at 160 and 128 columns, float32 and bf16
+    output), and the exact products on integer-exact data."""
+    fwd_ops, dgrad_ops, gs, total = _fwd_dgrad_inputs(rng, lambda r, s: _scaled(r, s, (0, 1)))
+    for ops in (fwd_ops, dgrad_ops):
+        ops = _with_distinct_column_block_scales(rng, ops)
+        for kw in (dict(block_o=192), dict(early_release=True)):
+            np.testing.assert_array_equal(_run_fwd_like(ops, gs, scale_reads="under", **kw),
+                                          _run_fwd_like(ops, gs))
+    fwd_ops, dgrad_ops, gs, total = _fwd_dgrad_inputs(rng, _integer_exact)
+    for ops in (fwd_ops, dgrad_ops):
+        got = _run_fwd_like(ops, gs, block_o=192, scale_reads="under")
+        a, b = _dequantized_fwd_operands(*ops)
+        np.testing.assert_array_equal(got[total:], 0.0)
+        np.testing.assert_array_equal(got[:total], fp8_acc.gmm(a[:total], b, FWD_SIZES))
+    ops, gs = _wgrad_inputs(rng, lambda r, s: _scaled(r, s, (0, 1)))
+    for out_dtype in (jnp.float32, jnp.bfloat16):
+        for block_n in (128, 160):
+            run = lambda **kw: np.asarray(mosaic_fp8_tgmm.tgmm_fp8_blockwise(  # noqa: E731
+                *ops, gs, out_dtype=out_dtype, overlap=False, block_n=block_n, **kw
+            ).astype(jnp.float32))
+            np.testing.assert_array_equal(run(scale_reads="under"), run())
+    _assert_wgrad_exact_on_integer_data(rng, overlap=False, block_n=160, scale_reads="under")
 
 
 @gpu_test

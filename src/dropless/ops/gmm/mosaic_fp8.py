@@ -149,6 +149,15 @@ BLOCK_M = 64  # two f32 accumulators per thread must fit the register file
 SPLITS = ("columns", "rows")
 WEIGHT_SCALES = ("gmem", "smem")  # where a step reads its weight scale (gmm_fp8_blockwise)
 SCALE_FENCES = ("auto", "commit", "thread", "none")  # how a step fences its scale reads
+# Where the plain step reads its scales from shared memory and fences the reads (the
+# fence must come before the slot goes back to TMA, i.e. before the step's body returns):
+# "before" (the default) ahead of its wgmma, or "under" it, between the wgmma's issue and
+# its wait. In ptxas' SASS for an H200 (``tools/sass_schedule.sh``, 2026-12-06) the fence
+# of "before" is a ``MEMBAR.ALL.CTA`` (with "commit" also a warpgroup ``BAR.SYNC``) that
+# waits for the scale loads (the wgrad's 22 ``LDS`` at ``block_n=160``, the forward's 4)
+# before the warpgroup can issue its ``QGMMA``s; "under" issues them first. The same
+# values in the same expression, so the same bits. Opt-in until timed on the hardware.
+SCALE_READS = ("before", "under")
 # How a warpgroup stores a whole output tile (``mosaic_gmm._store_tile``): a fence and a
 # barrier per 64x64 chunk (the default), or both chunks under one fence ("batched",
 # opt-in until timed; the wgrad's batched epilogue ran 1.00-1.04x, ``mosaic_fp8_tgmm``).
@@ -202,6 +211,16 @@ def fence_scale_reads(scale_fence):
         proxy_fence()
     elif scale_fence == "commit":
         plgpu.commit_smem()
+
+
+def check_scale_reads(scale_reads, not_plain, who):
+    """Raise ValueError unless ``scale_reads`` is one of ``SCALE_READS``, or if it is
+    ``"under"`` for a step that is not the plain one (``not_plain``)."""
+    if scale_reads not in SCALE_READS:
+        raise ValueError(f"{who}: {scale_reads=} must be one of {SCALE_READS}")
+    if scale_reads == "under" and not_plain:
+        raise ValueError(f"{who}: scale_reads='under' takes the plain step (overlap=False, "
+                         "parts=1)")
 
 
 def check_parts(parts, who):
@@ -273,7 +292,8 @@ def check_shapes(aq_MC, sa, bq_GOC, sb, group_sizes_G):
 def gmm_fp8_blockwise(aq_MC, sa, bq_GOC, sb, group_sizes_G, *, out_dtype=jnp.bfloat16,
                       num_stages=4, grid_tile_width=8, sms=None, split="rows", overlap=False,
                       chain=False, weight_scales="smem", scale_fence="auto", early_release=False,
-                      stagger=False, epilogue="chunks", cluster=1, parts=1, block_o=BLOCK):
+                      stagger=False, epilogue="chunks", cluster=1, parts=1, block_o=BLOCK,
+                      scale_reads="before"):
     """y [M, O] = per-group blockwise-scaled a . b[g]^T; see the module docstring.
 
     Rows past ``sum(group_sizes)`` come out as zeros. ``split`` (``SPLITS``),
@@ -375,6 +395,11 @@ def gmm_fp8_blockwise(aq_MC, sa, bq_GOC, sb, group_sizes_G, *, out_dtype=jnp.bfl
     (long scoreboard); with ``"smem"`` that stall is gone and the tensor pipe is
     active 71.3% of the time against 65.0% (``kernel_anatomy-20261204-062616``).
 
+    ``scale_reads`` (``SCALE_READS``; the plain step, ``parts=1``): whether a step reads
+    and fences its row and weight scales ``"before"`` its wgmma is issued (the default)
+    or ``"under"`` it, between the issue and the wait; with ``early_release`` the slot
+    is still handed back only after both.
+
     ``scale_fence`` (``SCALE_FENCES``): how a step orders its generic-proxy reads
     of the scales before TMA refills their slot. ``"commit"``: ``plgpu.commit_smem``
     (a proxy fence, then a warpgroup barrier). ``"thread"``: the proxy fence alone.
@@ -415,10 +440,12 @@ def gmm_fp8_blockwise(aq_MC, sa, bq_GOC, sb, group_sizes_G, *, out_dtype=jnp.bfl
         other than 1 with ``early_release``, ``stagger`` or (unless 2) ``overlap``, or
         ``overlap`` with ``parts=2`` and ``chain`` or ``cluster=2``; ``block_o`` not in
         ``BLOCK_OS``, or 192 with ``overlap``, ``parts``, ``split="columns"``,
-        ``cluster=2``, ``early_release`` or ``stagger``.
+        ``cluster=2``, ``early_release`` or ``stagger``; ``scale_reads`` not in
+        ``SCALE_READS``, or ``"under"`` with ``overlap`` or ``parts`` other than 1.
     """
     m, c, o, _ = check_shapes(aq_MC, sa, bq_GOC, sb, group_sizes_G)
     scale_fence = resolve_scale_fence(scale_fence, "mosaic fp8 gmm")
+    check_scale_reads(scale_reads, overlap or parts != 1, "mosaic fp8 gmm")
     if block_o not in BLOCK_OS:
         raise ValueError(f"mosaic fp8 gmm: {block_o=} must be one of {BLOCK_OS}")
     wide = block_o != BLOCK
@@ -638,29 +665,37 @@ def gmm_fp8_blockwise(aq_MC, sa, bq_GOC, sb, group_sizes_G, *, out_dtype=jnp.bfl
                     consumed = refs[1:] if scales_in_smem else refs
                     if offset is not None:  # stagger: warpgroup 1 starts a wgmma later
                         pl.when((kk == 0) & (wg == 1))(lambda: plgpu.barrier_wait(offset))
-                    # This step's weight scale, loaded before its wgmma and first used
-                    # after the wait, so the load's latency hides under the wgmma.
-                    w_scale = weight_scale(kk, refs)
                     lhs, rhs, rows = operands(a_smem, b_smem, sa_smem)
-                    row_scale = load_row_scale(rows)
+
+                    def read_scales():
+                        # This step's weight scale, then its row scales and their fence.
+                        w_scale = weight_scale(kk, refs)
+                        return w_scale, load_row_scale(rows)
+
+                    # "before" (SCALE_READS): read, and fenced, ahead of the wgmma.
+                    scales = read_scales() if scale_reads == "before" else None
 
                     def c_step(acc_ref):
                         plgpu.wgmma(acc_ref, lhs, rhs)
+                        # "under": read beside the running wgmma
+                        step_scales = read_scales() if scales is None else scales
                         plgpu.wgmma_wait(0)
                         for barrier in consumed:  # early_release: the slot is read
                             plgpu.barrier_arrive(barrier)
                         if offset is not None:
                             pl.when((kk == 0) & (wg == 0))(
                                 lambda: plgpu.barrier_arrive(offset))
-                        return acc_ref[...]
+                        return acc_ref[...], step_scales
 
                     if parts != 1:
+                        w_scale, row_scale = scales
                         widths = [w for _, w in part_slices(parts, bo)]
                         scales = {w: lax.broadcast_in_dim(row_scale * w_scale, (bm, w), (0,))
                                   for w in dict.fromkeys(widths)}  # one per distinct width
                         return promote_in_parts(total, lhs, b_smem, 0 if by_rows else wg * bo,
                                                 parts, lambda i: scales[widths[i]])
-                    part = pl.run_scoped(c_step, plgpu.ACC((bm, bo), jnp.float32))
+                    part, (w_scale, row_scale) = pl.run_scoped(
+                        c_step, plgpu.ACC((bm, bo), jnp.float32))
                     if wide:
                         return total + part * wide_scale(row_scale, w_scale)
                     return total + part * by_row(row_scale * w_scale)

@@ -149,8 +149,8 @@ from dropless.ops import quant
 from dropless.ops.gmm import reference as ref_backend
 from dropless.ops.gmm import schedule as schedule_lib
 from dropless.ops.gmm.mosaic_fp8 import (BLOCK, _MEMORY_REGISTERS, _swizzle_transforms,
-                                         check_parts, fence_scale_reads, part_slices,
-                                         promote_in_parts, resolve_scale_fence)
+                                         check_parts, check_scale_reads, fence_scale_reads,
+                                         part_slices, promote_in_parts, resolve_scale_fence)
 from dropless.ops.gmm.mosaic_gmm import (chained_tile_pipeline, persistent_kernel,
                                         tile_order_operands, walk_tiles)
 from dropless.ops.gmm.mosaic_tgmm import _store_tile
@@ -210,7 +210,7 @@ def check_shapes(xq_KM, sx, dyq_NM, sdy, group_sizes_G):
 def tgmm_fp8_blockwise(xq_KM, sx, dyq_NM, sdy, group_sizes_G, *, out_dtype=jnp.float32,
                        num_stages=4, sms=None, split="rows", overlap=True, tile_order="sorted_snake",
                        chain=True, scale_fence="commit", epilogue="auto", prefetch=False,
-                       parts=1, block_n=BLOCK):
+                       parts=1, block_n=BLOCK, scale_reads="before"):
     """dw [G, K, N] = per-group blockwise-scaled x^T dy; zeros for empty groups.
 
     See the module docstring for the operand layouts. ``split`` (``SPLITS``),
@@ -225,6 +225,10 @@ def tgmm_fp8_blockwise(xq_KM, sx, dyq_NM, sdy, group_sizes_G, *, out_dtype=jnp.f
     opt-in: each step as ``parts`` wgmmas over 128 / ``parts`` columns, or over the
     widths of a tuple, each slice promoted while the later ones run, as the forward's
     ``mosaic_fp8.gmm_fp8_blockwise(parts=...)``, whose docstring says why),
+    ``scale_reads`` (``mosaic_fp8.SCALE_READS``; the plain step only): where a step reads
+    its scales and fences the reads, ``"before"`` its wgmma is issued or ``"under"`` it,
+    between the issue and the wait (opt-in until timed; ``mosaic_fp8.SCALE_READS`` says
+    why),
     ``scale_fence`` (``mosaic_fp8.SCALE_FENCES``: the scale reads' proxy fence with
     ``commit_smem``'s warpgroup barrier, or per thread alone, as the forward's
     default since 2026-12-04; here even on the H200, 828 against 830 TF/s with float32
@@ -247,11 +251,13 @@ def tgmm_fp8_blockwise(xq_KM, sx, dyq_NM, sdy, group_sizes_G, *, out_dtype=jnp.f
         unknown ``split``, ``tile_order``, ``scale_fence`` or ``epilogue``, ``parts`` not
         in ``mosaic_fp8.PARTS`` or above 1 with ``overlap``, ``block_n`` not in
         ``BLOCK_NS`` or wider than 128 with ``overlap``, ``parts`` other than 1 or 2,
-        the "columns" split or a K that is not a multiple of 128.
+        the "columns" split or a K that is not a multiple of 128; ``scale_reads`` not in
+        ``mosaic_fp8.SCALE_READS``, or ``"under"`` with the overlap or ``parts`` other than 1.
     """
     m, k, n = check_shapes(xq_KM, sx, dyq_NM, sdy, group_sizes_G)
     scale_fence = resolve_scale_fence(scale_fence, "mosaic fp8 tgmm")
     check_parts(parts, "mosaic fp8 tgmm")
+    check_scale_reads(scale_reads, overlap or parts != 1, "mosaic fp8 tgmm")
     if parts != 1 and overlap:
         raise ValueError(f"mosaic fp8 tgmm: {parts=} takes the plain step (overlap=False)")
     if epilogue not in EPILOGUES:
@@ -366,15 +372,18 @@ def tgmm_fp8_blockwise(xq_KM, sx, dyq_NM, sdy, group_sizes_G, *, out_dtype=jnp.f
 
         def mma_body(_, x_smem, dy_smem, sx_smem, sdy_smem, total):
             lhs, rhs, rows, cols = operands(x_smem, dy_smem, sx_smem, sdy_smem)
-            # Scales first: their loads overlap the wgmma.
-            row_scale, col_scale = load_scale(rows, cols)
+            # "before": the scales are read and fenced before the wgmma is issued (the
+            # fence waits for the reads); "under": between its issue and its wait.
+            scales = load_scale(rows, cols) if scale_reads == "before" else None
 
             def m_step(acc_ref):
                 plgpu.wgmma(acc_ref, lhs, rhs)
+                step_scales = load_scale(rows, cols) if scales is None else scales
                 plgpu.wgmma_wait(0)
-                return acc_ref[...]
+                return acc_ref[...], step_scales
 
-            part = pl.run_scoped(m_step, plgpu.ACC((bk, bn), jnp.float32))
+            part, (row_scale, col_scale) = pl.run_scoped(m_step,
+                                                         plgpu.ACC((bk, bn), jnp.float32))
             return total + part * outer(row_scale, col_scale)
 
         def mma_body_overlap(_, x_smem, dy_smem, sx_smem, sdy_smem, carry):
