@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Where ptxas put a Mosaic GPU kernel's wgmma instructions: compile a PTX file
-# (MOSAIC_GPU_DUMP_PTX=1 MOSAIC_GPU_DUMP_TO=DIR on the GPU machine writes them) for
+# (MOSAIC_GPU_DUMP_PTX=1 MOSAIC_GPU_DUMP_TO=DIR writes them, on the GPU machine or on any
+# host through `python -m dropless.perf.gpu_compile PROG.py`, which compiles for an H200) for
 # sm_90a with the local ptxas, disassemble it with cuobjdump, and print each
 # QGMMA/HGMMA, wgmma wait, fence and barrier wait of the kernel with the number of
 # instructions since the previous one. A step whose four k32 wgmmas are far apart
