@@ -378,8 +378,8 @@ def gmm_fp8_blockwise(aq_MC, sa, bq_GOC, sb, group_sizes_G, *, out_dtype=jnp.bfl
     has completed (``manual_consumed_barriers``), before it promotes, instead of
     when the step's body returns, as DeepGEMM's kernels do; the memory warpgroup
     can then refill the slot one promotion earlier. All of the slot's reads are
-    done by then: the scales were read (and fenced) before the wgmma, and the
-    operands by the wgmma itself.
+    done by then: the scales were read (and fenced) before the wgmma's wait (before
+    its issue with the default ``scale_reads``), and the operands by the wgmma itself.
 
     ``weight_scales`` (``WEIGHT_SCALES``): where a step reads its weight block's
     scale. ``"gmem"``: one scalar load from global memory per step, issued before
@@ -690,10 +690,10 @@ def gmm_fp8_blockwise(aq_MC, sa, bq_GOC, sb, group_sizes_G, *, out_dtype=jnp.bfl
                     if parts != 1:
                         w_scale, row_scale = scales
                         widths = [w for _, w in part_slices(parts, bo)]
-                        scales = {w: lax.broadcast_in_dim(row_scale * w_scale, (bm, w), (0,))
-                                  for w in dict.fromkeys(widths)}  # one per distinct width
+                        by_width = {w: lax.broadcast_in_dim(row_scale * w_scale, (bm, w), (0,))
+                                    for w in dict.fromkeys(widths)}  # one per distinct width
                         return promote_in_parts(total, lhs, b_smem, 0 if by_rows else wg * bo,
-                                                parts, lambda i: scales[widths[i]])
+                                                parts, lambda i: by_width[widths[i]])
                     part, (w_scale, row_scale) = pl.run_scoped(
                         c_step, plgpu.ACC((bm, bo), jnp.float32))
                     if wide:
