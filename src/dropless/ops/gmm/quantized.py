@@ -160,7 +160,9 @@ QUANT_IMPLS = ("auto", "xla", "pallas", "mosaic")
 #   wide_o192_n192   ``wide_o192``'s forward and dgrad with ``wide_n192``'s wgrad.
 #   wide_o192_n160_under  ``wide_o192_n160`` with each plain step's scale reads and
 #                    their fence between its wgmma's issue and its wait, not before the
-#                    issue (``mosaic_fp8.SCALE_READS``); the same bits. Opt-in until timed.
+#                    issue (``mosaic_fp8.SCALE_READS``); the same bits. On an H200 the
+#                    forward and dgrad ran even and the wgrad 0.86x
+#                    (``fp8_kernels-20261206-215854``): not for training.
 _WIDE_O192 = (("block_o", 192),)
 _WIDE_N160 = (("overlap", False), ("block_n", 160))
 _WIDE_N192 = (("overlap", False), ("block_n", 192))
