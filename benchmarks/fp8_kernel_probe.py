@@ -92,7 +92,8 @@ VARIANTS = {
     # weight scales): each 64-column chunk scaled by its weight block's scale
     "rows_gtw8_o192": dict(split="rows", grid_tile_width=8, block_o=192),
     # the default's scale reads and their fence under the wgmma instead of before it
-    # (``mosaic_fp8.SCALE_READS``: "before" holds the wgmma's issue for the fence)
+    # (``mosaic_fp8.SCALE_READS``); even with the default on the H200
+    # (``fp8_kernels-20261206-215854``)
     "rows_gtw8_o192_under": dict(split="rows", grid_tile_width=8, block_o=192,
                                  scale_reads="under"),
     "rows_gtw8_o192_nofence": dict(split="rows", grid_tile_width=8, block_o=192,
@@ -146,7 +147,8 @@ WGRAD_VARIANTS = {
     # DeepGEMM's 128x152 CTA tiles); the last N band runs past N (4096 = 25.6 x 160)
     "wgrad_rows_n160_sorted_chain": dict(split="rows", overlap=False, tile_order="sorted_snake",
                                          chain=True, block_n=160),
-    # its scale reads (22 per thread) and their fence and barrier under the wgmma
+    # its scale reads (22 per thread) and their fence and barrier under the wgmma: 0.86x the
+    # default on the H200 (``fp8_kernels-20261206-215854``)
     "wgrad_rows_n160_sorted_chain_under": dict(split="rows", overlap=False,
                                                tile_order="sorted_snake", chain=True,
                                                block_n=160, scale_reads="under"),
