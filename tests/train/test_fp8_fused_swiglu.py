@@ -9,6 +9,7 @@ also with the weights' codes made once per step; with it off, nothing does.
 """
 
 import dataclasses
+import os
 
 import jax
 import numpy as np
@@ -20,8 +21,12 @@ from dropless.ops.gmm import quantized
 from dropless.train import data as data_lib
 from dropless.train import step as step_lib
 
+slow = pytest.mark.skipif(os.environ.get("DROPLESS_SLOW") != "1",
+                          reason="a further case, left out for CI time; run with DROPLESS_SLOW=1")
 
-@pytest.mark.parametrize("fused,once", [(False, False), (True, False), (True, True)])
+
+@pytest.mark.parametrize("fused,once", [(False, False), pytest.param(True, False, marks=slow),
+                                       (True, True)])
 def test_fused_swiglu_reaches_each_moe_layer(small_model, monkeypatch, fp8_kernels_as_references,
                                              fused, once):
     layouts = []

@@ -16,6 +16,7 @@ The hardware run of the same comparison is ``tests/ops/test_gmm_mosaic_fp8.py``'
 
 import dataclasses
 import logging
+import os
 
 import jax
 import jax.numpy as jnp
@@ -27,6 +28,9 @@ from dropless.config.sections import DataConfig
 from dropless.ops.gmm import quantized
 from dropless.train import data as data_lib
 from dropless.train import step as step_lib
+
+slow = pytest.mark.skipif(os.environ.get("DROPLESS_SLOW") != "1",
+                          reason="a further case, left out for CI time; run with DROPLESS_SLOW=1")
 
 
 @pytest.fixture
@@ -57,7 +61,7 @@ def _codes(state, graphdef, cfg):
     return jax.eval_shape(lambda s: step_lib._fp8_codes_once(s, graphdef, cfg), state)
 
 
-@pytest.mark.parametrize("scan_layers", [True, False])
+@pytest.mark.parametrize("scan_layers", [True, pytest.param(False, marks=slow)])
 def test_weights_quantized_once_per_step_give_the_per_microbatch_bits(
         small_model, kernels_as_references, caplog, scan_layers):
     """The layers in a scan (each takes its slice of the stacked codes) and unrolled."""
