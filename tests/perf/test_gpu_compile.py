@@ -136,7 +136,8 @@ def test_proxy_fp8_step_on_the_h200(bf16_output):
     forward and a backward per layer (the preset's ``minimal_with_context`` keeps the
     forward's output and statistics; ``minimal`` ran each forward again, 12). With
     its layers unrolled the step has no while loop: the MoE layers' group lookups are
-    written out (a loop's iterations are kernels of their own, each a launch)."""
+    written out (a loop's iterations are kernels of their own, each a launch). The loss's
+    backward writes the logits' gradient in bf16 from the bf16 logits, with no float32 copy."""
     tool = load_module("compile_step_for_gpu", REPO / "tools")
     text, _ = tool.compile_step([*PROXY_FP8, f"fp8_dot_bf16_output={str(bf16_output).lower()}"])
     counts = tool.summarize(text)
@@ -149,6 +150,12 @@ def test_proxy_fp8_step_on_the_h200(bf16_output):
         assert counts["convert_only_fusions"] == {"after an FP8 GEMM": 7}
     assert counts["mosaic_gpu_calls"] == 36 and counts["cudnn_calls"] == 8
     assert counts["while_loops"] == 0
+    # The loss reads the head's bf16 logits and its backward writes their gradient in bf16
+    # in one pass (ops.cross_entropy): no kernel writes a float32 [B, S, V] array (three
+    # did, 4 GiB each, before).
+    written = [t for i in hlo.launches(list(hlo.instructions(text))) for t in i.result_types]
+    assert not [t for t in written if t.startswith(("f32[2,4096,129280]", "f32[8192,129280]"))]
+    assert [t for t in written if t.startswith(("bf16[2,4096,129280]", "bf16[8192,129280]"))]
 
 
 @needs_plugin

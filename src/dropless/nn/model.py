@@ -155,8 +155,8 @@ def _identity(fn):
 class ModelOutput(NamedTuple):
     """What ``Transformer.__call__`` returns.
 
-    logits_BSV: next-token logits, float32.
-    mtp_logits: one [B, S, V] float32 array per MTP depth k (position i
+    logits_BSV: next-token logits, float32 (the head's dtype with ``float32_logits=False``).
+    mtp_logits: one [B, S, V] array per MTP depth k, in the same dtype (position i
       predicts token i+k+1; the last k positions are meaningless and masked by
       the loss).
     moe_stats: MoEStats per MoE stack, keyed by the stack's path in the model
@@ -319,8 +319,13 @@ class Transformer(nnx.Module):
             [MTPModule(cfg, moe=n_moe > 0, rngs=rngs, ep=ep) for _ in range(cfg.mtp_num_layers)]
         )
 
-    def __call__(self, tokens_BS: jax.Array, positions_BS: jax.Array | None = None) -> ModelOutput:
+    def __call__(self, tokens_BS: jax.Array, positions_BS: jax.Array | None = None, *,
+                 float32_logits: bool = True) -> ModelOutput:
         """tokens [B, S] int -> ModelOutput; positions default to 0..S-1.
+
+        ``float32_logits=False`` returns the logits in the head's dtype (bf16 under a bf16
+        ``dtype``), for a loss that reads them as they are (the trainer's,
+        ``ops.cross_entropy``: its backward then writes their gradient in that dtype).
 
         Raises:
           ValueError: tokens not rank 2.
@@ -336,14 +341,15 @@ class Transformer(nnx.Module):
             h_BSD, _ = self.dense_layers(h_BSD, positions_BS, self.remat)
         if self.moe_layers is not None:
             h_BSD, moe_stats[("moe_layers",)] = self.moe_layers(h_BSD, positions_BS, self.remat)
-        logits_BSV = self.head(self.final_norm(h_BSD)).astype(jnp.float32)
+        out_dtype = jnp.float32 if float32_logits else None
+        logits_BSV = self.head(self.final_norm(h_BSD)).astype(out_dtype)
         mtp_logits = []
         for k, module in enumerate(self.mtp, start=1):
             # Position i sees token i+k; the wrapped-around last k positions are masked by the loss.
             h_BSD, normed_BSD, stats = module(
                 h_BSD, jnp.roll(emb_BSD, -k, axis=1), positions_BS, self.remat
             )
-            mtp_logits.append(self.head(normed_BSD).astype(jnp.float32))
+            mtp_logits.append(self.head(normed_BSD).astype(out_dtype))
             if stats is not None:
                 moe_stats[("mtp", k - 1)] = stats
         return ModelOutput(logits_BSV, tuple(mtp_logits), moe_stats)

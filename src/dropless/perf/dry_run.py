@@ -34,7 +34,8 @@ gpu-compile-venv``), checked against the H200's usable memory. On
 deepseek3-proxy under ``remat_policy: minimal`` it gave 60.12 GiB (41.1 of state, 19.0
 of XLA's temporaries) where the H200 measured a 60.10 GiB peak
 (``step-20261206-035133``, ``ours``); under the preset's ``minimal_with_context`` 61.63
-against 61.61 (``step-20261206-215959``, ``ours_ctx``).
+against 61.61 (``step-20261206-215959``, ``ours_ctx``), and 59.40 since the loss's
+backward is one pass (``ops.cross_entropy``; not yet measured).
 With ``--devices N`` (one host: at most 8) the mesh spans N compile-only H200s, the
 peak is per device, and a line counts the step's collectives (expert parallelism's
 all-to-alls, the gradient reductions), each with how many of its runs are

@@ -36,6 +36,7 @@ from dropless.config.sections import ModelConfig
 from dropless.nn import moe as moe_lib
 from dropless.nn.model import Transformer, moe_stats_concat
 from dropless.nn.moe import RouterBias
+from dropless.ops import cross_entropy
 from dropless.train.data import Batch
 
 _log = logging.getLogger(__name__)
@@ -85,9 +86,9 @@ def init_state_fn(cfg: ModelConfig, tx: optax.GradientTransformation, seed: int,
 
 
 def _token_ce(logits_BSV, targets_BS, weights_BS):
-    """(weighted sum of token cross-entropies, sum of weights), float32."""
-    nll_BS = optax.softmax_cross_entropy_with_integer_labels(logits_BSV, targets_BS)
-    return jnp.sum(nll_BS * weights_BS), jnp.sum(weights_BS)
+    """(weighted sum of token cross-entropies, sum of weights), float32, from the logits in
+    the head's dtype (``ops.cross_entropy``: optax's arithmetic, a one-pass backward)."""
+    return cross_entropy.weighted_cross_entropy(logits_BSV, targets_BS, weights_BS)
 
 
 def loss_fn(params, router_bias, graphdef, cfg: ModelConfig, inputs_BS, targets_BS, weights_BS,
@@ -104,7 +105,7 @@ def loss_fn(params, router_bias, graphdef, cfg: ModelConfig, inputs_BS, targets_
     model = nnx.merge(graphdef, params, router_bias, {})
     if fp8_codes:
         moe_lib.attach_fp8_weight_codes(model, fp8_codes)
-    out = model(inputs_BS)
+    out = model(inputs_BS, float32_logits=False)
     ce_sum, w_sum = _token_ce(out.logits_BSV, targets_BS, weights_BS)
     lm_loss = ce_sum / jnp.maximum(w_sum, 1.0)
     aux_loss = sum(
