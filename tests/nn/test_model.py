@@ -83,6 +83,18 @@ def test_outputs_and_causality():
     assert not np.allclose(out.logits_BSV[:, 7:], out2.logits_BSV[:, 7:])
 
 
+def test_logits_in_the_heads_dtype_on_request():
+    """``float32_logits=False`` (the trainer's loss reads them so) gives the bf16 model's head
+    output as it is: the float32 logits are exactly its cast."""
+    model = _model(dataclasses.replace(SMALL, dtype="bfloat16"))
+    tokens = jax.random.randint(jax.random.key(1), (2, 12), 0, SMALL.vocab_size)
+    as_is = model(tokens, float32_logits=False)
+    out = model(tokens)
+    for a, b in [(as_is.logits_BSV, out.logits_BSV), (as_is.mtp_logits[0], out.mtp_logits[0])]:
+        assert a.dtype == jnp.bfloat16 and b.dtype == jnp.float32
+        np.testing.assert_array_equal(np.asarray(a.astype(jnp.float32)), np.asarray(b))
+
+
 def test_scan_equals_unrolled_layers():
     scanned = _model()
     unrolled = nnx.merge(nnx.graphdef(_abstract(dataclasses.replace(SMALL, scan_layers=False))),

@@ -341,15 +341,15 @@ class Transformer(nnx.Module):
             h_BSD, _ = self.dense_layers(h_BSD, positions_BS, self.remat)
         if self.moe_layers is not None:
             h_BSD, moe_stats[("moe_layers",)] = self.moe_layers(h_BSD, positions_BS, self.remat)
-        out_dtype = jnp.float32 if float32_logits else None
-        logits_BSV = self.head(self.final_norm(h_BSD)).astype(out_dtype)
+        cast = (lambda v: v.astype(jnp.float32)) if float32_logits else (lambda v: v)
+        logits_BSV = cast(self.head(self.final_norm(h_BSD)))
         mtp_logits = []
         for k, module in enumerate(self.mtp, start=1):
             # Position i sees token i+k; the wrapped-around last k positions are masked by the loss.
             h_BSD, normed_BSD, stats = module(
                 h_BSD, jnp.roll(emb_BSD, -k, axis=1), positions_BS, self.remat
             )
-            mtp_logits.append(self.head(normed_BSD).astype(out_dtype))
+            mtp_logits.append(cast(self.head(normed_BSD)))
             if stats is not None:
                 moe_stats[("mtp", k - 1)] = stats
         return ModelOutput(logits_BSV, tuple(mtp_logits), moe_stats)
