@@ -19,8 +19,8 @@ GPU (marker ``gpu``): the compiled forward and gradient contain cuBLASLt's
 FP8 GEMM custom call, writing bfloat16 with ``bf16_output``.
 """
 
+import collections
 import re
-
 
 import fp8_reference as ref
 import jax
@@ -31,6 +31,7 @@ from flax import nnx
 from jax import lax
 
 from dropless.ops import fp8_dot, quant
+from dropless.perf import hlo
 
 DIMS = {
     "linear": ((4, 6, 16), (16, 8), (((2,), (0,)), ((), ()))),
@@ -386,46 +387,38 @@ def test_cuda_program_asks_the_fp8_dots_for_bf16_with_bf16_output(monkeypatch, b
         assert out.endswith(f"x{want}>"), out
 
 
-_HLO_LINE = re.compile(r"^\s*(?:ROOT )?%(\S+) = \(?(\w+)\[([\d,]*)\].*? ([\w\-]+)\((.*)$")
-
-
 def _fp8_gemm_results(text):
-    """Each cuBLASLt FP8 GEMM call of an optimized HLO ``text`` as ``(call, form)``: ``form``
+    """Each cuBLASLt FP8 GEMM call of an optimized HLO ``text`` as ``(name, form)``: ``form``
     is ``"bf16"`` where the call writes bfloat16 itself; ``"split"`` where it writes float32
-    partials ``[s, *dims]`` (the autotuner's split of the contraction into ``s`` batched
-    GEMMs) that a fusion or reduce sums into one ``bf16[*dims]`` (followed through
-    get-tuple-element and bitcast); otherwise ``"<dtype>[dims]"``, what it writes."""
-    lines = {}
-    users = {}
-    for line in text.splitlines():
-        m = _HLO_LINE.match(line)
-        if not m:
-            continue
-        name, dtype, dims, op, rest = m.groups()
-        lines[name] = (dtype, dims, op, line)
-        for operand in re.findall(r"%([\w.\-]+)", rest.split("), ")[0]):
-            users.setdefault(operand, []).append(name)
+    partials ``[s, *dims]`` (XLA's split of the contraction into ``s`` batched GEMMs) that a
+    fusion or reduce sums into one ``bf16[*dims]`` (followed through get-tuple-element and
+    bitcast); otherwise the type it writes."""
+    insts = {(i.computation, i.name): i for i in hlo.instructions(text)}
+    users = collections.defaultdict(list)
+    for (comp, name), inst in insts.items():
+        for _, operand in inst.operands:
+            users[(comp, operand)].append((comp, name))
     out = []
-    for name, (dtype, dims, op, line) in lines.items():
-        if op != "custom-call" or "__cublas$lt$matmul$f8" not in line:
+    for key, inst in insts.items():
+        if inst.custom_call_target != "__cublas$lt$matmul$f8":
             continue
-        form = f"{dtype}[{dims}]"
-        if dtype == "bf16":
-            form = "bf16"
-        elif dtype == "f32" and dims.count(",") >= 2:
-            summed = dims.split(",", 1)[1]
-            todo, seen = list(users.get(name, [])), set()
+        written = inst.result_types[0].split("{")[0]
+        form = "bf16" if written.startswith("bf16[") else written
+        dims = written[len("f32["):-1].split(",")
+        if written.startswith("f32[") and len(dims) >= 3:
+            summed = f"bf16[{','.join(dims[1:])}]"
+            todo, seen = list(users[key]), set()
             while todo:
                 user = todo.pop()
                 if user in seen:
                     continue
                 seen.add(user)
-                u_dtype, u_dims, u_op, _ = lines[user]
-                if u_op in ("get-tuple-element", "bitcast"):
-                    todo += users.get(user, [])
-                elif u_op in ("fusion", "reduce") and (u_dtype, u_dims) == ("bf16", summed):
+                u = insts[user]
+                if u.opcode in ("get-tuple-element", "bitcast"):
+                    todo += users[user]
+                elif u.opcode in ("fusion", "reduce") and u.type.split("{")[0] == summed:
                     form = "split"
-        out.append((line, form))
+        out.append((inst.name, form))
     return out
 
 
