@@ -26,14 +26,20 @@ import jax.numpy as jnp
 from jax import lax
 
 
-def _stats(logits_BSV, targets_BS):
-    """(x float32, m, s, label logit): the forward's per-token pieces."""
+def _nll(logits_BSV, targets_BS):
+    """(m, s, nll) per token, float32: the forward's pieces (module docstring)."""
     x = logits_BSV.astype(jnp.float32)
     m = jnp.max(x, axis=-1)
-    m = lax.stop_gradient(jnp.where(jnp.isfinite(m), m, 0.0))
+    m = jnp.where(jnp.isfinite(m), m, 0.0)
     s = jnp.abs(jnp.sum(jnp.exp(x - m[..., None]), axis=-1))
     label = jnp.take_along_axis(x, targets_BS[..., None], axis=-1)[..., 0]
-    return x, m, s, label
+    return m, s, (jnp.log(s) + m) - label
+
+
+def _fwd(logits_BSV, targets_BS, weights_BS):
+    m, s, nll = _nll(logits_BSV, targets_BS)
+    out = (jnp.sum(nll * weights_BS), jnp.sum(weights_BS))
+    return out, (logits_BSV, targets_BS, weights_BS, m, s, nll)
 
 
 @jax.custom_vjp
@@ -45,16 +51,7 @@ def weighted_cross_entropy(logits_BSV, targets_BS, weights_BS):
       targets_BS: [...] int labels in [0, V).
       weights_BS: [...] float token weights (0 masks a token).
     """
-    _, m, s, label = _stats(logits_BSV, targets_BS)
-    nll = (jnp.log(s) + m) - label
-    return jnp.sum(nll * weights_BS), jnp.sum(weights_BS)
-
-
-def _fwd(logits_BSV, targets_BS, weights_BS):
-    _, m, s, label = _stats(logits_BSV, targets_BS)
-    nll = (jnp.log(s) + m) - label
-    out = (jnp.sum(nll * weights_BS), jnp.sum(weights_BS))
-    return out, (logits_BSV, targets_BS, weights_BS, m, s, nll)
+    return _fwd(logits_BSV, targets_BS, weights_BS)[0]
 
 
 def _bwd(res, cts):
