@@ -45,7 +45,8 @@ record).
 
 ``--swiglu-variants`` likewise sweeps the one-pass SwiGLU quantizers
 (``swiglu_quantize_rows`` and ``_columns``) at each tile walk and pipeline depth of
-``SWIGLU_DEPTHS``, for each gu = [gate | up] of ``--swiglu-shapes``, against XLA's
+``SWIGLU_DEPTHS`` (and with half tiles, ``SWIGLU_HALF_DEPTHS``), for each gu = [gate | up]
+of ``--swiglu-shapes``, against XLA's
 SwiGLU then the Mosaic pass of the same layout (bit for bit) and a bf16 copy of gu;
 record kind ``fp8_quant_swiglu``; ``--smoke`` runs it in interpret mode on CPU.
 
@@ -268,7 +269,8 @@ def column_variants(m, c):
 def swiglu_variants(m, c):
     """name -> (fn of gu [M, C] = [gate | up], bytes moved, the name whose outputs it must
     equal or None): a bf16 copy of gu, XLA's SwiGLU then the Mosaic rows (columns) pass,
-    and the one-pass ``swiglu_quantize_rows`` (``_columns``) at each of ``SWIGLU_DEPTHS``.
+    and the one-pass ``swiglu_quantize_rows`` (``_columns``) at each of ``SWIGLU_DEPTHS`` and
+    ``SWIGLU_HALF_DEPTHS`` (half tiles).
     Bytes as the passes table counts them: gu read, h's codes and scales written."""
     mg = fp8_quant_mgpu
     e = m * c
@@ -282,6 +284,10 @@ def swiglu_variants(m, c):
             _mosaic_gpu(functools.partial(fused, m_tiles=tiles, max_concurrent_steps=steps,
                                           out_slots=slots)), nbytes, ref)
             for tiles, steps, slots in SWIGLU_DEPTHS})
+        out.update({f"swiglu_{layout} half t{tiles} s{steps} o{slots}": (
+            _mosaic_gpu(functools.partial(fused, m_tiles=tiles, max_concurrent_steps=steps,
+                                          out_slots=slots, half_tiles=True)), nbytes, ref)
+            for tiles, steps, slots in SWIGLU_HALF_DEPTHS})
     return out
 
 
@@ -290,6 +296,11 @@ def swiglu_variants(m, c):
 # (two steps in flight, 144 KiB) leaves one CTA, one warpgroup, per SM to compute silu;
 # one step in flight (80 KiB, 96 with two codes slots) lets two CTAs share an SM.
 SWIGLU_DEPTHS = ((8, 2, 1), (8, 1, 1), (4, 1, 1), (16, 1, 1), (32, 1, 1), (8, 1, 2))
+# The same with ``half_tiles`` (64-row tiles for rows, 64-column ones for columns): a step
+# in flight takes 32 KiB, so two or three in flight (74 / 106 KiB with the codes) still
+# let two CTAs share an SM (209-211 registers compiled for an H200, against 255 for the
+# whole tiles). m_tiles counts the half tiles along M for rows.
+SWIGLU_HALF_DEPTHS = ((16, 2, 1), (16, 3, 1), (32, 2, 2))
 
 
 # (m_tiles, max_concurrent_steps, out_slots) of the Mosaic GPU activation quantizers

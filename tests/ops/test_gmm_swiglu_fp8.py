@@ -47,14 +47,20 @@ def _gate_up(rng, m, c):
 def test_interpret_swiglu_quantizers_equal_the_plain_ones_bit_for_bit(rng, layout):
     """``swiglu_quantize_<layout>(gu)`` equals ``quantize_<layout>(swiglu(gu))`` (both
     Mosaic GPU, interpreted) bit for bit, with NaN and infinite inputs, saturating silu
-    and zero blocks, at two tiles per CTA and two pipeline depths; no race."""
+    and zero blocks, at two tiles per CTA and two pipeline depths, and with half tiles
+    (64 rows for rows, 64 columns for columns: a block's scale then comes from a tile
+    of its own half as long across the blocks); no race. The plain quantizer with half
+    tiles too."""
     gu = _gate_up(rng, 4 * B, 3 * B)
     fused = getattr(fp8_quant_mgpu, f"swiglu_quantize_{layout}")
     plain = getattr(fp8_quant_mgpu, f"quantize_{layout}")
     with _interpret():
-        want = plain(fp8_quant_mgpu.swiglu(gu))
-        for kw in ({"m_tiles": 2}, {"m_tiles": 4, "max_concurrent_steps": 3, "out_slots": 2}):
+        h = fp8_quant_mgpu.swiglu(gu)
+        want = plain(h)
+        for kw in ({"m_tiles": 2}, {"m_tiles": 4, "max_concurrent_steps": 3, "out_slots": 2},
+                   {"m_tiles": 3, "half_tiles": True}):
             _same_bits(fused(gu, **kw), want)
+        _same_bits(plain(h, half_tiles=True, out_slots=2), want)
     assert not _races_found()
     scales = np.asarray(want[1])
     assert np.isnan(scales).any() and (scales == np.float32(2.0**-126)).any() is not None
@@ -84,6 +90,15 @@ def test_swiglu_quantizers_lower_for_cuda(shape, layout):
     assert "mosaic_gpu" in exported.mlir_module()
     with pytest.raises(ValueError, match=r"gu must be \[M, 2C\] with C a multiple of 128"):
         jax.eval_shape(fused, S((256, 384), jnp.bfloat16))
+    half = jax.export.export(jax.jit(functools.partial(fused, half_tiles=True)),
+                             platforms=["cuda"])(S(shape, jnp.bfloat16))
+    assert "mosaic_gpu" in half.mlir_module()
+
+
+def test_half_tiles_need_one_layout():
+    with pytest.raises(ValueError, match="half_tiles needs one layout"):
+        jax.eval_shape(functools.partial(fp8_quant_mgpu.quantize_rows_and_columns, half_tiles=True),
+                       S((256, 256), jnp.bfloat16))
 
 
 def _value_and_grads(gu, w, dy, gs, **kw):
@@ -182,7 +197,7 @@ def test_prologue_errors():
 def test_gpu_fused_swiglu_equals_the_unfused_path_bit_for_bit(rng):
     """On the hardware, at DeepSeek-V3's down projection (K = moe_mlp_dim 2048, N = 7168)
     with aligned groups and an empty one: the fused quantizers equal the plain ones on
-    XLA's ``swiglu(gu)`` bit for bit, and the whole fused path (value, d gu, dw) equals
+    XLA's ``swiglu(gu)`` bit for bit (with whole and half tiles), and the whole fused path (value, d gu, dw) equals
     the unfused kernel path (``_unfused``) bit for bit, with the default quantizers."""
     sizes = [1024, 0, 2048, 640]
     m, c, n = 4096, 2048, 7168
@@ -193,8 +208,10 @@ def test_gpu_fused_swiglu_equals_the_unfused_path_bit_for_bit(rng):
     dy = jnp.asarray(rng.standard_normal((m, n)), jnp.bfloat16)
     h = jax.jit(fp8_quant_mgpu.swiglu)(gu)
     for layout in ("rows", "columns"):
-        _same_bits(getattr(fp8_quant_mgpu, f"swiglu_quantize_{layout}")(gu),
-                   getattr(fp8_quant_mgpu, f"quantize_{layout}")(h))
+        want_q = getattr(fp8_quant_mgpu, f"quantize_{layout}")(h)
+        for half in (False, True):  # half tiles: 64 rows (rows) or 64 columns (columns)
+            _same_bits(getattr(fp8_quant_mgpu, f"swiglu_quantize_{layout}")(gu, half_tiles=half),
+                       want_q)
     kw = {"impl": "kernel"}
     want = jax.jit(lambda gu, w, dy: _unfused(gu, w, dy, gs, **kw))(gu, w, dy)
     got = jax.jit(lambda gu, w, dy: _value_and_grads(gu, w, dy, gs, prologue="swiglu", **kw))(

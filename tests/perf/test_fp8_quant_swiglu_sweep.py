@@ -1,6 +1,6 @@
 """fp8_quant.py --swiglu-variants --smoke: the sweep's CPU check runs the one-pass SwiGLU
 quantizers (Pallas GPU interpret mode) at each tile walk and pipeline depth of
-``SWIGLU_DEPTHS`` and checks each against XLA's SwiGLU then the Mosaic pass of its
+``SWIGLU_DEPTHS`` (whole and half tiles) and checks each against XLA's SwiGLU then the Mosaic pass of its
 layout, bit for bit."""
 
 import json
@@ -25,8 +25,9 @@ def test_swiglu_sweep_smoke_checks_every_depth_against_the_two_pass_reference(tm
     [record] = [json.loads(p.read_text()) for p in tmp_path.glob("fp8_quant_swiglu-*.json")]
     for layout in ("rows", "columns"):
         fused = [r for r in record["rows"] if r["name"].startswith(f"swiglu_{layout} ")]
-        assert [r["name"] for r in fused] == [f"swiglu_{layout} t{t} s{s} o{o}"
-                                              for t, s, o in fq.SWIGLU_DEPTHS]
+        assert [r["name"] for r in fused] == (
+            [f"swiglu_{layout} t{t} s{s} o{o}" for t, s, o in fq.SWIGLU_DEPTHS]
+            + [f"swiglu_{layout} half t{t} s{s} o{o}" for t, s, o in fq.SWIGLU_HALF_DEPTHS])
         assert all(r["equal"] and r["bitwise_equal_to"] == f"swiglu then {layout}" for r in fused)
 
 

@@ -77,10 +77,10 @@ BLOCK = quant.BLOCKWISE_TILE  # 128
 E4M3 = quant.E4M3
 
 
-def _swizzle_transforms(dtype):
-    """Swizzled smem for a tile with 128-element rows (what the WGMMA-layout loads need
-    to be free of bank conflicts; TMA writes and reads it)."""
-    swizzle = plgpu.find_swizzle(BLOCK * jnp.dtype(dtype).itemsize * 8)
+def _swizzle_transforms(dtype, minor=BLOCK):
+    """Swizzled smem for a tile with ``minor``-element rows (what the WGMMA-layout loads
+    need to be free of bank conflicts; TMA writes and reads it)."""
+    swizzle = plgpu.find_swizzle(minor * jnp.dtype(dtype).itemsize * 8)
     return (plgpu.TilingTransform((8, swizzle // jnp.dtype(dtype).itemsize)),
             plgpu.SwizzleTransform(swizzle))
 
@@ -238,22 +238,34 @@ def _swiglu_f32(g, u):
 
 
 def _activation_kernel(name, a_MC, rows, columns, m_tiles, max_concurrent_steps, out_slots,
-                       prologue=None):
+                       prologue=None, half_tiles=False):
     """The rows outputs (codes [M, C], scales [Cb, M]) if ``rows``, then the columns
     outputs (codes [C, M], scales [Mb, C]) if ``columns``, from one read of a [M, C];
-    with ``prologue="swiglu"``, of ``swiglu(a)`` from one read of a [M, 2C]."""
+    with ``prologue="swiglu"``, of ``swiglu(a)`` from one read of a [M, 2C].
+
+    ``half_tiles`` (one layout only): tiles half as long across the blocks, 64 rows of
+    128 columns for rows, 128 rows of 64 columns for columns; half the smem and
+    registers per step in flight, so a deeper pipeline still lets two CTAs share an SM.
+    ``m_tiles`` then counts 64-row tiles for rows."""
     _check_activation(name, a_MC.shape, a_MC.dtype)
     if min(m_tiles, max_concurrent_steps, out_slots) < 1:
         raise ValueError(f"fp8_quant_mgpu.{name}: {m_tiles=}, {max_concurrent_steps=} "
                          f"and {out_slots=} must be >= 1")
+    if half_tiles and rows and columns:
+        raise ValueError(f"fp8_quant_mgpu.{name}: half_tiles needs one layout (rows or columns): "
+                         "both read the same 128x128 tile")
     m, c = a_MC.shape
     if prologue == "swiglu":
         if c % (2 * BLOCK):
             raise ValueError(f"fp8_quant_mgpu.{name}: gu must be [M, 2C] with C a multiple of "
                              f"{BLOCK}, got {tuple(a_MC.shape)}")
         c //= 2
+    # The tile: tm rows of a by tc columns; a block is a row of it (rows) or a column.
+    tm = BLOCK // 2 if half_tiles and rows else BLOCK
+    tc = BLOCK // 2 if half_tiles and columns else BLOCK
     mb, cb = m // BLOCK, c // BLOCK
-    steps = _divisor_at_most(mb, m_tiles)
+    mt, ct = m // tm, c // tc  # tiles down M, bands across C
+    steps = _divisor_at_most(mt, m_tiles)
     out_type = []
     if rows:
         out_type += [jax.ShapeDtypeStruct((m, c), E4M3), jax.ShapeDtypeStruct((cb, m), jnp.float32)]
@@ -267,7 +279,7 @@ def _activation_kernel(name, a_MC, rows, columns, m_tiles, max_concurrent_steps,
             def tile(idx, *in_smem):
                 (k,) = idx
                 i, slot = chunk * steps + k, k % out_slots
-                tile_i, tile_j = pl.ds(i * BLOCK, BLOCK), pl.ds(j * BLOCK, BLOCK)
+                tile_i, tile_j = pl.ds(i * tm, tm), pl.ds(j * tc, tc)
 
                 def load(transposed):
                     """The tile to quantize, as it lies or transposed: a's, or swiglu's
@@ -301,21 +313,23 @@ def _activation_kernel(name, a_MC, rows, columns, m_tiles, max_concurrent_steps,
                     plgpu.copy_smem_to_gmem(src.at[slot], d, commit_group=n == len(dst) - 1)
 
             # The gate tile, and with the prologue the up tile Cb column blocks further on.
-            specs = [plgpu.BlockSpec((BLOCK, BLOCK), lambda k, o=o: (chunk * steps + k, j + o),
-                                     transforms=_swizzle_transforms(a_MC.dtype))
-                     for o in ((0,) if prologue is None else (0, cb))]
+            specs = [plgpu.BlockSpec((tm, tc), lambda k, o=o: (chunk * steps + k, j + o),
+                                     transforms=_swizzle_transforms(a_MC.dtype, tc))
+                     for o in ((0,) if prologue is None else (0, ct))]
             plgpu.emit_pipeline(tile, grid=(steps,), in_specs=specs,
                                 max_concurrent_steps=max_concurrent_steps)(
                                     *[a_gmem] * len(specs))
             plgpu.wait_smem_to_gmem(0)
 
-        codes_smem = plgpu.SMEM((out_slots, BLOCK, BLOCK), E4M3, transforms=_swizzle_transforms(E4M3))
+        codes_shape = (tm, tc) if rows else (tc, tm)  # as the block rows lie
+        codes_smem = plgpu.SMEM((out_slots, *codes_shape), E4M3,
+                                transforms=_swizzle_transforms(E4M3, codes_shape[1]))
         pl.run_scoped(scoped, *[codes_smem] * (rows + columns))
 
     out = plgpu.kernel(
         body,
         out_type=out_type,
-        grid=(cb, mb // steps),
+        grid=(ct, mt // steps),
         grid_names=("c", "m"),
         kernel_name=f"fp8_{name}",  # fp8_quantize_rows, ...: told apart in a profile
         compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Lane),
@@ -323,11 +337,11 @@ def _activation_kernel(name, a_MC, rows, columns, m_tiles, max_concurrent_steps,
     return tuple(vary_like(o, (a_MC,)) for o in out)
 
 
-_TILE_KWARGS = ("m_tiles", "max_concurrent_steps", "out_slots")
+_TILE_KWARGS = ("m_tiles", "max_concurrent_steps", "out_slots", "half_tiles")
 
 
 @functools.partial(jax.jit, static_argnames=_TILE_KWARGS)
-def quantize_rows(a_MC, m_tiles=8, max_concurrent_steps=2, out_slots=1):
+def quantize_rows(a_MC, m_tiles=8, max_concurrent_steps=2, out_slots=1, half_tiles=False):
     """(aq [M, C] E4M3, sa [Cb, M] float32): 1x128 blocks of a [M, C] bf16 along C, scales
     transposed (``fp8_quant_kernels.quantize_rows``, ``mosaic_fp8.quantize_rows``).
 
@@ -341,17 +355,21 @@ def quantize_rows(a_MC, m_tiles=8, max_concurrent_steps=2, out_slots=1):
         m_tiles, max_concurrent_steps or out_slots < 1.
     """
     return _activation_kernel("quantize_rows", a_MC, True, False, m_tiles, max_concurrent_steps,
-                              out_slots)
+                              out_slots, half_tiles=half_tiles)
 
 
 @functools.partial(jax.jit, static_argnames=_TILE_KWARGS)
-def swiglu_quantize_rows(gu_MC2, m_tiles=8, max_concurrent_steps=2, out_slots=1):
+def swiglu_quantize_rows(gu_MC2, m_tiles=8, max_concurrent_steps=2, out_slots=1, half_tiles=False):
     """``quantize_rows(swiglu(gu))`` from one read of gu [M, 2C] = [gate | up] bf16, h
     never written: (hq [M, C] E4M3, sh [Cb, M] float32), the down projection's operand
     quantized where it is produced.
 
     Each CTA pipelines the gate tile and the up tile Cb column blocks further on; the
-    rest as ``quantize_rows``.
+    rest as ``quantize_rows``. Two 128x128 tiles a step take 64 KiB of smem, so at two
+    steps in flight one CTA fills an SM (255 registers, compiled for an H200);
+    ``half_tiles`` (64-row tiles, the same bits) takes half that per step, so two CTAs
+    share an SM at two or three steps in flight (``benchmarks/fp8_quant.py
+    --swiglu-variants`` times them).
 
     Off a GPU it runs only inside ``plgpu.force_gpu_interpret_mode``.
 
@@ -360,11 +378,12 @@ def swiglu_quantize_rows(gu_MC2, m_tiles=8, max_concurrent_steps=2, out_slots=1)
         m_tiles, max_concurrent_steps or out_slots < 1.
     """
     return _activation_kernel("swiglu_quantize_rows", gu_MC2, True, False, m_tiles,
-                              max_concurrent_steps, out_slots, prologue="swiglu")
+                              max_concurrent_steps, out_slots, prologue="swiglu",
+                              half_tiles=half_tiles)
 
 
 @functools.partial(jax.jit, static_argnames=_TILE_KWARGS)
-def swiglu_quantize_columns(gu_MC2, m_tiles=8, max_concurrent_steps=2, out_slots=1):
+def swiglu_quantize_columns(gu_MC2, m_tiles=8, max_concurrent_steps=2, out_slots=1, half_tiles=False):
     """``quantize_columns(swiglu(gu))`` from one read of gu [M, 2C] = [gate | up] bf16:
     (hq [C, M] E4M3, sh [Mb, C] float32), the down projection's wgrad operand (the
     backward recomputes h here instead of reading it).
@@ -375,11 +394,12 @@ def swiglu_quantize_columns(gu_MC2, m_tiles=8, max_concurrent_steps=2, out_slots
       ValueError: as ``swiglu_quantize_rows``.
     """
     return _activation_kernel("swiglu_quantize_columns", gu_MC2, False, True, m_tiles,
-                              max_concurrent_steps, out_slots, prologue="swiglu")
+                              max_concurrent_steps, out_slots, prologue="swiglu",
+                              half_tiles=half_tiles)
 
 
 @functools.partial(jax.jit, static_argnames=_TILE_KWARGS)
-def quantize_columns(a_MC, m_tiles=8, max_concurrent_steps=2, out_slots=1):
+def quantize_columns(a_MC, m_tiles=8, max_concurrent_steps=2, out_slots=1, half_tiles=False):
     """(aq [C, M] E4M3, sa [Mb, C] float32): 128x1 blocks of a [M, C] bf16 along M, codes
     M-major (``fp8_quant_kernels.quantize_columns``, ``mosaic_fp8_tgmm.quantize_columns``).
 
@@ -396,11 +416,11 @@ def quantize_columns(a_MC, m_tiles=8, max_concurrent_steps=2, out_slots=1):
         m_tiles, max_concurrent_steps or out_slots < 1.
     """
     return _activation_kernel("quantize_columns", a_MC, False, True, m_tiles,
-                              max_concurrent_steps, out_slots)
+                              max_concurrent_steps, out_slots, half_tiles=half_tiles)
 
 
 @functools.partial(jax.jit, static_argnames=_TILE_KWARGS)
-def quantize_rows_and_columns(a_MC, m_tiles=8, max_concurrent_steps=2, out_slots=1):
+def quantize_rows_and_columns(a_MC, m_tiles=8, max_concurrent_steps=2, out_slots=1, half_tiles=False):
     """``(*quantize_rows(a), *quantize_columns(a))`` from one read of a [M, C] bf16:
     (aq [M, C] E4M3, sa [Cb, M], aq's 128x1 codes [C, M] E4M3, their scales [Mb, C]),
     float32 scales (``fp8_quant_kernels.quantize_rows_and_columns``; the backward's
@@ -417,4 +437,4 @@ def quantize_rows_and_columns(a_MC, m_tiles=8, max_concurrent_steps=2, out_slots
         m_tiles, max_concurrent_steps or out_slots < 1.
     """
     return _activation_kernel("quantize_rows_and_columns", a_MC, True, True, m_tiles,
-                              max_concurrent_steps, out_slots)
+                              max_concurrent_steps, out_slots, half_tiles=half_tiles)
