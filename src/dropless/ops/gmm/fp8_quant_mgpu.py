@@ -312,7 +312,7 @@ def _activation_kernel(name, a_MC, rows, columns, m_tiles, max_concurrent_steps,
                 for n, (src, d) in enumerate(zip(codes_smem, dst, strict=True)):  # one group per tile
                     plgpu.copy_smem_to_gmem(src.at[slot], d, commit_group=n == len(dst) - 1)
 
-            # The gate tile, and with the prologue the up tile Cb column blocks further on.
+            # The gate tile, and with the prologue the up tile C columns (ct tiles) further on.
             specs = [plgpu.BlockSpec((tm, tc), lambda k, o=o: (chunk * steps + k, j + o),
                                      transforms=_swizzle_transforms(a_MC.dtype, tc))
                      for o in ((0,) if prologue is None else (0, ct))]
