@@ -17,7 +17,6 @@ Three levels:
 """
 
 import dataclasses
-import os
 
 import jax
 import jax.numpy as jnp
@@ -220,30 +219,31 @@ def test_interpret_fwd_and_dgrad_awkward_layout(rng):
     assert_rows_match(dx, reference.gmm(clean(dy), w, gs, transpose_rhs=True), sizes)
 
 
-def test_interpret_fwd_and_dgrad_chain_equal_the_plain_walk_bit_for_bit(rng):
+@pytest.mark.parametrize("direction,ctas", [("fwd", (1, 7)), ("dgrad", (7,)),
+                                            pytest.param("dgrad", (1,), marks=pytest.mark.slow)])
+def test_interpret_fwd_and_dgrad_chain_equal_the_plain_walk_bit_for_bit(rng, direction, ctas):
     """``GmmTiling(chain=True)``: each CTA's tile pipelines as one chain, the zero tiles
     past the total in a loop of their own (``mosaic_gmm.walk_row_tiles``). The same
     products, so the same bits as the plain walk (whose bits do not depend on the CTA
     count): one CTA's chain of every tile, and seven CTAs' chains of one and of two
     (block_k 64: 2 steps along K = 128, 4 along N = 256; two stages). The dgrad's
-    one-CTA chain, a further case of an opt-in tiling, runs with DROPLESS_SLOW=1 (CI time)."""
+    one-CTA chain, a further case of an opt-in tiling, is ``slow`` (CI time)."""
     m, k, n, g = 264, 128, 256, 6  # the kernel itself takes rows in 8s
     sizes = np.array([70, 0, 130, 10, 40, 0], np.int32)  # a tail of 14 rows
     x, w, dy = problem(rng, m, k, n, g, sizes)
     gs = jnp.asarray(sizes)
     plain = GmmTiling(block_n=64, grid_tile_width=2, num_stages=2)
     chained = dataclasses.replace(plain, chain=True)
-    for a, transpose in ((x, False), (dy, True)):
-        with _interpret():
-            want = np.asarray(mosaic_gmm.gmm(a, w, gs, tiling=plain, transpose_rhs=transpose),
-                              np.float32)
-        one_cta = () if transpose and os.environ.get("DROPLESS_SLOW") != "1" else (1,)
-        for sms in (*one_cta, 7):
-            with _interpret(detect_races=sms > 1):  # races need two CTAs
-                got = mosaic_gmm.gmm(a, w, gs, tiling=chained, transpose_rhs=transpose, sms=sms)
-                got = got.block_until_ready()
-            assert not _races_found()
-            np.testing.assert_array_equal(np.asarray(got, np.float32), want)
+    a, transpose = (x, False) if direction == "fwd" else (dy, True)
+    with _interpret():
+        want = np.asarray(mosaic_gmm.gmm(a, w, gs, tiling=plain, transpose_rhs=transpose),
+                          np.float32)
+    for sms in ctas:
+        with _interpret(detect_races=sms > 1):  # races need two CTAs
+            got = mosaic_gmm.gmm(a, w, gs, tiling=chained, transpose_rhs=transpose, sms=sms)
+            got = got.block_until_ready()
+        assert not _races_found()
+        np.testing.assert_array_equal(np.asarray(got, np.float32), want)
 
 
 @pytest.mark.parametrize("sizes", [[1, 2, 3, 64, 65, 100, 0], [0, 0, 300, 0, 0, 0, 0]], ids=str)

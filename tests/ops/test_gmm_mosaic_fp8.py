@@ -39,7 +39,6 @@ slower on the H200, keeps only its refusals and lowering in the default set.
 """
 
 import functools
-import os
 import re
 
 import fp8_accumulation as fp8_acc
@@ -53,8 +52,7 @@ from dropless.ops.gmm import fp8_quant_kernels, mosaic, mosaic_fp8, mosaic_fp8_t
 
 F8 = jnp.float8_e4m3fn
 S = jax.ShapeDtypeStruct
-slow = pytest.mark.skipif(os.environ.get("DROPLESS_SLOW") != "1",
-                          reason="a further case, left out for CI time; run with DROPLESS_SLOW=1")
+slow = pytest.mark.slow  # skipped unless DROPLESS_SLOW=1 (tests/conftest.py)
 
 
 def _interpret(detect_races=False):

@@ -96,9 +96,14 @@ def test_swiglu_quantizers_lower_for_cuda(shape, layout):
 
 
 def test_half_tiles_need_one_layout():
+    """The rows-and-columns pass reads one 128x128 tile for both layouts: it takes no
+    ``half_tiles``, and the kernel builder behind it refuses the pair."""
+    with pytest.raises(TypeError, match="half_tiles"):
+        fp8_quant_mgpu.quantize_rows_and_columns(jnp.zeros((256, 256), jnp.bfloat16), half_tiles=True)
     with pytest.raises(ValueError, match="half_tiles needs one layout"):
-        jax.eval_shape(functools.partial(fp8_quant_mgpu.quantize_rows_and_columns, half_tiles=True),
-                       S((256, 256), jnp.bfloat16))
+        jax.eval_shape(lambda a: fp8_quant_mgpu._activation_kernel(
+            "quantize_rows_and_columns", a, True, True, 8, 2, 1, half_tiles=True),
+            S((256, 256), jnp.bfloat16))
 
 
 def _value_and_grads(gu, w, dy, gs, **kw):

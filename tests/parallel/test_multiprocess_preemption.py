@@ -10,7 +10,6 @@ fast tests' budget: set ``DROPLESS_SLOW=1`` to run it.
 """
 
 import json
-import os
 import subprocess
 import sys
 import time
@@ -20,8 +19,7 @@ import pytest
 from dropless.train import checkpoint as ckpt_lib
 from test_multiprocess_train import REPO, _env, _free_port, _manifest_covers_every_file
 
-pytestmark = pytest.mark.skipif(os.environ.get("DROPLESS_SLOW") != "1",
-                                reason="two processes, ~40 s: set DROPLESS_SLOW=1")
+pytestmark = pytest.mark.slow(reason="two processes, ~40 s")
 
 # Enough steps that the run is still going when JAX's notifier (which polls once a
 # second) and the agreement have run; it stops long before the last.

@@ -4,7 +4,6 @@ pipeline depth of ``COLUMNS_DEPTHS`` and checks each against the Triton kernels 
 its layout, bit for bit."""
 
 import json
-import os
 from pathlib import Path
 
 import pytest
@@ -14,9 +13,7 @@ from dropless.perf.bench import load_module
 REPO = Path(__file__).parents[2]
 
 # A benchmark's sweep of opt-in variants: run before a device call that runs it.
-pytestmark = pytest.mark.skipif(os.environ.get("DROPLESS_SLOW") != "1",
-                                reason="a benchmark sweep's CPU check, left out for CI time; "
-                                       "run with DROPLESS_SLOW=1")
+pytestmark = pytest.mark.slow(reason="a benchmark sweep's CPU check, left out for CI time")
 
 
 @pytest.fixture(scope="module")

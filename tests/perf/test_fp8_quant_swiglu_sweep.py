@@ -4,7 +4,6 @@ quantizers (Pallas GPU interpret mode) at each tile walk and pipeline depth of
 layout, bit for bit."""
 
 import json
-import os
 from pathlib import Path
 
 import pytest
@@ -14,9 +13,7 @@ from dropless.perf.bench import load_module
 REPO = Path(__file__).parents[2]
 
 # A benchmark's sweep of opt-in variants: run before a device call that runs it.
-pytestmark = pytest.mark.skipif(os.environ.get("DROPLESS_SLOW") != "1",
-                                reason="a benchmark sweep's CPU check, left out for CI time; "
-                                       "run with DROPLESS_SLOW=1")
+pytestmark = pytest.mark.slow(reason="a benchmark sweep's CPU check, left out for CI time")
 
 
 def test_swiglu_sweep_smoke_checks_every_depth_against_the_two_pass_reference(tmp_path):

@@ -4,7 +4,6 @@ in the backward) gives ``quantized.gmm``'s value, dx and dw bit for bit. The FP8
 are their float32 references here, with XLA's quantizers (the GPU run checks the same
 with the hardware's kernels and prints it as a ``check`` row)."""
 
-import os
 from pathlib import Path
 
 import jax
@@ -18,9 +17,7 @@ from dropless.perf.bench import load_module
 REPO = Path(__file__).parents[2]
 
 # The baseline of a benchmark's comparison: run before a device call that times it.
-pytestmark = pytest.mark.skipif(os.environ.get("DROPLESS_SLOW") != "1",
-                                reason="a benchmark baseline's CPU check, left out for CI time; "
-                                       "run with DROPLESS_SLOW=1")
+pytestmark = pytest.mark.slow(reason="a benchmark baseline's CPU check, left out for CI time")
 
 
 def test_x_quantized_twice_gives_the_kept_codes_bits(fp8_kernels_as_references):

@@ -9,7 +9,6 @@ also with the weights' codes made once per step; with it off, nothing does.
 """
 
 import dataclasses
-import os
 
 import jax
 import numpy as np
@@ -21,8 +20,7 @@ from dropless.ops.gmm import quantized
 from dropless.train import data as data_lib
 from dropless.train import step as step_lib
 
-slow = pytest.mark.skipif(os.environ.get("DROPLESS_SLOW") != "1",
-                          reason="a further case, left out for CI time; run with DROPLESS_SLOW=1")
+slow = pytest.mark.slow  # skipped unless DROPLESS_SLOW=1 (tests/conftest.py)
 
 
 @pytest.mark.parametrize("fused,once", [(False, False), pytest.param(True, False, marks=slow),

@@ -14,7 +14,6 @@ one's.
 
 import dataclasses
 import io
-import os
 
 import jax
 import numpy as np
@@ -58,9 +57,7 @@ def test_fp8_small_model_learns_like_unquantized(tmp_path, small_model, make_tra
     assert not np.array_equal(fp8, plain)  # FP8 really ran
 
 
-@pytest.mark.slow
-@pytest.mark.skipif(os.environ.get("DROPLESS_SLOW") != "1",
-                    reason="about 5 minutes on 2 cores; run with DROPLESS_SLOW=1")
+@pytest.mark.slow(reason="about 5 minutes on 2 cores")
 def test_deepseek3_tiny_300_steps_fp8_within_2_percent(tmp_path):
     cfg = load_config(None, ["model_name=deepseek3-tiny", "steps=300", "enable_checkpointing=false",
                              "enable_tensorboard=false", f"base_output_directory={tmp_path}"],

@@ -16,7 +16,6 @@ The hardware run of the same comparison is ``tests/ops/test_gmm_mosaic_fp8.py``'
 
 import dataclasses
 import logging
-import os
 
 import jax
 import jax.numpy as jnp
@@ -29,8 +28,7 @@ from dropless.ops.gmm import quantized
 from dropless.train import data as data_lib
 from dropless.train import step as step_lib
 
-slow = pytest.mark.skipif(os.environ.get("DROPLESS_SLOW") != "1",
-                          reason="a further case, left out for CI time; run with DROPLESS_SLOW=1")
+slow = pytest.mark.slow  # skipped unless DROPLESS_SLOW=1 (tests/conftest.py)
 
 
 @pytest.fixture

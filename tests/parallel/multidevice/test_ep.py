@@ -11,7 +11,6 @@ and for every token sent to rank 0's experts (buffer factor -1). Overflow and
 deduplication counts are compared with counts made by hand.
 """
 
-import os
 
 import jax
 import jax.numpy as jnp
@@ -106,9 +105,8 @@ def _token_ranks(mesh, tokens):
 # the other 6 with DROPLESS_SLOW=1 (CI time).
 _EP_DIAGONAL = {("expert8", 1), ("fsdp2_expert4", 2), ("data2_expert4", 4)}
 _EP_CASES = [
-    pytest.param(case, chunks, marks=() if (case, chunks) in _EP_DIAGONAL else pytest.mark.skipif(
-        os.environ.get("DROPLESS_SLOW") != "1",
-        reason="a further mesh x chunks case, left out for CI time; run with DROPLESS_SLOW=1"))
+    pytest.param(case, chunks, marks=() if (case, chunks) in _EP_DIAGONAL else pytest.mark.slow(
+        reason="a further mesh x chunks case, left out for CI time"))
     for chunks in (1, 2, 4) for case in CASES
 ]
 

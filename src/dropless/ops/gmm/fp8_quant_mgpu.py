@@ -338,6 +338,7 @@ def _activation_kernel(name, a_MC, rows, columns, m_tiles, max_concurrent_steps,
 
 
 _TILE_KWARGS = ("m_tiles", "max_concurrent_steps", "out_slots", "half_tiles")
+_BOTH_LAYOUTS_KWARGS = ("m_tiles", "max_concurrent_steps", "out_slots")  # one tile feeds both
 
 
 @functools.partial(jax.jit, static_argnames=_TILE_KWARGS)
@@ -419,8 +420,8 @@ def quantize_columns(a_MC, m_tiles=8, max_concurrent_steps=2, out_slots=1, half_
                               max_concurrent_steps, out_slots, half_tiles=half_tiles)
 
 
-@functools.partial(jax.jit, static_argnames=_TILE_KWARGS)
-def quantize_rows_and_columns(a_MC, m_tiles=8, max_concurrent_steps=2, out_slots=1, half_tiles=False):
+@functools.partial(jax.jit, static_argnames=_BOTH_LAYOUTS_KWARGS)
+def quantize_rows_and_columns(a_MC, m_tiles=8, max_concurrent_steps=2, out_slots=1):
     """``(*quantize_rows(a), *quantize_columns(a))`` from one read of a [M, C] bf16:
     (aq [M, C] E4M3, sa [Cb, M], aq's 128x1 codes [C, M] E4M3, their scales [Mb, C]),
     float32 scales (``fp8_quant_kernels.quantize_rows_and_columns``; the backward's
@@ -437,4 +438,4 @@ def quantize_rows_and_columns(a_MC, m_tiles=8, max_concurrent_steps=2, out_slots
         m_tiles, max_concurrent_steps or out_slots < 1.
     """
     return _activation_kernel("quantize_rows_and_columns", a_MC, True, True, m_tiles,
-                              max_concurrent_steps, out_slots, half_tiles=half_tiles)
+                              max_concurrent_steps, out_slots)
