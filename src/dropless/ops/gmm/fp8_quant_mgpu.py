@@ -337,8 +337,8 @@ def _activation_kernel(name, a_MC, rows, columns, m_tiles, max_concurrent_steps,
     return tuple(vary_like(o, (a_MC,)) for o in out)
 
 
-_TILE_KWARGS = ("m_tiles", "max_concurrent_steps", "out_slots", "half_tiles")
 _BOTH_LAYOUTS_KWARGS = ("m_tiles", "max_concurrent_steps", "out_slots")  # one tile feeds both
+_TILE_KWARGS = (*_BOTH_LAYOUTS_KWARGS, "half_tiles")
 
 
 @functools.partial(jax.jit, static_argnames=_TILE_KWARGS)
