@@ -36,12 +36,10 @@ $(CUDA_STAMP): $(STAMP)
 train: $(CUDA_STAMP)
 	$(PY) -m dropless train $(ARGS)
 
-# Three pytest workers (pytest-xdist, work stealing): the suite is mostly XLA
-# compiles of small programs, one core each; on two cores two workers took the
-# suite from 7.8 to 5.4 minutes, and a third fills the time a worker waits on a
-# subprocess, a signal or a checkpoint write (the same tree on an idle two-core
-# host, 2026-12-07: 785 s against 822 s with two).
-PYTEST_WORKERS ?= 3
+# Two pytest workers (pytest-xdist, work stealing): the suite is mostly XLA
+# compiles of small programs, one core each; on two cores this took the suite
+# from 7.8 to 5.4 minutes.
+PYTEST_WORKERS ?= 2
 
 test: $(STAMP)
 	JAX_PLATFORMS=cpu $(PY) -m pytest -q -n $(PYTEST_WORKERS) --dist worksteal $(PYTEST_ARGS)

@@ -25,11 +25,10 @@ one read while another process is still writing it fails to decompress, and
 JAX then warns and compiles.
 
 The longest test files (``LONG_FIRST``, each 25-150 s on a two-core host, 2026-12-04)
-are collected first: with ``-n 3 --dist worksteal`` (``make test``) a 150 s test
-that starts late runs alone after the other workers have finished. Measured on an idle
-two-core host with two workers the suite took 655 and 799 s with this order and 763 s
-without: within its run-to-run spread, so the order is a guard against a bad tail, not a
-speed-up.
+are collected first: with ``-n 2 --dist worksteal`` (``make test``) a 150 s test
+that starts late runs alone after the other worker has finished. Measured on an idle
+two-core host the suite took 655 and 799 s with this order and 763 s without: within
+its run-to-run spread, so the order is a guard against a bad tail, not a speed-up.
 
 ``@pytest.mark.slow`` marks a further case left out of the default run for CI time:
 it is skipped unless ``DROPLESS_SLOW=1`` (the reason, ``slow(reason=...)`` or a
