@@ -245,7 +245,7 @@ def test_wgrad_tile_orders_lower_for_cuda_at_a_qwen3_shape():
 # In the default set: each quantizer family once and the default path (``auto``) with
 # and without aligned groups. Left to DROPLESS_SLOW=1 for CI time: ``mosaic`` (the same
 # Mosaic GPU calls as ``auto`` on these bfloat16 operands), Pallas without aligned groups,
-# the opt-in kernel schedules (their kernel options also lower alone, below) and
+# the opt-in kernel schedules (their kernel options also lower alone, above) and
 # ``wide_o192_n160`` by name (the default's keyword arguments: asserted equal in
 # ``test_kernel_schedules_reach_the_kernels``).
 _ci_time = slow(reason="a further quantizer or schedule, left out for CI time")
