@@ -175,14 +175,15 @@ def test_fwd_dgrad_weight_scales_in_smem_lower_for_cuda_at_deepseek_shapes(kind,
 
 
 @slow(reason="kernel options that no kernel schedule takes, left out for CI time")
-@pytest.mark.parametrize("kind,k_n", [("fwd", (7168, 4096)), ("dgrad", (2048, 7168))], ids=str)
-def test_fwd_dgrad_options_outside_the_schedules_lower_for_cuda(kind, k_n):
+@pytest.mark.parametrize("kind,k_n,options", [
+    ("fwd", (7168, 4096), [dict(early_release=True), dict(num_stages=5), dict(stagger=True),
+                           dict(epilogue="batched")]),
+    ("dgrad", (2048, 7168), [dict(parts=4)])], ids=["fwd", "dgrad"])
+def test_fwd_dgrad_options_outside_the_schedules_lower_for_cuda(kind, k_n, options):
     """With weight scales from shared memory: ``early_release``, five stages (the rows
     split's 32.6 KiB stage: five fit in shared memory, six do not), ``stagger`` and the
     batched epilogue at K=7168 N=4096; four parts at K=2048 N=7168."""
-    _assert_lower_for_cuda(kind, k_n, [dict(early_release=True), dict(num_stages=5),
-                                       dict(stagger=True), dict(epilogue="batched")]
-                           if k_n == (7168, 4096) else [dict(parts=4)])
+    _assert_lower_for_cuda(kind, k_n, options)
 
 
 def _assert_lower_for_cuda(kind, k_n, options):
