@@ -151,10 +151,7 @@ def test_lowers_for_cuda_at_deepseek_shapes(kind, shape):
 def test_fwd_dgrad_overlap_lowers_for_cuda_at_a_deepseek_shape(kind, split):
     """``overlap=True`` carries the pending product and its row scale through the
     pipeline loop: Mosaic's layout inference must take the carry in either split."""
-    fn, args = _lowering_args(kind, 65536, 7168, 4096, 32)
-    exported = jax.export.export(jax.jit(lambda *a: fn(*a, sms=132, split=split, overlap=True)),
-                                 platforms=["cuda"])(*args)
-    assert "mosaic_gpu" in exported.mlir_module()
+    _assert_lower_for_cuda(kind, (7168, 4096), [dict(split=split, overlap=True)])
 
 
 @pytest.mark.parametrize("kind,k_n", [("fwd", (7168, 4096)), ("dgrad", (2048, 7168)),
@@ -200,11 +197,8 @@ def test_fwd_dgrad_cluster_lowers_for_cuda_at_deepseek_shapes(kind, k_n):
     """``cluster=2``: CTA pairs with the weight tile multicast (``collective_axes``)
     and cluster-wide release barriers lower for CUDA, plain and with ``overlap``
     (Pallas' GPU interpreter has no clusters: the bits are the GPU test's)."""
+    _assert_lower_for_cuda(kind, k_n, [dict(cluster=2), dict(cluster=2, overlap=True)])
     fn, args = _lowering_args(kind, 65536, *k_n, 32)
-    for kw in (dict(), dict(overlap=True)):
-        exported = jax.export.export(jax.jit(lambda *a: fn(*a, sms=132, cluster=2, **kw)),
-                                     platforms=["cuda"])(*args)
-        assert "mosaic_gpu" in exported.mlir_module()
     for kw, match in [(dict(cluster=3), "cluster=3 must be 1 or 2"),
                       (dict(cluster=2, split="columns"), "split='columns'"),
                       (dict(cluster=2, chain=True, num_stages=2), "chain=True"),
@@ -219,10 +213,7 @@ def test_fwd_dgrad_chain_lowers_for_cuda_at_deepseek_shapes(kind, k_n):
     """``chain=True``: the pipeline state is a traced value, and a CTA's chain of one
     tile takes the ordinary pipeline; both lower for CUDA (16 and 32 steps per tile,
     multiples of the 4 stages)."""
-    fn, args = _lowering_args(kind, 65536, *k_n, 32)
-    exported = jax.export.export(jax.jit(lambda *a: fn(*a, sms=132, chain=True)),
-                                 platforms=["cuda"])(*args)
-    assert "mosaic_gpu" in exported.mlir_module()
+    _assert_lower_for_cuda(kind, k_n, [dict(chain=True)])
 
 
 def test_wgrad_tile_orders_lower_for_cuda_at_a_qwen3_shape():
