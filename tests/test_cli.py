@@ -324,3 +324,13 @@ def test_a_key_without_a_value_is_not_only_a_missing_file(capsys):
     the line says that a key needs =value."""
     _one_line_exit_2(cli.main(["train", "steps"]), capsys.readouterr().err.strip().splitlines(),
                      "config file steps not found", "key=value")
+
+
+def test_top_level_help_lists_each_command_on_its_own_line(capsys):
+    with pytest.raises(SystemExit) as done:
+        cli.main(["--help"])
+    assert done.value.code == 0
+    lines = capsys.readouterr().out.splitlines()
+    for command, (_, about) in cli.COMMANDS.items():
+        assert any(line.split()[:1] == [command] and about in line for line in lines), (command, lines)
+    assert not any("``" in line for line in lines), lines

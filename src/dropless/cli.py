@@ -272,9 +272,16 @@ COMMANDS = {
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    parser = argparse.ArgumentParser(prog="dropless", description=__doc__.splitlines()[0])
-    parser.add_argument("command", choices=COMMANDS, help=" | ".join(f"{k}: {v[1]}" for k, v in COMMANDS.items()))
-    parser.add_argument("args", nargs=argparse.REMAINDER)
+    width = max(map(len, COMMANDS))
+    parser = argparse.ArgumentParser(
+        prog="dropless", formatter_class=argparse.RawDescriptionHelpFormatter,
+        description="Dropless Mixture-of-Experts training in JAX.",
+        epilog="commands:\n" + "\n".join(f"  {k:<{width}}  {v[1]}" for k, v in COMMANDS.items())
+               + "\n\ndropless <command> --help: what a command takes. --debug anywhere: a traceback "
+                 "instead of one line on error.")
+    parser.add_argument("command", choices=COMMANDS, metavar="command", help="one of the commands below")
+    parser.add_argument("args", nargs=argparse.REMAINDER, metavar="...",
+                        help="the command's own arguments")
     debug = "--debug" in argv
     ns = parser.parse_args([a for a in argv if a != "--debug"])
     from dropless.config.loader import ConfigError
