@@ -67,7 +67,10 @@ each call. Products with other result dtypes keep float32 GEMM outputs.
 
 Numerics (checked in tests/ops/test_fp8_dot.py against float64): with u the
 unit roundoff of the operand formats (E4M3 2^-4, E5M2 2^-3), each product is
-the exact product of the quantized operands up to float32 accumulation, and
+the exact product of the quantized operands up to the GEMM's accumulation (float32
+on CPU; on Hopper the tensor cores' FP8 sums keep about 14 significant bits until
+cuBLASLt promotes them into float32, the model of tests/ops/fp8_accumulation.py:
+the H200 gave differences from the float32 form that float32 sums cannot make), and
 the quantized operands differ from the originals by at most u relative (plus
 2^-10 s absolute for E4M3 values in the subnormal range), so
 |y^ - y| <= (2u + u^2) |x|.|w| + subnormal terms, elementwise.
