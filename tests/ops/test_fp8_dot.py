@@ -464,8 +464,8 @@ def test_bf16_output_compiles_to_cublaslt_fp8_gemms_whose_results_are_bf16(rng):
 
     On random data the bound is Hopper's, not float32's: the H200's FP8 GEMMs (cuBLASLt's,
     as the kernels') sum FP8 products in the tensor cores, which keep about 14 significant
-    bits of the running sum (``fp8_accumulation``; an earlier float32 model of this test
-    failed on the H200, one element of dx 2 bfloat16 ulps from the float32 form). How often
+    bits of the running sum (``fp8_accumulation``; on the H200 an element of dx differed
+    from the float32 form by more than float32 sums and one rounding each can). How often
     cuBLASLt promotes its partial sums into float32 is not documented, so the bound takes
     the whole contraction of n terms as one tensor-core sum (k = 32 per instruction,
     n_add = n + n/32 additions, each losing at most 2^-13 of a magnitude at most P, the
