@@ -66,33 +66,39 @@ ULP14 = 2.0**-13  # one unit in the 14th significant bit, relative
 F32_ULP = 2.0**-24
 
 
-def worst_case_bound(abs_product, n_blocks):
+def worst_case_bound(abs_product, n_blocks, n_add=N_ADD):
     """Elementwise bound on |y - exact| (check 1); ``abs_product`` = |a^| . |b^|."""
-    return (N_ADD * ULP14 + n_blocks * F32_ULP) * abs_product
+    return (n_add * ULP14 + n_blocks * F32_ULP) * abs_product
 
 
-def mean_square_bound(sq_product):
+def mean_square_bound(sq_product, n_add=N_ADD):
     """Elementwise bound on E[(y - exact)^2] (check 2); ``sq_product`` = a^^2 . b^^2."""
-    return (2.0 * N_ADD / 3.0) * ULP14**2 * sq_product
+    return (2.0 * n_add / 3.0) * ULP14**2 * sq_product
 
 
-def check(got, exact, abs_product, sq_product, n_blocks, what=""):
+def check(got, exact, abs_product, sq_product, n_blocks, what="", n_add=N_ADD, out_roundoff=0.0):
     """Assert both checks; returns ``(rel_frobenius_error, rel_frobenius_bound)``.
 
     Arguments are float64 arrays of the output's shape: the kernel's result,
     the exact product of the dequantized operands, ``|a^| . |b^|`` and
-    ``a^^2 . b^^2`` (each the same grouped product as ``exact``).
+    ``a^^2 . b^^2`` (each the same grouped product as ``exact``). ``n_add``: the
+    tensor-core additions between promotions (a whole contraction of n terms where
+    the promotion interval is unknown: n + n/32). ``out_roundoff``: the unit roundoff
+    of a rounding of the result after the sum (2^-8 for bfloat16), relative to the
+    result; it adds ``out_roundoff |y|`` to check 1 and ``out_roundoff ||y||`` to
+    check 2's norm.
     """
     got = np.asarray(got, np.float64)
     assert not np.isnan(got).any(), f"{what}: NaN in the result"
     err = np.abs(got - exact)
-    bound = worst_case_bound(abs_product, n_blocks)
+    bound = out_roundoff * np.abs(got) + worst_case_bound(abs_product, n_blocks, n_add)
     worst = np.unravel_index(np.argmax(err - bound), err.shape) if err.size else None
     assert np.all(err <= bound), (
         f"{what}: |y - exact| = {err[worst]:.3e} > worst-case bound {bound[worst]:.3e} at {worst}")
     norm = np.linalg.norm(exact) or 1.0
     rel_err = np.linalg.norm(err) / norm
-    rel_bound = np.sqrt(4.0 * mean_square_bound(sq_product).sum()) / norm
+    rel_bound = (out_roundoff * np.linalg.norm(got)
+                 + np.sqrt(4.0 * mean_square_bound(sq_product, n_add).sum())) / norm
     assert rel_err <= rel_bound, (
         f"{what}: relative Frobenius error {rel_err:.3e} > accumulation-model bound {rel_bound:.3e}")
     return rel_err, rel_bound
